@@ -1,0 +1,33 @@
+# `make compare CASE=...` and `make test` create .venv on first use; PYTHON=/path/to/python uses yours instead.
+VENV := .venv
+CASE ?= kimi_shared_fc1
+ARGS ?=
+PYTEST_ARGS ?=
+
+ifeq ($(origin PYTHON), undefined)
+PYTHON := $(VENV)/bin/python
+ENV_READY := $(VENV)/.installed
+else
+ENV_READY :=
+endif
+
+.PHONY: compare list test lint clean-reports
+
+compare: $(ENV_READY)
+	$(PYTHON) -m harness compare $(CASE) $(ARGS)
+
+list: $(ENV_READY)
+	$(PYTHON) -m harness list
+
+test: $(ENV_READY)
+	$(PYTHON) -m ruff check harness tests conftest.py
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+$(VENV)/.installed: requirements-cpu.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
+	touch $@
+
+clean-reports:
+	find reports -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +

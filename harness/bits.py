@@ -1,0 +1,103 @@
+"""Bit patterns of floating-point formats, and ULP distance computed on them.
+
+Why raw bits: a bitwise verdict must not depend on a float conversion. Every float is mapped to an
+integer of its own width; the *ordered* integer is monotone in the float value, so the ULP distance
+between two floats is the difference of their ordered integers.
+
+Semantics, chosen on purpose:
+- +0 and -0 map to the same ordered integer (distance 0); the comparator counts them apart as
+  signed-zero differences.
+- Infinities sit one step past the largest finite value; subnormals are ordinary steps.
+- NaNs have no place in the order: callers mask them out (see ``is_nan``) and count payload
+  differences apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    name: str
+    float_dtype: np.dtype
+    bits_dtype: np.dtype  # unsigned integer of the same width
+    exponent_bits: int
+    mantissa_bits: int
+
+    @property
+    def width(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+
+FORMATS: dict[str, FloatFormat] = {
+    f.name: f
+    for f in (
+        FloatFormat("bfloat16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), 8, 7),
+        FloatFormat("float16", np.dtype(np.float16), np.dtype(np.uint16), 5, 10),
+        FloatFormat("float32", np.dtype(np.float32), np.dtype(np.uint32), 8, 23),
+        FloatFormat("float64", np.dtype(np.float64), np.dtype(np.uint64), 11, 52),
+    )
+}
+
+
+def format_of(dtype: np.dtype | str) -> FloatFormat:
+    """The format of a numpy dtype or a dtype name ('bfloat16', 'float32', ...)."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unsupported float dtype {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+def as_bits(values: np.ndarray) -> np.ndarray:
+    """A view of a float array as unsigned integers of the same width (no copy, no conversion)."""
+    return values.view(format_of(values.dtype).bits_dtype)
+
+
+def sign_bit(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    return (bits >> (fmt.width - 1)).astype(bool)
+
+
+def is_nan(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    magnitude = bits & magnitude_mask(fmt)
+    return magnitude > infinity_bits(fmt)
+
+
+def is_zero(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    return (bits & magnitude_mask(fmt)) == 0
+
+
+def ordered(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Signed int64 that is monotone in the float value; +0 and -0 both map to 0."""
+    magnitude = (bits & magnitude_mask(fmt)).astype(np.int64)
+    return np.where(sign_bit(bits, fmt), -magnitude, magnitude)
+
+
+def ulp_distance(a_bits: np.ndarray, b_bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Number of representable steps between a and b, as uint64 (NaNs: meaningless, mask them first).
+
+    Computed modulo 2**64 so that float64 distances up to 2**64 - 1 never overflow.
+    """
+    oa, ob = ordered(a_bits, fmt), ordered(b_bits, fmt)
+    ua, ub = oa.view(np.uint64), ob.view(np.uint64)
+    return np.where(oa >= ob, ua - ub, ub - ua)
+
+
+def spacing_at(magnitude: float, fmt: FloatFormat) -> float:
+    """The gap between `magnitude` (finite, >= 0) and the next larger value of the format."""
+    value = np.array(magnitude, dtype=np.float64).astype(fmt.float_dtype)
+    bits = value.reshape(1).view(fmt.bits_dtype)
+    above = (bits + fmt.bits_dtype.type(1)).view(fmt.float_dtype)
+    return float(above.astype(np.float64)[0]) - float(value.astype(np.float64))
+
+
+def magnitude_mask(fmt: FloatFormat):
+    return fmt.bits_dtype.type((1 << (fmt.width - 1)) - 1)
+
+
+def infinity_bits(fmt: FloatFormat):
+    return fmt.bits_dtype.type(((1 << fmt.exponent_bits) - 1) << fmt.mantissa_bits)

@@ -1,0 +1,340 @@
+"""The case registry: TOML files under ``cases/``, validated field by field into frozen ``Case`` records.
+
+A case file holds one table per case. A case may name a ``base`` case in the same registry and
+override some of its fields (tables merge key by key), so variants stay one short table each.
+Every error names the file, the case, the field and the offending value.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from harness.ops import OPS, OpSpec
+
+CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
+
+WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32}
+DTYPES = tuple(WIDTHS)
+TP_SIZES = (1, 2, 4, 8)
+DEVICES = ("cpu", "gpu")
+RUNNERS = ("megatron", "paddle")
+VERDICTS = ("BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR")
+DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}}
+DEFAULT_DISTRIBUTION = {
+    "weight": {"dist": "normal", "mean": 0.0, "std": 0.02},
+    "input": {"dist": "normal", "mean": 0.0, "std": 1.0},
+    "grad": {"dist": "normal", "mean": 0.0, "std": 0.01},
+}
+CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
+    "bias": (bool,),
+    # PaddleFleet's accuracy gate; newer PaddleFleet also accepts "megatron" / "hf".
+    "use_accuracy_compatible": (bool, str),
+}
+FIELDS = {
+    "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
+    "runners", "devices", "expect", "perturb", "weights_from", "base",
+}
+
+
+class CaseError(ValueError):
+    """A case file or case name that cannot be used; the message says exactly where and why."""
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    """Flip one bit of one element of one input tensor, on one side only (negative controls)."""
+
+    side: str  # "a" or "b"
+    tensor: str
+    index: tuple[int, ...]
+    bit: int = 0
+
+
+@dataclass(frozen=True)
+class Expectation:
+    verdict: str = "BITWISE_PASS"
+    differs: tuple[str, ...] = ()  # tensors that must differ (negative controls)
+    equal: tuple[str, ...] = ()  # tensors that must stay bitwise equal
+
+
+@dataclass(frozen=True)
+class WeightImport:
+    """Take checkpoint tensors from a user's safetensors file, by the file's own tensor names."""
+
+    file: str | None  # may be given at run time instead (--weights FILE)
+    tensors: dict[str, tuple[str, ...]]  # canonical name -> source names, concatenated
+    concat_dim: int = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    source: Path
+    description: str
+    family: str
+    op: str
+    dtype: str
+    tp: int
+    seed: int
+    tokens: int
+    shapes: dict[str, int]
+    config: dict[str, Any]
+    tensors: dict[str, dict[str, Any]]  # canonical input name -> resolved distribution
+    runners: tuple[str, str]
+    devices: tuple[str, ...]
+    expect: Expectation = field(default_factory=Expectation)
+    perturb: Perturbation | None = None
+    weights_from: WeightImport | None = None
+
+    @property
+    def op_spec(self) -> OpSpec:
+        return OPS[self.op]
+
+    def with_tokens(self, tokens: int) -> Case:
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+            raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
+        return replace(self, tokens=tokens)
+
+    def input_specs(self):
+        return self.op_spec.inputs(self.shapes, self.tokens, self.config)
+
+    def output_specs(self):
+        return self.op_spec.outputs(self.shapes, self.tokens, self.config)
+
+
+class Registry:
+    """All cases of a folder of TOML files, by name."""
+
+    def __init__(self, cases: dict[str, Case]):
+        self.cases = dict(sorted(cases.items()))
+
+    @classmethod
+    def load(cls, folder: Path = CASES_DIR) -> Registry:
+        raw: dict[str, tuple[Path, dict]] = {}
+        files = sorted(Path(folder).glob("*.toml"))
+        if not files:
+            raise CaseError(f"{folder}: no case files (*.toml) found")
+        for path in files:
+            try:
+                document = tomllib.loads(path.read_text())
+            except tomllib.TOMLDecodeError as error:
+                raise CaseError(f"{path}: malformed TOML: {error}") from None
+            for name, table in document.items():
+                if not isinstance(table, dict):
+                    raise CaseError(f"{path}: top-level key {name!r} must be a case table (got {table!r})")
+                if name in raw:
+                    raise CaseError(f"{path}: case {name!r} is already defined in {raw[name][0]}")
+                raw[name] = (path, table)
+        return cls({name: _build(name, path, _resolve_base(name, raw)) for name, (path, _) in raw.items()})
+
+    def get(self, name: str) -> Case:
+        if name in self.cases:
+            return self.cases[name]
+        close = difflib.get_close_matches(name, self.cases, n=5, cutoff=0.5)
+        hint = f"; did you mean: {', '.join(close)}?" if close else f"; known cases: {', '.join(self.cases)}"
+        raise CaseError(f"unknown case {name!r}{hint}")
+
+    def for_device(self, device: str) -> list[Case]:
+        return [case for case in self.cases.values() if device in case.devices]
+
+
+def _resolve_base(name: str, raw: dict[str, tuple[Path, dict]], seen: tuple[str, ...] = ()) -> dict:
+    path, table = raw[name]
+    base = table.get("base")
+    if base is None:
+        return table
+    if not isinstance(base, str) or base not in raw:
+        raise CaseError(f"{path}: case {name!r}: field 'base': no such case (got {base!r})")
+    if base in seen or base == name:
+        raise CaseError(f"{path}: case {name!r}: field 'base': cycle through {' -> '.join((*seen, name, base))}")
+    return _merge(_resolve_base(base, raw, (*seen, name)), {k: v for k, v in table.items() if k != "base"})
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("expect", "perturb"):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class _Fields:
+    """Typed access to one case table; every failure names file, case, field and value."""
+
+    def __init__(self, name: str, path: Path, table: dict):
+        self.name, self.path, self.table = name, path, table
+
+    def error(self, field_name: str, problem: str, value: Any) -> CaseError:
+        return CaseError(f"{self.path}: case {self.name!r}: field {field_name!r}: {problem} (got {value!r})")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., where: dict | None = None,
+            label: str | None = None):
+        table = self.table if where is None else where
+        label = label or key
+        if key not in table:
+            if default is ...:
+                raise self.error(label, "is required", None)
+            return default
+        value = table[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds:
+            raise self.error(label, f"must be {' or '.join(k.__name__ for k in kinds)}", value)
+        if not isinstance(value, kinds):
+            raise self.error(label, f"must be {' or '.join(k.__name__ for k in kinds)}", value)
+        return value
+
+    def choice(self, key: str, choices, default: Any = ...):
+        value = self.get(key, str, default)
+        if value not in choices:
+            raise self.error(key, f"must be one of {', '.join(map(str, choices))}", value)
+        return value
+
+
+def _build(name: str, path: Path, table: dict) -> Case:
+    f = _Fields(name, path, table)
+    unknown = sorted(set(table) - FIELDS)
+    if unknown:
+        raise f.error(unknown[0], f"unknown field; known fields: {', '.join(sorted(FIELDS))}", table[unknown[0]])
+    op = f.choice("op", tuple(OPS))
+    spec = OPS[op]
+    dtype = f.choice("dtype", DTYPES)
+    tp = f.get("tp", int, 1)
+    if tp not in TP_SIZES:
+        raise f.error("tp", f"must be one of {', '.join(map(str, TP_SIZES))}", tp)
+    seed = f.get("seed", int)
+    if seed < 0:
+        raise f.error("seed", "must be >= 0", seed)
+    tokens = f.get("tokens", int)
+    if tokens <= 0:
+        raise f.error("tokens", "must be > 0", tokens)
+
+    shapes = f.get("shapes", dict)
+    if set(shapes) != set(spec.shape_fields):
+        raise f.error("shapes", f"op {op} needs exactly {', '.join(spec.shape_fields)}", shapes)
+    for key, value in shapes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise f.error(f"shapes.{key}", "must be a positive integer", value)
+    split = shapes[spec.tp_split_field]
+    if split % tp:
+        raise f.error(f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split)
+
+    config = f.get("config", dict, {})
+    for key, value in config.items():
+        if key not in CONFIG_KNOBS:
+            raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
+        f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
+
+    input_roles = {s.name: s.role for s in spec.inputs(shapes, tokens, config)}
+    tensors_table = f.get("tensors", dict, {})
+    tensors = {}
+    for tensor_name, role in input_roles.items():
+        given = tensors_table.get(tensor_name, {})
+        if not isinstance(given, dict):
+            raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
+        tensors[tensor_name] = _distribution(f, tensor_name, {**DEFAULT_DISTRIBUTION[role], **given}, given)
+    for extra in set(tensors_table) - set(input_roles):
+        raise f.error(f"tensors.{extra}", f"op {op} has no such input; inputs: {', '.join(input_roles)}",
+                      tensors_table[extra])
+
+    runners = tuple(f.get("runners", list, list(RUNNERS)))
+    if len(runners) != 2 or any(r not in RUNNERS for r in runners):
+        raise f.error("runners", f"must be two of {', '.join(RUNNERS)} (the same one twice is allowed)", list(runners))
+    devices = tuple(f.get("devices", list, list(DEVICES)))
+    if not devices or any(d not in DEVICES for d in devices):
+        raise f.error("devices", f"must be a non-empty list of {', '.join(DEVICES)}", list(devices))
+
+    return Case(
+        name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str),
+        op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
+        tensors=tensors, runners=runners, devices=devices,
+        expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config)),
+        perturb=_perturbation(f, input_roles, {s.name: s.shape for s in spec.inputs(shapes, tokens, config)},
+                              WIDTHS[dtype]),
+        weights_from=_weight_import(f, input_roles),
+    )
+
+
+def _distribution(f: _Fields, tensor_name: str, merged: dict, given: dict) -> dict:
+    dist = merged["dist"]
+    if dist not in DISTRIBUTIONS:
+        raise f.error(f"tensors.{tensor_name}.dist", f"must be one of {', '.join(DISTRIBUTIONS)}", dist)
+    params = DISTRIBUTIONS[dist]
+    for key in set(given) - params - {"dist"}:
+        raise f.error(f"tensors.{tensor_name}.{key}", f"{dist} takes {', '.join(sorted(params))}", given[key])
+    resolved = {"dist": dist}
+    for key in sorted(params):
+        value = merged.get(key, {"low": -1.0, "high": 1.0}.get(key))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise f.error(f"tensors.{tensor_name}.{key}", "must be a number", value)
+        resolved[key] = float(value)
+    if dist == "normal" and resolved["std"] <= 0:
+        raise f.error(f"tensors.{tensor_name}.std", "must be > 0", resolved["std"])
+    if dist == "uniform" and resolved["low"] >= resolved["high"]:
+        raise f.error(f"tensors.{tensor_name}.low", "must be < high", resolved["low"])
+    return resolved
+
+
+def _expectation(f: _Fields, input_roles: dict, output_specs) -> Expectation:
+    table = f.get("expect", dict, {})
+    outputs = [s.name for s in output_specs]
+    verdict = f.get("verdict", str, "BITWISE_PASS", where=table, label="expect.verdict")
+    if verdict not in VERDICTS:
+        raise f.error("expect.verdict", f"must be one of {', '.join(VERDICTS)}", verdict)
+    lists = {}
+    for key in ("differs", "equal"):
+        names = f.get(key, list, [], where=table, label=f"expect.{key}")
+        for tensor_name in names:
+            if tensor_name not in outputs:
+                raise f.error(f"expect.{key}", f"no such output; outputs: {', '.join(outputs)}", tensor_name)
+        lists[key] = tuple(names)
+    for key in set(table) - {"verdict", "differs", "equal"}:
+        raise f.error(f"expect.{key}", "unknown field; known: verdict, differs, equal", table[key])
+    return Expectation(verdict, lists["differs"], lists["equal"])
+
+
+def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int) -> Perturbation | None:
+    table = f.get("perturb", dict, None)
+    if table is None:
+        return None
+    side = f.get("side", str, where=table, label="perturb.side")
+    if side not in ("a", "b"):
+        raise f.error("perturb.side", "must be 'a' or 'b'", side)
+    tensor = f.get("tensor", str, where=table, label="perturb.tensor")
+    if tensor not in input_roles:
+        raise f.error("perturb.tensor", f"no such input; inputs: {', '.join(input_roles)}", tensor)
+    index = tuple(f.get("index", list, where=table, label="perturb.index"))
+    shape = input_shapes[tensor]
+    fits = len(index) == len(shape) and all(
+        isinstance(i, int) and 0 <= i < n for i, n in zip(index, shape, strict=True))
+    if not fits:
+        raise f.error("perturb.index", f"must index into {tensor} of shape {list(shape)}", list(index))
+    bit = f.get("bit", int, 0, where=table, label="perturb.bit")
+    if not 0 <= bit < width - 1:
+        raise f.error("perturb.bit", f"must be a mantissa or exponent bit of {width}-bit floats, 0..{width - 2}", bit)
+    return Perturbation(side, tensor, index, bit)
+
+
+def _weight_import(f: _Fields, input_roles: dict) -> WeightImport | None:
+    table = f.get("weights_from", dict, None)
+    if table is None:
+        return None
+    file = f.get("file", str, None, where=table, label="weights_from.file")
+    tensors = f.get("tensors", dict, where=table, label="weights_from.tensors")
+    resolved = {}
+    for canonical, names in tensors.items():
+        if canonical not in input_roles or input_roles[canonical] != "weight":
+            weights = [n for n, r in input_roles.items() if r == "weight"]
+            raise f.error(f"weights_from.tensors.{canonical}", f"not a weight of this op; weights: {weights}", names)
+        names = [names] if isinstance(names, str) else names
+        if not names or not all(isinstance(n, str) for n in names):
+            raise f.error(f"weights_from.tensors.{canonical}", "must be a tensor name or a list of them", names)
+        resolved[canonical] = tuple(names)
+    concat_dim = f.get("concat_dim", int, 0, where=table, label="weights_from.concat_dim")
+    return WeightImport(file, resolved, concat_dim)

@@ -1,0 +1,207 @@
+"""Shared weights, inputs and upstream gradients: generated deterministically or imported, then verified.
+
+Layout: ``checkpoints/<case>/<digest>/inputs.safetensors`` plus ``manifest.json`` (sha256 per tensor,
+the recipe that made it, generator version). The digest covers every input to the bits, so a folder
+is reused exactly when the same tensors would be generated again; it is verified on every load, and
+a mismatch is an error: the harness never regenerates over a file someone may have edited on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors loads it)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from harness.bits import format_of
+from harness.cases import Case
+
+GENERATOR_VERSION = 1
+CHECKPOINTS_DIR = Path(__file__).resolve().parents[1] / "checkpoints"
+MANIFEST = "manifest.json"
+INPUTS = "inputs.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted or built; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    folder: Path
+    manifest: dict
+
+    @property
+    def path(self) -> Path:
+        return self.folder / INPUTS
+
+    def path_for(self, side: str) -> Path:
+        """The inputs a side reads: the shared file, or its perturbed copy for a negative control."""
+        perturbed = self.manifest.get("perturbed")
+        if perturbed and perturbed["side"] == side:
+            return self.folder / perturbed["file"]
+        return self.path
+
+
+def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None = None) -> Checkpoint:
+    """Return the verified checkpoint of `case`, creating it on first use."""
+    imported = _import_weights(case, weights_file) if case.weights_from else {}
+    recipe = _recipe(case, imported)
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(root) / case.name / digest
+    if not (folder / MANIFEST).exists():
+        _write(case, folder, recipe, digest, imported)
+    manifest = verify(folder)
+    if manifest.get("digest") != digest:
+        raise CheckpointError(f"{folder / MANIFEST}: field 'digest' is {manifest.get('digest')!r}, "
+                              f"but the folder name and the case say {digest!r}")
+    return Checkpoint(folder, manifest)
+
+
+def verify(folder: Path) -> dict:
+    """Check every file and tensor against the manifest; return the manifest."""
+    manifest_path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest: {error}") from None
+    files = {INPUTS: manifest["tensors"]}
+    if manifest.get("perturbed"):
+        files[manifest["perturbed"]["file"]] = manifest["perturbed"]["tensors"]
+    for file_name, expected in files.items():
+        tensors = load_tensors(Path(folder) / file_name)
+        if set(tensors) != set(expected):
+            raise CheckpointError(f"{Path(folder) / file_name}: holds tensors {sorted(tensors)}, "
+                                  f"manifest lists {sorted(expected)}")
+        for name, entry in expected.items():
+            actual = tensor_sha256(tensors[name])
+            if actual != entry["sha256"]:
+                raise CheckpointError(
+                    f"{Path(folder) / file_name}: tensor {name!r} has sha256 {actual[:16]}..., manifest "
+                    f"{manifest_path} says {entry['sha256'][:16]}...: the file was changed or corrupted. "
+                    f"Delete {folder} to regenerate it.")
+    return manifest
+
+
+def load_tensors(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as error:  # safetensors raises several unrelated types for a bad file
+        raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
+
+
+def tensor_sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
+
+
+def generate(case: Case) -> dict[str, np.ndarray]:
+    """Each tensor from its own stream, seeded by (case seed, tensor name): adding a tensor moves no other."""
+    dtype = format_of(case.dtype).float_dtype
+    tensors = {}
+    for spec in case.input_specs():
+        dist = case.tensors[spec.name]
+        rng = np.random.default_rng([case.seed, zlib.crc32(spec.name.encode())])
+        if dist["dist"] == "normal":
+            values = rng.standard_normal(spec.shape, dtype=np.float32) * dist["std"] + dist["mean"]
+        else:
+            values = rng.uniform(dist["low"], dist["high"], spec.shape).astype(np.float32)
+        tensors[spec.name] = values.astype(dtype)  # round to nearest even, once
+    return tensors
+
+
+def _recipe(case: Case, imported: dict[str, tuple[np.ndarray, dict]]) -> dict:
+    return {
+        "generator_version": GENERATOR_VERSION,
+        "op": case.op,
+        "dtype": case.dtype,
+        "seed": case.seed,
+        "inputs": {s.name: {"shape": list(s.shape), "role": s.role} for s in case.input_specs()},
+        "distributions": case.tensors,
+        "imported": {name: source for name, (_, source) in imported.items()},
+        "perturb": vars(case.perturb) if case.perturb else None,
+    }
+
+
+def _write(case: Case, folder: Path, recipe: dict, digest: str, imported: dict) -> None:
+    tensors = generate(case)
+    for name, (array, _) in imported.items():
+        tensors[name] = array
+    manifest = {
+        "schema": 1,
+        "case": case.name,
+        "digest": digest,
+        "generator_version": GENERATOR_VERSION,
+        "recipe": recipe,
+        "tensors": _describe(tensors),
+        "perturbed": None,
+    }
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=folder.parent))
+    save_file(tensors, str(staging / INPUTS))
+    if case.perturb:
+        perturbed = _flip_bit(tensors, case.perturb)
+        file_name = f"inputs.{case.perturb.side}.safetensors"
+        save_file(perturbed, str(staging / file_name))
+        manifest["perturbed"] = {**vars(case.perturb), "index": list(case.perturb.index), "file": file_name,
+                                 "tensors": _describe(perturbed)}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    try:
+        os.rename(staging, folder)  # atomic: a concurrent writer of the same digest wins, we reuse its files
+    except OSError:
+        for leftover in staging.iterdir():
+            leftover.unlink()
+        staging.rmdir()
+
+
+def _describe(tensors: dict[str, np.ndarray]) -> dict:
+    return {name: {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": tensor_sha256(array)}
+            for name, array in tensors.items()}
+
+
+def _flip_bit(tensors: dict[str, np.ndarray], perturb) -> dict[str, np.ndarray]:
+    flipped = dict(tensors)
+    array = tensors[perturb.tensor].copy()
+    bits = array.view(format_of(array.dtype).bits_dtype)
+    bits[perturb.index] ^= bits.dtype.type(1 << perturb.bit)
+    flipped[perturb.tensor] = array
+    return flipped
+
+
+def _import_weights(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray, dict]]:
+    """Read the case's weights from a user's safetensors file, by that file's tensor names."""
+    spec = case.weights_from
+    file = weights_file or spec.file
+    if not file:
+        raise CheckpointError(f"case {case.name!r} takes its weights from a file: pass --weights FILE "
+                              f"(it needs tensors {sorted(n for names in spec.tensors.values() for n in names)})")
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"case {case.name!r}: weights file {path} does not exist")
+    shapes = {s.name: s.shape for s in case.input_specs()}
+    dtype = format_of(case.dtype).float_dtype
+    imported = {}
+    with safe_open(str(path), framework="numpy") as handle:
+        available = set(handle.keys())
+        for canonical, names in spec.tensors.items():
+            missing = [n for n in names if n not in available]
+            if missing:
+                raise CheckpointError(f"{path}: no tensor {missing[0]!r} (needed for {canonical!r} of case "
+                                      f"{case.name!r}); the file holds {len(available)} tensors")
+            parts = [handle.get_tensor(n) for n in names]
+            array = np.concatenate(parts, axis=spec.concat_dim) if len(parts) > 1 else parts[0]
+            if tuple(array.shape) != shapes[canonical]:
+                raise CheckpointError(f"{path}: tensors {list(names)} give {canonical!r} shape {list(array.shape)}, "
+                                      f"case {case.name!r} needs {list(shapes[canonical])}")
+            source = {"file": str(path.resolve()), "names": list(names), "concat_dim": spec.concat_dim,
+                      "source_dtype": array.dtype.name, "sha256": tensor_sha256(array)}
+            imported[canonical] = (np.ascontiguousarray(array.astype(dtype)), source)
+    return imported

@@ -1,0 +1,104 @@
+"""Renderers over one ``CaseResult``: report.json (machine), report.md (people), a rich console table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from harness.result import CaseResult
+
+VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red"}
+
+
+def write(result: CaseResult, run_dir: Path) -> None:
+    (run_dir / "report.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    (run_dir / "report.md").write_text(markdown(result))
+
+
+def markdown(result: CaseResult) -> str:
+    data = result.to_dict()
+    lines = [f"# {result.case_name}: {result.verdict}", "",
+             f"- run: `{result.run_id}` on `{result.device}`, {result.started_at} to {result.finished_at}",
+             f"- verdict: **{result.verdict}** (exit code {result.exit_code}): {result.message}"]
+    expectation = data["expectation"]
+    if expectation:
+        met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
+        lines.append(f"- expected: {expectation['verdict']}; {met}")
+    case = data["case"]
+    if case:
+        lines.append(f"- case: `{case['op']}` {case['dtype']} tp={case['tp']} tokens={case['tokens']} "
+                     f"shapes={case['shapes']} config={case['config']} (from `{case['source']}`)")
+    if data["checkpoint"]:
+        lines.append(f"- checkpoint: `{data['checkpoint']['folder']}`")
+        if data["checkpoint"].get("perturbed"):
+            p = data["checkpoint"]["perturbed"]
+            lines.append(f"- negative control: side {p['side']} reads `{p['tensor']}` with bit {p['bit']} of "
+                         f"element {p['index']} flipped")
+    if result.sides:
+        lines += ["", "## Runners", "", "| side | runner | status | implementation | versions | wall s |",
+                  "|---|---|---|---|---|---|"]
+        for side in data["sides"]:
+            meta = side["meta"]
+            versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+            status = side["status"] + (f": {side['reason']}" if side["reason"] else "")
+            implementation = _cell(meta.get("implementation", ""))
+            lines.append(f"| {side['label']} | {side['runner']} | {_cell(status)} | {implementation} "
+                         f"| {_cell(versions)} | {side['wall_seconds']} |")
+    if result.tensors:
+        lines += ["", "## Tensors (side a against side b)", "",
+                  "| tensor | status | dtype | shape | mismatches | share | max ULP | p99 ULP | sign flips | "
+                  "max abs err | max rel err | max err in ULPs at scale | ±0 diffs | NaN diffs | first mismatch |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for t in data["tensors"]:
+            first = t["first_mismatch"]
+            where = f"{first['index']}: {first['a_bits']} vs {first['b_bits']}" if first else ""
+            lines.append(
+                f"| {t['name']} | {t['status']} | {t['dtype']} | {t['shape']} | {t['mismatches']} | "
+                f"{t['mismatch_share']:.4%} | {t['max_ulp']} | {t['p99_ulp']} | {t['sign_flips']} | "
+                f"{t['max_abs_error']:.3g} | {t['max_rel_error']:.3g} | {t['max_error_in_scale_ulps']:.3g} | "
+                f"{t['signed_zero_diffs']} | {t['nan_payload_diffs'] + t['nan_mismatches']} | {where} |")
+        histograms = [(t["name"], t["ulp_histogram"]) for t in data["tensors"] if t["ulp_histogram"]]
+        if histograms:
+            lines += ["", "### ULP distance histograms (mismatching elements)", ""]
+            lines += [f"- `{name}`: " + ", ".join(f"{k} ULP: {v}" for k, v in h.items()) for name, h in histograms]
+    if result.sides:
+        lines += ["", "## Provenance", ""]
+        for side in data["sides"]:
+            meta = {k: v for k, v in side["meta"].items() if k not in ("versions", "implementation")}
+            lines += [f"### side {side['label']}: {side['runner']} (`{side['python']}`)", "", "```json",
+                      json.dumps(meta, indent=2, sort_keys=True, default=str), "```", ""]
+        for side in data["sides"]:
+            if side["status"] != "ok" and side["stderr_tail"]:
+                lines += [f"### stderr tail of side {side['label']} ({side['runner']})", "", "```",
+                          side["stderr_tail"].rstrip(), "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> None:
+    out = out or Console(width=None if Console().is_terminal else 160)
+    table = Table(title=f"{result.case_name} on {result.device}")
+    for column in ("tensor", "status", "mismatches", "share", "max ULP", "p99 ULP", "sign flips",
+                   "max abs err", "ULPs at scale"):
+        table.add_column(column, justify="left" if column in ("tensor", "status") else "right")
+    for t in result.tensors:
+        table.add_row(t.name, t.status, str(t.mismatches), f"{t.mismatch_share:.4%}", str(t.max_ulp),
+                      str(t.p99_ulp), str(t.sign_flips), f"{t.max_abs_error:.3g}", f"{t.max_error_in_scale_ulps:.3g}",
+                      style="green" if t.status == "EQUAL" else "red")
+    if result.tensors:
+        out.print(table)
+    for side in result.sides:
+        implementation = side.meta.get("implementation", "")
+        out.print(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
+                  f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}")
+    out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {result.message}", highlight=False)
+    if result.expectation and result.expectation["verdict"] != "BITWISE_PASS":
+        met = "met" if result.expectation["met"] else "NOT met"
+        out.print(f"expected {result.expectation['verdict']}: {met}")
+    out.print(f"report: {run_dir / 'report.md'}  (exit code {result.exit_code})")
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,77 @@
+"""One result model for a run, the verdict rules, and exit codes; every renderer reads only this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.compare import DIFF, EQUAL, TensorComparison
+from harness.orchestrate import SideResult
+
+REPORT_SCHEMA = 1
+BITWISE_PASS, DIFF_VERDICT, UNSUPPORTED, ERROR = "BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR"
+EXIT_CODES = {BITWISE_PASS: 0, DIFF_VERDICT: 1, ERROR: 2, UNSUPPORTED: 3}
+
+
+@dataclass
+class CaseResult:
+    run_id: str
+    case_name: str
+    device: str
+    case: dict = field(default_factory=dict)
+    checkpoint: dict = field(default_factory=dict)
+    sides: list[SideResult] = field(default_factory=list)
+    tensors: list[TensorComparison] = field(default_factory=list)
+    verdict: str = ERROR
+    message: str = ""
+    expectation: dict = field(default_factory=dict)
+    harness: dict = field(default_factory=dict)
+    started_at: str = ""
+    finished_at: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        if self.verdict == ERROR:
+            return EXIT_CODES[ERROR]
+        if self.expectation.get("met"):
+            return 0
+        return EXIT_CODES[self.verdict] or 1  # an unmet expectation never exits 0
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": REPORT_SCHEMA, "run_id": self.run_id, "case_name": self.case_name, "device": self.device,
+            "verdict": self.verdict, "exit_code": self.exit_code, "message": self.message,
+            "expectation": self.expectation, "case": self.case, "checkpoint": self.checkpoint,
+            "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
+            "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
+        }
+
+
+def decide(sides: list[SideResult], tensors: list[TensorComparison]) -> tuple[str, str]:
+    """The run's verdict and a one-line reason."""
+    for side in sides:
+        if side.status == "error":
+            return ERROR, f"runner {side.label} ({side.runner}) failed: {side.reason}"
+    unsupported = [s for s in sides if s.status == "unsupported"]
+    if unsupported:
+        return UNSUPPORTED, "; ".join(f"{s.runner}: {s.reason}" for s in unsupported)
+    broken = [t for t in tensors if t.status not in (EQUAL, DIFF)]
+    if broken:
+        return ERROR, "; ".join(f"{t.name}: {t.status} ({t.note})" for t in broken)
+    differing = [t.name for t in tensors if t.status == DIFF]
+    if differing:
+        return DIFF_VERDICT, f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
+    return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
+
+
+def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> dict:
+    """Did the run do what the case says it should? Lists each way it did not."""
+    status = {t.name: t.status for t in tensors}
+    problems = []
+    if verdict != expect.verdict:
+        problems.append(f"verdict {verdict}, expected {expect.verdict}")
+    problems += [f"{n} was expected to differ but is {status.get(n, 'absent')}" for n in expect.differs
+                 if status.get(n) != DIFF]
+    problems += [f"{n} was expected to be bitwise equal but is {status.get(n, 'absent')}" for n in expect.equal
+                 if status.get(n) != EQUAL]
+    return {"verdict": expect.verdict, "differs": list(expect.differs), "equal": list(expect.equal),
+            "met": not problems, "problems": problems}

@@ -1,0 +1,99 @@
+"""Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel``, no Transformer Engine.
+
+CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL, with the determinism
+settings of real alignment runs. Inputs arrive in Megatron's own layout, so nothing is transposed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: keep eager numerics
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import __version__ as megatron_version  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from harness.runners import torch_env  # noqa: E402
+from harness.runners.protocol import OUTPUTS, Phases, serve  # noqa: E402
+
+
+def run(request: dict, phases: Phases) -> dict:
+    with phases("setup"):
+        device = torch_env.select_device(request["device"])
+        determinism = torch_env.apply_determinism(device)
+        _init_process_group(device)
+        dtype = torch_env.DTYPES[request["dtype"]]
+        tensors = {k: v.to(device) for k, v in load_file(request["checkpoint"]).items()}
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=1, use_cpu_initialization=device.type == "cpu",
+            perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
+    outputs, implementation = OPS[request["op"]](request, tensors, config, device, phases)
+    with phases("write"):
+        save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
+                  os.path.join(request["output_dir"], OUTPUTS))
+    dist.destroy_process_group()
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()},
+            "implementation": implementation, "determinism": determinism, **torch_env.provenance(device)}
+
+
+def parallel_linear(request, tensors, config, device, phases):
+    """ColumnParallelLinear or RowParallelLinear at TP=1: out = x @ W.t() (+ b), then backward(grad_output)."""
+    bias = bool(request["config"].get("bias", False))
+    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    common = dict(config=config, init_method=torch.nn.init.zeros_, bias=bias, skip_bias_add=False)
+    if request["op"] == "column_parallel_linear":
+        layer = tensor_parallel.ColumnParallelLinear(n_in, n_out, gather_output=False, **common)
+    else:
+        layer = tensor_parallel.RowParallelLinear(n_in, n_out, input_is_parallel=True, **common)
+    layer = layer.to(device)
+    with torch.no_grad():
+        layer.weight.copy_(tensors["weight"])
+        if bias:
+            layer.bias.copy_(tensors["bias"])
+    x = tensors["input"].unsqueeze(1).requires_grad_()  # [tokens, batch=1, hidden]: Megatron's [s, b, h]
+    with phases("forward"):
+        out, _ = layer(x)
+        torch_env.synchronize(device)
+    with phases("backward"):
+        out.backward(tensors["grad_output"].unsqueeze(1))
+        torch_env.synchronize(device)
+    outputs = {"out": out.squeeze(1), "grad.input": x.grad.squeeze(1), "grad.weight": layer.weight.grad}
+    if bias:
+        outputs["grad.bias"] = layer.bias.grad
+    return outputs, f"megatron.core.tensor_parallel.{type(layer).__name__} (no Transformer Engine)"
+
+
+OPS = {"column_parallel_linear": parallel_linear, "row_parallel_linear": parallel_linear}
+
+
+def _init_process_group(device: torch.device) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:  # started by torchrun
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _te_version() -> dict:
+    try:
+        import transformer_engine  # noqa: F401  (recorded only: this runner never uses it)
+
+        return {"transformer-engine (installed, unused)": transformer_engine.__version__}
+    except ImportError:
+        return {}
+
+
+if __name__ == "__main__":
+    serve("megatron", run)

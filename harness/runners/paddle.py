@@ -1,0 +1,229 @@
+"""Paddle runner: PaddleFleet's gated linears when ``paddlefleet`` imports, else plain Paddle ops that follow
+the gated path (bf16, TP=1: ``paddle.nn.functional.linear`` on Paddle's ``[in, out]`` weight).
+
+Which implementation ran is written to ``meta.json``; a verdict is only about that implementation.
+- GPU: dygraph (PaddleFleet's ``ColumnParallelLinear`` / ``RowParallelLinear`` with
+  ``use_accuracy_compatible`` when importable).
+- CPU, bf16: Paddle's dygraph has no CPU bf16 matmul kernel, so the same ops are built in a static
+  Program and run by oneDNN. oneDNN's bf16 matmul needs AVX-512; on a CPU without it the request is
+  UNSUPPORTED, with the kernel and the CPU's ISA named.
+- CPU, fp32: dygraph.
+Outputs go back to canonical names and Megatron's ``[out, in]`` weight layout (a transpose: exact).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+from harness.runners.protocol import OUTPUTS, Phases, Unsupported, cpu_isa_flags, serve
+
+try:
+    import paddle
+except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Paddle
+    paddle = None
+    PADDLE_IMPORT_ERROR = f"{error}"
+
+
+def run(request: dict, phases: Phases) -> dict:
+    if paddle is None:
+        raise Unsupported(f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}")
+    gate = request["config"].get("use_accuracy_compatible", True)
+    with phases("setup"):
+        device = _select_device(request["device"])
+        from safetensors.paddle import load_file
+
+        tensors = {k: v.numpy() for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
+    fleet = _paddlefleet() if device == "gpu" else None
+    if fleet is not None:
+        outputs, implementation = _fleet_linear(request, tensors, gate, phases)
+    elif device == "cpu" and request["dtype"] == "bfloat16":
+        outputs, implementation = _static_onednn_linear(request, tensors, gate, phases)
+    else:
+        outputs, implementation = _dygraph_linear(request, tensors, gate, phases)
+    with phases("write"):
+        _write(outputs, request)
+    return {"framework": "paddle", "implementation": implementation,
+            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
+                         **({"paddlefleet": fleet.__version__} if fleet is not None else {})},
+            "paddlefleet_importable": importlib.util.find_spec("paddlefleet") is not None,
+            "use_accuracy_compatible": gate, **_device_provenance(device)}
+
+
+def _dygraph_linear(request, tensors, gate, phases):
+    x, w, b = _feeds(tensors, request)
+    x, w = paddle.to_tensor(x), paddle.to_tensor(w)
+    bias = paddle.to_tensor(b) if b is not None else None
+    for t in (x, w, bias):
+        if t is not None:
+            t.stop_gradient = False
+    linear, name = _linear_function(gate, request)
+    with phases("forward"):
+        out = _kernel_guard(lambda: linear(x, w, bias), name, request)
+        _synchronize(request)
+    with phases("backward"):
+        _kernel_guard(lambda: out.backward(paddle.to_tensor(tensors["grad_output"])), name + " backward", request)
+        _synchronize(request)
+    results = [out.numpy(), x.grad.numpy(), w.grad.numpy()] + ([bias.grad.numpy()] if bias is not None else [])
+    return _canonical(results), f"paddle dygraph {name} (plain Paddle ops following the gated path)"
+
+
+def _static_onednn_linear(request, tensors, gate, phases):
+    """The same ops in a static Program, run by oneDNN: Paddle's only CPU bf16 GEMM."""
+    x, w, b = _feeds(tensors, request)
+    paddle.enable_static()
+    paddle.set_flags({"FLAGS_use_onednn": True})
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    linear, name = _linear_function(gate, request)
+    with paddle.static.program_guard(main, startup):
+        xs = paddle.static.data("x", list(x.shape), "bfloat16")
+        ws = paddle.static.data("w", list(w.shape), "bfloat16")
+        dys = paddle.static.data("dy", list(tensors["grad_output"].shape), "bfloat16")
+        bs = paddle.static.data("b", list(b.shape), "bfloat16") if b is not None else None
+        wrt = [v for v in (xs, ws, bs) if v is not None]
+        for v in wrt:
+            v.stop_gradient = False
+        out = linear(xs, ws, bs)
+        grads = paddle.static.gradients([out], wrt, target_gradients=[dys])
+    feed = {"x": x, "w": w, "dy": tensors["grad_output"], **({"b": b} if b is not None else {})}
+    executor = paddle.static.Executor(paddle.CPUPlace())
+    with phases("forward+backward"):
+        results = _kernel_guard(lambda: executor.run(main, feed=feed, fetch_list=[out, *grads]),
+                                f"oneDNN bf16 {name} (static graph)", request)
+    paddle.disable_static()
+    return _canonical(results), f"paddle static graph + oneDNN, {name} (plain Paddle ops following the gated path)"
+
+
+def _fleet_linear(request, tensors, gate, phases):
+    """PaddleFleet's own module with the accuracy gate; weight is Paddle's [in, out]. Written from its API, GPU only."""
+    from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from paddlefleet.transformer.transformer_config import TransformerConfig
+
+    x, w, b = _feeds(tensors, request)
+    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    config = TransformerConfig(num_layers=1, hidden_size=n_in, num_attention_heads=1, params_dtype=paddle.bfloat16
+                               if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate)
+    bias = b is not None
+    if request["op"] == "column_parallel_linear":
+        layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
+                                     gather_output=False)
+    else:
+        layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
+                                  input_is_parallel=True, skip_bias_add=False)
+    layer.weight.set_value(paddle.to_tensor(w))
+    if bias:
+        layer.bias.set_value(paddle.to_tensor(b))
+    xt = paddle.to_tensor(x)
+    xt.stop_gradient = False
+    with phases("forward"):
+        out, _ = layer(xt)
+        _synchronize(request)
+    with phases("backward"):
+        out.backward(paddle.to_tensor(tensors["grad_output"]))
+        _synchronize(request)
+    results = [out.numpy(), xt.grad.numpy(), layer.weight.grad.numpy()]
+    if bias:
+        results.append(layer.bias.grad.numpy())
+    return _canonical(results), f"paddlefleet.tensor_parallel.{type(layer).__name__} (use_accuracy_compatible={gate})"
+
+
+def _linear_function(gate, request):
+    """The gated path calls F.linear; with the gate off PaddleFleet uses fused_linear (a GPU kernel)."""
+    if gate:
+        return (lambda x, w, b: paddle.nn.functional.linear(x, w, b)), "paddle.nn.functional.linear"
+    if request["device"] != "gpu":
+        raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
+    from paddle.incubate.nn.functional import fused_linear
+
+    return (lambda x, w, b: fused_linear(x, w, b)), "paddle.incubate.nn.functional.fused_linear"
+
+
+def _feeds(tensors, request):
+    """Inputs in Paddle's layout: the weight becomes [in, out] (a transpose: exact)."""
+    weight = np.ascontiguousarray(tensors["weight"].T)
+    return tensors["input"], weight, tensors.get("bias")
+
+
+def _canonical(results):
+    """Back to canonical names and layout: Paddle's weight grad is [in, out], Megatron's [out, in]."""
+    names = ["out", "grad.input", "grad.weight", "grad.bias"]
+    outputs = {name: np.asarray(r) for name, r in zip(names, results, strict=False)}
+    outputs["grad.weight"] = np.ascontiguousarray(outputs["grad.weight"].T)
+    return outputs
+
+
+def _write(outputs, request):
+    from safetensors.paddle import save_file
+
+    dtype = {"bfloat16": paddle.bfloat16, "float16": paddle.float16, "float32": paddle.float32}[request["dtype"]]
+    tensors = {}
+    for name, array in outputs.items():
+        tensor = paddle.to_tensor(array, place=paddle.CPUPlace())  # uint16 arrays become bf16 tensors
+        if tensor.dtype != dtype:
+            raise RuntimeError(f"output {name!r} came back as {tensor.dtype}, expected {dtype}")
+        tensors[name] = tensor
+    save_file(tensors, os.path.join(request["output_dir"], OUTPUTS))
+
+
+def _kernel_guard(call, kernel: str, request):
+    """Turn 'no such kernel here' into UNSUPPORTED with the kernel and the CPU named; re-raise anything else."""
+    try:
+        return call()
+    except Exception as error:  # Paddle raises bare RuntimeError/NotFoundError from C++
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f"{kernel} on {request['device']} in {request['dtype']}: {message}"
+        isa = cpu_isa_flags()
+        if "not registered" in str(error):
+            raise Unsupported(where) from error
+        if request["device"] == "cpu" and request["dtype"] == "bfloat16" and "avx512f" not in isa:
+            raise Unsupported(f"{where}. oneDNN's bf16 matmul needs AVX-512 (avx512_core; native with "
+                              f"avx512_bf16); this CPU has {' '.join(isa) or 'no listed vector ISA'}") from error
+        raise
+
+
+def _synchronize(request) -> None:
+    if request["device"] == "gpu":
+        paddle.device.synchronize()
+
+
+def _select_device(name: str) -> str:
+    if name == "gpu":
+        if not paddle.is_compiled_with_cuda():
+            raise Unsupported(f"paddle {paddle.__version__} at {paddle.__file__} is a CPU build: install a "
+                              "paddlepaddle-gpu >= 3.3 build (and PaddleFleet) in the Paddle runner's environment")
+        paddle.set_device("gpu:0")
+    else:
+        paddle.set_device("cpu")
+    return name
+
+
+def _paddlefleet():
+    try:
+        import paddlefleet
+
+        return paddlefleet
+    except ImportError:
+        return None
+
+
+def _device_provenance(device: str) -> dict:
+    info = {"paddle_with_mkl": getattr(paddle.version, "with_mkl", None), "paddle_onednn": _onednn_version()}
+    if device == "gpu":
+        props = paddle.device.cuda.get_device_properties()
+        info.update({"gpu": props.name, "gpu_capability": f"{props.major}.{props.minor}",
+                     "cuda_runtime": paddle.version.cuda(), "cudnn": paddle.version.cudnn()})
+    return info
+
+
+def _onednn_version() -> str | None:
+    """oneDNN bundled with this Paddle, read from the shared library's file name."""
+    libs = os.path.join(os.path.dirname(paddle.__file__), "libs")
+    names = sorted(n for n in os.listdir(libs) if n.startswith("libdnnl")) if os.path.isdir(libs) else []
+    return names[-1] if names else None
+
+
+if __name__ == "__main__":
+    serve("paddle", run)

@@ -1,0 +1,99 @@
+"""The runner side of the request/outputs contract: framework-free, standard library only.
+
+Exit codes: 0 outputs written; 3 the framework lacks a kernel or package for this request
+(``meta.json`` says which); anything else is a crash, which the harness reports as ERROR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+EXIT_UNSUPPORTED = 3
+OUTPUTS = "outputs.safetensors"
+META = "meta.json"
+ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "ONEDNN_", "DNNL_", "OPENBLAS_", "CUBLAS_", "CUDA_", "NCCL_",
+                "NVTE_", "FLAGS_", "TORCH", "PYTORCH_", "NVIDIA_TF32", "HARNESS_")
+
+
+class Unsupported(Exception):
+    """The framework cannot run this request here (missing package or kernel); the message says which."""
+
+
+class Phases:
+    """Wall time per phase (import, setup, forward, backward, write), in seconds."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - start, 6)
+
+
+def serve(runner: str, run: Callable[[dict, Phases], dict]) -> None:
+    """Read the request named on the command line, call `run`, write meta.json, exit with the contract's code.
+
+    `run(request, phases)` writes the outputs file and returns the framework's provenance.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m harness.runners.{runner}")
+    parser.add_argument("--request", required=True, type=Path)
+    request = json.loads(parser.parse_args().request.read_text())
+    output_dir = Path(request["output_dir"])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    phases = Phases()
+    meta = {"runner": runner, "case": request["case"], "op": request["op"], "device": request["device"],
+            "host": host_provenance(), "env": env_flags(), "python": sys.version.split()[0],
+            "executable": sys.executable}
+    code = 0
+    try:
+        meta.update(run(request, phases))
+    except Unsupported as reason:
+        meta["unsupported"] = str(reason)
+        code = EXIT_UNSUPPORTED
+    meta["phases"] = phases.seconds
+    (output_dir / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    sys.exit(code)
+
+
+def host_provenance() -> dict:
+    return {"machine": platform.machine(), "system": platform.platform(), "cpu": cpu_model(),
+            "cpu_isa": cpu_isa_flags(), "logical_cpus": os.cpu_count()}
+
+
+def cpu_model() -> str:
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def cpu_isa_flags() -> list[str]:
+    """The vector-ISA flags that decide which GEMM kernels a CPU framework may pick."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):
+            flags = line.split(":", 1)[1].split()
+            return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+    return []
+
+
+def env_flags() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,95 @@
+"""Checkpoints: deterministic, reused, verified; imported weights keep their bits."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from harness import checkpoints
+from harness.cases import Registry
+from harness.checkpoints import CheckpointError
+
+REGISTRY_TEXT = """
+[fc1]
+family = "linear"
+op = "column_parallel_linear"
+dtype = "bfloat16"
+seed = 7
+tokens = 4
+shapes = { input_size = 6, output_size = 8 }
+
+[fc1_flip]
+base = "fc1"
+perturb = { side = "b", tensor = "weight", index = [2, 3], bit = 6 }
+
+[fc1_hf]
+base = "fc1"
+weights_from.tensors.weight = ["layers.1.gate_proj.weight", "layers.1.up_proj.weight"]
+"""
+
+
+@pytest.fixture
+def registry(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "t.toml").write_text(REGISTRY_TEXT)
+    return Registry.load(tmp_path / "cases")
+
+
+def test_generation_is_deterministic_and_reused(registry, tmp_path):
+    first = checkpoints.prepare(registry.get("fc1"), tmp_path / "a")
+    again = checkpoints.prepare(registry.get("fc1"), tmp_path / "a")
+    elsewhere = checkpoints.prepare(registry.get("fc1"), tmp_path / "b")
+    assert first.folder == again.folder
+    assert first.path.read_bytes() == elsewhere.path.read_bytes()
+    tensors = checkpoints.load_tensors(first.path)
+    assert {k: (v.dtype.name, v.shape) for k, v in tensors.items()} == {
+        "input": ("bfloat16", (4, 6)), "weight": ("bfloat16", (8, 6)), "grad_output": ("bfloat16", (4, 8))}
+    assert 0.005 < float(tensors["weight"].astype(np.float32).std()) < 0.05  # std 0.02 by default
+    assert first.manifest["tensors"]["weight"]["sha256"] == checkpoints.tensor_sha256(tensors["weight"])
+
+
+def test_other_tokens_give_another_checkpoint(registry, tmp_path):
+    a = checkpoints.prepare(registry.get("fc1"), tmp_path)
+    b = checkpoints.prepare(registry.get("fc1").with_tokens(5), tmp_path)
+    assert a.folder != b.folder
+
+
+def test_corruption_is_an_error_never_a_regeneration(registry, tmp_path):
+    checkpoint = checkpoints.prepare(registry.get("fc1"), tmp_path)
+    data = bytearray(checkpoint.path.read_bytes())
+    data[-1] ^= 0x01
+    checkpoint.path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensor '\w+' has sha256 .* changed or corrupted"):
+        checkpoints.prepare(registry.get("fc1"), tmp_path)
+    assert checkpoint.path.read_bytes() == bytes(data)  # left as found
+
+
+def test_perturbed_side_differs_in_exactly_one_bit(registry, tmp_path):
+    checkpoint = checkpoints.prepare(registry.get("fc1_flip"), tmp_path)
+    shared = checkpoints.load_tensors(checkpoint.path_for("a"))
+    flipped = checkpoints.load_tensors(checkpoint.path_for("b"))
+    delta = shared["weight"].view(np.uint16) ^ flipped["weight"].view(np.uint16)
+    assert np.flatnonzero(delta).tolist() == [2 * 6 + 3] and int(delta[2, 3]) == 1 << 6
+    for name in ("input", "grad_output"):
+        assert np.array_equal(shared[name].view(np.uint16), flipped[name].view(np.uint16))
+
+
+def test_weights_import_concatenates_hf_tensors(registry, tmp_path):
+    gate = np.arange(24, dtype=np.float32).reshape(4, 6).astype(ml_dtypes.bfloat16)
+    up = -gate
+    source = tmp_path / "model.safetensors"
+    save_file({"layers.1.gate_proj.weight": gate, "layers.1.up_proj.weight": up}, str(source))
+    checkpoint = checkpoints.prepare(registry.get("fc1_hf"), tmp_path / "ck", weights_file=str(source))
+    weight = checkpoints.load_tensors(checkpoint.path)["weight"]
+    assert np.array_equal(weight.view(np.uint16), np.concatenate([gate, up]).view(np.uint16))
+    recipe = json.loads((checkpoint.folder / "manifest.json").read_text())["recipe"]
+    assert recipe["imported"]["weight"]["names"] == ["layers.1.gate_proj.weight", "layers.1.up_proj.weight"]
+
+
+def test_weights_import_names_a_missing_tensor(registry, tmp_path):
+    source = tmp_path / "model.safetensors"
+    save_file({"layers.1.gate_proj.weight": np.zeros((4, 6), np.float32)}, str(source))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: no tensor 'layers.1.up_proj.weight'"):
+        checkpoints.prepare(registry.get("fc1_hf"), tmp_path / "ck", weights_file=str(source))

@@ -1,0 +1,91 @@
+"""End to end with the real frameworks: every CPU case of the registry, run by both real runners.
+
+What each case must give is the case's own expectation, with one platform fact applied: Paddle has
+no bf16 GEMM on a CPU without AVX-512 (measured; see README), so there its side must be UNSUPPORTED
+and say why. The report's counts are recomputed here from the runner output files.
+"""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from conftest import E2E_TOKENS
+from harness.checkpoints import load_tensors
+from harness.pipeline import compare_case
+from harness.runners.protocol import cpu_isa_flags
+
+pytestmark = pytest.mark.e2e
+
+
+def paddle_bf16_gemm_unavailable(case) -> bool:
+    return "paddle" in case.runners and case.dtype == "bfloat16" and "avx512f" not in cpu_isa_flags()
+
+
+def hf_file_for(case, folder):
+    """A stand-in HF checkpoint with the case's source names (random weights: tests the import path only)."""
+    spec, shapes = case.weights_from, {s.name: s.shape for s in case.input_specs()}
+    tensors = {}
+    rng = np.random.default_rng(0)
+    for canonical, names in spec.tensors.items():
+        shape = list(shapes[canonical])
+        shape[spec.concat_dim] //= len(names)
+        for name in names:
+            tensors[name] = (rng.standard_normal(shape).astype(np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    save_file(tensors, str(folder / "hf.safetensors"))
+    return str(folder / "hf.safetensors")
+
+
+def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
+    weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from else None
+    result, run_dir = compare_case(cpu_case.name, tokens=min(cpu_case.tokens, E2E_TOKENS),
+                                   checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
+                                   weights_file=weights)
+    report = json.loads((run_dir / "report.json").read_text())
+    tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
+    assert result.verdict != "ERROR", f"{result.message}\n{tails}"
+    assert report["schema"] == 1 and (run_dir / "report.md").exists()
+    for side in report["sides"]:
+        assert side["meta"]["runner"] == side["runner"]
+        assert side["meta"]["host"]["cpu_isa"] == cpu_isa_flags()
+
+    if paddle_bf16_gemm_unavailable(cpu_case):
+        assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
+        assert "avx512" in result.message and "matmul" in result.message, result.message
+        return
+    assert result.expectation["met"], result.expectation["problems"]
+    assert result.exit_code == 0
+    for side in report["sides"]:
+        assert side["meta"]["implementation"] and side["meta"]["versions"]
+    outputs = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]]
+    assert_counts_match_outputs(report, *outputs)
+    if cpu_case.perturb:
+        assert_mismatches_where_the_flip_reaches(cpu_case, report, *outputs)
+
+
+def assert_counts_match_outputs(report, a, b):
+    for tensor in report["tensors"]:
+        bits_a, bits_b = (x[tensor["name"]].view(f"u{x[tensor['name']].itemsize}") for x in (a, b))
+        differing = np.flatnonzero(bits_a != bits_b)
+        assert tensor["mismatches"] == differing.size, tensor["name"]
+        if differing.size:
+            first = np.unravel_index(differing[0], bits_a.shape)
+            assert tensor["first_mismatch"]["index"] == [int(i) for i in first]
+
+
+def assert_mismatches_where_the_flip_reaches(case, report, a, b):
+    """out = x @ W.t(): a bit of x[i, j] reaches only row i of out and column j of grad.weight;
+    a bit of W[o, i] only column o of out and column i of grad.input."""
+    p = case.perturb
+    reach = {
+        "input": {"out": (0, p.index[0]), "grad.weight": (1, p.index[1])},
+        "weight": {"out": (1, p.index[0]), "grad.input": (1, p.index[1])},
+    }[p.tensor]
+    by_name = {t["name"]: t for t in report["tensors"]}
+    for name, (axis, line) in reach.items():
+        differing = np.argwhere(a[name].view(f"u{a[name].itemsize}") != b[name].view(f"u{b[name].itemsize}"))
+        assert by_name[name]["mismatches"] == len(differing) > 0, name
+        where = "row" if axis == 0 else "column"
+        assert set(differing[:, axis].tolist()) == {line}, f"{name}: mismatches outside {where} {line}"
