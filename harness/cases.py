@@ -60,6 +60,7 @@ class Expectation:
     verdict: str = "BITWISE_PASS"
     differs: tuple[str, ...] = ()  # tensors that must differ (negative controls)
     equal: tuple[str, ...] = ()  # tensors that must stay bitwise equal
+    stated: bool = False  # False: the case states nothing (`expect = {}` or no table); bitwise is the goal
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ def _expectation(f: _Fields, input_roles: dict, output_specs) -> Expectation:
         lists[key] = tuple(names)
     for key in set(table) - {"verdict", "differs", "equal"}:
         raise f.error(f"expect.{key}", "unknown field; known: verdict, differs, equal", table[key])
-    return Expectation(verdict, lists["differs"], lists["equal"])
+    return Expectation(verdict, lists["differs"], lists["equal"], stated=bool(table))
 
 
 def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int) -> Perturbation | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from harness.cases import Case
 from harness.checkpoints import Checkpoint, CheckpointError, load_tensors
+from harness.kernels import onednn_kernels
 from harness.runners.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,8 @@ def runner_env(device: str) -> dict[str, str]:
     if device == "gpu":
         for key, value in GPU_ENV.items():
             env.setdefault(key, value)
+    else:
+        env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.kernels)
     return env
 
 
@@ -117,6 +120,8 @@ def _finish(label, runner, folder, python, process, start, deadline, timeout, ca
     side.wall_seconds = time.monotonic() - start
     side.stderr_tail = _tail(folder / "stderr.log")
     side.meta = _read_meta(folder)
+    if side.meta:
+        side.meta["onednn_kernels"] = onednn_kernels(folder / "stdout.log")
     if side.reason:
         return side
     if side.returncode == EXIT_UNSUPPORTED and "unsupported" in side.meta:

@@ -24,7 +24,7 @@ def markdown(result: CaseResult) -> str:
              f"- run: `{result.run_id}` on `{result.device}`, {result.started_at} to {result.finished_at}",
              f"- verdict: **{result.verdict}** (exit code {result.exit_code}): {result.message}"]
     expectation = data["expectation"]
-    if expectation:
+    if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
         lines.append(f"- expected: {expectation['verdict']}; {met}")
     case = data["case"]
@@ -38,15 +38,17 @@ def markdown(result: CaseResult) -> str:
             lines.append(f"- negative control: side {p['side']} reads `{p['tensor']}` with bit {p['bit']} of "
                          f"element {p['index']} flipped")
     if result.sides:
-        lines += ["", "## Runners", "", "| side | runner | status | implementation | versions | wall s |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "## Runners", "",
+                  "| side | runner | status | implementation | oneDNN kernels run | versions | wall s |",
+                  "|---|---|---|---|---|---|---|"]
         for side in data["sides"]:
             meta = side["meta"]
             versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
             status = side["status"] + (f": {side['reason']}" if side["reason"] else "")
             implementation = _cell(meta.get("implementation", ""))
+            kernels = "<br>".join(meta.get("onednn_kernels", [])) or "none"
             lines.append(f"| {side['label']} | {side['runner']} | {_cell(status)} | {implementation} "
-                         f"| {_cell(versions)} | {side['wall_seconds']} |")
+                         f"| {_cell(kernels)} | {_cell(versions)} | {side['wall_seconds']} |")
     if result.tensors:
         lines += ["", "## Tensors (side a against side b)", "",
                   "| tensor | status | dtype | shape | mismatches | share | max ULP | p99 ULP | sign flips | "
@@ -94,7 +96,7 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         out.print(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
                   f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}")
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {result.message}", highlight=False)
-    if result.expectation and result.expectation["verdict"] != "BITWISE_PASS":
+    if result.expectation.get("stated") and result.expectation["verdict"] != "BITWISE_PASS":
         met = "met" if result.expectation["met"] else "NOT met"
         out.print(f"expected {result.expectation['verdict']}: {met}")
     out.print(f"report: {run_dir / 'report.md'}  (exit code {result.exit_code})")

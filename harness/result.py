@@ -74,4 +74,4 @@ def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> 
     problems += [f"{n} was expected to be bitwise equal but is {status.get(n, 'absent')}" for n in expect.equal
                  if status.get(n) != EQUAL]
     return {"verdict": expect.verdict, "differs": list(expect.differs), "equal": list(expect.equal),
-            "met": not problems, "problems": problems}
+            "stated": expect.stated, "met": not problems, "problems": problems}

@@ -55,8 +55,11 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
         assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
         assert "avx512" in result.message and "matmul" in result.message, result.message
         return
-    assert result.expectation["met"], result.expectation["problems"]
-    assert result.exit_code == 0
+    if cpu_case.expect.stated:
+        assert result.expectation["met"], result.expectation["problems"]
+        assert result.exit_code == 0
+    else:  # nothing stated: any real verdict, with an exit code that follows it
+        assert (result.verdict, result.exit_code) in (("BITWISE_PASS", 0), ("DIFF", 1)), result.message
     for side in report["sides"]:
         assert side["meta"]["implementation"] and side["meta"]["versions"]
     outputs = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]]
