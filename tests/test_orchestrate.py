@@ -121,6 +121,7 @@ def test_runs_never_overwrite_each_other(env):
     ("nope", CASES, "unknown case 'nope'"),
     ("tiny", CASES.replace('dtype = "float32"', 'dtype = "float8"'), "field 'dtype'"),
     ("tiny", CASES + "[broken\n", "malformed TOML"),
+    ("tiny", CASES.replace("tokens = 4", "tokens = 4\ntp = 8"), "'shapes.output_size': must be divisible by tp=8"),
 ])
 def test_bad_input_ends_with_a_report_and_exit_2(env, name, cases_text, expected):
     (env / "cases" / "tiny.toml").write_text(cases_text)
@@ -128,3 +129,17 @@ def test_bad_input_ends_with_a_report_and_exit_2(env, name, cases_text, expected
                                    reports_dir=env / "reports")
     assert result.exit_code == 2 and expected in result.message
     assert expected in json.loads((run_dir / "report.json").read_text())["message"]
+
+
+def test_corrupted_checkpoint_ends_with_a_report_and_exit_2(env):
+    from harness import checkpoints
+    from harness.cases import Registry
+
+    checkpoint = checkpoints.prepare(Registry.load(env / "cases").get("tiny"), env / "ck")
+    data = bytearray(checkpoint.path.read_bytes())
+    data[-3] ^= 0x10
+    checkpoint.path.write_bytes(bytes(data))
+    result, run_dir = run(env, {})
+    assert result.exit_code == 2 and "changed or corrupted" in result.message
+    assert not result.sides  # no runner was started on untrusted inputs
+    assert "changed or corrupted" in (run_dir / "report.md").read_text()
