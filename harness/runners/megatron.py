@@ -16,7 +16,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from harness.runners import torch_env  # noqa: E402
 from harness.runners.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
@@ -39,7 +39,7 @@ def run(request: dict, phases: Phases) -> dict:
         determinism = torch_env.apply_determinism(device)
         _init_process_group(device)
         dtype = torch_env.DTYPES[request["dtype"]]
-        tensors = {k: v.to(device) for k, v in load_file(request["checkpoint"]).items()}
+        tensors = torch_env.load_inputs(request["checkpoint"], device)
         config = ModelParallelConfig(
             tensor_model_parallel_size=1, use_cpu_initialization=device.type == "cpu",
             perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)

@@ -22,7 +22,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from harness.runners import torch_env  # noqa: E402
 from harness.runners.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
@@ -45,7 +45,7 @@ def runner(layout: str):
         with phases("setup"):
             device = torch_env.select_device(request["device"])
             determinism = torch_env.apply_determinism(device)
-            tensors = {k: v.to(device) for k, v in load_file(request["checkpoint"]).items()}
+            tensors = torch_env.load_inputs(request["checkpoint"], device)
         outputs = OPS[request["op"]](tensors, layout, device, phases)
         with phases("write"):
             save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
