@@ -32,7 +32,7 @@ if ! "$PYTHON" -c "import numpy, safetensors, ml_dtypes, rich, torch, megatron.c
     "$PYTHON" -c "import numpy, safetensors, ml_dtypes, rich, torch, megatron.core" >&2
     exit 2
 fi
-"$PYTHON" -c "import torch, megatron.core as m; print('torch', torch.__version__, '| CUDA', torch.version.cuda, \
+"$PYTHON" -W ignore -c "import torch, megatron.core as m; print('torch', torch.__version__, '| CUDA', torch.version.cuda, \
 '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else None, '| megatron-core', m.__version__)"
 
 repeat=()
