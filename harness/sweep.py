@@ -23,9 +23,9 @@ from harness.result import EXIT_CODES, CaseResult
 
 SWEEP_SCHEMA = 1
 # Provenance keys worth repeating in the sweep report (each cell's report.json has all of them).
-PROVENANCE_KEYS = ("implementation", "versions", "device", "gpu", "gpu_capability", "gpu_driver", "cuda_runtime",
-                   "cublas", "cublasLt", "preferred_blas_library", "torch_cpu_capability", "determinism",
-                   "weight_layout")
+PROVENANCE_KEYS = ("implementation", "versions", "torch", "device", "gpu", "gpu_capability", "gpu_driver",
+                   "cuda_runtime", "cudnn", "cublas", "cublasLt", "preferred_blas_library", "torch_cpu_capability",
+                   "torch_blas", "torch_onednn", "determinism", "weight_layout")
 
 
 def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str, str] | None] = (None,), *,
