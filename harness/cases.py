@@ -22,7 +22,9 @@ WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32}
 DTYPES = tuple(WIDTHS)
 TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
-RUNNERS = ("megatron", "paddle")
+# torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
+RUNNERS = ("megatron", "paddle", "torch", "torch_nn")
+DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR")
 DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}}
 DEFAULT_DISTRIBUTION = {
@@ -100,6 +102,17 @@ class Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
         return replace(self, tokens=tokens)
+
+    def with_runners(self, runners: tuple[str, str]) -> Case:
+        """Another pair of runners. The case's stated expectation was about its own pair, so it is kept only for a
+        negative control (whose expected differences come from the planted bit flip); otherwise bitwise."""
+        bad = [r for r in runners if r not in RUNNERS]
+        if len(runners) != 2 or bad:
+            raise CaseError(f"case {self.name!r}: runners must be two of {', '.join(RUNNERS)} "
+                            f"(got {','.join(runners)!r})")
+        if tuple(runners) == self.runners:
+            return self
+        return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
 
     def input_specs(self):
         return self.op_spec.inputs(self.shapes, self.tokens, self.config)
@@ -244,7 +257,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
         raise f.error(f"tensors.{extra}", f"op {op} has no such input; inputs: {', '.join(input_roles)}",
                       tensors_table[extra])
 
-    runners = tuple(f.get("runners", list, list(RUNNERS)))
+    runners = tuple(f.get("runners", list, list(DEFAULT_RUNNERS)))
     if len(runners) != 2 or any(r not in RUNNERS for r in runners):
         raise f.error("runners", f"must be two of {', '.join(RUNNERS)} (the same one twice is allowed)", list(runners))
     devices = tuple(f.get("devices", list, list(DEVICES)))

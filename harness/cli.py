@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import pipeline, report
-from harness.cases import CASES_DIR, CaseError, Registry
+from harness import pipeline, report, sweep
+from harness.cases import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.checkpoints import CHECKPOINTS_DIR
 from harness.result import EXIT_CODES
 
@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     compare = commands.add_parser("compare", help="run one case on both runners and compare bit for bit")
     compare.add_argument("case")
     compare.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    compare.add_argument("--tokens", type=int, help="token count (rows of the input); default: the case's")
+    compare.add_argument("--tokens", type=token_counts, help="token count (rows of the input), or a list like "
+                         "1,7,60,64 for a sweep (a matrix of tokens by tensors); default: the case's")
+    compare.add_argument("--runners", type=runner_pair, action="append", metavar="A,B",
+                         help="compare this pair of runners instead of the case's (megatron, paddle, torch, "
+                              "torch_nn); give it twice or more to sweep several pairs")
     compare.add_argument("--python", action="append", default=[], metavar="RUNNER=PATH",
                          help="interpreter for a runner, e.g. paddle=/envs/paddle/bin/python "
                               "(or set HARNESS_PYTHON_<RUNNER>)")
@@ -42,11 +46,36 @@ def main(argv: list[str] | None = None) -> int:
         if not path:
             parser.error(f"--python expects RUNNER=PATH (got {item!r})")
         pythons[runner] = path
-    result, run_dir = pipeline.compare_case(
-        args.case, device=args.device, tokens=args.tokens, cases_dir=args.cases, checkpoints_dir=args.checkpoints,
-        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights)
+    common = dict(device=args.device, cases_dir=args.cases, checkpoints_dir=args.checkpoints, pythons=pythons,
+                  timeout=args.timeout, weights_file=args.weights)
+    pairs = args.runners or [None]
+    if len(args.tokens or ()) > 1 or len(pairs) > 1:
+        swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, reports_dir=args.reports,
+                                           **common)
+        sweep.console(swept, sweep_dir)
+        return swept["exit_code"]
+    result, run_dir = pipeline.compare_case(args.case, tokens=args.tokens[0] if args.tokens else None,
+                                            runners=pairs[0], reports_dir=args.reports, **common)
     report.console(result, run_dir)
     return result.exit_code
+
+
+def token_counts(text: str) -> list[int]:
+    """`--tokens 60` or `--tokens 1,7,60,64`."""
+    try:
+        counts = [int(item) for item in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(count <= 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"expects positive integers separated by commas (got {text!r})")
+    return counts
+
+
+def runner_pair(text: str) -> tuple[str, str]:
+    pair = tuple(item.strip() for item in text.split(","))
+    if len(pair) != 2 or any(r not in RUNNERS for r in pair):
+        raise argparse.ArgumentTypeError(f"expects two of {', '.join(RUNNERS)} as A,B (got {text!r})")
+    return pair
 
 
 def _list(cases_dir: Path) -> int:

@@ -39,13 +39,15 @@ def new_run_dir(root: Path, label: str) -> tuple[str, Path]:
 def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, cases_dir: Path = CASES_DIR,
                  checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR, reports_dir: Path = REPORTS_DIR,
                  pythons: dict[str, str] | None = None, timeout: float = 1800.0,
-                 weights_file: str | None = None) -> tuple[CaseResult, Path]:
+                 weights_file: str | None = None,
+                 runners: tuple[str, str] | None = None) -> tuple[CaseResult, Path]:
+    """`runners` overrides the case's pair of runners (``--runners A,B``)."""
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
     result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=_now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "node": platform.node()})
     try:
-        case = _load_case(name, cases_dir, tokens, device)
+        case = _load_case(name, cases_dir, tokens, device, runners)
         result.case = describe_case(case)
         checkpoint = checkpoints.prepare(case, Path(checkpoints_dir), weights_file)
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
@@ -69,10 +71,13 @@ def describe_case(case: Case) -> dict:
     return described
 
 
-def _load_case(name: str, cases_dir: Path, tokens: int | None, device: str) -> Case:
+def _load_case(name: str, cases_dir: Path, tokens: int | None, device: str,
+               runners: tuple[str, str] | None = None) -> Case:
     case = Registry.load(Path(cases_dir)).get(name)
     if tokens is not None:
         case = case.with_tokens(tokens)
+    if runners is not None:
+        case = case.with_runners(runners)
     if device not in case.devices:
         raise CaseError(f"{case.source}: case {name!r}: field 'devices': does not list {device!r} "
                         f"(got {list(case.devices)})")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from harness.result import CaseResult
@@ -29,6 +30,7 @@ def markdown(result: CaseResult) -> str:
         lines.append(f"- expected: {expectation['verdict']}; {met}")
     case = data["case"]
     if case:
+        lines.append(f"- runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
         lines.append(f"- case: `{case['op']}` {case['dtype']} tp={case['tp']} tokens={case['tokens']} "
                      f"shapes={case['shapes']} config={case['config']} (from `{case['source']}`)")
     if data["checkpoint"]:
@@ -81,7 +83,8 @@ def markdown(result: CaseResult) -> str:
 
 def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> None:
     out = out or Console(width=None if Console().is_terminal else 160)
-    table = Table(title=f"{result.case_name} on {result.device}")
+    pair = " vs ".join(result.case["runners"]) if result.case else ""
+    table = Table(title=f"{result.case_name} on {result.device}" + (f": {pair}" if pair else ""))
     for column in ("tensor", "status", "mismatches", "share", "max ULP", "p99 ULP", "sign flips",
                    "max abs err", "ULPs at scale"):
         table.add_column(column, justify="left" if column in ("tensor", "status") else "right")
@@ -93,9 +96,9 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         out.print(table)
     for side in result.sides:
         implementation = side.meta.get("implementation", "")
-        out.print(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
-                  f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}")
-    out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {result.message}", highlight=False)
+        out.print(escape(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
+                         f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}"))
+    out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
     if result.expectation.get("stated") and result.expectation["verdict"] != "BITWISE_PASS":
         met = "met" if result.expectation["met"] else "NOT met"
         out.print(f"expected {result.expectation['verdict']}: {met}")

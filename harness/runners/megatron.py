@@ -1,34 +1,45 @@
 """Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel``, no Transformer Engine.
 
-CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL, with the determinism
-settings of real alignment runs. Inputs arrive in Megatron's own layout, so nothing is transposed.
+CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL (world size 1 unless started by
+torchrun), with the determinism settings of real alignment runs (``torch_env``). At TP=1 the layer computes
+forward ``x @ W.t()``, dgrad ``dy @ W`` and wgrad ``dy.t() @ x`` (``gradient_accumulation_fusion`` off, so no
+fp32 ``main_grad``). Inputs arrive in Megatron's own layout, so nothing is transposed.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: keep eager numerics
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron.core import __version__ as megatron_version  # noqa: E402
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from harness.runners import torch_env  # noqa: E402
-from harness.runners.protocol import OUTPUTS, Phases, serve  # noqa: E402
+from harness.runners.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
+
+try:
+    from megatron.core import __version__ as megatron_version
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Megatron-Core
+    MEGATRON_IMPORT_ERROR = str(error)
+else:
+    MEGATRON_IMPORT_ERROR = ""
 
 
 def run(request: dict, phases: Phases) -> dict:
+    if MEGATRON_IMPORT_ERROR:
+        raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
     with phases("setup"):
         device = torch_env.select_device(request["device"])
         determinism = torch_env.apply_determinism(device)
         _init_process_group(device)
         dtype = torch_env.DTYPES[request["dtype"]]
-        tensors = {k: v.to(device) for k, v in load_file(request["checkpoint"]).items()}
+        tensors = torch_env.load_inputs(request["checkpoint"], device)
         config = ModelParallelConfig(
             tensor_model_parallel_size=1, use_cpu_initialization=device.type == "cpu",
             perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
@@ -36,6 +47,7 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("write"):
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
                   os.path.join(request["output_dir"], OUTPUTS))
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()},
             "implementation": implementation, "determinism": determinism, **torch_env.provenance(device)}
@@ -77,7 +89,9 @@ def _init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    # On a GPU everything runs over NCCL; Megatron's extra gloo groups would only add a TCP rendezvous.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(),
+                                             create_gloo_process_groups=device.type == "cpu")
 
 
 def _free_port() -> int:

@@ -2,8 +2,11 @@
 the gated path (bf16, TP=1: ``paddle.nn.functional.linear`` on Paddle's ``[in, out]`` weight).
 
 Which implementation ran is written to ``meta.json``; a verdict is only about that implementation.
-- GPU: dygraph (PaddleFleet's ``ColumnParallelLinear`` / ``RowParallelLinear`` with
-  ``use_accuracy_compatible`` when importable).
+- GPU: dygraph, PaddleFleet's ``ColumnParallelLinear`` / ``RowParallelLinear`` with ``use_accuracy_compatible``
+  on a single card (no fleet initialisation). It needs a CUDA build of paddle (paddlepaddle-gpu >= 3.3) that sees
+  a GPU, and ``paddlefleet``; where any of them is missing the request is UNSUPPORTED and says which, because a
+  GPU verdict is meant to be about PaddleFleet's module. TF32 is kept off with ``NVIDIA_TF32_OVERRIDE=0`` (read by
+  cuBLAS itself); ``FLAGS_use_accuracy_compatible_kernel=1`` comes from the harness (orchestrate.GPU_ENV).
 - CPU, bf16: Paddle's dygraph has no CPU bf16 matmul kernel, so the same ops are built in a static
   Program and run by oneDNN. oneDNN's bf16 matmul needs AVX-512; on a CPU without it the request is
   UNSUPPORTED, with the kernel and the CPU's ISA named.
@@ -37,7 +40,7 @@ def run(request: dict, phases: Phases) -> dict:
         from safetensors.paddle import load_file
 
         tensors = {k: v.numpy() for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
-    fleet = _paddlefleet() if device == "gpu" else None
+    fleet = _paddlefleet() if device == "gpu" else None  # raises UNSUPPORTED on a GPU without it
     if fleet is not None:
         outputs, implementation = _fleet_linear(request, tensors, gate, phases)
     elif device == "cpu" and request["dtype"] == "bfloat16":
@@ -48,9 +51,10 @@ def run(request: dict, phases: Phases) -> dict:
         _write(outputs, request)
     return {"framework": "paddle", "implementation": implementation,
             "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
-                         **({"paddlefleet": fleet.__version__} if fleet is not None else {})},
+                         **({"paddlefleet": getattr(fleet, "__version__", "unknown")} if fleet else {})},
             "paddlefleet_importable": importlib.util.find_spec("paddlefleet") is not None,
-            "use_accuracy_compatible": gate, **_device_provenance(device)}
+            "use_accuracy_compatible": gate, **_device_provenance(device),
+            **({"tf32": f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']}"} if device == "gpu" else {})}
 
 
 def _dygraph_linear(request, tensors, gate, phases):
@@ -104,8 +108,11 @@ def _fleet_linear(request, tensors, gate, phases):
 
     x, w, b = _feeds(tensors, request)
     n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    # gradient_accumulation_fusion off: the wgrad is then general_gemm(x.t(), dy) into .grad, as on Megatron's side
+    # (with it on, PaddleFleet accumulates into a main_grad that only its DDP wrapper creates).
     config = TransformerConfig(num_layers=1, hidden_size=n_in, num_attention_heads=1, params_dtype=paddle.bfloat16
-                               if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate)
+                               if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate,
+                               gradient_accumulation_fusion=False)
     bias = b is not None
     if request["op"] == "column_parallel_linear":
         layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
@@ -116,15 +123,15 @@ def _fleet_linear(request, tensors, gate, phases):
     layer.weight.set_value(paddle.to_tensor(w))
     if bias:
         layer.bias.set_value(paddle.to_tensor(b))
-    xt = paddle.to_tensor(x)
+    xt = paddle.to_tensor(x).unsqueeze(1)  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
     xt.stop_gradient = False
     with phases("forward"):
         out, _ = layer(xt)
         _synchronize(request)
     with phases("backward"):
-        out.backward(paddle.to_tensor(tensors["grad_output"]))
+        out.backward(paddle.to_tensor(tensors["grad_output"]).unsqueeze(1))
         _synchronize(request)
-    results = [out.numpy(), xt.grad.numpy(), layer.weight.grad.numpy()]
+    results = [out.squeeze(1).numpy(), xt.grad.squeeze(1).numpy(), layer.weight.grad.numpy()]
     if bias:
         results.append(layer.bias.grad.numpy())
     return _canonical(results), f"paddlefleet.tensor_parallel.{type(layer).__name__} (use_accuracy_compatible={gate})"
@@ -194,6 +201,9 @@ def _select_device(name: str) -> str:
         if not paddle.is_compiled_with_cuda():
             raise Unsupported(f"paddle {paddle.__version__} at {paddle.__file__} is a CPU build: install a "
                               "paddlepaddle-gpu >= 3.3 build (and PaddleFleet) in the Paddle runner's environment")
+        if paddle.device.cuda.device_count() < 1:
+            raise Unsupported(f"paddle {paddle.__version__} (CUDA {paddle.version.cuda()}) sees no GPU")
+        os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # before the first cuBLAS handle exists
         paddle.set_device("gpu:0")
     else:
         paddle.set_device("cpu")
@@ -201,12 +211,14 @@ def _select_device(name: str) -> str:
 
 
 def _paddlefleet():
+    """PaddleFleet, required on a GPU: the GPU verdict is about its gated module, not about hand-written ops."""
     try:
         import paddlefleet
-
-        return paddlefleet
-    except ImportError:
-        return None
+    except ImportError as error:
+        raise Unsupported(f"paddlefleet is not importable by {sys.executable} ({error}): on a GPU the Paddle side "
+                          "is PaddleFleet's gated ColumnParallelLinear/RowParallelLinear; install paddlefleet and "
+                          "paddlefleet-ops (Paddle's package index) next to paddlepaddle-gpu >= 3.3") from None
+    return paddlefleet
 
 
 def _device_provenance(device: str) -> dict:

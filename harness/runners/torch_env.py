@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 
 import torch
+from safetensors.torch import load_file
 
 from harness.runners.protocol import Unsupported
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# torch refuses deterministic cuBLAS calls without a fixed workspace; the harness sets the same value (GPU_ENV).
+CUBLAS_WORKSPACE = ":4096:8"
 
 
 def select_device(name: str, local_rank: int = 0) -> torch.device:
@@ -17,25 +21,61 @@ def select_device(name: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise Unsupported(f"torch {torch.__version__} sees no CUDA device (built with CUDA {torch.version.cuda})")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # before the first cuBLAS handle exists
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
 
+def load_inputs(path: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, each in a fresh allocation on `device`.
+
+    Tensors read from a safetensors file sit at offsets set by its header (measured: 48 mod 64 bytes), and MKL's
+    fp32 GEMM result depends on operand alignment (measured: one token of the fc1 shape changed 3,656 of 4,096
+    outputs when only the weight's address moved). A copy puts every operand on the allocator's 64-byte alignment,
+    so no result depends on the file's header length.
+    """
+    return {name: tensor.to(device=device, copy=True) for name, tensor in load_file(path).items()}
+
+
 def apply_determinism(device: torch.device) -> dict:
-    """The settings real alignment runs use: no TF32, no reduced-precision reductions, deterministic algorithms."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    """The settings real alignment runs use: no TF32, no reduced-precision reductions, deterministic algorithms.
+
+    torch >= 2.9 has a per-backend precision API and raises when the legacy ``allow_tf32`` flags are read after
+    the new API was written, so the new API is used where it exists and only the new values are read back.
+    """
+    if _has_fp32_precision_api():
+        for backend in (torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cudnn.conv,
+                        torch.backends.cudnn.rnn):
+            backend.fp32_precision = "ieee"
+        tf32 = {"cuda.matmul.fp32_precision": torch.backends.cuda.matmul.fp32_precision,
+                "cudnn.conv.fp32_precision": torch.backends.cudnn.conv.fp32_precision}
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        tf32 = {"allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True)
     return {
-        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "allow_bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        **tf32,
+        "allow_bf16_reduced_precision_reduction": matmul.allow_bf16_reduced_precision_reduction,
+        "allow_fp16_reduced_precision_reduction": matmul.allow_fp16_reduced_precision_reduction,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
+
+
+def _has_fp32_precision_api() -> bool:
+    try:
+        torch.backends.cuda.matmul.fp32_precision  # noqa: B018  (probing for the attribute)
+    except AttributeError:
+        return False
+    return True
 
 
 def synchronize(device: torch.device) -> None:
@@ -50,25 +90,39 @@ def provenance(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update({"gpu": props.name, "gpu_capability": f"{props.major}.{props.minor}",
-                     "cuda_runtime": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-                     "cublas": cublas_version(), "gpu_driver": gpu_driver_version()})
+                     "gpu_driver": gpu_driver_version(), "cuda_runtime": torch.version.cuda,
+                     "cudnn": torch.backends.cudnn.version(), **cublas_versions(),
+                     "preferred_blas_library": str(torch.backends.cuda.preferred_blas_library())})
     return info
 
 
-def cublas_version() -> str | None:
-    """The cuBLAS actually loaded by this process (read from the library torch mapped, not from a header)."""
-    torch.zeros(1, device="cuda") @ torch.zeros(1, 1, device="cuda").squeeze(0)
+def cublas_versions() -> dict:
+    """The cuBLAS and cuBLASLt this process loaded (read from the libraries torch mapped, not from headers)."""
+    torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")  # make sure the libraries are mapped
+    found = {}
     for line in open("/proc/self/maps"):
         path = line.split()[-1]
-        if "libcublas.so" in path:
-            lib = ctypes.CDLL(path)
-            parts = []
-            for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
-                value = ctypes.c_int()
-                lib.cublasGetProperty(prop, ctypes.byref(value))
-                parts.append(str(value.value))
-            return ".".join(parts) + f" ({path})"
-    return None
+        name = os.path.basename(path)
+        if name.startswith("libcublas.so") and "cublas" not in found:
+            found["cublas"] = _library_version(path, "cublasGetProperty")
+        elif name.startswith("libcublasLt.so") and "cublasLt" not in found:
+            found["cublasLt"] = _library_version(path, "cublasLtGetProperty")
+    return found or {"cublas": "not mapped into this process"}
+
+
+def _library_version(path: str, getter: str) -> str:
+    """major.minor.patch via cublas(Lt)GetProperty(MAJOR_VERSION=0, MINOR_VERSION=1, PATCH_LEVEL=2, int*)."""
+    try:
+        function = getattr(ctypes.CDLL(path), getter)
+    except (OSError, AttributeError) as error:
+        return f"unknown ({getter}: {error}) ({path})"
+    parts = []
+    for prop in (0, 1, 2):
+        value = ctypes.c_int()
+        if function(prop, ctypes.byref(value)) != 0:
+            return f"unknown ({getter} failed) ({path})"
+        parts.append(str(value.value))
+    return ".".join(parts) + f" ({path})"
 
 
 def gpu_driver_version() -> str | None:

@@ -1,0 +1,7 @@
+"""Plain-PyTorch runner with Paddle's weight layout (``[in, out]``, NN GEMM); see ``harness.runners.torch``."""
+
+from harness.runners.protocol import serve
+from harness.runners.torch import runner
+
+if __name__ == "__main__":
+    serve("torch_nn", runner("nn"))
