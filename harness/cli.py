@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
                               "(or set HARNESS_PYTHON_<RUNNER>)")
     compare.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
+    compare.add_argument("--versus-tp", type=int, metavar="N",
+                         help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
+    compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
 
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     result, run_dir = pipeline.compare_case(
         args.case, device=args.device, tokens=args.tokens, cases_dir=args.cases, checkpoints_dir=args.checkpoints,
-        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights)
+        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights,
+        versus_tp=args.versus_tp, runner=args.runner)
     report.console(result, run_dir)
     return result.exit_code
 
