@@ -105,6 +105,16 @@ class Case:
                             f"(got {tokens!r})")
         return replace(self, tokens=tokens)
 
+    def with_tp(self, tp: int) -> Case:
+        split = self.shapes[self.op_spec.tp_split_field]
+        if tp not in TP_SIZES or split % tp:
+            raise CaseError(f"case {self.name!r}: tp must be one of {', '.join(map(str, TP_SIZES))} and divide "
+                            f"shapes.{self.op_spec.tp_split_field}={split} (got {tp!r})")
+        if self.config.get("sequence_parallel") and (tp == 1 or self.tokens % tp):
+            raise CaseError(f"case {self.name!r}: sequence_parallel needs tp > 1 dividing tokens={self.tokens} "
+                            f"(got tp={tp!r})")
+        return replace(self, tp=tp)
+
     def input_specs(self):
         return self.op_spec.inputs(self.shapes, self.tokens, self.config)
 

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                               "(or set HARNESS_PYTHON_<RUNNER>)")
     compare.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
+    compare.add_argument("--tp", type=int, help="tensor-parallel size (1, 2, 4, 8); default: the case's")
     compare.add_argument("--versus-tp", type=int, metavar="N",
                          help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
     compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     result, run_dir = pipeline.compare_case(
         args.case, device=args.device, tokens=args.tokens, cases_dir=args.cases, checkpoints_dir=args.checkpoints,
         reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights,
-        versus_tp=args.versus_tp, runner=args.runner)
+        versus_tp=args.versus_tp, runner=args.runner, tp=args.tp)
     report.console(result, run_dir)
     return result.exit_code
 

@@ -40,7 +40,7 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
                  checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR, reports_dir: Path = REPORTS_DIR,
                  pythons: dict[str, str] | None = None, timeout: float = 1800.0,
                  weights_file: str | None = None, versus_tp: int | None = None,
-                 runner: str | None = None) -> tuple[CaseResult, Path]:
+                 runner: str | None = None, tp: int | None = None) -> tuple[CaseResult, Path]:
     """Compare the case's two runners at its TP size; with `versus_tp`, one runner (`runner`, default the case's
     first) at the case's TP size (side a) against itself at `versus_tp` (side b), on the same checkpoint."""
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
@@ -49,6 +49,7 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
                                  "host": host_provenance(), "node": platform.node()})
     try:
         case = _load_case(name, cases_dir, tokens, device)
+        case = case.with_tp(tp) if tp is not None else case
         tps = None
         if versus_tp is not None:
             case, tps = _versus_tp(case, versus_tp, runner or case.runners[0])
