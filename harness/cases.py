@@ -36,6 +36,8 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
     "bias": (bool,),
     # PaddleFleet's accuracy gate; newer PaddleFleet also accepts "megatron" / "hf".
     "use_accuracy_compatible": (bool, str),
+    # Megatron's config.sequence_parallel: tokens split across the TP ranks around the parallel linears.
+    "sequence_parallel": (bool,),
 }
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
@@ -101,6 +103,9 @@ class Case:
     def with_tokens(self, tokens: int) -> Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
+        if self.config.get("sequence_parallel") and tokens % self.tp:
+            raise CaseError(f"case {self.name!r}: tokens must be divisible by tp={self.tp} with sequence_parallel "
+                            f"(got {tokens!r})")
         return replace(self, tokens=tokens)
 
     def with_runners(self, runners: tuple[str, str]) -> Case:
@@ -113,6 +118,16 @@ class Case:
         if tuple(runners) == self.runners:
             return self
         return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
+
+    def with_tp(self, tp: int) -> Case:
+        split = self.shapes[self.op_spec.tp_split_field]
+        if tp not in TP_SIZES or split % tp:
+            raise CaseError(f"case {self.name!r}: tp must be one of {', '.join(map(str, TP_SIZES))} and divide "
+                            f"shapes.{self.op_spec.tp_split_field}={split} (got {tp!r})")
+        if self.config.get("sequence_parallel") and (tp == 1 or self.tokens % tp):
+            raise CaseError(f"case {self.name!r}: sequence_parallel needs tp > 1 dividing tokens={self.tokens} "
+                            f"(got tp={tp!r})")
+        return replace(self, tp=tp)
 
     def input_specs(self):
         return self.op_spec.inputs(self.shapes, self.tokens, self.config)
@@ -245,6 +260,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
             raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
         f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
 
+    _check_tensor_parallel(f, spec, tp, tokens, config)
     input_roles = {s.name: s.role for s in spec.inputs(shapes, tokens, config)}
     tensors_table = f.get("tensors", dict, {})
     tensors = {}
@@ -273,6 +289,21 @@ def _build(name: str, path: Path, table: dict) -> Case:
                               WIDTHS[dtype]),
         weights_from=_weight_import(f, input_roles),
     )
+
+
+def _check_tensor_parallel(f: _Fields, spec: OpSpec, tp: int, tokens: int, config: dict) -> None:
+    if config.get("sequence_parallel", False):
+        if tp == 1:
+            raise f.error("config.sequence_parallel", "needs tp > 1 (Megatron refuses it without tensor parallelism)",
+                          True)
+        if tokens % tp:
+            raise f.error("tokens", f"must be divisible by tp={tp} with sequence_parallel", tokens)
+    if tp > 1:
+        names = [s.name for s in (*spec.inputs({k: 1 for k in spec.shape_fields}, 1, config),
+                                  *spec.outputs({k: 1 for k in spec.shape_fields}, 1, config))]
+        undeclared = [n for n in names if n not in spec.partition(config)]
+        if undeclared:
+            raise f.error("tp", f"op {spec.name} declares no partition dim for {', '.join(undeclared)}", tp)
 
 
 def _distribution(f: _Fields, tensor_name: str, merged: dict, given: dict) -> dict:

@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
                               "(or set HARNESS_PYTHON_<RUNNER>)")
     compare.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
+    compare.add_argument("--tp", type=int, help="tensor-parallel size (1, 2, 4, 8); default: the case's")
+    compare.add_argument("--versus-tp", type=int, metavar="N",
+                         help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
+    compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
 
@@ -47,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--python expects RUNNER=PATH (got {item!r})")
         pythons[runner] = path
     common = dict(device=args.device, cases_dir=args.cases, checkpoints_dir=args.checkpoints, pythons=pythons,
-                  timeout=args.timeout, weights_file=args.weights)
+                  timeout=args.timeout, weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner,
+                  tp=args.tp)
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, reports_dir=args.reports,

@@ -27,6 +27,9 @@ class OpSpec:
     inputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     outputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     tp_split_field: str  # the shape field that tensor parallelism divides
+    # Canonical dim each input and output is split on across tensor-parallel ranks, None where every rank
+    # holds the whole tensor (replicated, or already all-reduced); the harness gathers shards with it.
+    partition: Callable[[Mapping[str, object]], dict[str, int | None]] = lambda config: {}
 
 
 def _linear_inputs(shapes, tokens, config):
@@ -53,11 +56,29 @@ def _linear_outputs(shapes, tokens, config):
     return specs
 
 
+def _column_partition(config):
+    """Each rank holds W[out/tp] rows: out and weight grads split on the out dim; the input grad is all-reduced
+    (with sequence parallel: the input is split on tokens and its grad reduce-scattered back to that split)."""
+    tokens_split = 0 if config.get("sequence_parallel", False) else None
+    return {"input": tokens_split, "weight": 0, "bias": 0, "grad_output": 1,
+            "out": 1, "grad.input": tokens_split, "grad.weight": 0, "grad.bias": 0}
+
+
+def _row_partition(config):
+    """Input and weight split on the in dim; out partial sums all-reduced (sequence parallel: reduce-scattered
+    to a split on tokens), bias added after the reduce."""
+    tokens_split = 0 if config.get("sequence_parallel", False) else None
+    return {"input": 1, "weight": 1, "bias": None, "grad_output": tokens_split,
+            "out": tokens_split, "grad.input": 1, "grad.weight": 1, "grad.bias": None}
+
+
 OPS: dict[str, OpSpec] = {
     "column_parallel_linear": OpSpec(
-        "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size"
+        "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size",
+        _column_partition,
     ),
     "row_parallel_linear": OpSpec(
-        "row_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "input_size"
+        "row_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "input_size",
+        _row_partition,
     ),
 }

@@ -3,20 +3,21 @@
 Each runner runs in its own process group (so a timeout kills it and everything it started), with
 its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, default: this one), and
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
-Both sides start at once and run concurrently.
+Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
+(``harness.launch``) and its rank files are gathered into the canonical ones (``harness.shards``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import launch, shards
 from harness.cases import Case
 from harness.checkpoints import Checkpoint, CheckpointError, load_tensors
 from harness.kernels import onednn_kernels
@@ -72,29 +73,30 @@ def runner_env(device: str) -> dict[str, str]:
 
 
 def run_pair(case: Case, checkpoint: Checkpoint, device: str, run_dir: Path,
-             pythons: dict[str, str], timeout: float) -> list[SideResult]:
-    """Run both sides of the case concurrently; never raises for a runner's failure."""
+             pythons: dict[str, str], timeout: float, tps: tuple[int, int] | None = None) -> list[SideResult]:
+    """Run both sides of the case concurrently (each at its own TP size); never raises for a runner's failure."""
     started = []
-    for label, runner in zip("ab", case.runners, strict=True):
-        folder = run_dir / f"{label}-{runner}"
+    for label, runner, tp in zip("ab", case.runners, tps or (case.tp, case.tp), strict=True):
+        folder = run_dir / (f"{label}-{runner}" + ("" if tps is None else f"-tp{tp}"))
         folder.mkdir(parents=True)
-        request = _request(case, checkpoint.path_for(label), device, folder)
+        request = _request(case, checkpoint.path_for(label), device, folder, tp)
         (folder / "request.json").write_text(json.dumps(request, indent=2))
         python = runner_python(runner, pythons)
-        started.append((label, runner, folder, python, _start(runner, python, folder, device)))
+        started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))
     deadline = time.monotonic() + timeout
-    return [_finish(label, runner, folder, python, process, start, deadline, timeout, case)
-            for label, runner, folder, python, (process, start) in started]
+    return [_finish(label, runner, folder, python, tp, launched, deadline, timeout, case)
+            for label, runner, folder, python, tp, launched in started]
 
 
-def _request(case: Case, checkpoint: Path, device: str, folder: Path) -> dict:
-    return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": case.tp,
-            "tokens": case.tokens, "shapes": case.shapes, "config": case.config, "seed": case.seed,
+def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -> dict:
+    config = case.config if tp > 1 else {k: v for k, v in case.config.items() if k != "sequence_parallel"}
+    return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": tp,
+            "tokens": case.tokens, "shapes": case.shapes, "config": config, "seed": case.seed,
             "checkpoint": str(checkpoint.resolve()), "output_dir": str(folder.resolve())}
 
 
-def _start(runner: str, python: str, folder: Path, device: str):
-    command = [python, "-m", f"harness.runners.{runner}", "--request", str(folder / "request.json")]
+def _start(runner: str, python: str, folder: Path, device: str, tp: int):
+    command, launched = launch.command(runner, python, folder / "request.json", tp, folder)
     (folder / "command.txt").write_text(" ".join(command) + "\n")
     with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
         try:
@@ -103,35 +105,54 @@ def _start(runner: str, python: str, folder: Path, device: str):
         except OSError as error:  # e.g. the configured interpreter does not exist
             err.write(f"cannot start {command[0]}: {error}\n".encode())
             process = None
-    return process, time.monotonic()
+    return process, time.monotonic(), launched
 
 
-def _finish(label, runner, folder, python, process, start, deadline, timeout, case) -> SideResult:
+def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case) -> SideResult:
+    process, start, launch_info = launched
     side = SideResult(label, runner, "error", folder, python)
     if process is None:
         side.reason = f"could not start interpreter {python!r}"
     else:
-        try:
-            side.returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill_group(process)
+        side.returncode, seen = launch.wait(process, max(0.0, deadline - time.monotonic()))
+        if side.returncode is None:
+            launch.kill_tree(process)
             side.returncode = process.returncode
             side.reason = f"timed out after {timeout:g} s; its process group was killed"
+            side.reason += f", with all {tp} ranks" if tp > 1 else ""
+        launch_info["leftovers_killed"] = launch.kill_leftovers(seen)
     side.wall_seconds = time.monotonic() - start
     side.stderr_tail = _tail(folder / "stderr.log")
-    side.meta = _read_meta(folder)
+    side.meta = _read_meta(folder) if tp == 1 else shards.merge_metas(folder, tp, launch_info)
+    if tp > 1:
+        side.stderr_tail += "".join(f"\n--- rank {rank} stderr (tail) ---\n{text}\n"
+                                    for rank, text in launch.rank_tails(folder, tp).items())
     if side.meta:
         side.meta["onednn_kernels"] = onednn_kernels(folder / "stdout.log")
     if side.reason:
         return side
-    if side.returncode == EXIT_UNSUPPORTED and "unsupported" in side.meta:
+    if "unsupported" in side.meta and (side.returncode == EXIT_UNSUPPORTED or tp > 1):
         side.status, side.reason = "unsupported", side.meta["unsupported"]
     elif side.returncode != 0:
-        side.reason = f"exited with code {side.returncode}"
+        blamed = launch.failed_rank(side.stderr_tail) if tp > 1 else ""
+        side.reason = f"exited with code {side.returncode}" + (f"; {blamed}" if blamed else "")
     else:
-        problem = _validate_outputs(side, case)
+        problem = _gather(side, case, tp) if tp > 1 else ""
+        problem = problem or _validate_outputs(side, case)
         side.status, side.reason = ("error", f"bad output: {problem}") if problem else ("ok", "")
     return side
+
+
+def _gather(side: SideResult, case: Case, tp: int) -> str:
+    """Put the rank files together; a replicated tensor that differs between ranks is recorded in meta.json."""
+    try:
+        checks = shards.gather(side.folder, tp, [s.name for s in case.output_specs()],
+                               case.op_spec.partition(case.config))
+    except shards.GatherError as error:
+        return str(error)
+    side.meta["gather"] = checks
+    (side.folder / META).write_text(json.dumps(side.meta, indent=2, sort_keys=True, default=str))
+    return ""
 
 
 def _validate_outputs(side: SideResult, case: Case) -> str:
@@ -149,19 +170,6 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
             return (f"{side.outputs}: tensor {spec.name!r} is {array.dtype.name}{list(array.shape)}, "
                     f"expected {case.dtype}{list(spec.shape)}")
     return ""
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGTERM the whole group, give it a moment, then SIGKILL whatever of it is left."""
-    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _tail(path: Path) -> str:

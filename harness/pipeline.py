@@ -10,11 +10,11 @@ import platform
 import secrets
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from harness import __version__, checkpoints, orchestrate, report
-from harness.cases import CASES_DIR, Case, CaseError, Registry
+from harness import __version__, checkpoints, orchestrate, report, shards
+from harness.cases import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.checkpoints import CheckpointError
 from harness.compare import compare_tensor
 from harness.result import ERROR, CaseResult, check_expectation, decide
@@ -39,25 +39,35 @@ def new_run_dir(root: Path, label: str) -> tuple[str, Path]:
 def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, cases_dir: Path = CASES_DIR,
                  checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR, reports_dir: Path = REPORTS_DIR,
                  pythons: dict[str, str] | None = None, timeout: float = 1800.0,
-                 weights_file: str | None = None,
-                 runners: tuple[str, str] | None = None) -> tuple[CaseResult, Path]:
-    """`runners` overrides the case's pair of runners (``--runners A,B``)."""
+                 weights_file: str | None = None, runners: tuple[str, str] | None = None,
+                 versus_tp: int | None = None, runner: str | None = None,
+                 tp: int | None = None) -> tuple[CaseResult, Path]:
+    """Compare the case's two runners (or `runners`, ``--runners A,B``) at its TP size (or `tp`); with
+    `versus_tp`, one runner (`runner`, default the case's first) at that TP size (side a) against itself at
+    `versus_tp` (side b), on the same checkpoint."""
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
     result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=_now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "node": platform.node()})
     try:
         case = _load_case(name, cases_dir, tokens, device, runners)
+        case = case.with_tp(tp) if tp is not None else case
+        tps = None
+        if versus_tp is not None:
+            case, tps = _versus_tp(case, versus_tp, runner or case.runners[0])
+            result.comparison = {"kind": "tensor_parallel", "runner": case.runners[0], "tp_a": tps[0], "tp_b": tps[1]}
         result.case = describe_case(case)
         checkpoint = checkpoints.prepare(case, Path(checkpoints_dir), weights_file)
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
-        result.sides = orchestrate.run_pair(case, checkpoint, device, run_dir, pythons or {}, timeout)
+        result.sides = orchestrate.run_pair(case, checkpoint, device, run_dir, pythons or {}, timeout, tps)
         if all(side.status == "ok" for side in result.sides):
             result.tensors = _compare_outputs(case, result.sides)
         result.verdict, result.message = decide(result.sides, result.tensors)
-        result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
+        result.message += tp_notes(result)
+        if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
+            result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except (CaseError, CheckpointError) as error:
         result.verdict, result.message = ERROR, str(error)
     result.finished_at = _now()
@@ -69,6 +79,37 @@ def describe_case(case: Case) -> dict:
     described = asdict(case)
     described["source"] = str(case.source)
     return described
+
+
+def _versus_tp(case: Case, versus_tp: int, runner: str) -> tuple[Case, tuple[int, int]]:
+    where = f"{case.source}: case {case.name!r}"
+    if versus_tp not in TP_SIZES:
+        raise CaseError(f"{where}: --versus-tp must be one of {', '.join(map(str, TP_SIZES))} (got {versus_tp!r})")
+    if runner not in RUNNERS:
+        raise CaseError(f"{where}: --runner must be one of {', '.join(RUNNERS)} (got {runner!r})")
+    split = case.shapes[case.op_spec.tp_split_field]
+    if split % versus_tp or (versus_tp > 1 and case.config.get("sequence_parallel") and case.tokens % versus_tp):
+        raise CaseError(f"{where}: --versus-tp {versus_tp} does not divide shapes.{case.op_spec.tp_split_field}="
+                        f"{split} (or the tokens, with sequence_parallel)")
+    return replace(case, runners=(runner, runner), perturb=None), (case.tp, versus_tp)
+
+
+def tp_notes(result: CaseResult) -> str:
+    """What the reader must know about tensor parallelism beyond the verdict: TP invariance, ranks that disagree."""
+    notes = []
+    if result.comparison and result.tensors:
+        c = result.comparison
+        invariant = [t.name for t in result.tensors if t.status == "EQUAL"]
+        variant = [t.name for t in result.tensors if t.status != "EQUAL"]
+        c["tp_invariant"], c["not_tp_invariant"] = invariant, variant
+        notes.append(f"{c['runner']} TP={c['tp_a']} vs TP={c['tp_b']}: bitwise TP-invariant: "
+                     f"{', '.join(invariant) or 'none'}; not: {', '.join(variant) or 'none'}")
+    for side in result.sides:
+        differing = shards.inconsistent(side.meta.get("gather", {}))
+        if differing:
+            notes.append(f"side {side.label}: replicated {', '.join(differing)} differ between ranks "
+                         "(rank 0's copy compared)")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _load_case(name: str, cases_dir: Path, tokens: int | None, device: str,

@@ -28,6 +28,7 @@ def markdown(result: CaseResult) -> str:
     if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
         lines.append(f"- expected: {expectation['verdict']}; {met}")
+    lines += _tensor_parallel_lines(data)
     case = data["case"]
     if case:
         lines.append(f"- runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
@@ -79,6 +80,29 @@ def markdown(result: CaseResult) -> str:
                 lines += [f"### stderr tail of side {side['label']} ({side['runner']})", "", "```",
                           side["stderr_tail"].rstrip(), "```", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _tensor_parallel_lines(data: dict) -> list[str]:
+    """How the sides were launched and gathered, and, for a TP=N vs TP=M run, which tensors are TP-invariant."""
+    lines = []
+    c = data["comparison"]
+    if c:
+        lines.append(f"- comparison: {c['runner']} at TP={c['tp_a']} (side a) against {c['runner']} at "
+                     f"TP={c['tp_b']} (side b); no case expectation applies")
+        if "tp_invariant" in c:
+            lines.append(f"- TP-invariant (bitwise equal): {', '.join(c['tp_invariant']) or 'none'}; "
+                         f"not TP-invariant: {', '.join(c['not_tp_invariant']) or 'none'}")
+    for side in data["sides"]:
+        launch, gather = side["meta"].get("launch"), side["meta"].get("gather", {})
+        if not launch:
+            continue
+        parts = [f"{name}: " + (f"split on dim {g['split_dim']}" if "split_dim" in g else
+                                "replicated, identical on every rank" if g["identical_across_ranks"] else
+                                f"replicated, DIFFERS between ranks (mismatches vs rank 0: {g['mismatches_vs_rank0']})")
+                 for name, g in gather.items()]
+        lines.append(f"- side {side['label']} launched by {launch['launcher']} with {launch['tp']} ranks at "
+                     f"{launch.get('master', '')}" + (f"; gathered: {'; '.join(parts)}" if parts else ""))
+    return lines
 
 
 def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> None:

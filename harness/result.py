@@ -24,6 +24,7 @@ class CaseResult:
     verdict: str = ERROR
     message: str = ""
     expectation: dict = field(default_factory=dict)
+    comparison: dict = field(default_factory=dict)  # set when one runner is compared with itself at another TP size
     harness: dict = field(default_factory=dict)
     started_at: str = ""
     finished_at: str = ""
@@ -40,7 +41,8 @@ class CaseResult:
         return {
             "schema": REPORT_SCHEMA, "run_id": self.run_id, "case_name": self.case_name, "device": self.device,
             "verdict": self.verdict, "exit_code": self.exit_code, "message": self.message,
-            "expectation": self.expectation, "case": self.case, "checkpoint": self.checkpoint,
+            "expectation": self.expectation, "comparison": self.comparison, "case": self.case,
+            "checkpoint": self.checkpoint,
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
         }

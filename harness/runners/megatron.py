@@ -1,9 +1,11 @@
 """Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel``, no Transformer Engine.
 
-CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL (world size 1 unless started by
-torchrun), with the determinism settings of real alignment runs (``torch_env``). At TP=1 the layer computes
-forward ``x @ W.t()``, dgrad ``dy @ W`` and wgrad ``dy.t() @ x`` (``gradient_accumulation_fusion`` off, so no
-fp32 ``main_grad``). Inputs arrive in Megatron's own layout, so nothing is transposed.
+CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL, with the determinism settings
+of real alignment runs (``torch_env``). At TP=1 the layer computes forward ``x @ W.t()``, dgrad ``dy @ W`` and
+wgrad ``dy.t() @ x`` (``gradient_accumulation_fusion`` off, so no fp32 ``main_grad``). Inputs arrive in
+Megatron's own layout, so nothing is transposed.
+Tensor parallel: started by torchrun, one process per rank; each rank reads the full checkpoint, takes
+its shard (partition dims from ``harness.ops``) and writes its own shard of every output.
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from harness.ops import OPS as OP_SPECS  # noqa: E402
 from harness.runners import torch_env  # noqa: E402
-from harness.runners.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
+from harness.runners.protocol import (  # noqa: E402
+    OUTPUTS,
+    Phases,
+    Unsupported,
+    rank_and_world,
+    rank_file_name,
+    serve,
+    shard_index,
+)
 
 try:
     from megatron.core import __version__ as megatron_version
@@ -34,27 +45,36 @@ else:
 def run(request: dict, phases: Phases) -> dict:
     if MEGATRON_IMPORT_ERROR:
         raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
+    rank, world = rank_and_world()
+    sequence_parallel = bool(request["config"].get("sequence_parallel", False))
     with phases("setup"):
-        device = torch_env.select_device(request["device"])
+        device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         determinism = torch_env.apply_determinism(device)
         _init_process_group(device)
+        if sequence_parallel and device.type == "cpu":
+            torch.cuda.current_device = lambda: "cpu"  # Megatron allocates gather buffers on the "current" GPU
         dtype = torch_env.DTYPES[request["dtype"]]
-        tensors = torch_env.load_inputs(request["checkpoint"], device)
+        partition = OP_SPECS[request["op"]].partition(request["config"])
+        tensors = torch_env.load_inputs(request["checkpoint"], device,
+                                        take=lambda name, t: t[shard_index(t.shape, partition.get(name), rank, world)])
         config = ModelParallelConfig(
-            tensor_model_parallel_size=1, use_cpu_initialization=device.type == "cpu",
-            perform_initialization=False, params_dtype=dtype, gradient_accumulation_fusion=False)
+            tensor_model_parallel_size=world, sequence_parallel=sequence_parallel,
+            use_cpu_initialization=device.type == "cpu", perform_initialization=False, params_dtype=dtype,
+            gradient_accumulation_fusion=False)
     outputs, implementation = OPS[request["op"]](request, tensors, config, device, phases)
     with phases("write"):
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
-                  os.path.join(request["output_dir"], OUTPUTS))
+                  os.path.join(request["output_dir"], rank_file_name(OUTPUTS, rank, world)))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()},
-            "implementation": implementation, "determinism": determinism, **torch_env.provenance(device)}
+            "implementation": implementation, "determinism": determinism, "tensor_parallel": world,
+            "sequence_parallel": sequence_parallel, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
+            **torch_env.provenance(device)}
 
 
 def parallel_linear(request, tensors, config, device, phases):
-    """ColumnParallelLinear or RowParallelLinear at TP=1: out = x @ W.t() (+ b), then backward(grad_output)."""
+    """ColumnParallelLinear or RowParallelLinear on this rank's shards: out = x @ W.t() (+ b), then backward."""
     bias = bool(request["config"].get("bias", False))
     n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
     common = dict(config=config, init_method=torch.nn.init.zeros_, bias=bias, skip_bias_add=False)

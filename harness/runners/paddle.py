@@ -12,6 +12,11 @@ Which implementation ran is written to ``meta.json``; a verdict is only about th
   UNSUPPORTED, with the kernel and the CPU's ISA named.
 - CPU, fp32: dygraph.
 Outputs go back to canonical names and Megatron's ``[out, in]`` weight layout (a transpose: exact).
+
+Tensor parallel (started by ``paddle.distributed.launch``): PaddleFleet's layers on its model-parallel group
+when importable; otherwise each rank runs the same ops on its split weights (partition dims from
+``harness.ops``) and the partial sums are all-reduced as Megatron does: column-parallel, the input grad;
+row-parallel, the output. The plain path has no sequence parallel and no row-parallel bias (said UNSUPPORTED).
 """
 
 from __future__ import annotations
@@ -22,7 +27,17 @@ import sys
 
 import numpy as np
 
-from harness.runners.protocol import OUTPUTS, Phases, Unsupported, cpu_isa_flags, serve
+from harness.ops import OPS as OP_SPECS
+from harness.runners.protocol import (
+    OUTPUTS,
+    Phases,
+    Unsupported,
+    cpu_isa_flags,
+    rank_and_world,
+    rank_file_name,
+    serve,
+    shard_index,
+)
 
 try:
     import paddle
@@ -39,22 +54,49 @@ def run(request: dict, phases: Phases) -> dict:
         device = _select_device(request["device"])
         from safetensors.paddle import load_file
 
-        tensors = {k: v.numpy() for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
+        rank, world = rank_and_world()
+        partition = OP_SPECS[request["op"]].partition(request["config"])
+        tensors = {k: np.ascontiguousarray(v.numpy()[shard_index(v.shape, partition.get(k), rank, world)])
+                   for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
     fleet = _paddlefleet() if device == "gpu" else None  # raises UNSUPPORTED on a GPU without it
+    if world > 1 and fleet is None:
+        _check_plain_tp(request)
+        paddle.distributed.init_parallel_env()
     if fleet is not None:
-        outputs, implementation = _fleet_linear(request, tensors, gate, phases)
+        outputs, implementation = _fleet_linear(request, tensors, gate, phases, world)
     elif device == "cpu" and request["dtype"] == "bfloat16":
         outputs, implementation = _static_onednn_linear(request, tensors, gate, phases)
     else:
         outputs, implementation = _dygraph_linear(request, tensors, gate, phases)
+    if world > 1 and fleet is None:
+        with phases("all_reduce"):
+            implementation += _all_reduce_partials(outputs, request, world)
     with phases("write"):
-        _write(outputs, request)
-    return {"framework": "paddle", "implementation": implementation,
+        _write(outputs, request, rank_file_name(OUTPUTS, rank, world))
+    return {"framework": "paddle", "implementation": implementation, "tensor_parallel": world,
             "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                          **({"paddlefleet": getattr(fleet, "__version__", "unknown")} if fleet else {})},
             "paddlefleet_importable": importlib.util.find_spec("paddlefleet") is not None,
             "use_accuracy_compatible": gate, **_device_provenance(device),
             **({"tf32": f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']}"} if device == "gpu" else {})}
+
+
+def _check_plain_tp(request):
+    if request["config"].get("sequence_parallel", False):
+        raise Unsupported("sequence_parallel: the plain-Paddle tensor-parallel path has no sequence parallel "
+                          "(it comes with PaddleFleet's layers, which are not importable here)")
+    if request["op"] == "row_parallel_linear" and request["config"].get("bias", False):
+        raise Unsupported("row-parallel bias at tp > 1: the plain-Paddle path does not add it after the reduce")
+
+
+def _all_reduce_partials(outputs, request, world) -> str:
+    """Sum the per-rank partial results over the ranks, where Megatron's layers do the same all-reduce."""
+    name = "grad.input" if request["op"] == "column_parallel_linear" else "out"
+    partial = paddle.to_tensor(outputs[name], place=paddle.CPUPlace() if request["device"] == "cpu" else None)
+    paddle.distributed.all_reduce(partial)
+    outputs[name] = partial.numpy()
+    backend = "gloo" if request["device"] == "cpu" else "nccl"
+    return f"; TP={world}: split weights, {name} partial sums by paddle.distributed.all_reduce ({backend})"
 
 
 def _dygraph_linear(request, tensors, gate, phases):
@@ -101,25 +143,29 @@ def _static_onednn_linear(request, tensors, gate, phases):
     return _canonical(results), f"paddle static graph + oneDNN, {name} (plain Paddle ops following the gated path)"
 
 
-def _fleet_linear(request, tensors, gate, phases):
-    """PaddleFleet's own module with the accuracy gate; weight is Paddle's [in, out]. Written from its API, GPU only."""
+def _fleet_linear(request, tensors, gate, phases, world):
+    """PaddleFleet's own module with the accuracy gate; weight is Paddle's [in, out] (this rank's shard at TP>1).
+    Written from its public API (GPU only; not run on this project's machines)."""
     from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from paddlefleet.transformer.transformer_config import TransformerConfig
 
     x, w, b = _feeds(tensors, request)
     n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    sequence_parallel = bool(request["config"].get("sequence_parallel", False))
     # gradient_accumulation_fusion off: the wgrad is then general_gemm(x.t(), dy) into .grad, as on Megatron's side
     # (with it on, PaddleFleet accumulates into a main_grad that only its DDP wrapper creates).
     config = TransformerConfig(num_layers=1, hidden_size=n_in, num_attention_heads=1, params_dtype=paddle.bfloat16
                                if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate,
-                               gradient_accumulation_fusion=False)
+                               gradient_accumulation_fusion=False, tensor_model_parallel_size=world,
+                               sequence_parallel=sequence_parallel)
     bias = b is not None
+    group = {"tp_group": _fleet_tp_group(world)} if world > 1 else {}
     if request["op"] == "column_parallel_linear":
         layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
-                                     gather_output=False)
+                                     gather_output=False, **group)
     else:
         layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
-                                  input_is_parallel=True, skip_bias_add=False)
+                                  input_is_parallel=True, skip_bias_add=False, **group)
     layer.weight.set_value(paddle.to_tensor(w))
     if bias:
         layer.bias.set_value(paddle.to_tensor(b))
@@ -135,6 +181,16 @@ def _fleet_linear(request, tensors, gate, phases):
     if bias:
         results.append(layer.bias.grad.numpy())
     return _canonical(results), f"paddlefleet.tensor_parallel.{type(layer).__name__} (use_accuracy_compatible={gate})"
+
+
+def _fleet_tp_group(world):
+    """Fleet's hybrid topology with every rank in one model-parallel (tensor-parallel) group."""
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": world, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=strategy)
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
 
 
 def _linear_function(gate, request):
@@ -162,7 +218,7 @@ def _canonical(results):
     return outputs
 
 
-def _write(outputs, request):
+def _write(outputs, request, file_name):
     from safetensors.paddle import save_file
 
     dtype = {"bfloat16": paddle.bfloat16, "float16": paddle.float16, "float32": paddle.float32}[request["dtype"]]
@@ -172,7 +228,7 @@ def _write(outputs, request):
         if tensor.dtype != dtype:
             raise RuntimeError(f"output {name!r} came back as {tensor.dtype}, expected {dtype}")
         tensors[name] = tensor
-    save_file(tensors, os.path.join(request["output_dir"], OUTPUTS))
+    save_file(tensors, os.path.join(request["output_dir"], file_name))
 
 
 def _kernel_guard(call, kernel: str, request):
@@ -204,7 +260,7 @@ def _select_device(name: str) -> str:
         if paddle.device.cuda.device_count() < 1:
             raise Unsupported(f"paddle {paddle.__version__} (CUDA {paddle.version.cuda()}) sees no GPU")
         os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # before the first cuBLAS handle exists
-        paddle.set_device("gpu:0")
+        paddle.set_device(f"gpu:{os.environ.get('FLAGS_selected_gpus', '0').split(',')[0]}")  # a launcher's rank
     else:
         paddle.set_device("cpu")
     return name

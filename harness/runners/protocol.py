@@ -1,5 +1,8 @@
 """The runner side of the request/outputs contract: framework-free, standard library only.
 
+Under a launcher (torchrun, paddle.distributed.launch) every rank writes its own shard and meta,
+named with its rank (``outputs.rank1.safetensors``, ``meta.rank1.json``); the harness gathers them.
+
 Exit codes: 0 outputs written; 3 the framework lacks a kernel or package for this request
 (``meta.json`` says which); anything else is a crash, which the harness reports as ERROR.
 """
@@ -21,6 +24,31 @@ OUTPUTS = "outputs.safetensors"
 META = "meta.json"
 ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "ONEDNN_", "DNNL_", "OPENBLAS_", "CUBLAS_", "CUDA_", "NCCL_",
                 "NVTE_", "FLAGS_", "TORCH", "PYTORCH_", "NVIDIA_TF32", "HARNESS_")
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's tensor-parallel rank and world size, from whichever launcher started it (1 process: 0, 1)."""
+    for rank_key, world_key in (("RANK", "WORLD_SIZE"), ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM")):
+        if rank_key in os.environ and world_key in os.environ:
+            return int(os.environ[rank_key]), int(os.environ[world_key])
+    return 0, 1
+
+
+def rank_file_name(name: str, rank: int, world: int) -> str:
+    """``outputs.safetensors`` -> ``outputs.rank1.safetensors`` when there are several ranks."""
+    if world == 1:
+        return name
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.rank{rank}{dot}{suffix}"
+
+
+def shard_index(shape, dim: int | None, rank: int, world: int) -> tuple[slice, ...]:
+    """The index of this rank's equal shard along `dim` (all of it when `dim` is None); works on torch and numpy."""
+    index = [slice(None)] * len(shape)
+    if dim is not None and world > 1:
+        size = shape[dim] // world
+        index[dim] = slice(rank * size, (rank + 1) * size)
+    return tuple(index)
 
 
 class Unsupported(Exception):
@@ -53,9 +81,10 @@ def serve(runner: str, run: Callable[[dict, Phases], dict]) -> None:
     output_dir = Path(request["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     phases = Phases()
+    rank, world = rank_and_world()
     meta = {"runner": runner, "case": request["case"], "op": request["op"], "device": request["device"],
             "host": host_provenance(), "env": env_flags(), "python": sys.version.split()[0],
-            "executable": sys.executable}
+            "executable": sys.executable, "rank": rank, "world_size": world}
     code = 0
     try:
         meta.update(run(request, phases))
@@ -63,7 +92,7 @@ def serve(runner: str, run: Callable[[dict, Phases], dict]) -> None:
         meta["unsupported"] = str(reason)
         code = EXIT_UNSUPPORTED
     meta["phases"] = phases.seconds
-    (output_dir / META).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    (output_dir / rank_file_name(META, rank, world)).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
     sys.exit(code)
 
 

@@ -26,15 +26,18 @@ def select_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def load_inputs(path: str, device: torch.device) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, each in a fresh allocation on `device`.
+def load_inputs(path: str, device: torch.device, take=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (or the part `take(name, tensor)` selects: a rank's shard), each in a fresh
+    allocation on `device`.
 
     Tensors read from a safetensors file sit at offsets set by its header (measured: 48 mod 64 bytes), and MKL's
     fp32 GEMM result depends on operand alignment (measured: one token of the fc1 shape changed 3,656 of 4,096
     outputs when only the weight's address moved). A copy puts every operand on the allocator's 64-byte alignment,
     so no result depends on the file's header length.
     """
-    return {name: tensor.to(device=device, copy=True) for name, tensor in load_file(path).items()}
+    take = take or (lambda name, tensor: tensor)
+    return {name: take(name, tensor).contiguous().to(device=device, copy=True)
+            for name, tensor in load_file(path).items()}
 
 
 def apply_determinism(device: torch.device) -> dict:

@@ -1,0 +1,95 @@
+"""A rank that dies or hangs ends the whole launch with ERROR, its stderr tail in the report, nothing left running.
+
+The real launchers run (torchrun on side a, paddle.distributed.launch on side b, both at once); only the ranks
+are test doubles: ``fake_rank_python`` is the real interpreter with the runner module swapped for
+``tests.fake_rank_runner``.
+"""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from harness.pipeline import compare_case
+from tests.test_orchestrate import alive, fake_interpreter
+
+CASE = """
+[tiny_tp2]
+family = "linear"
+op = "column_parallel_linear"
+dtype = "float32"
+seed = 3
+tokens = 4
+tp = 2
+shapes = { input_size = 8, output_size = 4 }
+runners = ["megatron", "paddle"]
+"""
+
+
+@pytest.fixture
+def fake_rank_python(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "tp.toml").write_text(CASE)
+    return fake_interpreter(tmp_path, "fake_rank_python", f"""\
+        #!{sys.executable}
+        import os, sys
+        args = ["tests.fake_rank_runner" if a.startswith("harness.runners.") else a for a in sys.argv[1:]]
+        os.execv({sys.executable!r}, [{sys.executable!r}, *args])
+        """)
+
+
+def run(tmp_path, python, timeout):
+    return compare_case("tiny_tp2", cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
+                        reports_dir=tmp_path / "reports", pythons={"megatron": python, "paddle": python},
+                        timeout=timeout)
+
+
+def processes_mentioning(text):
+    """Live processes whose command line contains `text` (the run folder): launchers and ranks alike."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and alive(int(entry), wait=0):
+                found.append((int(entry), cmdline.replace("\0", " ")))
+    return found
+
+
+def assert_nothing_left(run_dir):
+    for side in ("a-megatron", "b-paddle"):
+        for pid in map(int, (run_dir / side / "fake_pids").read_text().split()):
+            assert not alive(pid), f"rank process {pid} of {side} survived"
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_a_killed_rank_ends_both_launches_with_error(tmp_path, fake_rank_python, monkeypatch):
+    monkeypatch.setenv("FAKE_RANK_FAILURE", "die")
+    started = time.monotonic()
+    result, run_dir = run(tmp_path, fake_rank_python, timeout=240)
+    assert time.monotonic() - started < 200, "the launchers waited for the timeout instead of ending the launch"
+    assert result.verdict == "ERROR" and result.exit_code == 2
+    for side in result.sides:
+        assert side.status == "error" and "exited with code" in side.reason, side.reason
+        assert "rank 1 failed" in side.reason, side.reason
+        assert "fake rank 1 dies" in side.stderr_tail
+    report = (run_dir / "report.md").read_text()
+    assert "fake rank 1 dies" in report and "rank 1 failed" in report
+    assert json.loads((run_dir / "report.json").read_text())["verdict"] == "ERROR"
+    assert_nothing_left(run_dir)
+
+
+def test_a_hung_rank_is_killed_with_its_whole_launch(tmp_path, fake_rank_python, monkeypatch):
+    monkeypatch.setenv("FAKE_RANK_FAILURE", "hang")
+    result, run_dir = run(tmp_path, fake_rank_python, timeout=45)
+    assert result.verdict == "ERROR" and result.exit_code == 2
+    for side in result.sides:
+        assert "timed out after 45 s" in side.reason and "with all 2 ranks" in side.reason, side.reason
+        assert len((run_dir / side.folder.name / "fake_pids").read_text().split()) == 2, "ranks never started"
+        assert "fake rank 1 hangs" in side.stderr_tail
+    assert "fake rank 1 hangs" in (run_dir / "report.md").read_text()
+    assert_nothing_left(run_dir)
