@@ -71,9 +71,8 @@ def comment_body(markdown: str, marker: str, artifact_url: str | None, limit: in
     budget = limit - len(head) - len(note) - len("```\n") - 20  # room for the numbers and a closing fence
     cut = markdown.rfind("\n", 0, budget)
     kept = markdown[: cut if cut > 0 else budget]
-    if kept.count("```") % 2:
-        kept += "\n```"
-    return head + kept + note.replace("{shown}", str(len(kept)))
+    fence = "\n```" if kept.count("```") % 2 else ""
+    return head + kept + fence + note.replace("{shown}", str(len(kept)))
 
 
 def marker_tag(marker: str) -> str:
