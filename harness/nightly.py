@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness import __version__, junit, nightly_report, pipeline, trend
 from harness.cases import Case, Registry
 from harness.checkpoints import CHECKPOINTS_DIR
-from harness.result import UNSUPPORTED, CaseResult
+from harness.result import ERROR, UNSUPPORTED, CaseResult
 from harness.runners.protocol import host_provenance
 
 NIGHTLY_SCHEMA = 1
@@ -91,9 +91,9 @@ def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, 
             progress.done(entry)
     night["cases"] = entries
     night["finished_at"] = _now()
-    night["summary"] = {"total": len(entries), **{key: sum(e["outcome"] == outcome for e in entries)
-                                                  for key, outcome in (("passed", "pass"), ("failed", "fail"),
-                                                                       ("skipped", "skip"))}}
+    counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
+    night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
+                        "skipped": counts["skip"]}
     night["exit_code"] = EXIT_FAILED if night["summary"]["failed"] else 0
     night["trend"] = trend.compare(previous_night, night)
     write(night, run_dir)
@@ -154,9 +154,13 @@ def _run_case(case: Case, run_dir: Path, *, device, tokens, cases_dir, pythons, 
     if case.weights_from and not (weights_file or case.weights_from.file):
         return {**entry, "outcome": "skip", "message": "not run: takes its weights from a file (--weights FILE)"}
     start = time.perf_counter()
-    result, case_dir = pipeline.compare_case(
-        case.name, device=device, tokens=tokens, cases_dir=cases_dir, checkpoints_dir=checkpoints_dir,
-        reports_dir=run_dir / "cases", pythons=pythons, timeout=timeout, weights_file=weights_file)
+    try:
+        result, case_dir = pipeline.compare_case(
+            case.name, device=device, tokens=tokens, cases_dir=cases_dir, checkpoints_dir=checkpoints_dir,
+            reports_dir=run_dir / "cases", pythons=pythons, timeout=timeout, weights_file=weights_file)
+    except Exception as error:  # one case's harness crash must not lose the rest of the night
+        return {**entry, "outcome": "fail", "verdict": ERROR, "message": f"harness crashed: {error!r}",
+                "wall_seconds": round(time.perf_counter() - start, 3)}
     return {**entry, "outcome": outcome(result), "verdict": result.verdict, "exit_code": result.exit_code,
             "message": result.message, "problems": result.expectation.get("problems", []),
             "wall_seconds": round(time.perf_counter() - start, 3), "run_dir": str(case_dir.relative_to(run_dir)),

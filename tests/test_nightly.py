@@ -81,6 +81,24 @@ def test_a_bad_previous_report_or_registry_is_named_and_nothing_runs(tmp_path, c
     assert not (tmp_path / "reports").exists()
 
 
+def test_a_harness_crash_in_one_case_fails_that_case_and_keeps_the_night(tmp_path, monkeypatch):
+    def fake_compare_case(name, **kwargs):  # test double: the harness itself breaks (disk full, a bug)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nightly.pipeline, "compare_case", fake_compare_case)
+    monkeypatch.setenv("CI", "true")
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "tiny.toml").write_text(TINY_CASES)
+    night, run_dir = nightly.run(device="cpu", tokens=None, cases_dir=tmp_path / "cases",
+                                 reports_dir=tmp_path / "reports", checkpoints_dir=tmp_path / "ckpt", pythons={},
+                                 timeout=10, weights_file=None, previous=None)
+    crashed, skipped = night["cases"]
+    assert (crashed["outcome"], crashed["verdict"]) == ("fail", "ERROR")
+    assert "No space left on device" in crashed["message"] and skipped["outcome"] == "skip"
+    assert night["exit_code"] == 1 and night["trend"] == {"previous": None}
+    assert "No space left on device" in (run_dir / "junit.xml").read_text()
+
+
 @pytest.mark.e2e
 def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints_dir):
     (tmp_path / "cases").mkdir()
