@@ -25,7 +25,8 @@ class FakeGitHub:
     """Issue comments in memory; every request recorded as (method, path, headers, JSON body)."""
 
     def __init__(self):
-        self.comments, self.requests, self.fail_status, self.next_id = [], [], None, 1
+        self.comments, self.requests, self.next_id = [], [], 1
+        self.fail_status, self.fail_methods = None, {"GET", "POST", "PATCH"}
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,7 +53,7 @@ class FakeGitHub:
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
 
     def answer(self, method, path, body):
-        if self.fail_status:
+        if self.fail_status and method in self.fail_methods:
             return self.fail_status, {"message": "Server Error"}
         if method == "GET" and path.startswith(LIST):
             page = int(path.rsplit("=", 1)[1])
@@ -139,14 +140,16 @@ def test_oversized_report_is_trimmed_with_a_link(github, tmp_path):
     assert text.count("```") % 2 == 0  # the open code block is closed
 
 
-def test_server_error_keeps_the_report_and_fails(github, tmp_path, capsys):
-    github.fail_status = 500
+@pytest.mark.parametrize("failing, status, sent", [
+    ({"GET", "POST", "PATCH"}, 500, ["GET"]), ({"POST"}, 502, ["GET", "POST"])])
+def test_server_error_keeps_the_report_and_fails(github, tmp_path, capsys, failing, status, sent):
+    github.fail_status, github.fail_methods = status, failing
     folder = night_dir(tmp_path, "night", "# night\n")
     assert publish_cli(folder, github) == publish.EXIT_POST_FAILED
-    assert github.requests == [("GET", LIST + "1", HEADERS, None)]
+    assert [method for method, *_ in github.requests] == sent and github.comments == []
     assert (folder / "report.md").read_text() == "# night\n"
     err = capsys.readouterr().err
-    assert "HTTP 500" in err and "the report is kept" in err
+    assert f"HTTP {status}" in err and "the report is kept" in err
     assert "error: could not post" in (folder / "publish.log").read_text()
 
 
