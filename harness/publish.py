@@ -36,7 +36,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--issue", required=True, type=int, help="issue or pull request number")
     parser.add_argument("--api-url", default=os.environ.get("GITHUB_API_URL") or "https://api.github.com")
     parser.add_argument("--artifact-url", help="where the full report lives (linked when the comment is trimmed)")
-    parser.add_argument("--marker", help="which comment to keep updating (default: nightly-<device>)")
+    parser.add_argument("--marker", help="which comment to keep updating "
+                                         "(default: nightly-<device>, or case-<case>-<device>)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request")
 
 
@@ -162,8 +163,13 @@ def _check_input(args, report: Path) -> str | None:
 
 
 def _default_marker(run_dir: Path) -> str:
+    """One comment per device for nightly reports, one per case and device for a single comparison."""
     try:
-        device = json.loads((run_dir / "report.json").read_text()).get("device", "")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        device = ""
-    return f"nightly-{device}" if device else "report"
+        report = json.loads((run_dir / "report.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "report"
+    if not isinstance(report, dict):
+        return "report"
+    if report.get("kind") == "nightly":
+        return f"nightly-{report.get('device')}"
+    return f"case-{report.get('case_name')}-{report.get('device')}"

@@ -163,6 +163,13 @@ def test_unreachable_server_fails_cleanly(monkeypatch, tmp_path, capsys):
     assert "could not post" in capsys.readouterr().err and (folder / "report.md").exists()
 
 
+def test_a_single_case_report_gets_its_own_marker(github, tmp_path):
+    folder = night_dir(tmp_path, "case", "# fc1\n")
+    (folder / "report.json").write_text(json.dumps({"schema": 1, "case_name": "fc1", "device": "gpu"}))
+    assert publish_cli(folder, github) == 0
+    assert github.comments[0]["body"] == "<!-- bitwise-harness: case-fc1-gpu -->\n# fc1\n"
+
+
 def test_missing_token_or_report_is_bad_input(github, monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("GITHUB_TOKEN")
     assert publish_cli(night_dir(tmp_path, "night", "# n\n"), github) == publish.EXIT_BAD_INPUT
