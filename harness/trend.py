@@ -7,6 +7,8 @@ framework version, BLAS build, driver or CPU ISA shows up next to the failures i
 
 from __future__ import annotations
 
+import json
+
 # Meta fields that change every run or name the request itself; never news.
 VOLATILE_META = {"case", "op", "phases", "executable", "unsupported", "runner", "device"}
 CASE_FIELDS = ("op", "dtype", "tp", "tokens", "shapes", "config", "runners", "expect", "perturb")
@@ -15,6 +17,8 @@ CASE_FIELDS = ("op", "dtype", "tp", "tokens", "shapes", "config", "runners", "ex
 def compare(previous: dict | None, current: dict) -> dict:
     if previous is None:
         return {"previous": None}
+    # Compare as stored: a night still in memory holds tuples where its report.json will hold lists.
+    previous, current = (json.loads(json.dumps(night, default=str)) for night in (previous, current))
     before, after = _by_case(previous), _by_case(current)
     common = [name for name in after if name in before]
     new_failures, fixes, other = [], [], []

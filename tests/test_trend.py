@@ -91,6 +91,14 @@ def test_same_night_twice_reports_nothing_and_tokens_change_is_named():
     assert t["case_changes"] == [{"case": "fc1", "field": "tokens", "before": 16, "after": 60}]
 
 
+def test_a_night_in_memory_matches_the_same_night_read_back_from_json():
+    in_memory = copy.deepcopy(PASSING)
+    in_memory["cases"][0]["result"]["case"]["runners"] = ("megatron", "paddle")  # as dataclasses.asdict gives
+    stored = copy.deepcopy(PASSING)
+    stored["cases"][0]["result"]["case"]["runners"] = ["megatron", "paddle"]
+    assert not trend.changed(trend.compare(stored, in_memory))
+
+
 def test_first_night_is_the_baseline():
     t = trend.compare(None, PASSING)
     assert t == {"previous": None}
