@@ -3,6 +3,8 @@ VENV := .venv
 CASE ?= kimi_shared_fc1
 ARGS ?=
 PYTEST_ARGS ?=
+DEVICE ?= cpu
+TOKENS ?=
 
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
@@ -11,10 +13,14 @@ else
 ENV_READY :=
 endif
 
-.PHONY: compare list test lint clean-reports
+.PHONY: compare list nightly test lint clean-reports
 
 compare: $(ENV_READY)
 	$(PYTHON) -m harness compare $(CASE) $(ARGS)
+
+# Every case for DEVICE in one run directory (reports/nightly-*); TOKENS=16 keeps a CPU run short.
+nightly: $(ENV_READY)
+	$(PYTHON) -m harness nightly --device $(DEVICE) $(if $(TOKENS),--tokens $(TOKENS)) $(ARGS)
 
 list: $(ENV_READY)
 	$(PYTHON) -m harness list

@@ -1,4 +1,4 @@
-"""Command line: ``python -m harness list | compare CASE``; exit codes follow the verdict (see README)."""
+"""Command line: ``python -m harness list | compare CASE | nightly | publish DIR``; exit codes: see README."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import pipeline, report, sweep
+from harness import nightly, pipeline, publish, report, sweep
 from harness.cases import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.checkpoints import CHECKPOINTS_DIR
 from harness.result import EXIT_CODES
@@ -40,16 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
+    nightly.add_parser(commands)
+    publish.add_parser(commands)
 
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.cases)
+    if args.command == "publish":
+        return publish.main(args)
     pythons = {}
     for item in args.python:
         runner, _, path = item.partition("=")
         if not path:
             parser.error(f"--python expects RUNNER=PATH (got {item!r})")
         pythons[runner] = path
+    if args.command == "nightly":
+        return nightly.main(args, pythons)
     common = dict(device=args.device, cases_dir=args.cases, checkpoints_dir=args.checkpoints, pythons=pythons,
                   timeout=args.timeout, weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner,
                   tp=args.tp)

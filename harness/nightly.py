@@ -1,0 +1,222 @@
+"""The nightly run: every case of the registry for one device, in one run directory, with a trend.
+
+``reports/nightly-<YYYYmmdd-HHMMSS>-<suffix>/`` holds each case's own run folder under ``cases/`` plus
+``report.json`` (schema-versioned, every case's full result embedded), ``report.md``, ``report.html`` and
+``junit.xml``. A case passes when it did what it expects (exit code 0), is skipped when a framework lacks a
+kernel or package here (UNSUPPORTED) or it needs a weights file nobody gave, and fails otherwise; the night
+exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from harness import __version__, junit, nightly_report, pipeline, trend
+from harness.cases import Case, Registry
+from harness.checkpoints import CHECKPOINTS_DIR
+from harness.result import ERROR, UNSUPPORTED, CaseResult
+from harness.runners.protocol import host_provenance
+
+NIGHTLY_SCHEMA = 1
+PREFIX = "nightly-"
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+
+class NightlyError(ValueError):
+    """A nightly run that cannot start (bad registry or previous report); the message says which file."""
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("nightly", help="run every case for a device; one run directory with a trend")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--tokens", type=int, help="token count for every case (e.g. 16 for CI on a CPU)")
+    parser.add_argument("--previous", type=Path,
+                        help="previous nightly run directory or its report.json (default: the newest one "
+                             "for this device under --reports)")
+    parser.add_argument("--python", action="append", default=[], metavar="RUNNER=PATH",
+                        help="interpreter for a runner (or set HARNESS_PYTHON_<RUNNER>)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
+    parser.add_argument("--weights", help="safetensors file for cases that import their weights")
+    parser.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
+    parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
+
+
+def main(args, pythons: dict[str, str]) -> int:
+    if args.tokens is not None and args.tokens <= 0:
+        print(f"error: --tokens must be a positive integer (got {args.tokens})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        night, run_dir = run(device=args.device, tokens=args.tokens, cases_dir=args.cases, reports_dir=args.reports,
+                             checkpoints_dir=args.checkpoints, pythons=pythons, timeout=args.timeout,
+                             weights_file=args.weights, previous=args.previous)
+    except NightlyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    s = night["summary"]
+    print(f"nightly {night['run_id']}: {s['failed']} failed, {s['passed']} passed, {s['skipped']} skipped; "
+          f"report: {run_dir / 'report.md'} (exit code {night['exit_code']})")
+    _github_output(run_dir, night["exit_code"])
+    return night["exit_code"]
+
+
+def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, checkpoints_dir: Path,
+        pythons: dict[str, str], timeout: float, weights_file: str | None, previous: Path | None) -> tuple[dict, Path]:
+    try:
+        cases = Registry.load(Path(cases_dir)).for_device(device)
+    except ValueError as error:
+        raise NightlyError(str(error)) from None
+    previous_night = load_previous(previous) if previous else find_previous(Path(reports_dir), device)
+    run_id, run_dir = new_nightly_dir(Path(reports_dir))
+    night = {"schema": NIGHTLY_SCHEMA, "kind": "nightly", "run_id": run_id, "device": device, "tokens": tokens,
+             "cases_dir": str(cases_dir), "started_at": _now(), "finished_at": "",
+             "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
+                         "host": host_provenance(), "node": platform.node()},
+             "previous_report": previous_night.get("_path") if previous_night else None}
+    entries = []
+    with _Reporter(len(cases)) as progress:
+        for case in cases:
+            progress.start(case.name)
+            entry = _run_case(case, run_dir, device=device, tokens=tokens, cases_dir=cases_dir, pythons=pythons,
+                              checkpoints_dir=checkpoints_dir, timeout=timeout, weights_file=weights_file)
+            entries.append(entry)
+            progress.done(entry)
+    night["cases"] = entries
+    night["finished_at"] = _now()
+    counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
+    night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
+                        "skipped": counts["skip"]}
+    night["exit_code"] = EXIT_FAILED if night["summary"]["failed"] else 0
+    night["trend"] = trend.compare(previous_night, night)
+    write(night, run_dir)
+    return night, run_dir
+
+
+def write(night: dict, run_dir: Path) -> None:
+    (run_dir / "report.json").write_text(json.dumps(night, indent=2, default=str) + "\n")
+    (run_dir / "report.md").write_text(nightly_report.markdown(night))
+    (run_dir / "report.html").write_text(nightly_report.html(night))
+    junit.write(night, run_dir / "junit.xml")
+
+
+def new_nightly_dir(root: Path) -> tuple[str, Path]:
+    """``nightly-<timestamp>-<suffix>``: sorts by time, never reuses a folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        run_id = f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        try:
+            (root / run_id).mkdir()
+            return run_id, root / run_id
+        except FileExistsError:
+            continue
+
+
+def find_previous(reports_dir: Path, device: str) -> dict | None:
+    """The newest complete nightly report for this device under ``reports_dir`` (unreadable ones are passed over)."""
+    if not reports_dir.is_dir():
+        return None
+    for folder in sorted(reports_dir.glob(f"{PREFIX}*"), reverse=True):
+        try:
+            night = load_previous(folder)
+        except NightlyError:
+            continue
+        if night["device"] == device:
+            return night
+    return None
+
+
+def load_previous(path: Path) -> dict:
+    file = path / "report.json" if path.is_dir() else path
+    try:
+        night = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise NightlyError(f"{file}: cannot read a previous nightly report: {error}") from None
+    if not isinstance(night, dict) or night.get("kind") != "nightly" or night.get("schema") != NIGHTLY_SCHEMA:
+        found = (night.get("kind"), night.get("schema")) if isinstance(night, dict) else type(night).__name__
+        raise NightlyError(f"{file}: field 'kind'/'schema': not a nightly report of schema {NIGHTLY_SCHEMA} "
+                           f"(got {found!r})")
+    night["_path"] = str(file)
+    return night
+
+
+def _run_case(case: Case, run_dir: Path, *, device, tokens, cases_dir, pythons, checkpoints_dir, timeout,
+              weights_file) -> dict:
+    entry = {"case": case.name, "family": case.family, "expected": case.expect.verdict, "verdict": None,
+             "exit_code": None, "problems": [], "wall_seconds": 0.0, "run_dir": None, "report": None, "result": None}
+    if case.weights_from and not (weights_file or case.weights_from.file):
+        return {**entry, "outcome": "skip", "message": "not run: takes its weights from a file (--weights FILE)"}
+    start = time.perf_counter()
+    try:
+        result, case_dir = pipeline.compare_case(
+            case.name, device=device, tokens=tokens, cases_dir=cases_dir, checkpoints_dir=checkpoints_dir,
+            reports_dir=run_dir / "cases", pythons=pythons, timeout=timeout, weights_file=weights_file)
+    except Exception as error:  # one case's harness crash must not lose the rest of the night
+        return {**entry, "outcome": "fail", "verdict": ERROR, "message": f"harness crashed: {error!r}",
+                "wall_seconds": round(time.perf_counter() - start, 3)}
+    return {**entry, "outcome": outcome(result), "verdict": result.verdict, "exit_code": result.exit_code,
+            "message": result.message, "problems": result.expectation.get("problems", []),
+            "wall_seconds": round(time.perf_counter() - start, 3), "run_dir": str(case_dir.relative_to(run_dir)),
+            "report": str((case_dir / "report.md").relative_to(run_dir)), "result": result.to_dict()}
+
+
+def outcome(result: CaseResult) -> str:
+    if result.exit_code == 0:
+        return "pass"
+    return "skip" if result.verdict == UNSUPPORTED else "fail"
+
+
+class _Reporter:
+    """A rich progress bar on a terminal; one plain line per case in CI or when output is not a terminal."""
+
+    def __init__(self, total: int):
+        self.total, self.count = total, 0
+        self.bar = None
+        if Console().is_terminal and not os.environ.get("CI"):
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn())
+            self.task = self.bar.add_task("nightly", total=total)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.stop()
+
+    def start(self, name: str) -> None:
+        self.count += 1
+        if self.bar:
+            self.bar.update(self.task, description=f"[{self.count}/{self.total}] {name}")
+        else:
+            print(f"[nightly {self.count}/{self.total}] {name}: running", flush=True)
+
+    def done(self, entry: dict) -> None:
+        line = (f"[nightly {self.count}/{self.total}] {entry['case']}: {entry['outcome'].upper()} "
+                f"{entry['verdict'] or ''} ({entry['wall_seconds']:.1f} s) {entry['message']}")
+        if self.bar:
+            self.bar.console.print(line, highlight=False, markup=False)
+            self.bar.advance(self.task)
+        else:
+            print(line, flush=True)
+
+
+def _github_output(run_dir: Path, exit_code: int) -> None:
+    """In GitHub Actions, tell later steps where the run landed."""
+    target = os.environ.get("GITHUB_OUTPUT")
+    if target:
+        with open(target, "a") as out:
+            out.write(f"run_dir={run_dir}\nexit_code={exit_code}\n")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

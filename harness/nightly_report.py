@@ -1,0 +1,65 @@
+"""The nightly report for people (report.md, report.html): news first, then every case, then provenance."""
+
+from __future__ import annotations
+
+from harness import doc, trend
+
+OUTCOME_MARK = {"pass": "✅ pass", "fail": "❌ FAIL", "skip": "⏭️ skip"}
+
+
+def blocks(night: dict) -> list[tuple]:
+    s = night["summary"]
+    tokens = f"tokens {night['tokens']} (override)" if night["tokens"] else "each case's own tokens"
+    out: list[tuple] = [
+        ("h", 1, f"Bitwise nightly on {night['device']}: {s['failed']} failed, {s['passed']} passed, "
+                 f"{s['skipped']} skipped"),
+        ("p", f"Run `{night['run_id']}`, {night['started_at']} to {night['finished_at']}, {tokens}, "
+              f"harness {night['harness']['version']} on {night['harness']['host'].get('cpu')}; "
+              f"exit code {night['exit_code']}."),
+    ]
+    out += trend.blocks(night["trend"])
+    out += [("h", 2, "Cases"),
+            ("table", ["case", "outcome", "verdict", "expected", "differing tensors", "max ULP", "wall s", "why"],
+             [_row(c) for c in night["cases"]])]
+    failures = [c for c in night["cases"] if c["outcome"] == "fail"]
+    if failures:
+        out.append(("h", 2, "Failures"))
+        for c in failures:
+            out += [("h", 3, f"`{c['case']}`: {c['verdict']}"),
+                    ("ul", [c["message"], *c["problems"], f"report: `{c['report']}`"])]
+            tail = _stderr_tail(c)
+            if tail:
+                out.append(("pre", tail))
+    prov = trend.provenance(night)
+    if prov:
+        out += [("h", 2, "Provenance"),
+                ("table", ["runner and field", "value"], [[f"`{k}`", f"`{v}`"] for k, v in prov.items()])]
+    return out
+
+
+def markdown(night: dict) -> str:
+    return doc.markdown(blocks(night))
+
+
+def html(night: dict) -> str:
+    return doc.html(blocks(night), f"Bitwise nightly {night['run_id']}")
+
+
+def _row(c: dict) -> list[str]:
+    tensors = (c.get("result") or {}).get("tensors", [])
+    differing = [t for t in tensors if t["status"] != "EQUAL"]
+    names = ", ".join(f"`{t['name']}` ({t['mismatches']})" for t in differing)
+    max_ulp = max((t["max_ulp"] for t in tensors), default=None)
+    why = "; ".join(c["problems"]) if c["outcome"] == "fail" and c["problems"] else c["message"]
+    return [f"`{c['case']}`", OUTCOME_MARK[c["outcome"]], c["verdict"] or "—", c["expected"] or "—",
+            names or "—", "—" if max_ulp is None else str(max_ulp), f"{c['wall_seconds']:.1f}", _short(why)]
+
+
+def _stderr_tail(c: dict) -> str:
+    sides = (c.get("result") or {}).get("sides", [])
+    return "\n".join(f"[{s['label']} {s['runner']}] {s['stderr_tail'][-800:]}" for s in sides
+                     if s["status"] == "error" and s["stderr_tail"])
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

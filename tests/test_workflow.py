@@ -1,0 +1,48 @@
+"""The nightly workflow passes actionlint, and runs the Makefile command this repository defines.
+
+actionlint comes from requirements-cpu.txt (its binary lands beside the interpreter); a broken workflow
+planted here proves the linter really reports problems.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW = ROOT / ".github" / "workflows" / "nightly.yml"
+
+
+@pytest.fixture(scope="module")
+def actionlint():
+    beside = Path(sys.executable).parent / "actionlint"
+    found = str(beside) if beside.exists() else shutil.which("actionlint")
+    assert found, "actionlint is missing: pip install -r requirements-cpu.txt"
+    return found
+
+
+def lint(actionlint, path):
+    return subprocess.run([actionlint, "-no-color", str(path)], capture_output=True, text=True, timeout=120)
+
+
+def test_nightly_workflow_passes_actionlint(actionlint):
+    result = lint(actionlint, WORKFLOW)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_reports_a_broken_workflow(actionlint, tmp_path):
+    broken = WORKFLOW.read_text().replace("steps.nightly.outputs.run_dir", "steps.nigthly.outputs.run_dir", 1)
+    (tmp_path / "nightly.yml").write_text(broken)
+    result = lint(actionlint, tmp_path / "nightly.yml")
+    assert result.returncode == 1 and "nigthly" in result.stdout, result.stdout + result.stderr
+
+
+def test_workflow_command_is_the_makefile_target():
+    text = WORKFLOW.read_text()
+    assert 'make nightly PYTHON="$HARNESS_PYTHON" DEVICE=gpu TOKENS="$TOKENS_INPUT" ARGS="$previous"' in text
+    assert 'make nightly DEVICE=cpu TOKENS="${TOKENS_INPUT:-16}" ARGS="$previous"' in text
+    dry = subprocess.run(["make", "-s", "-n", "nightly", "PYTHON=py", "DEVICE=gpu", "TOKENS=16",
+                          "ARGS=--previous prev/report.json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.stdout.strip() == "py -m harness nightly --device gpu --tokens 16 --previous prev/report.json", dry
