@@ -4,12 +4,23 @@ Why raw bits: a bitwise verdict must not depend on a float conversion. Every flo
 integer of its own width; the *ordered* integer is monotone in the float value, so the ULP distance
 between two floats is the difference of their ordered integers.
 
-Semantics, chosen on purpose:
-- +0 and -0 map to the same ordered integer (distance 0); the comparator counts them apart as
-  signed-zero differences.
-- Infinities sit one step past the largest finite value; subnormals are ordinary steps.
-- NaNs have no place in the order: callers mask them out (see ``is_nan``) and count payload
-  differences apart.
+Semantics, chosen on purpose (the same for bfloat16, float16, float32 and float64; checked against
+numpy.testing's ``integer_repr``/``nulp_diff``, ``numpy.nextafter`` and, for the 16-bit formats, against
+every bit pattern, in tests/test_ulp_semantics.py):
+- The mapping is sign-magnitude to two's complement: ``ordered = +magnitude`` for a clear sign bit and
+  ``-magnitude`` for a set one, where magnitude is the bits without the sign bit.
+- +0 and -0 both map to 0, so they are 0 ULP apart; the comparator counts them apart as signed-zero
+  differences. Hence -min_subnormal -> +min_subnormal is 2 ULP (two steps, through zero).
+- Subnormals are ordinary steps: the smallest subnormal is 1 ULP from zero, the largest subnormal 1 ULP
+  from the smallest normal.
+- Infinities sit one step past the largest finite value (they are the next magnitude pattern), so
+  max -> inf is 1 ULP and -inf -> +inf is twice the infinity pattern (below 2**64 even for float64).
+- NaNs have no place in the order: ``ulp_distance`` of a NaN is unspecified, and callers mask NaNs out
+  (see ``is_nan``). Two NaNs with different bits (payload or sign) are a "NaN payload difference",
+  counted apart by the comparator; a NaN against a number is a "NaN mismatch".
+- Distances are exact integers: uint32 for the 16-bit formats (at most 2 * 0x7f80), uint64 for the
+  others (float64's largest, -inf to +inf, is 0xffe0... < 2**64, computed modulo 2**64 so it never
+  overflows).
 """
 
 from __future__ import annotations
@@ -72,17 +83,21 @@ def is_zero(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 
 
 def ordered(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    """Signed int64 that is monotone in the float value; +0 and -0 both map to 0."""
-    magnitude = (bits & magnitude_mask(fmt)).astype(np.int64)
-    return np.where(sign_bit(bits, fmt), -magnitude, magnitude)
+    """Signed integer monotone in the float value; +0 and -0 both map to 0 (int32 for 16-bit formats, else int64)."""
+    signed = np.int32 if fmt.width <= 16 else np.int64
+    magnitude = (bits & magnitude_mask(fmt)).astype(signed)
+    negative = (bits >> (fmt.width - 1)).astype(signed)  # 0 or 1
+    return (magnitude ^ -negative) + negative  # two's complement negation where the sign bit is set
 
 
 def ulp_distance(a_bits: np.ndarray, b_bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    """Number of representable steps between a and b, as uint64 (NaNs: meaningless, mask them first).
+    """Number of representable steps between a and b (NaNs: unspecified, mask them first).
 
-    Computed modulo 2**64 so that float64 distances up to 2**64 - 1 never overflow.
+    uint32 for the 16-bit formats, uint64 otherwise; computed modulo 2**64, so float64 never overflows.
     """
     oa, ob = ordered(a_bits, fmt), ordered(b_bits, fmt)
+    if fmt.width <= 16:
+        return np.abs(oa - ob).view(np.uint32)
     ua, ub = oa.view(np.uint64), ob.view(np.uint64)
     return np.where(oa >= ob, ua - ub, ub - ua)
 
