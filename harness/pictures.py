@@ -26,7 +26,9 @@ RING_CELLS = 400  # at most this many touched cells get a ring drawn around them
 
 
 def render(tensors: list[TensorComparison], folder: Path) -> dict[str, dict[str, str]]:
-    """Writes the pictures of every differing tensor; returns {tensor: {"map": file, "ulp": file}} relative to folder."""
+    """Writes the pictures of every differing tensor; returns {tensor: {"map": path, "ulp": path}}.
+
+    Paths are relative to folder's parent (the run folder), as report.md and report.html link them."""
     written = {}
     for tensor in tensors:
         if tensor.mismatch_map is None:
