@@ -54,8 +54,7 @@ def mismatch_map_png(tensor: TensorComparison, path: Path) -> None:
     right = figure.add_subplot(grid[1, 1], sharey=heat)
     bar = figure.add_subplot(grid[1, 2])
 
-    colours = matplotlib.colormaps["viridis"].copy()
-    colours.set_bad("white")
+    colours = matplotlib.colormaps["viridis"].with_extremes(bad="white")
     norm = LogNorm(vmin=1 / max(1, cell_h * cell_w), vmax=1.0)
     image = heat.imshow(np.ma.masked_equal(share, 0), cmap=colours, norm=norm, aspect="auto",
                         interpolation="nearest", extent=(0, where.cols, where.rows, 0))
