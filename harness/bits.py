@@ -19,8 +19,7 @@ every bit pattern, in tests/test_ulp_semantics.py):
   (see ``is_nan``). Two NaNs with different bits (payload or sign) are a "NaN payload difference",
   counted apart by the comparator; a NaN against a number is a "NaN mismatch".
 - Distances are exact integers: uint32 for the 16-bit formats (at most 2 * 0x7f80), uint64 for the
-  others (float64's largest, -inf to +inf, is 0xffe0... < 2**64, computed modulo 2**64 so it never
-  overflows).
+  others (float64's largest, -inf to +inf, is 0xffe0... < 2**64, so it never overflows).
 """
 
 from __future__ import annotations
@@ -84,22 +83,29 @@ def is_zero(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 
 def ordered(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
     """Signed integer monotone in the float value; +0 and -0 both map to 0 (int32 for 16-bit formats, else int64)."""
-    signed = np.int32 if fmt.width <= 16 else np.int64
-    magnitude = (bits & magnitude_mask(fmt)).astype(signed)
-    negative = (bits >> (fmt.width - 1)).astype(signed)  # 0 or 1
+    if fmt.width <= 16:  # in int16, a few cheap passes: negatives -(magnitude) = (s ^ 0x7fff) + 1, never overflowing
+        signed = bits.view(np.int16)
+        negative = signed >> 15  # 0 or -1
+        return ((signed ^ (negative & np.int16(0x7FFF))) - negative).astype(np.int32)
+    magnitude = (bits & magnitude_mask(fmt)).astype(np.int64)
+    negative = (bits >> (fmt.width - 1)).astype(np.int64)  # 0 or 1
     return (magnitude ^ -negative) + negative  # two's complement negation where the sign bit is set
 
 
 def ulp_distance(a_bits: np.ndarray, b_bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    """Number of representable steps between a and b (NaNs: unspecified, mask them first).
+    """Number of representable steps between a and b, i.e. |ordered(a) - ordered(b)| (NaNs: unspecified).
 
-    uint32 for the 16-bit formats, uint64 otherwise; computed modulo 2**64, so float64 never overflows.
+    uint32 for the 16-bit formats (from ``ordered``), else uint64, computed from magnitudes without
+    forming ordered integers: same signs, the magnitudes' difference; opposite signs, their sum (the steps
+    down to zero and up again), which stays below 2**64 even for float64.
     """
-    oa, ob = ordered(a_bits, fmt), ordered(b_bits, fmt)
     if fmt.width <= 16:
-        return np.abs(oa - ob).view(np.uint32)
-    ua, ub = oa.view(np.uint64), ob.view(np.uint64)
-    return np.where(oa >= ob, ua - ub, ub - ua)
+        return np.abs(ordered(a_bits, fmt) - ordered(b_bits, fmt)).view(np.uint32)
+    mask = magnitude_mask(fmt)
+    magnitude_a, magnitude_b = (a_bits & mask).astype(np.uint64), (b_bits & mask).astype(np.uint64)
+    opposite = ((a_bits ^ b_bits) >> (fmt.width - 1)).astype(bool)
+    apart = np.maximum(magnitude_a, magnitude_b) - np.minimum(magnitude_a, magnitude_b)
+    return np.where(opposite, magnitude_a + magnitude_b, apart)
 
 
 def spacing_at(magnitude: float, fmt: FloatFormat) -> float:

@@ -29,6 +29,22 @@ class MismatchMap:
         grid = (max(1, min(rows, max_cells)), max(1, min(cols, max_cells)))
         return cls(rows, cols, np.zeros(grid, dtype=np.int64))
 
+    def add_mask(self, offset: int, differ: np.ndarray, count: int) -> None:
+        """Count the mismatches of one chunk (a bool mask starting at flat `offset`).
+
+        Dense chunks that hold whole rows are summed row-wise (one pass over the mask); sparse ones by index.
+        """
+        whole_rows = offset % self.cols == 0 and differ.size % self.cols == 0
+        if not whole_rows or count * 32 < differ.size:
+            self.add(np.flatnonzero(differ) + offset)
+            return
+        grid_rows, grid_cols = self.counts.shape
+        col_starts = _first(np.arange(grid_cols), self.cols, grid_cols)
+        per_row = np.add.reduceat(differ.reshape(-1, self.cols).view(np.uint8), col_starts, axis=1, dtype=np.int64)
+        row_cells = np.arange(offset // self.cols, offset // self.cols + per_row.shape[0]) * grid_rows // self.rows
+        starts = np.flatnonzero(np.diff(row_cells, prepend=-1))
+        self.counts[row_cells[starts]] += np.add.reduceat(per_row, starts, axis=0)
+
     def add(self, flat_indices: np.ndarray) -> None:
         """Count mismatches given by their flat (row-major) indices into the tensor."""
         grid_rows, grid_cols = self.counts.shape
@@ -66,6 +82,6 @@ class MismatchMap:
         return summary
 
 
-def _first(cell: int, size: int, cells: int) -> int:
+def _first(cell, size: int, cells: int):
     """First element index of a cell: the smallest i with i * cells // size == cell."""
     return -(-cell * size // cells)

@@ -78,3 +78,13 @@ def test_bits_equal_sees_a_difference_anywhere(size):
         b = a.copy()
         b[i] ^= 1
         assert not bits_equal(a, b, chunk_elements=5), i
+
+
+def test_dense_row_wise_and_sparse_map_paths_count_the_same():
+    differ = np.random.default_rng(4).random((37, 53)) < 0.5
+    sparse, dense = MismatchMap.for_shape((37, 53), max_cells=8), MismatchMap.for_shape((37, 53), max_cells=8)
+    sparse.add(np.flatnonzero(differ))
+    for first_row in range(0, 37, 5):
+        part = differ[first_row:first_row + 5].ravel()
+        dense.add_mask(first_row * 53, part, int(part.sum()))
+    assert np.array_equal(sparse.counts, dense.counts) and dense.counts.sum() == differ.sum()
