@@ -145,7 +145,11 @@ class _Totals:
         self.mismatches += count
         self.where.add_mask(offset, differ, count)
         fmt = self.fmt
-        ab, bb = (a_bits, b_bits) if count == differ.size else (a_bits[differ], b_bits[differ])
+        if count == differ.size:
+            ab, bb = a_bits, b_bits
+        else:  # few mismatches: gather by index (one pass over the mask), many: by mask
+            picked = np.flatnonzero(differ) if count * 8 < differ.size else differ
+            ab, bb = a_bits[picked], b_bits[picked]
         mask, infinity = bits.magnitude_mask(fmt), bits.infinity_bits(fmt)
         magnitude_a, magnitude_b = ab & mask, bb & mask
         nan_a, nan_b = magnitude_a > infinity, magnitude_b > infinity
