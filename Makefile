@@ -11,7 +11,7 @@ else
 ENV_READY :=
 endif
 
-.PHONY: compare list test lint clean-reports
+.PHONY: compare list test lint bench clean-reports
 
 compare: $(ENV_READY)
 	$(PYTHON) -m harness compare $(CASE) $(ARGS)
@@ -22,6 +22,9 @@ list: $(ENV_READY)
 test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+bench: $(ENV_READY)
+	$(PYTHON) -m harness.bench
 
 $(VENV)/.installed: requirements-cpu.txt
 	python3 -m venv $(VENV)
