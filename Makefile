@@ -13,7 +13,7 @@ else
 ENV_READY :=
 endif
 
-.PHONY: compare list nightly test lint clean-reports
+.PHONY: compare list nightly test lint bench clean-reports
 
 compare: $(ENV_READY)
 	$(PYTHON) -m harness compare $(CASE) $(ARGS)
@@ -28,6 +28,9 @@ list: $(ENV_READY)
 test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+bench: $(ENV_READY)
+	$(PYTHON) -m harness.bench
 
 $(VENV)/.installed: requirements-cpu.txt
 	python3 -m venv $(VENV)

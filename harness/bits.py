@@ -4,12 +4,22 @@ Why raw bits: a bitwise verdict must not depend on a float conversion. Every flo
 integer of its own width; the *ordered* integer is monotone in the float value, so the ULP distance
 between two floats is the difference of their ordered integers.
 
-Semantics, chosen on purpose:
-- +0 and -0 map to the same ordered integer (distance 0); the comparator counts them apart as
-  signed-zero differences.
-- Infinities sit one step past the largest finite value; subnormals are ordinary steps.
-- NaNs have no place in the order: callers mask them out (see ``is_nan``) and count payload
-  differences apart.
+Semantics, chosen on purpose (the same for bfloat16, float16, float32 and float64; checked against
+numpy.testing's ``integer_repr``/``nulp_diff``, ``numpy.nextafter`` and, for the 16-bit formats, against
+every bit pattern, in tests/test_ulp_semantics.py):
+- The mapping is sign-magnitude to two's complement: ``ordered = +magnitude`` for a clear sign bit and
+  ``-magnitude`` for a set one, where magnitude is the bits without the sign bit.
+- +0 and -0 both map to 0, so they are 0 ULP apart; the comparator counts them apart as signed-zero
+  differences. Hence -min_subnormal -> +min_subnormal is 2 ULP (two steps, through zero).
+- Subnormals are ordinary steps: the smallest subnormal is 1 ULP from zero, the largest subnormal 1 ULP
+  from the smallest normal.
+- Infinities sit one step past the largest finite value (they are the next magnitude pattern), so
+  max -> inf is 1 ULP and -inf -> +inf is twice the infinity pattern (below 2**64 even for float64).
+- NaNs have no place in the order: ``ulp_distance`` of a NaN is unspecified, and callers mask NaNs out
+  (see ``is_nan``). Two NaNs with different bits (payload or sign) are a "NaN payload difference",
+  counted apart by the comparator; a NaN against a number is a "NaN mismatch".
+- Distances are exact integers: uint32 for the 16-bit formats (at most 2 * 0x7f80), uint64 for the
+  others (float64's largest, -inf to +inf, is 0xffe0... < 2**64, so it never overflows).
 """
 
 from __future__ import annotations
@@ -72,19 +82,30 @@ def is_zero(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 
 
 def ordered(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    """Signed int64 that is monotone in the float value; +0 and -0 both map to 0."""
+    """Signed integer monotone in the float value; +0 and -0 both map to 0 (int32 for 16-bit formats, else int64)."""
+    if fmt.width <= 16:  # in int16, a few cheap passes: negatives -(magnitude) = (s ^ 0x7fff) + 1, never overflowing
+        signed = bits.view(np.int16)
+        negative = signed >> 15  # 0 or -1
+        return ((signed ^ (negative & np.int16(0x7FFF))) - negative).astype(np.int32)
     magnitude = (bits & magnitude_mask(fmt)).astype(np.int64)
-    return np.where(sign_bit(bits, fmt), -magnitude, magnitude)
+    negative = (bits >> (fmt.width - 1)).astype(np.int64)  # 0 or 1
+    return (magnitude ^ -negative) + negative  # two's complement negation where the sign bit is set
 
 
 def ulp_distance(a_bits: np.ndarray, b_bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    """Number of representable steps between a and b, as uint64 (NaNs: meaningless, mask them first).
+    """Number of representable steps between a and b, i.e. |ordered(a) - ordered(b)| (NaNs: unspecified).
 
-    Computed modulo 2**64 so that float64 distances up to 2**64 - 1 never overflow.
+    uint32 for the 16-bit formats (from ``ordered``), else uint64, computed from magnitudes without
+    forming ordered integers: same signs, the magnitudes' difference; opposite signs, their sum (the steps
+    down to zero and up again), which stays below 2**64 even for float64.
     """
-    oa, ob = ordered(a_bits, fmt), ordered(b_bits, fmt)
-    ua, ub = oa.view(np.uint64), ob.view(np.uint64)
-    return np.where(oa >= ob, ua - ub, ub - ua)
+    if fmt.width <= 16:
+        return np.abs(ordered(a_bits, fmt) - ordered(b_bits, fmt)).view(np.uint32)
+    mask = magnitude_mask(fmt)
+    magnitude_a, magnitude_b = (a_bits & mask).astype(np.uint64), (b_bits & mask).astype(np.uint64)
+    opposite = ((a_bits ^ b_bits) >> (fmt.width - 1)).astype(bool)
+    apart = np.maximum(magnitude_a, magnitude_b) - np.minimum(magnitude_a, magnitude_b)
+    return np.where(opposite, magnitude_a + magnitude_b, apart)
 
 
 def spacing_at(magnitude: float, fmt: FloatFormat) -> float:

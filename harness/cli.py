@@ -1,4 +1,5 @@
-"""Command line: ``python -m harness list | compare CASE | nightly | publish DIR``; exit codes: see README."""
+"""Command line: ``python -m harness list | compare CASE | diff A B | nightly | publish DIR``; exit codes: see
+README."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness import nightly, pipeline, publish, report, sweep
+from harness.bits import FORMATS
 from harness.cases import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.checkpoints import CHECKPOINTS_DIR
 from harness.result import EXIT_CODES
@@ -43,11 +45,23 @@ def main(argv: list[str] | None = None) -> int:
     nightly.add_parser(commands)
     publish.add_parser(commands)
 
+    diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
+    diff.add_argument("a", type=Path)
+    diff.add_argument("b", type=Path, help="the reference side (relative error and scale)")
+    diff.add_argument("--name-map", type=Path, help="JSON or TOML table: name in A = name in B")
+    diff.add_argument("--layout", action="append", default=[], metavar="NAME=transpose",
+                      help="bring B's tensor NAME (A's name) into A's layout, e.g. a Paddle [in, out] weight")
+    diff.add_argument("--as-dtype", action="append", default=[], metavar="[NAME=]DTYPE",
+                      help="read integer arrays (e.g. Paddle's uint16 bf16 bits) as DTYPE bit patterns")
+    diff.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
+
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.cases)
     if args.command == "publish":
         return publish.main(args)
+    if args.command == "diff":
+        return _diff(args)
     pythons = {}
     for item in args.python:
         runner, _, path = item.partition("=")
@@ -87,6 +101,21 @@ def runner_pair(text: str) -> tuple[str, str]:
     if len(pair) != 2 or any(r not in RUNNERS for r in pair):
         raise argparse.ArgumentTypeError(f"expects two of {', '.join(RUNNERS)} as A,B (got {text!r})")
     return pair
+
+def _diff(args) -> int:
+    from harness import diff, dumps  # matplotlib and safetensors only when needed
+
+    try:
+        name_map = dumps.read_name_map(args.name_map) if args.name_map else {}
+        layouts = dumps.parse_assignments(args.layout, "--layout", dumps.LAYOUTS)
+        hints = dumps.parse_assignments(args.as_dtype, "--as-dtype", tuple(FORMATS), default_key="*")
+    except dumps.DumpError as error:
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {error}", highlight=False)
+        return EXIT_CODES["ERROR"]
+    result, run_dir = diff.diff_dumps(args.a, args.b, name_map=name_map, layouts=layouts, dtype_hints=hints,
+                                      reports_dir=args.reports)
+    report.console(result, run_dir)
+    return result.exit_code
 
 
 def _list(cases_dir: Path) -> int:

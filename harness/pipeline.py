@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import __version__, checkpoints, orchestrate, report, shards
 from harness.cases import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.checkpoints import CheckpointError
-from harness.compare import compare_tensor
+from harness.dumps import Dump, DumpError, compare_dumps
 from harness.result import ERROR, CaseResult, check_expectation, decide
 from harness.runners.protocol import host_provenance
 
@@ -63,12 +63,12 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
                              "perturbed": checkpoint.manifest.get("perturbed")}
         result.sides = orchestrate.run_pair(case, checkpoint, device, run_dir, pythons or {}, timeout, tps)
         if all(side.status == "ok" for side in result.sides):
-            result.tensors = _compare_outputs(case, result.sides)
+            result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, result.sides)
         result.verdict, result.message = decide(result.sides, result.tensors)
         result.message += tp_notes(result)
         if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
-    except (CaseError, CheckpointError) as error:
+    except (CaseError, CheckpointError, DumpError) as error:
         result.verdict, result.message = ERROR, str(error)
     result.finished_at = _now()
     report.write(result, run_dir)
@@ -125,9 +125,10 @@ def _load_case(name: str, cases_dir: Path, tokens: int | None, device: str,
     return case
 
 
-def _compare_outputs(case: Case, sides) -> list:
-    a, b = (checkpoints.load_tensors(side.outputs) for side in sides)
-    return [compare_tensor(spec.name, a.get(spec.name), b.get(spec.name)) for spec in case.output_specs()]
+def _compare_outputs(case: Case, sides) -> tuple[list, dict]:
+    """The case's output tensors, loaded one pair at a time; and the comparator's peak memory."""
+    a, b = (Dump(side.outputs, {spec.name: side.outputs for spec in case.output_specs()}) for side in sides)
+    return compare_dumps(a, b)
 
 
 def _now() -> str:

@@ -1,4 +1,5 @@
-"""Renderers over one ``CaseResult``: report.json (machine), report.md (people), a rich console table."""
+"""Renderers over one ``CaseResult``: report.json (machine), report.md and report.html (people), pictures
+of differing tensors, a rich console table."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from harness import pictures, report_html
 from harness.result import CaseResult
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red"}
 
 
 def write(result: CaseResult, run_dir: Path) -> None:
+    figures = pictures.render(result.tensors, run_dir / "pictures")
     (run_dir / "report.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
-    (run_dir / "report.md").write_text(markdown(result))
+    (run_dir / "report.md").write_text(markdown(result, figures))
+    report_html.write(result, run_dir, figures)
 
 
-def markdown(result: CaseResult) -> str:
+def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = None) -> str:
     data = result.to_dict()
     lines = [f"# {result.case_name}: {result.verdict}", "",
              f"- run: `{result.run_id}` on `{result.device}`, {result.started_at} to {result.finished_at}",
@@ -34,6 +38,8 @@ def markdown(result: CaseResult) -> str:
         lines.append(f"- runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
         lines.append(f"- case: `{case['op']}` {case['dtype']} tp={case['tp']} tokens={case['tokens']} "
                      f"shapes={case['shapes']} config={case['config']} (from `{case['source']}`)")
+    if data["harness"].get("inputs"):
+        lines.append(f"- inputs: `{data['harness']['inputs']}`")
     if data["checkpoint"]:
         lines.append(f"- checkpoint: `{data['checkpoint']['folder']}`")
         if data["checkpoint"].get("perturbed"):
@@ -69,6 +75,11 @@ def markdown(result: CaseResult) -> str:
         if histograms:
             lines += ["", "### ULP distance histograms (mismatching elements)", ""]
             lines += [f"- `{name}`: " + ", ".join(f"{k} ULP: {v}" for k, v in h.items()) for name, h in histograms]
+        if figures:
+            lines += ["", "### Where the mismatches sit (pictures; all of it inline in report.html)", ""]
+            for name, files in figures.items():
+                lines += [f"- `{name}`: [map]({files['map']}) · [ULP histogram]({files['ulp']})", "",
+                          f"  ![{name} map]({files['map']})", ""]
     if result.sides:
         lines += ["", "## Provenance", ""]
         for side in data["sides"]:

@@ -33,6 +33,8 @@ class CaseResult:
     def exit_code(self) -> int:
         if self.verdict == ERROR:
             return EXIT_CODES[ERROR]
+        if not self.expectation:  # nothing was expected (e.g. a diff of two dumps): the verdict decides
+            return EXIT_CODES[self.verdict]
         if self.expectation.get("met"):
             return 0
         return EXIT_CODES[self.verdict] or 1  # an unmet expectation never exits 0
