@@ -30,12 +30,20 @@ def main(argv: list[str] | None = None) -> int:
                               "(or set HARNESS_PYTHON_<RUNNER>)")
     compare.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
+    compare.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
+                         help="also run the framework-free truth oracle and show each side's distance from it "
+                              "(default: on; ops without an oracle say so)")
+    compare.add_argument("--repeat", type=int, default=1, metavar="N",
+                         help="run each side N times in separate processes; a side that disagrees with itself "
+                              "gives NONDETERMINISTIC")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
 
     args = parser.parse_args(argv)
     if args.command == "list":
         return _list(args.cases)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1 (got {args.repeat})")
     pythons = {}
     for item in args.python:
         runner, _, path = item.partition("=")
@@ -44,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     result, run_dir = pipeline.compare_case(
         args.case, device=args.device, tokens=args.tokens, cases_dir=args.cases, checkpoints_dir=args.checkpoints,
-        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights)
+        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights,
+        oracle=args.oracle, repeat=args.repeat)
     report.console(result, run_dir)
     return result.exit_code
 

@@ -30,7 +30,7 @@ GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLAGS_use_accuracy_compatible_
 
 @dataclass
 class SideResult:
-    label: str  # "a" or "b"
+    label: str  # "a", "b", "oracle"; a repeat adds its run number ("a.2")
     runner: str
     status: str  # "ok" | "unsupported" | "error"
     folder: Path
@@ -68,14 +68,20 @@ def runner_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_pair(case: Case, checkpoint: Checkpoint, device: str, run_dir: Path,
-             pythons: dict[str, str], timeout: float) -> list[SideResult]:
-    """Run both sides of the case concurrently; never raises for a runner's failure."""
+def pair_sides(case: Case, checkpoint: Checkpoint) -> list[tuple[str, str, Path]]:
+    """The case's two sides, a and b, as (label, runner, the inputs file it reads)."""
+    return [(label, runner, checkpoint.path_for(label)) for label, runner in zip("ab", case.runners, strict=True)]
+
+
+def run_sides(case: Case, sides: list[tuple[str, str, Path]], device: str, run_dir: Path,
+              pythons: dict[str, str], timeout: float) -> list[SideResult]:
+    """Run (label, runner, inputs file) sides concurrently, each in `run_dir/<label>-<runner>`; never raises
+    for a runner's failure. The timeout covers the whole group."""
     started = []
-    for label, runner in zip("ab", case.runners, strict=True):
+    for label, runner, inputs in sides:
         folder = run_dir / f"{label}-{runner}"
         folder.mkdir(parents=True)
-        request = _request(case, checkpoint.path_for(label), device, folder)
+        request = _request(case, inputs, device, folder)
         (folder / "request.json").write_text(json.dumps(request, indent=2))
         python = runner_python(runner, pythons)
         started.append((label, runner, folder, python, _start(runner, python, folder, device)))

@@ -8,9 +8,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from harness import report_sections
 from harness.result import CaseResult
 
-VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red"}
+VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
+                 "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}
 
 
 def write(result: CaseResult, run_dir: Path) -> None:
@@ -64,6 +66,7 @@ def markdown(result: CaseResult) -> str:
         if histograms:
             lines += ["", "### ULP distance histograms (mismatching elements)", ""]
             lines += [f"- `{name}`: " + ", ".join(f"{k} ULP: {v}" for k, v in h.items()) for name, h in histograms]
+    lines += report_sections.markdown(data)
     if result.sides:
         lines += ["", "## Provenance", ""]
         for side in data["sides"]:
@@ -93,6 +96,8 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         implementation = side.meta.get("implementation", "")
         out.print(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
                   f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}")
+    for line in report_sections.console_lines(result.to_dict()):
+        out.print(line, highlight=False)
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {result.message}", highlight=False)
     if result.expectation and result.expectation["verdict"] != "BITWISE_PASS":
         met = "met" if result.expectation["met"] else "NOT met"
