@@ -66,7 +66,8 @@ def round_once(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """float64 -> `dtype`, rounded to nearest even exactly once (see the module docstring)."""
     if dtype == np.float32:
         return np.ascontiguousarray(values.astype(np.float32))
-    return np.ascontiguousarray(_to_float32_round_to_odd(values).astype(dtype))
+    with np.errstate(over="ignore"):  # beyond the format's range is infinity, as rounding says
+        return np.ascontiguousarray(_to_float32_round_to_odd(values).astype(dtype))
 
 
 def _to_float32_round_to_odd(values: np.ndarray) -> np.ndarray:
