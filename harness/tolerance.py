@@ -2,7 +2,8 @@
 
 Bitwise stays the default. A case may state, for all tensors and/or per tensor::
 
-    tolerance = { max_ulp_at_scale = 1.0, max_mismatch_share = 0.5 }
+    tolerance.max_ulp_at_scale = 1.0      # dotted keys (TOML forbids adding to an inline table)
+    tolerance.max_mismatch_share = 0.5
     tolerance.tensors."grad.weight" = { max_ulp = 4 }
 
 A per-tensor table overrides the shared limits key by key. Every stated limit must hold (they are
