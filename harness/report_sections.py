@@ -40,17 +40,18 @@ def _versus_oracle(data: dict) -> list[str]:
     if oracle["status"] != "ok":
         return lines + [f"No oracle result ({oracle['status']}): {oracle['reason']}"]
     lines += ["Each side against the exact result (float64 accumulation from the same input bits, rounded once; "
-              "see `harness/runners/oracle.py`).", "",
-              "| tensor | side | mismatches | share | max ULP | ULP histogram | max err in ULPs at scale | closer |",
-              "|---|---|---:|---:|---:|---|---:|---|"]
+              "see `harness/runners/oracle.py`). Closer: fewer differing elements, then the smaller max abs error.",
+              "",
+              "| tensor | side | mismatches | share | max ULP | ULP histogram | max abs err | max err in ULPs at scale "
+              "| closer |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
     names = [t["name"] for side in oracle["sides"].values() for t in side["tensors"]]
     for name in dict.fromkeys(names):
         for label, side in oracle["sides"].items():
             t = next(t for t in side["tensors"] if t["name"] == name)
             closer = oracle["closer"].get(name, "")
             lines.append(f"| {name} | {label} ({side['runner']}) | {t['mismatches']} | {t['mismatch_share']:.4%} | "
-                         f"{t['max_ulp']} | {_histogram(t['ulp_histogram'])} | "
-                         f"{t['max_error_in_scale_ulps']:.3g} | {closer if label == closer else ''} |")
+                         f"{t['max_ulp']} | {_histogram(t['ulp_histogram'])} | {t['max_abs_error']:.3g} | "
+                         f"{t['max_error_in_scale_ulps']:.3g} | {'closer' if label == closer else ''} |")
     return lines
 
 
