@@ -135,3 +135,19 @@ def test_runner_protocol_exit_code_and_meta_for_an_op_without_oracle(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == EXIT_UNSUPPORTED, done.stderr
     assert "no truth oracle for op 'rms_norm'" in json.loads((tmp_path / META).read_text())["unsupported"]
+
+
+@pytest.mark.parametrize("dtype, terms, expected_bits", [
+    # float64 accumulation lands exactly on a midpoint and ties to even; the exact sum lies above or below it
+    ("float32", [1.0, 2.0**-24, 2.0**-80], 0x3F800001),  # above: 1 + 2**-23, not 1
+    ("float32", [1.0 + 2.0**-23, 2.0**-24, -(2.0**-80)], 0x3F800001),  # below: 1 + 2**-23, not 1 + 2**-22
+    ("bfloat16", [1.0, 2.0**-8, 2.0**-60], 0x3F81),  # above: 1 + 2**-7, not 1
+])
+def test_elements_a_float64_sum_cannot_settle_are_recomputed_exactly(tmp_path, dtype, terms, expected_bits):
+    x = np.array([terms]).astype(DTYPES[dtype])
+    assert np.array_equal(x.astype(np.float64), np.array([terms]))  # the terms are exact in the input dtype
+    tensors = {"input": x, "weight": np.ones((1, len(terms)), DTYPES[dtype]),
+               "grad_output": np.ones((1, 1), DTYPES[dtype])}
+    plain = oracle.round_once(np.array([sum(terms)]), np.dtype(DTYPES[dtype]))  # what float64 alone gives
+    out = run_oracle(tmp_path, tensors, dtype)["out"]
+    assert out.view(BITS[out.itemsize])[0, 0] == expected_bits != plain.view(BITS[out.itemsize])[0]

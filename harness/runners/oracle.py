@@ -2,9 +2,12 @@
 
 Why: two frameworks that differ tell a user *that* they differ; the oracle tells which one is closer to
 the mathematically exact answer. Every input (bf16, fp16, fp32) converts to float64 exactly; products of
-two such values are exact in float64 (at most 48 significant bits); sums accumulate in float64 (error
-about K * 2**-53 of the terms' magnitude, far below half an output ULP unless the exact value sits on a
-rounding boundary); the result is rounded once, to nearest even, to the output dtype. Intermediate
+two such values are exact in float64 (at most 48 significant bits); sums accumulate in float64 (BLAS), and
+the result is rounded once, to nearest even, to the output dtype. The float64 sum is not exact, so each
+element also gets a rigorous error bound (gamma_K times the sum of the terms' magnitudes); where the bound
+reaches across a rounding boundary of the output dtype (both ends of the interval round differently), the
+element is recomputed exactly: ``math.fsum`` of the exact products (correctly rounded) plus the sign of the
+residual decides the rounding. So every element is the correctly rounded exact value. Intermediate
 roundings that the frameworks do (a bf16 GEMM output before the bias add, for instance) are *not*
 modelled: the oracle is the exact function, not a third implementation.
 
@@ -17,6 +20,7 @@ Ops without an oracle end UNSUPPORTED, saying so. Framework-free: numpy, ml_dtyp
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_dtypes
@@ -36,30 +40,79 @@ def run(request: dict, phases: Phases) -> dict:
     dtype = OUTPUT_DTYPES[request["dtype"]]
     with phases("setup"):
         tensors = {name: array.astype(np.float64) for name, array in load_file(request["checkpoint"]).items()}
+    outputs, recomputed = {}, {}
     with phases("compute"):
-        exact = op(tensors, request)
-        outputs = {name: round_once(values, dtype) for name, values in exact.items()}
+        for name, (left, right, shift, shape) in op(tensors, request).items():
+            outputs[name], recomputed[name] = correctly_rounded_product(left, right, shift, dtype)
+            outputs[name] = outputs[name].reshape(shape)
     with phases("write"):
         save_file(outputs, os.path.join(request["output_dir"], OUTPUTS))
-    return {"framework": "oracle", "implementation": f"numpy float64 accumulation, rounded once to {dtype.name}",
-            "versions": {"numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__},
-            "blas": _blas_name()}
+    return {"framework": "oracle",
+            "implementation": f"numpy float64 products and sums, correctly rounded once to {dtype.name}",
+            "versions": {"numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__}, "blas": _blas_name(),
+            "elements_recomputed_exactly": recomputed}
 
 
-def linear(tensors: dict[str, np.ndarray], request: dict) -> dict[str, np.ndarray]:
+def linear(tensors: dict[str, np.ndarray], request: dict) -> dict:
     """out = x @ W.T (+ b); grad.input = dY @ W; grad.weight = dY.T @ x; grad.bias = sum of dY over tokens.
 
+    Each output as (left, right, added vector or None, shape): output = left @ right (+ added), exactly.
     Tensor parallelism does not change the exact function, so both parallel linears share it.
     """
     x, w, dy = tensors["input"], tensors["weight"], tensors["grad_output"]
-    outputs = {"out": x @ w.T, "grad.input": dy @ w, "grad.weight": dy.T @ x}
-    if request["config"].get("bias", False):
-        outputs["out"] = outputs["out"] + tensors["bias"]
-        outputs["grad.bias"] = dy.sum(axis=0)
+    bias = tensors["bias"] if request["config"].get("bias", False) else None
+    outputs = {"out": (x, w.T, bias, (x.shape[0], w.shape[0])), "grad.input": (dy, w, None, x.shape),
+               "grad.weight": (dy.T, x, None, w.shape)}
+    if bias is not None:
+        outputs["grad.bias"] = (np.ones((1, dy.shape[0])), dy, None, bias.shape)
     return outputs
 
 
 OPS = {"column_parallel_linear": linear, "row_parallel_linear": linear}
+
+
+def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.ndarray | None,
+                              dtype: np.dtype) -> tuple[np.ndarray, int]:
+    """left @ right (+ shift) rounded once to `dtype`, exact for every element; also how many needed fsum."""
+    terms = left.shape[1] + (shift is not None)
+    approx, magnitude = left @ right, np.abs(left) @ np.abs(right)
+    if shift is not None:
+        approx, magnitude = approx + shift, magnitude + np.abs(shift)
+    gamma = terms * 2.0**-53 / (1 - terms * 2.0**-53)
+    bound = gamma * magnitude * (1 + 2 * gamma)  # the magnitudes' own float64 sum is short by at most gamma
+    with np.errstate(invalid="ignore"):
+        low = round_once(np.nextafter(approx - bound, -np.inf), dtype)
+        high = round_once(np.nextafter(approx + bound, np.inf), dtype)
+    rounded = round_once(approx, dtype)
+    unsure = np.argwhere(low.view(_BITS[dtype.itemsize]) != high.view(_BITS[dtype.itemsize]))
+    for i, j in unsure:
+        products = (left[i] * right[:, j]).tolist() + ([float(shift[j])] if shift is not None else [])
+        rounded[i, j] = _round_exact_sum(products, dtype)
+    return rounded, len(unsure)
+
+
+def _round_exact_sum(products: list[float], dtype: np.dtype):
+    """The exact sum of float64 `products`, rounded once to `dtype`.
+
+    `fsum` is correctly rounded to float64 (r); the residual's sign says on which side of r the exact sum
+    lies. Midpoints of the output format are float64 values, so the exact sum and r round alike unless r is
+    itself a midpoint: then the residual's sign breaks the tie, and only an exact tie goes to even.
+    """
+    nearest = math.fsum(products)
+    residual = math.fsum([*products, -nearest])
+    bits = _BITS[dtype.itemsize]
+    raw = round_once(np.array([nearest]), dtype).view(bits).astype(np.int64)
+    candidates = [(raw + step).astype(bits).view(dtype) for step in (-1, 0, 1)]
+
+    def preference(candidate):
+        value = float(candidate.astype(np.float64)[0])
+        toward_residual = residual != 0 and (value > nearest) == (residual > 0)
+        return abs(value - nearest), not toward_residual, int(candidate.view(bits)[0]) & 1
+
+    return min((c for c in candidates if np.isfinite(c.astype(np.float64)[0])), key=preference)[0]
+
+
+_BITS = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 
 def round_once(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
