@@ -4,7 +4,7 @@ Why: two frameworks that differ tell a user *that* they differ; the oracle tells
 the mathematically exact answer. Every input (bf16, fp16, fp32) converts to float64 exactly; products of
 two such values are exact in float64 (at most 48 significant bits); sums accumulate in float64 (BLAS), and
 the result is rounded once, to nearest even, to the output dtype. The float64 sum is not exact, so each
-element also gets a rigorous error bound (gamma_K times the sum of the terms' magnitudes); where the bound
+element also gets a rigorous error bound (gamma_K times a bound on the terms' magnitudes); where it
 reaches across a rounding boundary of the output dtype (both ends of the interval round differently), the
 element is recomputed exactly: ``math.fsum`` of the exact products (correctly rounded) plus the sign of the
 residual decides the rounding. So every element is the correctly rounded exact value. Intermediate
@@ -75,11 +75,14 @@ def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.nda
                               dtype: np.dtype) -> tuple[np.ndarray, int]:
     """left @ right (+ shift) rounded once to `dtype`, exact for every element; also how many needed fsum."""
     terms = left.shape[1] + (shift is not None)
-    approx, magnitude = left @ right, np.abs(left) @ np.abs(right)
+    approx = left @ right
+    # sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz): an outer product of norms instead of a second GEMM, about
+    # 1.6x looser on Gaussian data; (1 + 2 gamma) covers the norms' own float64 rounding.
+    magnitude = np.outer(np.linalg.norm(left, axis=1), np.linalg.norm(right, axis=0))
     if shift is not None:
         approx, magnitude = approx + shift, magnitude + np.abs(shift)
     gamma = terms * 2.0**-53 / (1 - terms * 2.0**-53)
-    bound = gamma * magnitude * (1 + 2 * gamma)  # the magnitudes' own float64 sum is short by at most gamma
+    bound = gamma * magnitude * (1 + 2 * gamma)
     with np.errstate(invalid="ignore"):
         low = round_once(np.nextafter(approx - bound, -np.inf), dtype)
         high = round_once(np.nextafter(approx + bound, np.inf), dtype)
