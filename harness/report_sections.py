@@ -60,7 +60,8 @@ def _tolerance(data: dict) -> list[str]:
     if not policy:
         return []
     lines = ["", f"## Tolerance policy: {'met' if policy['within'] else 'NOT met'}", "",
-             f"Policy: {_policy_text(policy['policy'])}. Margin = limit - measured (negative: exceeded).", "",
+             f"Policy: {_policy_text(policy['policy'], legend=True)}. "
+             "Margin = limit - measured (negative: exceeded).", "",
              "| tensor | status | limit | measured | margin | within |", "|---|---|---|---:|---:|---|"]
     for t in policy["tensors"]:
         if not t["checks"]:
@@ -97,13 +98,14 @@ def _repeats(data: dict) -> list[str]:
     return lines
 
 
-def _policy_text(policy: dict) -> str:
+def _policy_text(policy: dict, legend: bool = False) -> str:
     def limits(table):
         return ", ".join(f"{k} <= {v:g}" for k, v in table.items())
 
     parts = [f"all tensors: {limits(policy['limits'])}"] if policy["limits"] else ["other tensors: bitwise"]
     parts += [f"`{name}`: {limits(table)}" for name, table in policy["tensors"].items()]
-    return "; ".join(parts) + f" ({'; '.join(f'{k}: {v[2]}' for k, v in LIMITS.items())})"
+    meanings = f" ({'; '.join(f'{k}: {v[2]}' for k, v in LIMITS.items())})" if legend else ""
+    return "; ".join(parts) + meanings
 
 
 def _histogram(histogram: dict) -> str:
