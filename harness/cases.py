@@ -14,6 +14,7 @@ from typing import Any
 
 import tomllib
 
+from harness import tolerance as tolerance_policy
 from harness.ops import OPS, OpSpec
 
 CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
@@ -23,9 +24,10 @@ DTYPES = tuple(WIDTHS)
 TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
-RUNNERS = ("megatron", "paddle", "torch", "torch_nn")
+# oracle: the exact result, framework-free (harness.runners.oracle).
+RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle")
 DEFAULT_RUNNERS = ("megatron", "paddle")
-VERDICTS = ("BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR")
+VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
 DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}}
 DEFAULT_DISTRIBUTION = {
     "weight": {"dist": "normal", "mean": 0.0, "std": 0.02},
@@ -41,7 +43,7 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
 }
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
-    "runners", "devices", "expect", "perturb", "weights_from", "base",
+    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance",
 }
 
 
@@ -95,6 +97,7 @@ class Case:
     expect: Expectation = field(default_factory=Expectation)
     perturb: Perturbation | None = None
     weights_from: WeightImport | None = None
+    tolerance: tolerance_policy.Tolerance | None = None  # None: bitwise
 
     @property
     def op_spec(self) -> OpSpec:
@@ -280,14 +283,16 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if not devices or any(d not in DEVICES for d in devices):
         raise f.error("devices", f"must be a non-empty list of {', '.join(DEVICES)}", list(devices))
 
+    outputs = [s.name for s in spec.outputs(shapes, tokens, config)]
+    tolerance = tolerance_policy.parse(f, outputs)
     return Case(
         name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str),
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
-        expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config)),
+        expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config), tolerance is not None),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in spec.inputs(shapes, tokens, config)},
                               WIDTHS[dtype]),
-        weights_from=_weight_import(f, input_roles),
+        weights_from=_weight_import(f, input_roles), tolerance=tolerance,
     )
 
 
@@ -326,12 +331,15 @@ def _distribution(f: _Fields, tensor_name: str, merged: dict, given: dict) -> di
     return resolved
 
 
-def _expectation(f: _Fields, input_roles: dict, output_specs) -> Expectation:
+def _expectation(f: _Fields, input_roles: dict, output_specs, has_tolerance: bool) -> Expectation:
     table = f.get("expect", dict, {})
     outputs = [s.name for s in output_specs]
-    verdict = f.get("verdict", str, "BITWISE_PASS", where=table, label="expect.verdict")
+    default = "WITHIN_TOLERANCE" if has_tolerance else "BITWISE_PASS"
+    verdict = f.get("verdict", str, default, where=table, label="expect.verdict")
     if verdict not in VERDICTS:
         raise f.error("expect.verdict", f"must be one of {', '.join(VERDICTS)}", verdict)
+    if verdict == "WITHIN_TOLERANCE" and not has_tolerance:
+        raise f.error("expect.verdict", "needs a `tolerance` table saying what the case accepts", verdict)
     lists = {}
     for key in ("differs", "equal"):
         names = f.get(key, list, [], where=table, label=f"expect.{key}")

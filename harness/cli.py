@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--versus-tp", type=int, metavar="N",
                          help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
     compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
+    compare.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
+                         help="also run the framework-free truth oracle and show each side's distance from it "
+                              "(default: on; ops without an oracle say so)")
+    compare.add_argument("--repeat", type=int, default=1, metavar="N",
+                         help="run each side N times in separate processes; a side that disagrees with itself "
+                              "gives NONDETERMINISTIC")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
@@ -70,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1 (got {args.repeat})")
     common = dict(device=args.device, cases_dir=args.cases, checkpoints_dir=args.checkpoints, pythons=pythons,
                   timeout=args.timeout, weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner,
-                  tp=args.tp)
+                  tp=args.tp, oracle=args.oracle, repeat=args.repeat)
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, reports_dir=args.reports,

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from harness import launch, shards
 from harness.cases import Case
@@ -32,7 +33,7 @@ GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLAGS_use_accuracy_compatible_
 
 @dataclass
 class SideResult:
-    label: str  # "a" or "b"
+    label: str  # "a", "b", "oracle"; a repeat adds its run number ("a.2")
     runner: str
     status: str  # "ok" | "unsupported" | "error"
     folder: Path
@@ -72,14 +73,31 @@ def runner_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_pair(case: Case, checkpoint: Checkpoint, device: str, run_dir: Path,
-             pythons: dict[str, str], timeout: float, tps: tuple[int, int] | None = None) -> list[SideResult]:
-    """Run both sides of the case concurrently (each at its own TP size); never raises for a runner's failure."""
+class SideSpec(NamedTuple):
+    """One runner process (or launch of TP ranks) to start: what it is called, what it runs and reads."""
+
+    label: str  # "a", "b", "oracle", "a.2" (second run of a)...
+    runner: str
+    inputs: Path
+    tp: int
+    folder: str  # its folder under the run directory
+
+
+def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None) -> list[SideSpec]:
+    """The case's two sides, a and b, each at the case's TP size or, comparing TP sizes, at its own."""
+    return [SideSpec(label, runner, checkpoint.path_for(label), tp, f"{label}-{runner}" + (f"-tp{tp}" if tps else ""))
+            for label, runner, tp in zip("ab", case.runners, tps or (case.tp, case.tp), strict=True)]
+
+
+def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
+              pythons: dict[str, str], timeout: float) -> list[SideResult]:
+    """Run the sides concurrently; never raises for a runner's failure. The timeout covers the whole group."""
     started = []
-    for label, runner, tp in zip("ab", case.runners, tps or (case.tp, case.tp), strict=True):
-        folder = run_dir / (f"{label}-{runner}" + ("" if tps is None else f"-tp{tp}"))
+    for side in sides:
+        folder = run_dir / side.folder
         folder.mkdir(parents=True)
-        request = _request(case, checkpoint.path_for(label), device, folder, tp)
+        request = _request(case, side.inputs, device, folder, side.tp)
+        label, runner, tp = side.label, side.runner, side.tp
         (folder / "request.json").write_text(json.dumps(request, indent=2))
         python = runner_python(runner, pythons)
         started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))

@@ -13,12 +13,13 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from harness import __version__, checkpoints, orchestrate, report, shards
+from harness import __version__, checkpoints, determinism, orchestrate, report, shards, tolerance
 from harness.cases import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.checkpoints import CheckpointError
 from harness.dumps import Dump, DumpError, compare_dumps
-from harness.result import ERROR, CaseResult, check_expectation, decide
+from harness.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide
 from harness.runners.protocol import host_provenance
+from harness.versus_oracle import oracle_side, versus_oracle
 
 REPORTS_DIR = Path(__file__).resolve().parents[1] / "reports"
 
@@ -40,11 +41,13 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
                  checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR, reports_dir: Path = REPORTS_DIR,
                  pythons: dict[str, str] | None = None, timeout: float = 1800.0,
                  weights_file: str | None = None, runners: tuple[str, str] | None = None,
-                 versus_tp: int | None = None, runner: str | None = None,
-                 tp: int | None = None) -> tuple[CaseResult, Path]:
+                 versus_tp: int | None = None, runner: str | None = None, tp: int | None = None,
+                 oracle: bool = True, repeat: int = 1) -> tuple[CaseResult, Path]:
     """Compare the case's two runners (or `runners`, ``--runners A,B``) at its TP size (or `tp`); with
     `versus_tp`, one runner (`runner`, default the case's first) at that TP size (side a) against itself at
-    `versus_tp` (side b), on the same checkpoint."""
+    `versus_tp` (side b), on the same checkpoint. `oracle`: also run the truth oracle and measure each side's
+    distance from it (skipped when a side already is the oracle); `repeat`: run each side that many times and
+    check it agrees with itself."""
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
     result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=_now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
@@ -61,10 +64,22 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
-        result.sides = orchestrate.run_pair(case, checkpoint, device, run_dir, pythons or {}, timeout, tps)
-        if all(side.status == "ok" for side in result.sides):
-            result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, result.sides)
-        result.verdict, result.message = decide(result.sides, result.tensors)
+        pair = orchestrate.pair_sides(case, checkpoint, tps)
+        extra = [oracle_side(checkpoint)] if oracle and "oracle" not in case.runners else []
+        result.sides = orchestrate.run_sides(case, pair + extra, device, run_dir, pythons or {}, timeout)
+        first_round = list(result.sides)
+        for run in range(2, repeat + 1):
+            again = determinism.repeat_sides(first_round, pair, run)
+            result.sides += orchestrate.run_sides(case, again, device, run_dir, pythons or {}, timeout)
+        by_label = {side.label: side for side in result.sides}
+        framework = [by_label["a"], by_label["b"]]
+        if all(side.status == "ok" for side in framework):
+            result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
+        result.versus_oracle = versus_oracle(case, framework, by_label.get(ORACLE_LABEL))
+        result.repeats = determinism.self_consistency(case, result.sides, repeat)
+        result.tolerance = tolerance.judge(case.tolerance, result.tensors)
+        result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
+                                                result.tolerance)
         result.message += tp_notes(result)
         if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)

@@ -10,10 +10,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness import pictures, report_html
+from harness import pictures, report_html, report_sections
 from harness.result import CaseResult
 
-VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red"}
+VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
+                 "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}
 
 
 def write(result: CaseResult, run_dir: Path) -> None:
@@ -80,6 +81,8 @@ def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = Non
             for name, files in figures.items():
                 lines += [f"- `{name}`: [map]({files['map']}) · [ULP histogram]({files['ulp']})", "",
                           f"  ![{name} map]({files['map']})", ""]
+
+    lines += report_sections.markdown(data)
     if result.sides:
         lines += ["", "## Provenance", ""]
         for side in data["sides"]:
@@ -133,6 +136,8 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         implementation = side.meta.get("implementation", "")
         out.print(escape(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
                          f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}"))
+    for line in report_sections.console_lines(result.to_dict()):
+        out.print(line, highlight=False)
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
     if result.expectation.get("stated") and result.expectation["verdict"] != "BITWISE_PASS":
         met = "met" if result.expectation["met"] else "NOT met"

@@ -9,7 +9,9 @@ from harness.orchestrate import SideResult
 
 REPORT_SCHEMA = 1
 BITWISE_PASS, DIFF_VERDICT, UNSUPPORTED, ERROR = "BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR"
-EXIT_CODES = {BITWISE_PASS: 0, DIFF_VERDICT: 1, ERROR: 2, UNSUPPORTED: 3}
+WITHIN_TOLERANCE, NONDETERMINISTIC = "WITHIN_TOLERANCE", "NONDETERMINISTIC"
+EXIT_CODES = {BITWISE_PASS: 0, WITHIN_TOLERANCE: 0, DIFF_VERDICT: 1, ERROR: 2, UNSUPPORTED: 3, NONDETERMINISTIC: 4}
+ORACLE_LABEL = "oracle"  # the extra side of --oracle; never decides the verdict, only measures distances
 
 
 @dataclass
@@ -25,6 +27,9 @@ class CaseResult:
     message: str = ""
     expectation: dict = field(default_factory=dict)
     comparison: dict = field(default_factory=dict)  # set when one runner is compared with itself at another TP size
+    versus_oracle: dict = field(default_factory=dict)  # harness.versus_oracle
+    repeats: dict = field(default_factory=dict)  # harness.determinism, with --repeat N > 1
+    tolerance: dict = field(default_factory=dict)  # harness.tolerance.judge, when the case states a policy
     harness: dict = field(default_factory=dict)
     started_at: str = ""
     finished_at: str = ""
@@ -46,24 +51,40 @@ class CaseResult:
             "expectation": self.expectation, "comparison": self.comparison, "case": self.case,
             "checkpoint": self.checkpoint,
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
+            "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
         }
 
 
-def decide(sides: list[SideResult], tensors: list[TensorComparison]) -> tuple[str, str]:
-    """The run's verdict and a one-line reason."""
+def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: list[str] = (),
+           tolerance: dict | None = None) -> tuple[str, str]:
+    """The run's verdict and a one-line reason.
+
+    `unstable` names the sides that disagreed with themselves across --repeat runs: then no cross-framework
+    verdict is given, since equal or different bits could be luck. `tolerance` is the case policy's judgement.
+    """
     for side in sides:
         if side.status == "error":
             return ERROR, f"runner {side.label} ({side.runner}) failed: {side.reason}"
-    unsupported = [s for s in sides if s.status == "unsupported"]
+    differing = [t.name for t in tensors if t.status == DIFF]
+    if unstable:
+        first_runs = f"{len(differing)} tensors differ" if differing else "bitwise equal"
+        return NONDETERMINISTIC, (f"{', '.join(unstable)} gave different bits on different runs; the first runs "
+                                  f"were {first_runs}, which is no verdict while a side disagrees with itself")
+    unsupported = [s for s in sides if s.status == "unsupported" and s.label != ORACLE_LABEL]
     if unsupported:
-        return UNSUPPORTED, "; ".join(f"{s.runner}: {s.reason}" for s in unsupported)
+        return UNSUPPORTED, "; ".join(dict.fromkeys(f"{s.runner}: {s.reason}" for s in unsupported))
     broken = [t for t in tensors if t.status not in (EQUAL, DIFF)]
     if broken:
         return ERROR, "; ".join(f"{t.name}: {t.status} ({t.note})" for t in broken)
-    differing = [t.name for t in tensors if t.status == DIFF]
+    if differing and tolerance and tolerance["within"]:
+        return WITHIN_TOLERANCE, (f"{len(differing)} of {len(tensors)} tensors differ ({', '.join(differing)}), "
+                                  "all within the case's tolerance")
     if differing:
-        return DIFF_VERDICT, f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
+        beyond = [f"{t['name']}: {'; '.join(t['problems'])}" for t in (tolerance or {}).get("tensors", [])
+                  if t["problems"]]
+        return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
+                              + (f"; beyond the case's tolerance: {' | '.join(beyond)}" if beyond else ""))
     return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
 
 
@@ -71,7 +92,8 @@ def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> 
     """Did the run do what the case says it should? Lists each way it did not."""
     status = {t.name: t.status for t in tensors}
     problems = []
-    if verdict != expect.verdict:
+    bitwise_within_tolerance = expect.verdict == WITHIN_TOLERANCE and verdict == BITWISE_PASS  # 0 ULP is within
+    if verdict != expect.verdict and not bitwise_within_tolerance:
         problems.append(f"verdict {verdict}, expected {expect.verdict}")
     problems += [f"{n} was expected to differ but is {status.get(n, 'absent')}" for n in expect.differs
                  if status.get(n) != DIFF]

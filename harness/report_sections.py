@@ -1,0 +1,116 @@
+"""Report sections for the checks around the comparison: distance from the truth oracle, determinism
+across ``--repeat`` runs, and the case's tolerance policy. Read from ``CaseResult.to_dict()`` only."""
+
+from __future__ import annotations
+
+from harness.tolerance import LIMITS
+
+
+def markdown(data: dict) -> list[str]:
+    return _versus_oracle(data) + _tolerance(data) + _repeats(data)
+
+
+def console_lines(data: dict) -> list[str]:
+    """One line per tensor: who is closer to the oracle; one per unstable side; the tolerance outcome."""
+    lines = []
+    oracle = data.get("versus_oracle") or {}
+    if oracle.get("status") == "ok":
+        for label, side in oracle["sides"].items():
+            counts = ", ".join(f"{t['name']} {t['mismatches']} (max {t['max_ulp']} ULP)" for t in side["tensors"])
+            lines.append(f"side {label} ({side['runner']}) vs oracle, differing elements: {counts}")
+        if oracle["closer"]:
+            lines.append("closer to the oracle: " + ", ".join(f"{k} {v}" for k, v in oracle["closer"].items()))
+    elif oracle:
+        lines.append(f"oracle {oracle['status']}: {oracle['reason']}")
+    for label, side in (data.get("repeats") or {}).get("sides", {}).items():
+        differing = sorted({n for r in side["repeats"] for n in r["differing"]})
+        state = "self-consistent" if side["consistent"] else f"NOT self-consistent ({', '.join(differing)})"
+        lines.append(f"side {label} ({side['runner']}) over {data['repeats']['runs']} runs: {state}")
+    policy = data.get("tolerance") or {}
+    if policy:
+        lines.append(f"tolerance: {'met' if policy['within'] else 'NOT met'} ({_policy_text(policy['policy'])})")
+    return lines
+
+
+def _versus_oracle(data: dict) -> list[str]:
+    oracle = data.get("versus_oracle") or {}
+    if not oracle:
+        return []
+    lines = ["", "## Distance from the truth oracle", ""]
+    if oracle["status"] != "ok":
+        return lines + [f"No oracle result ({oracle['status']}): {oracle['reason']}"]
+    lines += ["Each side against the exact result (float64 accumulation from the same input bits, rounded once; "
+              "see `harness/runners/oracle.py`). Closer: fewer differing elements, then the smaller max abs error.",
+              "",
+              "| tensor | side | mismatches | share | max ULP | ULP histogram | max abs err | max err in ULPs at scale "
+              "| closer |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
+    names = [t["name"] for side in oracle["sides"].values() for t in side["tensors"]]
+    for name in dict.fromkeys(names):
+        for label, side in oracle["sides"].items():
+            t = next(t for t in side["tensors"] if t["name"] == name)
+            closer = oracle["closer"].get(name, "")
+            lines.append(f"| {name} | {label} ({side['runner']}) | {t['mismatches']} | {t['mismatch_share']:.4%} | "
+                         f"{t['max_ulp']} | {_histogram(t['ulp_histogram'])} | {t['max_abs_error']:.3g} | "
+                         f"{t['max_error_in_scale_ulps']:.3g} | {'closer' if label == closer else ''} |")
+    return lines
+
+
+def _tolerance(data: dict) -> list[str]:
+    policy = data.get("tolerance") or {}
+    if not policy:
+        return []
+    lines = ["", f"## Tolerance policy: {'met' if policy['within'] else 'NOT met'}", "",
+             f"Policy: {_policy_text(policy['policy'], legend=True)}. "
+             "Margin = limit - measured (negative: exceeded).", "",
+             "| tensor | status | limit | measured | margin | within |", "|---|---|---|---:|---:|---|"]
+    for t in policy["tensors"]:
+        if not t["checks"]:
+            lines.append(f"| {t['name']} | {t['status']} | (none: must be bitwise) | | | {_yes(t['within'])} |")
+        for check in t["checks"]:
+            lines.append(f"| {t['name']} | {t['status']} | {check['limit']} <= {check['value']:g} | "
+                         f"{check['measured']:.6g} | {check['margin']:.6g} | {_yes(check['met'])} |")
+    problems = [f"`{t['name']}`: {'; '.join(t['problems'])}" for t in policy["tensors"] if t["problems"]]
+    return lines + ([""] + [f"- {p}" for p in problems] if problems else [])
+
+
+def _repeats(data: dict) -> list[str]:
+    repeats = data.get("repeats") or {}
+    if not repeats:
+        return []
+    lines = ["", f"## Determinism: {repeats['runs']} runs per side, each against its first", "",
+             "| side | runner | self-consistent | repeats | differing tensors |", "|---|---|---|---|---|"]
+    for label, side in repeats["sides"].items():
+        differing = sorted({n for r in side["repeats"] for n in r["differing"]})
+        runs = ", ".join(f"{r['label']} {r['status']}" for r in side["repeats"])
+        lines.append(f"| {label} | {side['runner']} | {_yes(side['consistent'])} | {runs} | "
+                     f"{', '.join(differing) or 'none'} |")
+    for side in repeats["sides"].values():
+        for repeat in side["repeats"]:
+            if repeat["differing"]:
+                lines += ["", f"### {repeat['label']} against its first run", "",
+                          "| tensor | status | mismatches | share | max ULP | ULP histogram | first mismatch |",
+                          "|---|---|---:|---:|---:|---|---|"]
+                for t in repeat["tensors"]:
+                    first = t["first_mismatch"]
+                    where = f"{first['index']}: {first['a_bits']} vs {first['b_bits']}" if first else ""
+                    lines.append(f"| {t['name']} | {t['status']} | {t['mismatches']} | {t['mismatch_share']:.4%} | "
+                                 f"{t['max_ulp']} | {_histogram(t['ulp_histogram'])} | {where} |")
+    return lines
+
+
+def _policy_text(policy: dict, legend: bool = False) -> str:
+    def limits(table):
+        return ", ".join(f"{k} <= {v:g}" for k, v in table.items())
+
+    parts = [f"all tensors: {limits(policy['limits'])}"] if policy["limits"] else ["other tensors: bitwise"]
+    parts += [f"`{name}`: {limits(table)}" for name, table in policy["tensors"].items()]
+    meanings = f" ({'; '.join(f'{k}: {v[2]}' for k, v in LIMITS.items())})" if legend else ""
+    return "; ".join(parts) + meanings
+
+
+def _histogram(histogram: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in histogram.items()) or "-"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "**no**"

@@ -1,0 +1,153 @@
+"""The truth oracle against an independent exact computation: Python fractions, rounded to nearest even by hand.
+
+The oracle multiplies in numpy float64; the reference here sums exact rationals and picks the nearest
+representable value by comparing exact distances, so the two share no arithmetic.
+"""
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from harness.runners import oracle
+from harness.runners.protocol import EXIT_UNSUPPORTED, META, OUTPUTS, Phases, Unsupported
+
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+BITS = {2: np.uint16, 4: np.uint32}
+
+
+def nearest_even(exact: Fraction, dtype) -> np.ndarray:
+    """The representable value of `dtype` nearest to `exact`; on a tie, the one with an even last bit."""
+    guess = np.array(float(exact)).astype(dtype).reshape(1)  # within a step or two of the answer
+    raw = guess.view(BITS[guess.itemsize])
+    candidates = [(raw.astype(np.int64) + step).astype(raw.dtype).view(dtype) for step in (-2, -1, 0, 1, 2)]
+    candidates = [c for c in candidates if np.isfinite(c.astype(np.float64))[0]]
+
+    def key(c):
+        return abs(Fraction(float(c.astype(np.float64)[0])) - exact), int(c.view(BITS[c.itemsize])[0]) & 1
+
+    return min(candidates, key=key)
+
+
+def exact_linear(tensors, bias):
+    """out = x W^T (+ b), dX = dY W, dW = dY^T x, db = sum dY, as exact fractions."""
+    x, w, dy = ([[Fraction(float(v)) for v in row] for row in tensors[k].astype(np.float64)]
+                for k in ("input", "weight", "grad_output"))
+
+    def dot(u, v):
+        return sum((a * b for a, b in zip(u, v, strict=True)), Fraction(0))
+
+    columns = list(zip(*w, strict=True))
+    results = {
+        "out": [[dot(row, w_row) for w_row in w] for row in x],
+        "grad.input": [[dot(row, col) for col in columns] for row in dy],
+        "grad.weight": [[dot(dy_col, x_col) for x_col in zip(*x, strict=True)] for dy_col in zip(*dy, strict=True)],
+    }
+    if bias is not None:
+        b = [Fraction(float(v)) for v in bias.astype(np.float64)]
+        results["out"] = [[v + b[j] for j, v in enumerate(row)] for row in results["out"]]
+        results["grad.bias"] = [[sum(col, Fraction(0))] for col in zip(*dy, strict=True)]
+    return results
+
+
+def run_oracle(tmp_path, tensors, dtype, op="column_parallel_linear", bias=False):
+    save_file(tensors, str(tmp_path / "inputs.safetensors"))
+    request = {"op": op, "dtype": dtype, "config": {"bias": bias},
+               "checkpoint": str(tmp_path / "inputs.safetensors"), "output_dir": str(tmp_path)}
+    oracle.run(request, Phases())
+    return load_file(str(tmp_path / OUTPUTS))
+
+
+def random_linear(dtype, tokens=3, n_in=5, n_out=4, bias=False, seed=0):
+    rng = np.random.default_rng(seed)
+    tensors = {"input": rng.standard_normal((tokens, n_in)), "weight": rng.standard_normal((n_out, n_in)) * 0.02,
+               "grad_output": rng.standard_normal((tokens, n_out)) * 0.01}
+    if bias:
+        tensors["bias"] = rng.standard_normal(n_out) * 0.02
+    return {k: v.astype(DTYPES[dtype]) for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("op", sorted(oracle.OPS))
+def test_linear_is_the_exact_result_rounded_once(tmp_path, dtype, bias, op):
+    tensors = random_linear(dtype, bias=bias, seed=len(dtype) + bias)
+    outputs = run_oracle(tmp_path, tensors, dtype, op, bias)
+    exact = exact_linear(tensors, tensors.get("bias"))
+    assert sorted(outputs) == sorted(exact)
+    for name, rows in exact.items():
+        expected = np.array([[nearest_even(v, DTYPES[dtype])[0] for v in row] for row in rows]).reshape(
+            outputs[name].shape)
+        assert outputs[name].dtype == np.dtype(DTYPES[dtype]), name
+        got, want = (a.view(BITS[a.itemsize]) for a in (outputs[name], expected.astype(DTYPES[dtype])))
+        assert np.array_equal(got, want), f"{name} ({dtype}): oracle {outputs[name]} vs exact {expected}"
+
+
+def test_fp32_rounds_once_where_fp32_accumulation_does_not(tmp_path):
+    """1 + 2**-24 + 2**-24: float32 accumulation loses both small terms (each add ties to even, back to 1);
+    the exact sum 1 + 2**-23 is a float32 value, and the oracle returns it."""
+    x = np.array([[1.0, 2.0**-24, 2.0**-24]], np.float32)
+    tensors = {"input": x, "weight": np.ones((1, 3), np.float32), "grad_output": np.ones((1, 1), np.float32)}
+    accumulated = np.float32(0)
+    for term in x[0]:
+        accumulated = np.float32(accumulated + term)
+    out = run_oracle(tmp_path, tensors, "float32")["out"]
+    assert accumulated == np.float32(1.0)
+    assert out[0, 0] == np.float32(1.0 + 2.0**-23) != accumulated
+
+
+def test_bf16_rounds_once_not_through_float32(tmp_path):
+    """1 + 2**-8 + 2**-30 lies just above the midpoint between bf16 1.0 and 1 + 2**-7, so it rounds up.
+    Through float32 first the 2**-30 is lost, leaving an exact tie that rounds to even (1.0): ml_dtypes'
+    own float64 -> bfloat16 cast does that, which is why the oracle rounds with a sticky bit."""
+    terms = np.array([[1.0, 2.0**-8, 2.0**-30]])
+    tensors = {"input": terms.astype(ml_dtypes.bfloat16), "weight": np.ones((1, 3), ml_dtypes.bfloat16),
+               "grad_output": np.ones((1, 1), ml_dtypes.bfloat16)}
+    out = run_oracle(tmp_path, tensors, "bfloat16")["out"]
+    assert out.view(np.uint16)[0, 0] == 0x3F81  # 1 + 2**-7
+    assert np.array([terms.sum()]).astype(ml_dtypes.bfloat16).view(np.uint16)[0] == 0x3F80  # double rounding
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_round_once_at_the_edges(dtype):
+    values = np.array([0.0, -0.0, np.inf, -np.inf, 1e300, -1e300, 2.0**-140, -(2.0**-140)])
+    rounded = oracle.round_once(values, np.dtype(DTYPES[dtype]))
+    with np.errstate(over="ignore"):
+        expected = values.astype(DTYPES[dtype])  # no ties here: the direct cast is right
+    assert np.array_equal(rounded.view(np.uint16), expected.view(np.uint16))
+    assert np.isnan(oracle.round_once(np.array([np.nan]), np.dtype(DTYPES[dtype])).astype(np.float64))[0]
+
+
+def test_op_without_an_oracle_is_unsupported_and_says_so():
+    with pytest.raises(Unsupported, match=r"no truth oracle for op 'rms_norm' yet \(oracles exist for "):
+        oracle.run({"op": "rms_norm", "dtype": "bfloat16"}, Phases())
+
+
+def test_runner_protocol_exit_code_and_meta_for_an_op_without_oracle(tmp_path):
+    request = {"case": "c", "op": "rms_norm", "dtype": "float32", "device": "cpu", "output_dir": str(tmp_path)}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    done = subprocess.run([sys.executable, "-m", "harness.runners.oracle", "--request", str(tmp_path / "request.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_UNSUPPORTED, done.stderr
+    assert "no truth oracle for op 'rms_norm'" in json.loads((tmp_path / META).read_text())["unsupported"]
+
+
+@pytest.mark.parametrize("dtype, terms, expected_bits", [
+    # float64 accumulation lands exactly on a midpoint and ties to even; the exact sum lies above or below it
+    ("float32", [1.0, 2.0**-24, 2.0**-80], 0x3F800001),  # above: 1 + 2**-23, not 1
+    ("float32", [1.0 + 2.0**-23, 2.0**-24, -(2.0**-80)], 0x3F800001),  # below: 1 + 2**-23, not 1 + 2**-22
+    ("bfloat16", [1.0, 2.0**-8, 2.0**-60], 0x3F81),  # above: 1 + 2**-7, not 1
+])
+def test_elements_a_float64_sum_cannot_settle_are_recomputed_exactly(tmp_path, dtype, terms, expected_bits):
+    x = np.array([terms]).astype(DTYPES[dtype])
+    assert np.array_equal(x.astype(np.float64), np.array([terms]))  # the terms are exact in the input dtype
+    tensors = {"input": x, "weight": np.ones((1, len(terms)), DTYPES[dtype]),
+               "grad_output": np.ones((1, 1), DTYPES[dtype])}
+    plain = oracle.round_once(np.array([sum(terms)]), np.dtype(DTYPES[dtype]))  # what float64 alone gives
+    out = run_oracle(tmp_path, tensors, dtype)["out"]
+    assert out.view(BITS[out.itemsize])[0, 0] == expected_bits != plain.view(BITS[out.itemsize])[0]
