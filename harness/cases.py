@@ -24,7 +24,7 @@ TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR")
-DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}}
+DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}, "randint": {"high"}}
 DEFAULT_DISTRIBUTION = {
     "weight": {"dist": "normal", "mean": 0.0, "std": 0.02},
     "input": {"dist": "normal", "mean": 0.0, "std": 1.0},
@@ -34,7 +34,11 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
     "bias": (bool,),
     # PaddleFleet's accuracy gate; newer PaddleFleet also accepts "megatron" / "hf".
     "use_accuracy_compatible": (bool, str),
+    "eps": (float,),  # RMSNorm epsilon
+    "per_token_scale": (bool,),  # SwiGLU multiplied by a per-token fp32 scale (MoE routing probabilities)
+    "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
 }
+SWIGLU_IMPLS = ("fused", "eager")
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
     "runners", "devices", "expect", "perturb", "weights_from", "base",
@@ -230,15 +234,24 @@ def _build(name: str, path: Path, table: dict) -> Case:
         if key not in CONFIG_KNOBS:
             raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
         f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
+    if config.get("swiglu_impl", "fused") not in SWIGLU_IMPLS:
+        raise f.error("config.swiglu_impl", f"must be one of {', '.join(SWIGLU_IMPLS)}", config["swiglu_impl"])
 
-    input_roles = {s.name: s.role for s in spec.inputs(shapes, tokens, config)}
+    input_specs = spec.inputs(shapes, tokens, config)
+    input_roles = {s.name: s.role for s in input_specs}
     tensors_table = f.get("tensors", dict, {})
     tensors = {}
-    for tensor_name, role in input_roles.items():
+    for input_spec in input_specs:
+        tensor_name, role = input_spec.name, input_spec.role
         given = tensors_table.get(tensor_name, {})
         if not isinstance(given, dict):
             raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
-        tensors[tensor_name] = _distribution(f, tensor_name, {**DEFAULT_DISTRIBUTION[role], **given}, given)
+        default = {"dist": "randint", "high": input_spec.high} if role == "ids" else DEFAULT_DISTRIBUTION[role]
+        tensors[tensor_name] = _distribution(f, tensor_name, {**default, **given}, given)
+        if (tensors[tensor_name]["dist"] == "randint") != (role == "ids") or (
+                role == "ids" and not 0 < tensors[tensor_name]["high"] <= input_spec.high):
+            raise f.error(f"tensors.{tensor_name}", f"integer tensors take dist = 'randint' with 0 < high <= "
+                          f"{input_spec.high}; float tensors take normal or uniform", given)
     for extra in set(tensors_table) - set(input_roles):
         raise f.error(f"tensors.{extra}", f"op {op} has no such input; inputs: {', '.join(input_roles)}",
                       tensors_table[extra])
@@ -307,8 +320,9 @@ def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int)
     if side not in ("a", "b"):
         raise f.error("perturb.side", "must be 'a' or 'b'", side)
     tensor = f.get("tensor", str, where=table, label="perturb.tensor")
-    if tensor not in input_roles:
-        raise f.error("perturb.tensor", f"no such input; inputs: {', '.join(input_roles)}", tensor)
+    if tensor not in input_roles or input_roles[tensor] == "ids":
+        floats = [n for n, r in input_roles.items() if r != "ids"]
+        raise f.error("perturb.tensor", f"no such floating-point input; inputs: {', '.join(floats)}", tensor)
     index = tuple(f.get("index", list, where=table, label="perturb.index"))
     shape = input_shapes[tensor]
     fits = len(index) == len(shape) and all(

@@ -105,11 +105,14 @@ def tensor_sha256(array: np.ndarray) -> str:
 
 def generate(case: Case) -> dict[str, np.ndarray]:
     """Each tensor from its own stream, seeded by (case seed, tensor name): adding a tensor moves no other."""
-    dtype = format_of(case.dtype).float_dtype
     tensors = {}
     for spec in case.input_specs():
         dist = case.tensors[spec.name]
         rng = np.random.default_rng([case.seed, zlib.crc32(spec.name.encode())])
+        if dist["dist"] == "randint":
+            tensors[spec.name] = rng.integers(0, int(dist["high"]), spec.shape, dtype=np.int64)
+            continue
+        dtype = format_of(spec.dtype or case.dtype).float_dtype
         if dist["dist"] == "normal":
             values = rng.standard_normal(spec.shape, dtype=np.float32) * dist["std"] + dist["mean"]
         else:

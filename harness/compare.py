@@ -59,6 +59,8 @@ def compare_tensor(name: str, a: np.ndarray | None, b: np.ndarray | None) -> Ten
     if a.shape != b.shape:
         return TensorComparison(name, SHAPE_MISMATCH, dtype=a.dtype.name,
                                 note=f"shape {list(a.shape)} vs {list(b.shape)}")
+    if a.dtype.kind in "iu":
+        return _compare_integers(name, a, b)
     fmt = bits.format_of(a.dtype)
     a_bits, b_bits = bits.as_bits(np.ascontiguousarray(a)).ravel(), bits.as_bits(np.ascontiguousarray(b)).ravel()
     result = TensorComparison(name, EQUAL, dtype=fmt.name, shape=list(a.shape), elements=int(a.size))
@@ -98,6 +100,19 @@ def compare_tensor(name: str, a: np.ndarray | None, b: np.ndarray | None) -> Ten
         result.scale = _largest_finite_magnitude(b_bits, fmt)
         spacing = bits.spacing_at(result.scale, fmt)
         result.max_error_in_scale_ulps = float(result.max_abs_error / spacing)
+    return result
+
+
+def _compare_integers(name: str, a: np.ndarray, b: np.ndarray) -> TensorComparison:
+    """Integer outputs (top-k expert indices): equal or not per element; ULP statistics do not apply."""
+    result = TensorComparison(name, EQUAL, dtype=a.dtype.name, shape=list(a.shape), elements=int(a.size))
+    where = np.flatnonzero(a.ravel() != b.ravel())
+    if where.size:
+        index = [int(i) for i in np.unravel_index(int(where[0]), a.shape)]
+        result.status, result.mismatches, result.mismatch_share = DIFF, int(where.size), where.size / a.size
+        result.first_mismatch = {"index": index, "a": int(a.ravel()[where[0]]), "b": int(b.ravel()[where[0]]),
+                                 "a_bits": str(a.ravel()[where[0]]), "b_bits": str(b.ravel()[where[0]])}
+        result.note = "integer tensor: mismatches counted, no ULP statistics"
     return result
 
 

@@ -17,7 +17,21 @@ from dataclasses import dataclass
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    role: str  # "weight" | "input" | "grad" (an upstream gradient fed to backward)
+    role: str  # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "output"
+    dtype: str | None = None  # None: the case's dtype; else fixed (fp32 router probabilities, int64 ids)
+    high: int = 0  # for integer tensors: values are drawn from [0, high)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One op inside a multi-op block, with its tensors named by the block's names (for re-feed)."""
+
+    name: str
+    op: str
+    shapes: dict[str, int]
+    config: dict[str, object]
+    inputs: dict[str, str]  # the stage op's input name -> the block tensor it reads
+    outputs: dict[str, str]  # the stage op's output name -> the block tensor it makes
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,8 @@ class OpSpec:
     inputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     outputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     tp_split_field: str  # the shape field that tensor parallelism divides
+    # Multi-op blocks: their ops in forward order, so re-feed can run each one from the other side's tensors.
+    stages: Callable[[Mapping[str, int], Mapping[str, object]], list[Stage]] | None = None
 
 
 def _linear_inputs(shapes, tokens, config):
@@ -53,6 +69,82 @@ def _linear_outputs(shapes, tokens, config):
     return specs
 
 
+def _rms_norm_inputs(shapes, tokens, config):
+    h = shapes["hidden_size"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("weight", (h,), "weight"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _rms_norm_outputs(shapes, tokens, config):
+    h = shapes["hidden_size"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.input", (tokens, h), "output"),
+            TensorSpec("grad.weight", (h,), "output")]
+
+
+def _swiglu_inputs(shapes, tokens, config):
+    f = shapes["ffn_hidden_size"]
+    specs = [TensorSpec("input", (tokens, 2 * f), "input"), TensorSpec("grad_output", (tokens, f), "grad")]
+    if config.get("per_token_scale", False):  # MoE routing probabilities: fp32 in both frameworks
+        specs.append(TensorSpec("per_token_scale", (tokens,), "input", "float32"))
+    return specs
+
+
+def _swiglu_outputs(shapes, tokens, config):
+    f = shapes["ffn_hidden_size"]
+    specs = [TensorSpec("out", (tokens, f), "output"), TensorSpec("grad.input", (tokens, 2 * f), "output")]
+    if config.get("per_token_scale", False):
+        specs.append(TensorSpec("grad.per_token_scale", (tokens,), "output", "float32"))
+    return specs
+
+
+def _embedding_inputs(shapes, tokens, config):
+    v, h = shapes["vocab_size"], shapes["hidden_size"]
+    return [TensorSpec("ids", (tokens,), "ids", "int64", high=v), TensorSpec("weight", (v, h), "weight"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _embedding_outputs(shapes, tokens, config):
+    v, h = shapes["vocab_size"], shapes["hidden_size"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.weight", (v, h), "output")]
+
+
+def _mlp_inputs(shapes, tokens, config):
+    h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("fc1_weight", (2 * f, h), "weight"),
+            TensorSpec("fc2_weight", (h, f), "weight"), TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _mlp_outputs(shapes, tokens, config):
+    """In topological order (forward, then backward as autograd meets them): the report's first
+    divergence is the first tensor of this list that differs."""
+    h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
+    return [TensorSpec("intermediate.fc1_out", (tokens, 2 * f), "output"),
+            TensorSpec("intermediate.act_out", (tokens, f), "output"),
+            TensorSpec("out", (tokens, h), "output"),
+            TensorSpec("grad.fc2_weight", (h, f), "output"),
+            TensorSpec("intermediate.grad_act_out", (tokens, f), "output"),
+            TensorSpec("intermediate.grad_fc1_out", (tokens, 2 * f), "output"),
+            TensorSpec("grad.fc1_weight", (2 * f, h), "output"),
+            TensorSpec("grad.input", (tokens, h), "output")]
+
+
+def _mlp_stages(shapes, config):
+    h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
+    linear = {k: v for k, v in config.items() if k == "use_accuracy_compatible"}
+    act = {k: v for k, v in config.items() if k in ("use_accuracy_compatible", "swiglu_impl")}
+    return [
+        Stage("fc1", "column_parallel_linear", {"input_size": h, "output_size": 2 * f}, linear,
+              {"input": "input", "weight": "fc1_weight", "grad_output": "intermediate.grad_fc1_out"},
+              {"out": "intermediate.fc1_out", "grad.input": "grad.input", "grad.weight": "grad.fc1_weight"}),
+        Stage("act", "swiglu", {"ffn_hidden_size": f}, act,
+              {"input": "intermediate.fc1_out", "grad_output": "intermediate.grad_act_out"},
+              {"out": "intermediate.act_out", "grad.input": "intermediate.grad_fc1_out"}),
+        Stage("fc2", "row_parallel_linear", {"input_size": f, "output_size": h}, linear,
+              {"input": "intermediate.act_out", "weight": "fc2_weight", "grad_output": "grad_output"},
+              {"out": "out", "grad.input": "intermediate.grad_act_out", "grad.weight": "grad.fc2_weight"}),
+    ]
+
+
 OPS: dict[str, OpSpec] = {
     "column_parallel_linear": OpSpec(
         "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size"
@@ -60,4 +152,10 @@ OPS: dict[str, OpSpec] = {
     "row_parallel_linear": OpSpec(
         "row_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "input_size"
     ),
+    "rms_norm": OpSpec("rms_norm", ("hidden_size",), _rms_norm_inputs, _rms_norm_outputs, "hidden_size"),
+    "swiglu": OpSpec("swiglu", ("ffn_hidden_size",), _swiglu_inputs, _swiglu_outputs, "ffn_hidden_size"),
+    "embedding": OpSpec("embedding", ("vocab_size", "hidden_size"), _embedding_inputs, _embedding_outputs,
+                        "vocab_size"),
+    "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
+                                "ffn_hidden_size", _mlp_stages),
 }

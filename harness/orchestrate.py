@@ -139,10 +139,10 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
     for spec in case.output_specs():
         if spec.name not in tensors:
             return f"{side.outputs} lacks tensor {spec.name!r} (has {sorted(tensors)})"
-        array = tensors[spec.name]
-        if tuple(array.shape) != spec.shape or array.dtype.name != case.dtype:
+        array, dtype = tensors[spec.name], spec.dtype or case.dtype
+        if tuple(array.shape) != spec.shape or array.dtype.name != dtype:
             return (f"{side.outputs}: tensor {spec.name!r} is {array.dtype.name}{list(array.shape)}, "
-                    f"expected {case.dtype}{list(spec.shape)}")
+                    f"expected {dtype}{list(spec.shape)}")
     return ""
 
 

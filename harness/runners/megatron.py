@@ -1,4 +1,5 @@
-"""Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel``, no Transformer Engine.
+"""Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel`` (other ops in
+``megatron_ops``), no Transformer Engine.
 
 CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL, with the determinism
 settings of real alignment runs. Inputs arrive in Megatron's own layout, so nothing is transposed.
@@ -18,7 +19,7 @@ from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from harness.runners import torch_env  # noqa: E402
+from harness.runners import megatron_ops, torch_env  # noqa: E402
 from harness.runners.protocol import OUTPUTS, Phases, serve  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def parallel_linear(request, tensors, config, device, phases):
     return outputs, f"megatron.core.tensor_parallel.{type(layer).__name__} (no Transformer Engine)"
 
 
-OPS = {"column_parallel_linear": parallel_linear, "row_parallel_linear": parallel_linear}
+OPS = {"column_parallel_linear": parallel_linear, "row_parallel_linear": parallel_linear, **megatron_ops.OPS}
 
 
 def _init_process_group(device: torch.device) -> None:

@@ -1,0 +1,147 @@
+"""Paddle ops beyond the linears, following PaddleFleet's paths with the accuracy gate on and off.
+
+Plain Paddle ops (dygraph), written from PaddleFleet's public source and its documented gate behaviour:
+- gate on (``use_accuracy_compatible``): RMSNorm and SwiGLU (with or without a per-token scale) are FP32
+  islands: cast bf16 -> fp32, compute in fp32, cast back once; the embedding is ``weight[ids]`` (a gather whose
+  backward is deterministic); linears are ``F.linear``.
+- gate off: Paddle's fused kernels: ``fused_rms_norm_ext``, ``paddle.nn.functional.swiglu``, ``F.embedding``.
+On a CPU many bf16 kernels are not registered (silu, swiglu, rms_norm, matmul); the caller's kernel guard turns
+that into UNSUPPORTED naming the kernel. The islands only need bf16 casts, so they run on any CPU.
+Each function takes (request, tensors, gate, phases, guard) and returns (outputs as numpy, implementation);
+outputs are in canonical names and Megatron's layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+
+def _tensor(array, trainable=True):
+    tensor = paddle.to_tensor(array)
+    tensor.stop_gradient = not trainable
+    return tensor
+
+
+def _run(request, phases, guard, kernel, forward, backward):
+    with phases("forward"):
+        out = guard(forward, kernel, request)
+        _synchronize(request)
+    with phases("backward"):
+        guard(lambda: backward(out), kernel + " backward", request)
+        _synchronize(request)
+    return out
+
+
+def _synchronize(request):
+    if request["device"] == "gpu":
+        paddle.device.synchronize()
+
+
+def _rms_norm_island(x, weight, eps):
+    x32 = x.astype("float32")
+    normed = x32 * paddle.rsqrt(x32.pow(2).mean(axis=-1, keepdim=True) + eps)
+    return (normed * weight.astype("float32")).astype(x.dtype)
+
+
+def rms_norm(request, tensors, gate, phases, guard):
+    eps = float(request["config"].get("eps", 1e-6))
+    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
+    if gate:
+        def forward():
+            return _rms_norm_island(x, w, eps)
+        kernel, name = "FP32-island RMSNorm", "FP32 island: cast fp32, x * rsqrt(mean(x^2) + eps) * w, cast back"
+    else:
+        from paddle.incubate.nn.functional.fused_rms_norm_ext import fused_rms_norm_ext
+
+        def forward():
+            return fused_rms_norm_ext(x, w, eps)[0].astype(w.dtype)
+        kernel = name = "paddle.incubate.nn.functional.fused_rms_norm_ext"
+    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
+            f"paddle dygraph {name} (use_accuracy_compatible={gate})")
+
+
+def _swiglu_island(x, scale):
+    gate_half, up = paddle.chunk(x.astype("float32"), 2, axis=-1)
+    out = F.silu(gate_half) * up
+    if scale is not None:
+        out = out * scale.unsqueeze(-1)
+    return out.astype(x.dtype)
+
+
+def swiglu(request, tensors, gate, phases, guard):
+    x = _tensor(tensors["input"])
+    scale = _tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
+    if gate:
+        def forward():
+            return _swiglu_island(x, scale)
+        kernel, name = "FP32-island SwiGLU", "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale else "")
+    else:
+        def forward():
+            out = F.swiglu(x)
+            return out if scale is None else (out.astype("float32") * scale.unsqueeze(-1)).astype(x.dtype)
+        kernel = name = "paddle.nn.functional.swiglu" + (" then * scale in fp32" if scale is not None else "")
+    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    outputs = {"out": out.numpy(), "grad.input": x.grad.numpy()}
+    if scale is not None:
+        outputs["grad.per_token_scale"] = scale.grad.numpy()
+    return outputs, f"paddle dygraph {name} (use_accuracy_compatible={gate})"
+
+
+def embedding(request, tensors, gate, phases, guard):
+    ids, w = _tensor(tensors["ids"], False), _tensor(tensors["weight"])
+    if gate:
+        def forward():
+            return w[ids]
+        kernel = "weight[ids] (gather)"
+    else:
+        def forward():
+            return F.embedding(ids, w)
+        kernel = "paddle.nn.functional.embedding"
+    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.weight": w.grad.numpy()},
+            f"paddle dygraph {kernel} (use_accuracy_compatible={gate})")
+
+
+def shared_expert_mlp(request, tensors, gate, phases, guard):
+    """fc1 (F.linear) -> SwiGLU -> fc2 (F.linear) on Paddle's [in, out] weights; intermediates and their
+    grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
+    x = _tensor(tensors["input"])
+    w1, w2 = _tensor(np.ascontiguousarray(tensors["fc1_weight"].T)), _tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
+    if not gate:
+        raise_if_cpu_gate_off(request)
+    captured = {}
+
+    def keep(name):
+        def hook(grad):
+            captured[name] = grad.numpy()
+        return hook
+
+    def forward():
+        fc1_out = F.linear(x, w1)
+        act_out = _swiglu_island(fc1_out, None) if gate else F.swiglu(fc1_out)
+        captured["intermediate.fc1_out"], captured["intermediate.act_out"] = fc1_out.numpy(), act_out.numpy()
+        fc1_out.register_hook(keep("intermediate.grad_fc1_out"))
+        act_out.register_hook(keep("intermediate.grad_act_out"))
+        return F.linear(act_out, w2)
+
+    act = "FP32-island SwiGLU" if gate else "paddle.nn.functional.swiglu"
+    out = _run(request, phases, guard, f"F.linear -> {act} -> F.linear", forward,
+               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    outputs = {**captured, "out": out.numpy(), "grad.input": x.grad.numpy(),
+               "grad.fc1_weight": np.ascontiguousarray(w1.grad.numpy().T),
+               "grad.fc2_weight": np.ascontiguousarray(w2.grad.numpy().T)}
+    return outputs, f"paddle dygraph F.linear -> {act} -> F.linear (use_accuracy_compatible={gate})"
+
+
+def raise_if_cpu_gate_off(request):
+    """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
+    from harness.runners.protocol import Unsupported
+
+    if request["device"] != "gpu":
+        raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
+
+
+OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}
