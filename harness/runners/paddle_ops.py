@@ -77,7 +77,7 @@ def swiglu(request, tensors, gate, phases, guard):
     if gate:
         def forward():
             return _swiglu_island(x, scale)
-        kernel, name = "FP32-island SwiGLU", "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale else "")
+        kernel, name = "FP32-island SwiGLU", "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale is not None else "")
     else:
         def forward():
             out = F.swiglu(x)
