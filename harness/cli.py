@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import pipeline, report
+from harness import gate_matrix, pipeline, report
 from harness.cases import CASES_DIR, CaseError, Registry
 from harness.checkpoints import CHECKPOINTS_DIR
 from harness.result import EXIT_CODES
@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
                               "(or set HARNESS_PYTHON_<RUNNER>)")
     compare.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
+    compare.add_argument("--refeed", action="store_true",
+                         help="multi-op blocks: re-run each op on side b from side a's tensors "
+                              "(error made locally vs carried in)")
+    compare.add_argument("--gate-matrix", action="store_true",
+                         help="run with use_accuracy_compatible on and off and report both against side a")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
 
@@ -42,9 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         if not path:
             parser.error(f"--python expects RUNNER=PATH (got {item!r})")
         pythons[runner] = path
+    if args.gate_matrix:
+        return gate_matrix.run(args.case, device=args.device, tokens=args.tokens, cases_dir=args.cases,
+                               checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons,
+                               timeout=args.timeout, weights_file=args.weights)
     result, run_dir = pipeline.compare_case(
         args.case, device=args.device, tokens=args.tokens, cases_dir=args.cases, checkpoints_dir=args.checkpoints,
-        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights)
+        reports_dir=args.reports, pythons=pythons, timeout=args.timeout, weights_file=args.weights,
+        refeed_ops=args.refeed)
     report.console(result, run_dir)
     return result.exit_code
 

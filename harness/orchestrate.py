@@ -84,6 +84,16 @@ def run_pair(case: Case, checkpoint: Checkpoint, device: str, run_dir: Path,
             for label, runner, folder, python, (process, start) in started]
 
 
+def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
+             pythons: dict[str, str], timeout: float) -> SideResult:
+    """Run one runner alone on an inputs file (re-feed runs one op of a block on one side)."""
+    folder.mkdir(parents=True)
+    (folder / "request.json").write_text(json.dumps(_request(case, inputs, device, folder), indent=2))
+    python = runner_python(runner, pythons)
+    process, start = _start(runner, python, folder, device)
+    return _finish(label, runner, folder, python, process, start, time.monotonic() + timeout, timeout, case)
+
+
 def _request(case: Case, checkpoint: Path, device: str, folder: Path) -> dict:
     return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": case.tp,
             "tokens": case.tokens, "shapes": case.shapes, "config": case.config, "seed": case.seed,

@@ -10,14 +10,14 @@ import platform
 import secrets
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from harness import __version__, checkpoints, orchestrate, report
+from harness import __version__, checkpoints, orchestrate, refeed, report
 from harness.cases import CASES_DIR, Case, CaseError, Registry
 from harness.checkpoints import CheckpointError
 from harness.compare import compare_tensor
-from harness.result import ERROR, CaseResult, check_expectation, decide
+from harness.result import ERROR, CaseResult, check_expectation, decide, first_divergence
 from harness.runners.protocol import host_provenance
 
 REPORTS_DIR = Path(__file__).resolve().parents[1] / "reports"
@@ -39,13 +39,16 @@ def new_run_dir(root: Path, label: str) -> tuple[str, Path]:
 def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, cases_dir: Path = CASES_DIR,
                  checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR, reports_dir: Path = REPORTS_DIR,
                  pythons: dict[str, str] | None = None, timeout: float = 1800.0,
-                 weights_file: str | None = None) -> tuple[CaseResult, Path]:
+                 weights_file: str | None = None, config_overrides: dict | None = None,
+                 refeed_ops: bool = False) -> tuple[CaseResult, Path]:
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
     result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=_now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "node": platform.node()})
     try:
         case = _load_case(name, cases_dir, tokens, device)
+        if config_overrides:
+            case = replace(case, config={**case.config, **config_overrides})
         result.case = describe_case(case)
         checkpoint = checkpoints.prepare(case, Path(checkpoints_dir), weights_file)
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
@@ -54,6 +57,9 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
         result.sides = orchestrate.run_pair(case, checkpoint, device, run_dir, pythons or {}, timeout)
         if all(side.status == "ok" for side in result.sides):
             result.tensors = _compare_outputs(case, result.sides)
+            result.first_divergence = first_divergence(result.tensors)
+            if refeed_ops:
+                result.refeed = refeed.run(case, checkpoint, result.sides, device, run_dir, pythons or {}, timeout)
         result.verdict, result.message = decide(result.sides, result.tensors)
         result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except (CaseError, CheckpointError) as error:

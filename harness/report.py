@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from harness import refeed
 from harness.result import CaseResult
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red"}
@@ -23,6 +24,8 @@ def markdown(result: CaseResult) -> str:
     lines = [f"# {result.case_name}: {result.verdict}", "",
              f"- run: `{result.run_id}` on `{result.device}`, {result.started_at} to {result.finished_at}",
              f"- verdict: **{result.verdict}** (exit code {result.exit_code}): {result.message}"]
+    if result.first_divergence:
+        lines.append(f"- first divergence (outputs in topological order): `{result.first_divergence}`")
     expectation = data["expectation"]
     if expectation:
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
@@ -64,6 +67,7 @@ def markdown(result: CaseResult) -> str:
         if histograms:
             lines += ["", "### ULP distance histograms (mismatching elements)", ""]
             lines += [f"- `{name}`: " + ", ".join(f"{k} ULP: {v}" for k, v in h.items()) for name, h in histograms]
+    lines += refeed.markdown(result.refeed)
     if result.sides:
         lines += ["", "## Provenance", ""]
         for side in data["sides"]:
@@ -94,6 +98,12 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         out.print(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
                   f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}")
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {result.message}", highlight=False)
+    if result.first_divergence:
+        out.print(f"first divergence: {result.first_divergence}")
+    if result.refeed.get("stages"):
+        out.print(f"re-feed: first tensor made locally: {result.refeed['first_local_divergence'] or 'none'}")
+        for name, how in result.refeed["tensors"].items():
+            out.print(f"  {name}: {how}")
     if result.expectation and result.expectation["verdict"] != "BITWISE_PASS":
         met = "met" if result.expectation["met"] else "NOT met"
         out.print(f"expected {result.expectation['verdict']}: {met}")

@@ -25,6 +25,8 @@ class CaseResult:
     message: str = ""
     expectation: dict = field(default_factory=dict)
     harness: dict = field(default_factory=dict)
+    first_divergence: str | None = None  # first differing output in the op's topological order
+    refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
     started_at: str = ""
     finished_at: str = ""
 
@@ -43,6 +45,7 @@ class CaseResult:
             "expectation": self.expectation, "case": self.case, "checkpoint": self.checkpoint,
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
+            "first_divergence": self.first_divergence, "refeed": self.refeed,
         }
 
 
@@ -61,6 +64,11 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison]) -> tuple[st
     if differing:
         return DIFF_VERDICT, f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
     return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
+
+
+def first_divergence(tensors: list[TensorComparison]) -> str | None:
+    """Outputs are listed in topological order (ops.py), so the first one not equal is where bits first part."""
+    return next((t.name for t in tensors if t.status != EQUAL), None)
 
 
 def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> dict:

@@ -77,7 +77,8 @@ def swiglu(request, tensors, gate, phases, guard):
     if gate:
         def forward():
             return _swiglu_island(x, scale)
-        kernel, name = "FP32-island SwiGLU", "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale is not None else "")
+        kernel = "FP32-island SwiGLU"
+        name = "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale is not None else "")
     else:
         def forward():
             out = F.swiglu(x)
@@ -109,7 +110,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
     """fc1 (F.linear) -> SwiGLU -> fc2 (F.linear) on Paddle's [in, out] weights; intermediates and their
     grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
     x = _tensor(tensors["input"])
-    w1, w2 = _tensor(np.ascontiguousarray(tensors["fc1_weight"].T)), _tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
+    w1 = _tensor(np.ascontiguousarray(tensors["fc1_weight"].T))  # Paddle's [in, out]
+    w2 = _tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
     if not gate:
         raise_if_cpu_gate_off(request)
     captured = {}
