@@ -247,11 +247,12 @@ def _build(name: str, path: Path, table: dict) -> Case:
         if not isinstance(given, dict):
             raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
         default = {"dist": "randint", "high": input_spec.high} if role == "ids" else DEFAULT_DISTRIBUTION[role]
-        tensors[tensor_name] = _distribution(f, tensor_name, {**default, **given}, given)
-        if (tensors[tensor_name]["dist"] == "randint") != (role == "ids") or (
-                role == "ids" and not 0 < tensors[tensor_name]["high"] <= input_spec.high):
+        merged = {**default, **given}
+        if (merged["dist"] == "randint") != (role == "ids") or (
+                role == "ids" and not 0 < _number(merged.get("high")) <= input_spec.high):
             raise f.error(f"tensors.{tensor_name}", f"integer tensors take dist = 'randint' with 0 < high <= "
                           f"{input_spec.high}; float tensors take normal or uniform", given)
+        tensors[tensor_name] = _distribution(f, tensor_name, merged, given)
     for extra in set(tensors_table) - set(input_roles):
         raise f.error(f"tensors.{extra}", f"op {op} has no such input; inputs: {', '.join(input_roles)}",
                       tensors_table[extra])
@@ -272,6 +273,10 @@ def _build(name: str, path: Path, table: dict) -> Case:
                               WIDTHS[dtype]),
         weights_from=_weight_import(f, input_roles),
     )
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
 def _distribution(f: _Fields, tensor_name: str, merged: dict, given: dict) -> dict:
