@@ -36,6 +36,7 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
     "use_accuracy_compatible": (bool, str),
     "eps": (float,),  # RMSNorm epsilon
     "per_token_scale": (bool,),  # SwiGLU multiplied by a per-token fp32 scale (MoE routing probabilities)
+    "deterministic_mode": (bool,),  # Megatron's embedding: weight[ids] instead of F.embedding
     "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
 }
 SWIGLU_IMPLS = ("fused", "eager")
