@@ -37,6 +37,7 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
     "eps": (float,),  # RMSNorm epsilon
     "per_token_scale": (bool,),  # SwiGLU multiplied by a per-token fp32 scale (MoE routing probabilities)
     "deterministic_mode": (bool,),  # Megatron's embedding: weight[ids] instead of F.embedding
+    "topk_scaling_factor": (float,),  # MoE router: probabilities scaled after top-k normalisation
     "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
 }
 SWIGLU_IMPLS = ("fused", "eager")
@@ -271,8 +272,8 @@ def _build(name: str, path: Path, table: dict) -> Case:
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config)),
-        perturb=_perturbation(f, input_roles, {s.name: s.shape for s in spec.inputs(shapes, tokens, config)},
-                              WIDTHS[dtype]),
+        perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
+                              {s.name: WIDTHS.get(s.dtype or dtype, 0) for s in input_specs}),
         weights_from=_weight_import(f, input_roles),
     )
 
@@ -319,7 +320,7 @@ def _expectation(f: _Fields, input_roles: dict, output_specs) -> Expectation:
     return Expectation(verdict, lists["differs"], lists["equal"])
 
 
-def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int) -> Perturbation | None:
+def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, widths: dict) -> Perturbation | None:
     table = f.get("perturb", dict, None)
     if table is None:
         return None
@@ -337,6 +338,7 @@ def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int)
     if not fits:
         raise f.error("perturb.index", f"must index into {tensor} of shape {list(shape)}", list(index))
     bit = f.get("bit", int, 0, where=table, label="perturb.bit")
+    width = widths[tensor]  # the tensor's own format: an fp32 expert bias in a bf16 case has 32 bits
     if not 0 <= bit < width - 1:
         raise f.error("perturb.bit", f"must be a mantissa or exponent bit of {width}-bit floats, 0..{width - 2}", bit)
     return Perturbation(side, tensor, index, bit)

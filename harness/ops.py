@@ -145,6 +145,22 @@ def _mlp_stages(shapes, config):
     ]
 
 
+def _router_inputs(shapes, tokens, config):
+    h, e = shapes["hidden_size"], shapes["num_experts"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("weight", (e, h), "weight"),
+            TensorSpec("expert_bias", (e,), "weight", "float32"),
+            TensorSpec("grad_probs", (tokens, e), "grad", "float32")]
+
+
+def _router_outputs(shapes, tokens, config):
+    """probs: [tokens, experts], zero off the top-k; topk_indices: each row's chosen experts, ascending."""
+    h, e, k = shapes["hidden_size"], shapes["num_experts"], shapes["topk"]
+    return [TensorSpec("topk_indices", (tokens, k), "output", "int64"),
+            TensorSpec("probs", (tokens, e), "output", "float32"),
+            TensorSpec("grad.input", (tokens, h), "output"),
+            TensorSpec("grad.weight", (e, h), "output")]
+
+
 OPS: dict[str, OpSpec] = {
     "column_parallel_linear": OpSpec(
         "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size"
@@ -156,6 +172,8 @@ OPS: dict[str, OpSpec] = {
     "swiglu": OpSpec("swiglu", ("ffn_hidden_size",), _swiglu_inputs, _swiglu_outputs, "ffn_hidden_size"),
     "embedding": OpSpec("embedding", ("vocab_size", "hidden_size"), _embedding_inputs, _embedding_outputs,
                         "vocab_size"),
+    "moe_router": OpSpec("moe_router", ("hidden_size", "num_experts", "topk"), _router_inputs, _router_outputs,
+                         "num_experts"),
     "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
                                 "ffn_hidden_size", _mlp_stages),
 }

@@ -76,6 +76,9 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
         return
     assert result.expectation["met"], result.expectation["problems"]
     assert result.exit_code == 0
+    if result.verdict == "UNSUPPORTED":  # a gate-off path whose kernel this device lacks: said, with the kernel
+        assert "not registered" in result.message or "kernel" in result.message, result.message
+        return
     for side in report["sides"]:
         assert side["meta"]["implementation"] and side["meta"]["versions"]
     outputs = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]]

@@ -146,4 +146,34 @@ def shared_expert_mlp(request, tensors, config, device, phases):
     return outputs, f"megatron.core.transformer.moe.shared_experts.SharedExpertMLP, activation {act}, no TE"
 
 
-OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}
+def moe_router(request, tensors, config, device, phases):
+    """``TopKRouter``: fp32 gating GEMM (``RouterGatingLinearFunction``), sigmoid scores, expert bias for the
+    choice only, top-k, normalisation over the k, scaling. Load-balancing losses off: they add grads of their own."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(moe_utils, "te_general_gemm", None) is None:
+        moe_utils.te_general_gemm = None  # 0.16.1 references it unguarded without Transformer Engine
+    if device.type == "cpu":
+        torch.cuda.current_device = lambda: torch.device("cpu")  # the router places its buffers "on the GPU"
+    shapes = request["shapes"]
+    tconfig = _transformer_config(
+        request, config, num_moe_experts=shapes["num_experts"], moe_router_topk=shapes["topk"],
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=float(request["config"].get("topk_scaling_factor", 2.827)),
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    router = TopKRouter(tconfig, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
+    with torch.no_grad():
+        router.weight.copy_(tensors["weight"])  # in the params dtype, as reset_parameters leaves it
+        router.expert_bias.copy_(tensors["expert_bias"])
+    x = tensors["input"].unsqueeze(1).requires_grad_()  # [s, b=1, h]
+    probs, routing_map = _run(phases, device, lambda: router(x), lambda o: o[0].backward(tensors["grad_probs"]))
+    indices = torch.sort(torch.nonzero(routing_map)[:, 1].view(routing_map.shape[0], -1), dim=-1).values
+    return ({"topk_indices": indices, "probs": probs, "grad.input": x.grad.squeeze(1),
+             "grad.weight": router.weight.grad},
+            "megatron.core.transformer.moe.router.TopKRouter (sigmoid, expert bias, fp32 router dtype, "
+            "torch.mm gating without Transformer Engine)")
+
+
+OPS = {"moe_router": moe_router, "rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}

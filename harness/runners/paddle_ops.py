@@ -138,6 +138,34 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
     return outputs, f"paddle dygraph F.linear -> {act} -> F.linear (use_accuracy_compatible={gate})"
 
 
+def moe_router(request, tensors, gate, phases, guard):
+    """Gated router: an unfused fp32 GEMM for the logits, then sigmoid, bias for the choice only, top-k,
+    normalisation over the k, scaling; grads by autograd in fp32. The gate-off path (fused gating) is not written."""
+    from harness.runners.protocol import Unsupported
+
+    if not gate:
+        raise Unsupported("the gate-off router (PaddleFleet's fused gating GEMM) is not implemented in this runner")
+    k = request["shapes"]["topk"]
+    scaling = float(request["config"].get("topk_scaling_factor", 2.827))
+    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
+    bias = _tensor(tensors["expert_bias"], False)
+
+    def forward():
+        logits = paddle.matmul(x.astype("float32"), w.astype("float32"), transpose_y=True)
+        scores = F.sigmoid(logits)
+        _, chosen = paddle.topk(scores + bias, k, axis=-1)
+        picked = paddle.take_along_axis(scores, chosen, axis=-1)
+        probs = picked / (picked.sum(axis=-1, keepdim=True) + 1e-20) * scaling
+        return paddle.put_along_axis(paddle.zeros_like(scores), chosen, probs, axis=-1), chosen
+
+    probs, chosen = _run(request, phases, guard, "fp32 router (matmul, sigmoid, topk)", forward,
+                         lambda o: o[0].backward(_tensor(tensors["grad_probs"], False)))
+    return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
+             "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
+            "paddle dygraph fp32 router: matmul, sigmoid, topk on scores + expert_bias, take_along_axis, "
+            f"normalise, x{scaling} (use_accuracy_compatible={gate})")
+
+
 def raise_if_cpu_gate_off(request):
     """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
     from harness.runners.protocol import Unsupported
@@ -146,4 +174,4 @@ def raise_if_cpu_gate_off(request):
         raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
 
 
-OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}
+OPS = {"moe_router": moe_router, "rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}
