@@ -176,4 +176,5 @@ def moe_router(request, tensors, config, device, phases):
             "torch.mm gating without Transformer Engine)")
 
 
-OPS = {"moe_router": moe_router, "rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}
+OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
+       "shared_expert_mlp": shared_expert_mlp}

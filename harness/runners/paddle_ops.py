@@ -174,4 +174,5 @@ def raise_if_cpu_gate_off(request):
         raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
 
 
-OPS = {"moe_router": moe_router, "rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "shared_expert_mlp": shared_expert_mlp}
+OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
+       "shared_expert_mlp": shared_expert_mlp}
