@@ -161,6 +161,20 @@ def _router_outputs(shapes, tokens, config):
             TensorSpec("grad.weight", (e, h), "output")]
 
 
+def _attention_inputs(shapes, tokens, config):
+    n, d = shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("query", (tokens, n, d), "input"), TensorSpec("key", (tokens, n, d), "input"),
+            TensorSpec("grad_output", (n, tokens, tokens), "grad")]
+
+
+def _attention_outputs(shapes, tokens, config):
+    """Scores (QK^T * softmax scale, before the mask), then the causal-masked probabilities, then grads."""
+    n, d = shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("intermediate.scores", (n, tokens, tokens), "output"),
+            TensorSpec("out", (n, tokens, tokens), "output"),
+            TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, n, d), "output")]
+
+
 OPS: dict[str, OpSpec] = {
     "column_parallel_linear": OpSpec(
         "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size"
@@ -174,6 +188,8 @@ OPS: dict[str, OpSpec] = {
                         "vocab_size"),
     "moe_router": OpSpec("moe_router", ("hidden_size", "num_experts", "topk"), _router_inputs, _router_outputs,
                          "num_experts"),
+    "attention_scores": OpSpec("attention_scores", ("num_heads", "head_dim"), _attention_inputs, _attention_outputs,
+                               "num_heads"),
     "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
                                 "ffn_hidden_size", _mlp_stages),
 }

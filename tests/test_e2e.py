@@ -26,11 +26,13 @@ LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear")
 
 
 def paddle_bf16_gemm_unavailable(case) -> bool:
-    """The linears' only CPU bf16 GEMM is oneDNN's (static graph), which needs AVX-512; the MLP block runs in
-    dygraph, which has no CPU bf16 matmul on any CPU. RMSNorm, SwiGLU and the embedding need no GEMM."""
+    """The linears' only CPU bf16 GEMM is oneDNN's (static graph), which needs AVX-512; the MLP block and the
+    attention scores run in dygraph, which has no CPU bf16 matmul on any CPU. RMSNorm, SwiGLU, the embedding and
+    the router (an fp32 GEMM) need no bf16 GEMM."""
     if "paddle" not in case.runners or case.dtype != "bfloat16":
         return False
-    return case.op == "shared_expert_mlp" or (case.op in LINEAR_OPS and "avx512f" not in cpu_isa_flags())
+    dygraph_gemm = case.op in ("shared_expert_mlp", "attention_scores")
+    return dygraph_gemm or (case.op in LINEAR_OPS and "avx512f" not in cpu_isa_flags())
 
 
 def e2e_tokens(case) -> int:

@@ -176,5 +176,35 @@ def moe_router(request, tensors, config, device, phases):
             "torch.mm gating without Transformer Engine)")
 
 
+def attention_scores(request, tensors, config, device, phases):
+    """QK^T as ``DotProductAttention`` computes it (``torch.baddbmm``, alpha = 1/sqrt(head_dim)), then Megatron's
+    ``FusedScaleMaskSoftmax`` on its unfused path: fp32 softmax, output cast back; the causal mask is explicit
+    (``get_default_causal_mask`` hard-codes CUDA)."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    n, d = request["shapes"]["num_heads"], request["shapes"]["head_dim"]
+    t = tensors["query"].shape[0]
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=config.params_dtype == torch.bfloat16,
+                                    attn_mask_type=AttnMaskType.causal, scaled_masked_softmax_fusion=False,
+                                    mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1).view(1, 1, t, t)
+    q, k = tensors["query"].requires_grad_(), tensors["key"].requires_grad_()
+    captured = {}
+
+    def forward():
+        buffer = torch.empty(n, t, t, dtype=q.dtype, device=device)
+        scores = torch.baddbmm(buffer, q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2), beta=0.0,
+                               alpha=1.0 / d ** 0.5)
+        captured["intermediate.scores"] = scores.detach().clone()  # the fp32 path masks it in place
+        return softmax(scores.view(1, n, t, t), mask).view(n, t, t)
+
+    out = _run(phases, device, forward, lambda o: o.backward(tensors["grad_output"]))
+    return ({**captured, "out": out, "grad.query": q.grad, "grad.key": k.grad},
+            "torch.baddbmm as megatron DotProductAttention, then megatron.core.fusions.fused_softmax."
+            "FusedScaleMaskSoftmax (unfused torch path, softmax_in_fp32, explicit causal mask)")
+
+
 OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
-       "shared_expert_mlp": shared_expert_mlp}
+       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp}

@@ -166,6 +166,29 @@ def moe_router(request, tensors, gate, phases, guard):
             f"normalise, x{scaling} (use_accuracy_compatible={gate})")
 
 
+def attention_scores(request, tensors, gate, phases, guard):
+    """QK^T * 1/sqrt(d) (batched matmul), causal mask filled with -10000 as Megatron's mask_func, softmax as an FP32
+    island cast back to the input dtype. Gate off: paddle's softmax in the input dtype."""
+    d = request["shapes"]["head_dim"]
+    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    t = tensors["query"].shape[0]
+    mask = paddle.to_tensor(np.triu(np.ones((t, t), dtype=bool), 1))
+    captured = {}
+
+    def forward():
+        scores = paddle.matmul(q.transpose([1, 0, 2]), k.transpose([1, 0, 2]), transpose_y=True) * (1.0 / d ** 0.5)
+        captured["intermediate.scores"] = scores.numpy()
+        if gate:
+            masked = paddle.where(mask, paddle.full_like(scores, -10000.0, "float32"), scores.astype("float32"))
+            return F.softmax(masked, axis=-1).astype(scores.dtype)
+        return F.softmax(paddle.where(mask, paddle.full_like(scores, -10000.0), scores), axis=-1)
+
+    name = "matmul * scale, where(causal, -10000), " + ("FP32-island softmax" if gate else "softmax")
+    out = _run(request, phases, guard, name, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
+            f"paddle dygraph {name} (use_accuracy_compatible={gate})")
+
+
 def raise_if_cpu_gate_off(request):
     """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
     from harness.runners.protocol import Unsupported
@@ -175,4 +198,4 @@ def raise_if_cpu_gate_off(request):
 
 
 OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
-       "shared_expert_mlp": shared_expert_mlp}
+       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp}
