@@ -175,6 +175,28 @@ def _attention_outputs(shapes, tokens, config):
             TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, n, d), "output")]
 
 
+def uneven_split(tokens: int, experts: int) -> list[int]:
+    """Tokens per local expert, deliberately unequal (expert i gets a share proportional to i + 1, the last one
+    the remainder), as a router leaves them; both runners split the permuted tokens by this."""
+    total = experts * (experts + 1) // 2
+    counts = [tokens * (i + 1) // total for i in range(experts - 1)]
+    return counts + [tokens - sum(counts)]
+
+
+def _experts_inputs(shapes, tokens, config):
+    h, f, e = shapes["hidden_size"], shapes["ffn_hidden_size"], shapes["num_local_experts"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("probs", (tokens,), "input", "float32"),
+            TensorSpec("fc1_weight", (e, 2 * f, h), "weight"), TensorSpec("fc2_weight", (e, h, f), "weight"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _experts_outputs(shapes, tokens, config):
+    h, f, e = shapes["hidden_size"], shapes["ffn_hidden_size"], shapes["num_local_experts"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.fc2_weight", (e, h, f), "output"),
+            TensorSpec("grad.probs", (tokens,), "output", "float32"),
+            TensorSpec("grad.fc1_weight", (e, 2 * f, h), "output"), TensorSpec("grad.input", (tokens, h), "output")]
+
+
 OPS: dict[str, OpSpec] = {
     "column_parallel_linear": OpSpec(
         "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size"
@@ -190,6 +212,8 @@ OPS: dict[str, OpSpec] = {
                          "num_experts"),
     "attention_scores": OpSpec("attention_scores", ("num_heads", "head_dim"), _attention_inputs, _attention_outputs,
                                "num_heads"),
+    "routed_experts": OpSpec("routed_experts", ("hidden_size", "ffn_hidden_size", "num_local_experts"),
+                             _experts_inputs, _experts_outputs, "ffn_hidden_size"),
     "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
                                 "ffn_hidden_size", _mlp_stages),
 }

@@ -26,12 +26,12 @@ LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear")
 
 
 def paddle_bf16_gemm_unavailable(case) -> bool:
-    """The linears' only CPU bf16 GEMM is oneDNN's (static graph), which needs AVX-512; the MLP block and the
-    attention scores run in dygraph, which has no CPU bf16 matmul on any CPU. RMSNorm, SwiGLU, the embedding and
-    the router (an fp32 GEMM) need no bf16 GEMM."""
+    """The linears' only CPU bf16 GEMM is oneDNN's (static graph), which needs AVX-512; the MLP block, the
+    attention scores and the routed experts run in dygraph, which has no CPU bf16 matmul on any CPU. RMSNorm,
+    SwiGLU, the embedding and the router (an fp32 GEMM) need no bf16 GEMM."""
     if "paddle" not in case.runners or case.dtype != "bfloat16":
         return False
-    dygraph_gemm = case.op in ("shared_expert_mlp", "attention_scores")
+    dygraph_gemm = case.op in ("shared_expert_mlp", "attention_scores", "routed_experts")
     return dygraph_gemm or (case.op in LINEAR_OPS and "avx512f" not in cpu_isa_flags())
 
 

@@ -206,5 +206,37 @@ def attention_scores(request, tensors, config, device, phases):
             "FusedScaleMaskSoftmax (unfused torch path, softmax_in_fp32, explicit causal mask)")
 
 
+def routed_experts(request, tensors, config, device, phases):
+    """``SequentialMLP`` (no TE): one ``MLP`` per local expert on its slice of the permuted tokens, the routing
+    probability applied inside the activation (``weighted_bias_swiglu_impl``)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from harness.ops import uneven_split
+
+    shapes = request["shapes"]
+    experts, ffn = shapes["num_local_experts"], shapes["ffn_hidden_size"]
+    tconfig = _transformer_config(request, config, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                                  bias_activation_fusion=True, num_moe_experts=experts, moe_ffn_hidden_size=ffn,
+                                  ffn_hidden_size=ffn)
+    mlp = SequentialMLP(experts, tconfig, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
+    with torch.no_grad():
+        for i, expert in enumerate(mlp.local_experts):
+            expert.linear_fc1.weight.copy_(tensors["fc1_weight"][i])
+            expert.linear_fc2.weight.copy_(tensors["fc2_weight"][i])
+    counts = uneven_split(tensors["input"].shape[0], experts)
+    x, probs = tensors["input"].requires_grad_(), tensors["probs"].requires_grad_()
+    out, _ = _run(phases, device, lambda: mlp(x, torch.tensor(counts), probs),
+                  lambda o: o[0].backward(tensors["grad_output"]))
+    return ({"out": out, "grad.input": x.grad, "grad.probs": probs.grad,
+             "grad.fc1_weight": torch.stack([e.linear_fc1.weight.grad for e in mlp.local_experts]),
+             "grad.fc2_weight": torch.stack([e.linear_fc2.weight.grad for e in mlp.local_experts])},
+            f"megatron.core.transformer.moe.experts.SequentialMLP, tokens per expert {counts}, "
+            "weighted_bias_swiglu_impl, no TE")
+
+
 OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
-       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp}
+       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp, "routed_experts": routed_experts}

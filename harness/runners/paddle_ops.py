@@ -189,6 +189,36 @@ def attention_scores(request, tensors, gate, phases, guard):
             f"paddle dygraph {name} (use_accuracy_compatible={gate})")
 
 
+def routed_experts(request, tensors, gate, phases, guard):
+    """Per-expert GEMMs (PaddleFleet's gated path issues one TN GEMM per expert instead of the grouped kernel):
+    split the permuted tokens by expert, F.linear -> FP32-island SwiGLU times the routing probability -> F.linear,
+    concatenate. Gate off (the grouped/fused expert GEMM) is not written here."""
+    from harness.ops import uneven_split
+    from harness.runners.protocol import Unsupported
+
+    if not gate:
+        raise Unsupported("the gate-off routed experts (PaddleFleet's grouped expert GEMM) are not implemented here")
+    experts = request["shapes"]["num_local_experts"]
+    x, probs = _tensor(tensors["input"]), _tensor(tensors["probs"])
+    w1 = [_tensor(np.ascontiguousarray(tensors["fc1_weight"][i].T)) for i in range(experts)]
+    w2 = [_tensor(np.ascontiguousarray(tensors["fc2_weight"][i].T)) for i in range(experts)]
+    counts = uneven_split(tensors["input"].shape[0], experts)
+
+    def forward():
+        outs = []
+        for i, (tokens, scale) in enumerate(zip(paddle.split(x, counts), paddle.split(probs, counts), strict=True)):
+            outs.append(F.linear(_swiglu_island(F.linear(tokens, w1[i]), scale), w2[i]))
+        return paddle.concat(outs, axis=0)
+
+    out = _run(request, phases, guard, "per-expert F.linear", forward,
+               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
+             "grad.fc1_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w1]),
+             "grad.fc2_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w2])},
+            f"paddle dygraph per-expert F.linear -> FP32-island SwiGLU * prob -> F.linear, tokens per expert {counts} "
+            f"(use_accuracy_compatible={gate})")
+
+
 def raise_if_cpu_gate_off(request):
     """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
     from harness.runners.protocol import Unsupported
@@ -198,4 +228,4 @@ def raise_if_cpu_gate_off(request):
 
 
 OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
-       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp}
+       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp, "routed_experts": routed_experts}
