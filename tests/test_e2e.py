@@ -148,3 +148,15 @@ def assert_weights_came_from_the_package(case, report):
         with safe_open(source["file"], framework="numpy") as handle:
             original = handle.get_tensor(names[0])
         assert tensor_sha256(original) == source["sha256"]
+
+
+def test_gate_matrix_runs_both_settings_through_different_paddle_paths(checkpoints_dir, tmp_path):
+    """kimi_embedding: the gate switches Paddle between weight[ids] and F.embedding; both cells get a verdict."""
+    from harness import gate_matrix
+
+    code = gate_matrix.run("kimi_embedding", checkpoints_dir=checkpoints_dir, reports_dir=tmp_path)
+    matrix = json.loads(next(tmp_path.glob("*-gate-matrix-*/matrix.json")).read_text())
+    assert code == 0 and [c["use_accuracy_compatible"] for c in matrix["cells"]] == [True, False]
+    paddle_paths = [c["implementations"][1] for c in matrix["cells"]]
+    assert "weight[ids]" in paddle_paths[0] and "functional.embedding" in paddle_paths[1], paddle_paths
+    assert all(c["verdict"] in ("BITWISE_PASS", "DIFF") for c in matrix["cells"]), matrix["cells"]
