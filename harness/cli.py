@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import nightly, pipeline, publish, report, sweep
+from harness import gate_matrix, nightly, pipeline, publish, report, sweep
 from harness.bits import FORMATS
 from harness.cases import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.checkpoints import CHECKPOINTS_DIR
@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--repeat", type=int, default=1, metavar="N",
                          help="run each side N times in separate processes; a side that disagrees with itself "
                               "gives NONDETERMINISTIC")
+    compare.add_argument("--refeed", action="store_true",
+                         help="multi-op blocks: re-run each op on side b from side a's tensors "
+                              "(error made locally vs carried in)")
+    compare.add_argument("--gate-matrix", action="store_true",
+                         help="run with use_accuracy_compatible on and off and report both against side a")
     compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
@@ -76,11 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)
+    if args.gate_matrix:
+        return gate_matrix.run(args.case, device=args.device, tokens=args.tokens[0] if args.tokens else None,
+                               cases_dir=args.cases,
+                               checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons,
+                               timeout=args.timeout, weights_file=args.weights)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1 (got {args.repeat})")
     common = dict(device=args.device, cases_dir=args.cases, checkpoints_dir=args.checkpoints, pythons=pythons,
                   timeout=args.timeout, weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner,
-                  tp=args.tp, oracle=args.oracle, repeat=args.repeat)
+                  tp=args.tp, oracle=args.oracle, repeat=args.repeat, refeed_ops=args.refeed)
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, reports_dir=args.reports,

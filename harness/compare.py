@@ -74,6 +74,8 @@ def compare_tensor(name: str, a: np.ndarray | None, b: np.ndarray | None,
     if a.shape != b.shape:
         return TensorComparison(name, SHAPE_MISMATCH, dtype=a.dtype.name,
                                 note=f"shape {list(a.shape)} vs {list(b.shape)}")
+    if a.dtype.kind in "iu":
+        return _compare_integers(name, a, b)
     fmt = bits.format_of(a.dtype)
     a_bits, b_bits = bits.as_bits(np.ascontiguousarray(a)).ravel(), bits.as_bits(np.ascontiguousarray(b)).ravel()
     result = TensorComparison(name, EQUAL, dtype=fmt.name, shape=list(a.shape), elements=int(a.size))
@@ -115,6 +117,19 @@ def bits_equal(a_bits: np.ndarray, b_bits: np.ndarray, chunk_elements: int = CHU
     a_words, b_words = a_bytes[:words].view(np.uint64), b_bytes[:words].view(np.uint64)
     step = max(1, chunk_elements * a_bits.itemsize // 8)
     return all(np.array_equal(a_words[i:i + step], b_words[i:i + step]) for i in range(0, a_words.size, step))
+
+
+def _compare_integers(name: str, a: np.ndarray, b: np.ndarray) -> TensorComparison:
+    """Integer outputs (top-k expert indices): equal or not per element; ULP statistics do not apply."""
+    result = TensorComparison(name, EQUAL, dtype=a.dtype.name, shape=list(a.shape), elements=int(a.size))
+    where = np.flatnonzero(a.ravel() != b.ravel())
+    if where.size:
+        index = [int(i) for i in np.unravel_index(int(where[0]), a.shape)]
+        result.status, result.mismatches, result.mismatch_share = DIFF, int(where.size), where.size / a.size
+        result.first_mismatch = {"index": index, "a": int(a.ravel()[where[0]]), "b": int(b.ravel()[where[0]]),
+                                 "a_bits": str(a.ravel()[where[0]]), "b_bits": str(b.ravel()[where[0]])}
+        result.note = "integer tensor: mismatches counted, no ULP statistics"
+    return result
 
 
 def ulp_histogram(ulps: np.ndarray) -> dict[str, int]:

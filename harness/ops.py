@@ -17,7 +17,21 @@ from dataclasses import dataclass
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    role: str  # "weight" | "input" | "grad" (an upstream gradient fed to backward)
+    role: str  # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "output"
+    dtype: str | None = None  # None: the case's dtype; else fixed (fp32 router probabilities, int64 ids)
+    high: int = 0  # for integer tensors: values are drawn from [0, high)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One op inside a multi-op block, with its tensors named by the block's names (for re-feed)."""
+
+    name: str
+    op: str
+    shapes: dict[str, int]
+    config: dict[str, object]
+    inputs: dict[str, str]  # the stage op's input name -> the block tensor it reads
+    outputs: dict[str, str]  # the stage op's output name -> the block tensor it makes
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,8 @@ class OpSpec:
     # Canonical dim each input and output is split on across tensor-parallel ranks, None where every rank
     # holds the whole tensor (replicated, or already all-reduced); the harness gathers shards with it.
     partition: Callable[[Mapping[str, object]], dict[str, int | None]] = lambda config: {}
+    # Multi-op blocks: their ops in forward order, so re-feed can run each one from the other side's tensors.
+    stages: Callable[[Mapping[str, int], Mapping[str, object]], list[Stage]] | None = None
 
 
 def _linear_inputs(shapes, tokens, config):
@@ -72,6 +88,134 @@ def _row_partition(config):
             "out": tokens_split, "grad.input": 1, "grad.weight": 1, "grad.bias": None}
 
 
+def _rms_norm_inputs(shapes, tokens, config):
+    h = shapes["hidden_size"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("weight", (h,), "weight"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _rms_norm_outputs(shapes, tokens, config):
+    h = shapes["hidden_size"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.input", (tokens, h), "output"),
+            TensorSpec("grad.weight", (h,), "output")]
+
+
+def _swiglu_inputs(shapes, tokens, config):
+    f = shapes["ffn_hidden_size"]
+    specs = [TensorSpec("input", (tokens, 2 * f), "input"), TensorSpec("grad_output", (tokens, f), "grad")]
+    if config.get("per_token_scale", False):  # MoE routing probabilities: fp32 in both frameworks
+        specs.append(TensorSpec("per_token_scale", (tokens,), "input", "float32"))
+    return specs
+
+
+def _swiglu_outputs(shapes, tokens, config):
+    f = shapes["ffn_hidden_size"]
+    specs = [TensorSpec("out", (tokens, f), "output"), TensorSpec("grad.input", (tokens, 2 * f), "output")]
+    if config.get("per_token_scale", False):
+        specs.append(TensorSpec("grad.per_token_scale", (tokens,), "output", "float32"))
+    return specs
+
+
+def _embedding_inputs(shapes, tokens, config):
+    v, h = shapes["vocab_size"], shapes["hidden_size"]
+    return [TensorSpec("ids", (tokens,), "ids", "int64", high=v), TensorSpec("weight", (v, h), "weight"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _embedding_outputs(shapes, tokens, config):
+    v, h = shapes["vocab_size"], shapes["hidden_size"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.weight", (v, h), "output")]
+
+
+def _mlp_inputs(shapes, tokens, config):
+    h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("fc1_weight", (2 * f, h), "weight"),
+            TensorSpec("fc2_weight", (h, f), "weight"), TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _mlp_outputs(shapes, tokens, config):
+    """In topological order (forward, then backward as autograd meets them): the report's first
+    divergence is the first tensor of this list that differs."""
+    h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
+    return [TensorSpec("intermediate.fc1_out", (tokens, 2 * f), "output"),
+            TensorSpec("intermediate.act_out", (tokens, f), "output"),
+            TensorSpec("out", (tokens, h), "output"),
+            TensorSpec("grad.fc2_weight", (h, f), "output"),
+            TensorSpec("intermediate.grad_act_out", (tokens, f), "output"),
+            TensorSpec("intermediate.grad_fc1_out", (tokens, 2 * f), "output"),
+            TensorSpec("grad.fc1_weight", (2 * f, h), "output"),
+            TensorSpec("grad.input", (tokens, h), "output")]
+
+
+def _mlp_stages(shapes, config):
+    h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
+    linear = {k: v for k, v in config.items() if k == "use_accuracy_compatible"}
+    act = {k: v for k, v in config.items() if k in ("use_accuracy_compatible", "swiglu_impl")}
+    return [
+        Stage("fc1", "column_parallel_linear", {"input_size": h, "output_size": 2 * f}, linear,
+              {"input": "input", "weight": "fc1_weight", "grad_output": "intermediate.grad_fc1_out"},
+              {"out": "intermediate.fc1_out", "grad.input": "grad.input", "grad.weight": "grad.fc1_weight"}),
+        Stage("act", "swiglu", {"ffn_hidden_size": f}, act,
+              {"input": "intermediate.fc1_out", "grad_output": "intermediate.grad_act_out"},
+              {"out": "intermediate.act_out", "grad.input": "intermediate.grad_fc1_out"}),
+        Stage("fc2", "row_parallel_linear", {"input_size": f, "output_size": h}, linear,
+              {"input": "intermediate.act_out", "weight": "fc2_weight", "grad_output": "grad_output"},
+              {"out": "out", "grad.input": "intermediate.grad_act_out", "grad.weight": "grad.fc2_weight"}),
+    ]
+
+
+def _router_inputs(shapes, tokens, config):
+    h, e = shapes["hidden_size"], shapes["num_experts"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("weight", (e, h), "weight"),
+            TensorSpec("expert_bias", (e,), "weight", "float32"),
+            TensorSpec("grad_probs", (tokens, e), "grad", "float32")]
+
+
+def _router_outputs(shapes, tokens, config):
+    """probs: [tokens, experts], zero off the top-k; topk_indices: each row's chosen experts, ascending."""
+    h, e, k = shapes["hidden_size"], shapes["num_experts"], shapes["topk"]
+    return [TensorSpec("topk_indices", (tokens, k), "output", "int64"),
+            TensorSpec("probs", (tokens, e), "output", "float32"),
+            TensorSpec("grad.input", (tokens, h), "output"),
+            TensorSpec("grad.weight", (e, h), "output")]
+
+
+def _attention_inputs(shapes, tokens, config):
+    n, d = shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("query", (tokens, n, d), "input"), TensorSpec("key", (tokens, n, d), "input"),
+            TensorSpec("grad_output", (n, tokens, tokens), "grad")]
+
+
+def _attention_outputs(shapes, tokens, config):
+    """Scores (QK^T * softmax scale, before the mask), then the causal-masked probabilities, then grads."""
+    n, d = shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("intermediate.scores", (n, tokens, tokens), "output"),
+            TensorSpec("out", (n, tokens, tokens), "output"),
+            TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, n, d), "output")]
+
+
+def uneven_split(tokens: int, experts: int) -> list[int]:
+    """Tokens per local expert, deliberately unequal (expert i gets a share proportional to i + 1, the last one
+    the remainder), as a router leaves them; both runners split the permuted tokens by this."""
+    total = experts * (experts + 1) // 2
+    counts = [tokens * (i + 1) // total for i in range(experts - 1)]
+    return counts + [tokens - sum(counts)]
+
+
+def _experts_inputs(shapes, tokens, config):
+    h, f, e = shapes["hidden_size"], shapes["ffn_hidden_size"], shapes["num_local_experts"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("probs", (tokens,), "input", "float32"),
+            TensorSpec("fc1_weight", (e, 2 * f, h), "weight"), TensorSpec("fc2_weight", (e, h, f), "weight"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _experts_outputs(shapes, tokens, config):
+    h, f, e = shapes["hidden_size"], shapes["ffn_hidden_size"], shapes["num_local_experts"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.fc2_weight", (e, h, f), "output"),
+            TensorSpec("grad.probs", (tokens,), "output", "float32"),
+            TensorSpec("grad.fc1_weight", (e, 2 * f, h), "output"), TensorSpec("grad.input", (tokens, h), "output")]
+
+
 OPS: dict[str, OpSpec] = {
     "column_parallel_linear": OpSpec(
         "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size",
@@ -81,4 +225,16 @@ OPS: dict[str, OpSpec] = {
         "row_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "input_size",
         _row_partition,
     ),
+    "rms_norm": OpSpec("rms_norm", ("hidden_size",), _rms_norm_inputs, _rms_norm_outputs, "hidden_size"),
+    "swiglu": OpSpec("swiglu", ("ffn_hidden_size",), _swiglu_inputs, _swiglu_outputs, "ffn_hidden_size"),
+    "embedding": OpSpec("embedding", ("vocab_size", "hidden_size"), _embedding_inputs, _embedding_outputs,
+                        "vocab_size"),
+    "moe_router": OpSpec("moe_router", ("hidden_size", "num_experts", "topk"), _router_inputs, _router_outputs,
+                         "num_experts"),
+    "attention_scores": OpSpec("attention_scores", ("num_heads", "head_dim"), _attention_inputs, _attention_outputs,
+                               "num_heads"),
+    "routed_experts": OpSpec("routed_experts", ("hidden_size", "ffn_hidden_size", "num_local_experts"),
+                             _experts_inputs, _experts_outputs, "ffn_hidden_size"),
+    "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
+                                "ffn_hidden_size", stages=_mlp_stages),
 }

@@ -106,6 +106,13 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
             for label, runner, folder, python, tp, launched in started]
 
 
+def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
+             pythons: dict[str, str], timeout: float) -> SideResult:
+    """Run one runner alone on an inputs file (re-feed runs one op of a block on one side)."""
+    return run_sides(case, [SideSpec(label, runner, inputs, case.tp, folder.name)], device, folder.parent,
+                     pythons, timeout)[0]
+
+
 def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -> dict:
     config = case.config if tp > 1 else {k: v for k, v in case.config.items() if k != "sequence_parallel"}
     return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": tp,
@@ -183,10 +190,10 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
     for spec in case.output_specs():
         if spec.name not in tensors:
             return f"{side.outputs} lacks tensor {spec.name!r} (has {sorted(tensors)})"
-        array = tensors[spec.name]
-        if tuple(array.shape) != spec.shape or array.dtype.name != case.dtype:
+        array, dtype = tensors[spec.name], spec.dtype or case.dtype
+        if tuple(array.shape) != spec.shape or array.dtype.name != dtype:
             return (f"{side.outputs}: tensor {spec.name!r} is {array.dtype.name}{list(array.shape)}, "
-                    f"expected {case.dtype}{list(spec.shape)}")
+                    f"expected {dtype}{list(spec.shape)}")
     return ""
 
 

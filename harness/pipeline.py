@@ -13,11 +13,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from harness import __version__, checkpoints, determinism, orchestrate, report, shards, tolerance
+from harness import __version__, checkpoints, determinism, orchestrate, refeed, report, shards, tolerance
 from harness.cases import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.checkpoints import CheckpointError
 from harness.dumps import Dump, DumpError, compare_dumps
-from harness.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide
+from harness.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.runners.protocol import host_provenance
 from harness.versus_oracle import oracle_side, versus_oracle
 
@@ -42,12 +42,14 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
                  pythons: dict[str, str] | None = None, timeout: float = 1800.0,
                  weights_file: str | None = None, runners: tuple[str, str] | None = None,
                  versus_tp: int | None = None, runner: str | None = None, tp: int | None = None,
-                 oracle: bool = True, repeat: int = 1) -> tuple[CaseResult, Path]:
+                 oracle: bool = True, repeat: int = 1, config_overrides: dict | None = None,
+                 refeed_ops: bool = False) -> tuple[CaseResult, Path]:
     """Compare the case's two runners (or `runners`, ``--runners A,B``) at its TP size (or `tp`); with
     `versus_tp`, one runner (`runner`, default the case's first) at that TP size (side a) against itself at
     `versus_tp` (side b), on the same checkpoint. `oracle`: also run the truth oracle and measure each side's
     distance from it (skipped when a side already is the oracle); `repeat`: run each side that many times and
-    check it agrees with itself."""
+    check it agrees with itself. `config_overrides`: knobs set over the case's (the gate matrix);
+    `refeed_ops`: for multi-op blocks, re-run each op on side b from side a's tensors."""
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
     result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=_now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
@@ -55,6 +57,8 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
     try:
         case = _load_case(name, cases_dir, tokens, device, runners)
         case = case.with_tp(tp) if tp is not None else case
+        if config_overrides:
+            case = replace(case, config={**case.config, **config_overrides})
         tps = None
         if versus_tp is not None:
             case, tps = _versus_tp(case, versus_tp, runner or case.runners[0])
@@ -75,6 +79,9 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
         framework = [by_label["a"], by_label["b"]]
         if all(side.status == "ok" for side in framework):
             result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
+            result.first_divergence = first_divergence(result.tensors)
+            if refeed_ops:
+                result.refeed = refeed.run(case, checkpoint, framework, device, run_dir, pythons or {}, timeout)
         result.versus_oracle = versus_oracle(case, framework, by_label.get(ORACLE_LABEL))
         result.repeats = determinism.self_consistency(case, result.sides, repeat)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness import pictures, report_html, report_sections
+from harness import pictures, refeed, report_html, report_sections
 from harness.result import CaseResult
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
@@ -29,6 +29,8 @@ def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = Non
     lines = [f"# {result.case_name}: {result.verdict}", "",
              f"- run: `{result.run_id}` on `{result.device}`, {result.started_at} to {result.finished_at}",
              f"- verdict: **{result.verdict}** (exit code {result.exit_code}): {result.message}"]
+    if result.first_divergence:
+        lines.append(f"- first divergence (outputs in topological order): `{result.first_divergence}`")
     expectation = data["expectation"]
     if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
@@ -82,6 +84,7 @@ def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = Non
                 lines += [f"- `{name}`: [map]({files['map']}) · [ULP histogram]({files['ulp']})", "",
                           f"  ![{name} map]({files['map']})", ""]
 
+    lines += refeed.markdown(result.refeed)
     lines += report_sections.markdown(data)
     if result.sides:
         lines += ["", "## Provenance", ""]
@@ -139,6 +142,12 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     for line in report_sections.console_lines(result.to_dict()):
         out.print(line, highlight=False)
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
+    if result.first_divergence:
+        out.print(f"first divergence: {result.first_divergence}")
+    if result.refeed.get("stages"):
+        out.print(f"re-feed: first tensor made locally: {result.refeed['first_local_divergence'] or 'none'}")
+        for name, how in result.refeed["tensors"].items():
+            out.print(f"  {name}: {how}")
     if result.expectation.get("stated") and result.expectation["verdict"] != "BITWISE_PASS":
         met = "met" if result.expectation["met"] else "NOT met"
         out.print(f"expected {result.expectation['verdict']}: {met}")

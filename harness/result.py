@@ -31,6 +31,8 @@ class CaseResult:
     repeats: dict = field(default_factory=dict)  # harness.determinism, with --repeat N > 1
     tolerance: dict = field(default_factory=dict)  # harness.tolerance.judge, when the case states a policy
     harness: dict = field(default_factory=dict)
+    first_divergence: str | None = None  # first differing output in the op's topological order
+    refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
     started_at: str = ""
     finished_at: str = ""
 
@@ -53,6 +55,7 @@ class CaseResult:
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
             "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
+            "first_divergence": self.first_divergence, "refeed": self.refeed,
         }
 
 
@@ -86,6 +89,11 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
         return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
                               + (f"; beyond the case's tolerance: {' | '.join(beyond)}" if beyond else ""))
     return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
+
+
+def first_divergence(tensors: list[TensorComparison]) -> str | None:
+    """Outputs are listed in topological order (ops.py), so the first one not equal is where bits first part."""
+    return next((t.name for t in tensors if t.status != EQUAL), None)
 
 
 def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> dict:

@@ -6,22 +6,38 @@ and say why. The report's counts are recomputed here from the runner output file
 """
 
 import json
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import E2E_TOKENS
-from harness.checkpoints import load_tensors
+from harness.checkpoints import load_tensors, tensor_sha256
 from harness.pipeline import compare_case
 from harness.runners.protocol import cpu_isa_flags
 
 pytestmark = pytest.mark.e2e
 
 
+LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear")
+
+
 def paddle_bf16_gemm_unavailable(case) -> bool:
-    return "paddle" in case.runners and case.dtype == "bfloat16" and "avx512f" not in cpu_isa_flags()
+    """The linears' only CPU bf16 GEMM is oneDNN's (static graph), which needs AVX-512; the MLP block, the
+    attention scores and the routed experts run in dygraph, which has no CPU bf16 matmul on any CPU. RMSNorm,
+    SwiGLU, the embedding and the router (an fp32 GEMM) need no bf16 GEMM."""
+    if "paddle" not in case.runners or case.dtype != "bfloat16":
+        return False
+    dygraph_gemm = case.op in ("shared_expert_mlp", "attention_scores", "routed_experts")
+    return dygraph_gemm or (case.op in LINEAR_OPS and "avx512f" not in cpu_isa_flags())
+
+
+def e2e_tokens(case) -> int:
+    """A case's own token count when small (the 60-token kernel-choice cases), else E2E_TOKENS."""
+    return case.tokens if case.tokens <= 64 else E2E_TOKENS
 
 
 def hf_file_for(case, folder):
@@ -39,34 +55,49 @@ def hf_file_for(case, folder):
 
 
 def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
-    weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from else None
-    result, run_dir = compare_case(cpu_case.name, tokens=min(cpu_case.tokens, E2E_TOKENS),
+    shipped = cpu_case.weights_from and (cpu_case.weights_from.file or cpu_case.weights_from.package)
+    weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from and not shipped else None
+    blocks = cpu_case.op_spec.stages is not None
+    result, run_dir = compare_case(cpu_case.name, tokens=e2e_tokens(cpu_case),
                                    checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
-                                   weights_file=weights)
+                                   weights_file=weights, refeed_ops=blocks)
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
     assert result.verdict != "ERROR", f"{result.message}\n{tails}"
     assert report["schema"] == 1 and (run_dir / "report.md").exists()
+    if cpu_case.weights_from and cpu_case.weights_from.package:
+        assert_weights_came_from_the_package(cpu_case, report)
     for side in report["sides"]:
         assert side["meta"]["runner"] == side["runner"]
         assert side["meta"]["host"]["cpu_isa"] == cpu_isa_flags()
 
     if paddle_bf16_gemm_unavailable(cpu_case):
         assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
-        assert "avx512" in result.message and "matmul" in result.message, result.message
+        assert "matmul" in result.message, result.message
+        assert cpu_case.op not in LINEAR_OPS or "avx512" in result.message, result.message
         return
     if cpu_case.expect.stated:
         assert result.expectation["met"], result.expectation["problems"]
         assert result.exit_code == 0
     else:  # nothing stated: any real verdict, with an exit code that follows it
         assert (result.verdict, result.exit_code) in (("BITWISE_PASS", 0), ("DIFF", 1)), result.message
+    if result.verdict == "UNSUPPORTED":  # a gate-off path whose kernel this device lacks: said, with the kernel
+        assert "not registered" in result.message or "kernel" in result.message, result.message
+        return
     for side in report["sides"]:
         assert side["meta"]["implementation"] and side["meta"]["versions"]
     outputs = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
                if s["label"] in ("a", "b")]  # not the oracle's or a repeat's
     assert_counts_match_outputs(report, *outputs)
-    if cpu_case.perturb:
+    if cpu_case.perturb and cpu_case.op in LINEAR_OPS:
         assert_mismatches_where_the_flip_reaches(cpu_case, report, *outputs)
+    if cpu_case.perturb and cpu_case.op in ("rms_norm", "swiglu"):
+        assert_rows_only(report, cpu_case.perturb.index[0], *outputs)
+    if cpu_case.expect.differs:
+        order = [s.name for s in cpu_case.output_specs()]
+        assert report["first_divergence"] == min(cpu_case.expect.differs, key=order.index)
+    if blocks and result.verdict == "DIFF":
+        assert_refeed_localizes(cpu_case, report)
 
 
 def assert_counts_match_outputs(report, a, b):
@@ -93,3 +124,43 @@ def assert_mismatches_where_the_flip_reaches(case, report, a, b):
         assert by_name[name]["mismatches"] == len(differing) > 0, name
         where = "row" if axis == 0 else "column"
         assert set(differing[:, axis].tolist()) == {line}, f"{name}: mismatches outside {where} {line}"
+
+
+def assert_rows_only(report, row, a, b):
+    """Row-wise ops (RMSNorm, SwiGLU): a flipped bit in input row i reaches only row i of out and grad.input."""
+    for name in ("out", "grad.input"):
+        differing = np.argwhere(a[name].view(f"u{a[name].itemsize}") != b[name].view(f"u{b[name].itemsize}"))
+        assert len(differing) > 0 and set(differing[:, 0].tolist()) == {row}, name
+
+
+def assert_refeed_localizes(case, report):
+    """Re-feed ran every stage, and the first diverging tensor is one its own op made (nothing upstream of it
+    differs, so it cannot have been carried in); tensors the case says stay equal stay equal when re-fed."""
+    refeed = report["refeed"]
+    assert [s["status"] for s in refeed["stages"]] == ["ok"] * len(refeed["stages"]), refeed["stages"]
+    assert refeed["first_local_divergence"] == report["first_divergence"]
+    for name in case.expect.equal:
+        assert refeed["tensors"][name] == "equal", (name, refeed["tensors"][name])
+
+
+def assert_weights_came_from_the_package(case, report):
+    """The checkpoint's weights are the shipped file's tensors (sha256 of the source tensor before the cast)."""
+    manifest = json.loads((Path(report["checkpoint"]["folder"]) / "manifest.json").read_text())
+    for canonical, names in case.weights_from.tensors.items():
+        source = manifest["recipe"]["imported"][canonical]
+        assert case.weights_from.package in source["file"] and source["names"] == list(names)
+        with safe_open(source["file"], framework="numpy") as handle:
+            original = handle.get_tensor(names[0])
+        assert tensor_sha256(original) == source["sha256"]
+
+
+def test_gate_matrix_runs_both_settings_through_different_paddle_paths(checkpoints_dir, tmp_path):
+    """kimi_embedding: the gate switches Paddle between weight[ids] and F.embedding; both cells get a verdict."""
+    from harness import gate_matrix
+
+    code = gate_matrix.run("kimi_embedding", checkpoints_dir=checkpoints_dir, reports_dir=tmp_path)
+    matrix = json.loads(next(tmp_path.glob("*-gate-matrix-*/matrix.json")).read_text())
+    assert code == 0 and [c["use_accuracy_compatible"] for c in matrix["cells"]] == [True, False]
+    paddle_paths = [c["implementations"][1] for c in matrix["cells"]]
+    assert "weight[ids]" in paddle_paths[0] and "functional.embedding" in paddle_paths[1], paddle_paths
+    assert all(c["verdict"] in ("BITWISE_PASS", "DIFF") for c in matrix["cells"]), matrix["cells"]

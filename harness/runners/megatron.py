@@ -1,4 +1,5 @@
-"""Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel``, no Transformer Engine.
+"""Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel`` (other ops in
+``megatron_ops``), no Transformer Engine.
 
 CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL, with the determinism settings
 of real alignment runs (``torch_env``). At TP=1 the layer computes forward ``x @ W.t()``, dgrad ``dy @ W`` and
@@ -21,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from harness.ops import OPS as OP_SPECS  # noqa: E402
-from harness.runners import torch_env  # noqa: E402
+from harness.runners import megatron_ops, torch_env  # noqa: E402
 from harness.runners.protocol import (  # noqa: E402
     OUTPUTS,
     Phases,
@@ -100,7 +101,7 @@ def parallel_linear(request, tensors, config, device, phases):
     return outputs, f"megatron.core.tensor_parallel.{type(layer).__name__} (no Transformer Engine)"
 
 
-OPS = {"column_parallel_linear": parallel_linear, "row_parallel_linear": parallel_linear}
+OPS = {"column_parallel_linear": parallel_linear, "row_parallel_linear": parallel_linear, **megatron_ops.OPS}
 
 
 def _init_process_group(device: torch.device) -> None:

@@ -62,7 +62,9 @@ def run(request: dict, phases: Phases) -> dict:
     if world > 1 and fleet is None:
         _check_plain_tp(request)
         paddle.distributed.init_parallel_env()
-    if fleet is not None:
+    if request["op"] in _other_ops():
+        outputs, implementation = _other_ops()[request["op"]](request, tensors, gate, phases, _kernel_guard)
+    elif fleet is not None:
         outputs, implementation = _fleet_linear(request, tensors, gate, phases, world)
     elif device == "cpu" and request["dtype"] == "bfloat16":
         outputs, implementation = _static_onednn_linear(request, tensors, gate, phases)
@@ -218,13 +220,22 @@ def _canonical(results):
     return outputs
 
 
+def _other_ops():
+    from harness.runners import paddle_ops
+
+    return paddle_ops.OPS
+
+
 def _write(outputs, request, file_name):
     from safetensors.paddle import save_file
 
-    dtype = {"bfloat16": paddle.bfloat16, "float16": paddle.float16, "float32": paddle.float32}[request["dtype"]]
+    dtypes = {"bfloat16": paddle.bfloat16, "float16": paddle.float16, "float32": paddle.float32, "int64": paddle.int64}
+    specs = OP_SPECS[request["op"]].outputs(request["shapes"], request["tokens"], request["config"])
+    expected = {spec.name: dtypes[spec.dtype or request["dtype"]] for spec in specs}
     tensors = {}
     for name, array in outputs.items():
         tensor = paddle.to_tensor(array, place=paddle.CPUPlace())  # uint16 arrays become bf16 tensors
+        dtype = expected.get(name, dtypes[request["dtype"]])
         if tensor.dtype != dtype:
             raise RuntimeError(f"output {name!r} came back as {tensor.dtype}, expected {dtype}")
         tensors[name] = tensor

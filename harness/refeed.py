@@ -1,0 +1,85 @@
+"""Re-feed: run each op of a multi-op block again on side b, fed with side a's tensors.
+
+A block's first diverging tensor says where bits first part, but not whether the op that made it went wrong
+or only passed on a difference it was given. Re-feeding answers that: every stage runs alone on side b's
+runner with its inputs taken from side a's run (side a's intermediates become side b's inputs, op by op;
+the block's own inputs and weights come from side b's checkpoint, so a difference planted there stays). A
+tensor that differs in the full run but not when re-fed was carried in; one that differs when re-fed was
+made by its own op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from safetensors.numpy import save_file
+
+from harness import checkpoints, orchestrate
+from harness.cases import Case
+from harness.compare import DIFF, EQUAL, compare_tensor
+
+
+def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict[str, str], timeout: float) -> dict:
+    stages = case.op_spec.stages(case.shapes, case.config) if case.op_spec.stages else []
+    if not stages:
+        return {"error": f"op {case.op} is a single op: re-feed applies to multi-op blocks"}
+    side_a, side_b = sides
+    a_outputs = checkpoints.load_tensors(side_a.outputs)
+    available = {**checkpoints.load_tensors(checkpoint.path_for("b")), **a_outputs}
+    full = {name: compare_tensor(name, a_outputs.get(name), b) for name, b in
+            checkpoints.load_tensors(side_b.outputs).items()}
+    report = {"runner": side_b.runner, "fed_from": f"side a ({side_a.runner})", "stages": [], "tensors": {}}
+    for stage in stages:
+        folder = run_dir / "refeed" / stage.name
+        folder.mkdir(parents=True)
+        inputs = folder / "inputs.safetensors"
+        save_file({name: available[source] for name, source in stage.inputs.items()}, str(inputs))
+        stage_case = replace(case, name=f"{case.name}.{stage.name}", op=stage.op, shapes=dict(stage.shapes),
+                             config=dict(stage.config), perturb=None, weights_from=None)
+        side = orchestrate.run_side("b", side_b.runner, stage_case, inputs, device, folder / f"b-{side_b.runner}",
+                                    pythons, timeout)
+        entry = {"stage": stage.name, "op": stage.op, "status": side.status, "reason": side.reason,
+                 "implementation": side.meta.get("implementation", ""), "inputs": dict(stage.inputs), "tensors": []}
+        if side.status == "ok":
+            produced = checkpoints.load_tensors(side.outputs)
+            for name, block_name in stage.outputs.items():
+                local = compare_tensor(block_name, a_outputs[block_name], produced[name])
+                entry["tensors"].append(local.to_dict())
+                report["tensors"][block_name] = _attribution(full.get(block_name), local, stage.name)
+        report["stages"].append(entry)
+    made = [name for name, how in report["tensors"].items() if how.startswith("made")]
+    report["first_local_divergence"] = next((name for name in _topological(case) if name in made), None)
+    return report
+
+
+def _attribution(full, local, stage: str) -> str:
+    if local.status == DIFF:
+        return f"made by {stage} (differs when re-fed with side a's inputs)"
+    if local.status == EQUAL and full is not None and full.status == DIFF:
+        return f"carried in ({stage} re-fed with side a's inputs gives side a's bits)"
+    return "equal" if local.status == EQUAL else f"{local.status}: {local.note}"
+
+
+def _topological(case: Case) -> list[str]:
+    return [spec.name for spec in case.output_specs()]
+
+
+def markdown(refeed: dict) -> list[str]:
+    """Report section: one row per block tensor, in topological order of the stages."""
+    if not refeed:
+        return []
+    lines = ["", "## Re-feed (each op re-run on side b from side a's tensors)", ""]
+    if "error" in refeed:
+        return lines + [f"- {refeed['error']}"]
+    lines += [f"- runner `{refeed['runner']}` fed from {refeed['fed_from']}; first tensor made locally: "
+              f"**{refeed['first_local_divergence'] or 'none'}**", "",
+              "| stage | op | status | tensor | re-fed mismatches | max ULP | attribution |",
+              "|---|---|---|---|---:|---:|---|"]
+    for stage in refeed["stages"]:
+        if not stage["tensors"]:
+            lines.append(f"| {stage['stage']} | {stage['op']} | {stage['status']}: {stage['reason']} | | | | |")
+        for t in stage["tensors"]:
+            lines.append(f"| {stage['stage']} | {stage['op']} | {stage['status']} | {t['name']} | {t['mismatches']} "
+                         f"| {t['max_ulp']} | {refeed['tensors'].get(t['name'], '')} |")
+    return lines

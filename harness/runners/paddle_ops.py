@@ -1,0 +1,231 @@
+"""Paddle ops beyond the linears, following PaddleFleet's paths with the accuracy gate on and off.
+
+Plain Paddle ops (dygraph), written from PaddleFleet's public source and its documented gate behaviour:
+- gate on (``use_accuracy_compatible``): RMSNorm and SwiGLU (with or without a per-token scale) are FP32
+  islands: cast bf16 -> fp32, compute in fp32, cast back once; the embedding is ``weight[ids]`` (a gather whose
+  backward is deterministic); linears are ``F.linear``.
+- gate off: Paddle's fused kernels: ``fused_rms_norm_ext``, ``paddle.nn.functional.swiglu``, ``F.embedding``.
+On a CPU many bf16 kernels are not registered (silu, swiglu, rms_norm, matmul); the caller's kernel guard turns
+that into UNSUPPORTED naming the kernel. The islands only need bf16 casts, so they run on any CPU.
+Each function takes (request, tensors, gate, phases, guard) and returns (outputs as numpy, implementation);
+outputs are in canonical names and Megatron's layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+
+def _tensor(array, trainable=True):
+    tensor = paddle.to_tensor(array)
+    tensor.stop_gradient = not trainable
+    return tensor
+
+
+def _run(request, phases, guard, kernel, forward, backward):
+    with phases("forward"):
+        out = guard(forward, kernel, request)
+        _synchronize(request)
+    with phases("backward"):
+        guard(lambda: backward(out), kernel + " backward", request)
+        _synchronize(request)
+    return out
+
+
+def _synchronize(request):
+    if request["device"] == "gpu":
+        paddle.device.synchronize()
+
+
+def _rms_norm_island(x, weight, eps):
+    x32 = x.astype("float32")
+    normed = x32 * paddle.rsqrt(x32.pow(2).mean(axis=-1, keepdim=True) + eps)
+    return (normed * weight.astype("float32")).astype(x.dtype)
+
+
+def rms_norm(request, tensors, gate, phases, guard):
+    eps = float(request["config"].get("eps", 1e-6))
+    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
+    if gate:
+        def forward():
+            return _rms_norm_island(x, w, eps)
+        kernel, name = "FP32-island RMSNorm", "FP32 island: cast fp32, x * rsqrt(mean(x^2) + eps) * w, cast back"
+    else:
+        from paddle.incubate.nn.functional.fused_rms_norm_ext import fused_rms_norm_ext
+
+        def forward():
+            return fused_rms_norm_ext(x, w, eps)[0].astype(w.dtype)
+        kernel = name = "paddle.incubate.nn.functional.fused_rms_norm_ext"
+    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
+            f"paddle dygraph {name} (use_accuracy_compatible={gate})")
+
+
+def _swiglu_island(x, scale):
+    gate_half, up = paddle.chunk(x.astype("float32"), 2, axis=-1)
+    out = F.silu(gate_half) * up
+    if scale is not None:
+        out = out * scale.unsqueeze(-1)
+    return out.astype(x.dtype)
+
+
+def swiglu(request, tensors, gate, phases, guard):
+    x = _tensor(tensors["input"])
+    scale = _tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
+    if gate:
+        def forward():
+            return _swiglu_island(x, scale)
+        kernel = "FP32-island SwiGLU"
+        name = "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale is not None else "")
+    else:
+        def forward():
+            out = F.swiglu(x)
+            return out if scale is None else (out.astype("float32") * scale.unsqueeze(-1)).astype(x.dtype)
+        kernel = name = "paddle.nn.functional.swiglu" + (" then * scale in fp32" if scale is not None else "")
+    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    outputs = {"out": out.numpy(), "grad.input": x.grad.numpy()}
+    if scale is not None:
+        outputs["grad.per_token_scale"] = scale.grad.numpy()
+    return outputs, f"paddle dygraph {name} (use_accuracy_compatible={gate})"
+
+
+def embedding(request, tensors, gate, phases, guard):
+    ids, w = _tensor(tensors["ids"], False), _tensor(tensors["weight"])
+    if gate:
+        def forward():
+            return w[ids]
+        kernel = "weight[ids] (gather)"
+    else:
+        def forward():
+            return F.embedding(ids, w)
+        kernel = "paddle.nn.functional.embedding"
+    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.weight": w.grad.numpy()},
+            f"paddle dygraph {kernel} (use_accuracy_compatible={gate})")
+
+
+def shared_expert_mlp(request, tensors, gate, phases, guard):
+    """fc1 (F.linear) -> SwiGLU -> fc2 (F.linear) on Paddle's [in, out] weights; intermediates and their
+    grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
+    x = _tensor(tensors["input"])
+    w1 = _tensor(np.ascontiguousarray(tensors["fc1_weight"].T))  # Paddle's [in, out]
+    w2 = _tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
+    if not gate:
+        raise_if_cpu_gate_off(request)
+    captured = {}
+
+    def keep(name):
+        def hook(grad):
+            captured[name] = grad.numpy()
+        return hook
+
+    def forward():
+        fc1_out = F.linear(x, w1)
+        act_out = _swiglu_island(fc1_out, None) if gate else F.swiglu(fc1_out)
+        captured["intermediate.fc1_out"], captured["intermediate.act_out"] = fc1_out.numpy(), act_out.numpy()
+        fc1_out.register_hook(keep("intermediate.grad_fc1_out"))
+        act_out.register_hook(keep("intermediate.grad_act_out"))
+        return F.linear(act_out, w2)
+
+    act = "FP32-island SwiGLU" if gate else "paddle.nn.functional.swiglu"
+    out = _run(request, phases, guard, f"F.linear -> {act} -> F.linear", forward,
+               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    outputs = {**captured, "out": out.numpy(), "grad.input": x.grad.numpy(),
+               "grad.fc1_weight": np.ascontiguousarray(w1.grad.numpy().T),
+               "grad.fc2_weight": np.ascontiguousarray(w2.grad.numpy().T)}
+    return outputs, f"paddle dygraph F.linear -> {act} -> F.linear (use_accuracy_compatible={gate})"
+
+
+def moe_router(request, tensors, gate, phases, guard):
+    """Gated router: an unfused fp32 GEMM for the logits, then sigmoid, bias for the choice only, top-k,
+    normalisation over the k, scaling; grads by autograd in fp32. The gate-off path (fused gating) is not written."""
+    from harness.runners.protocol import Unsupported
+
+    if not gate:
+        raise Unsupported("the gate-off router (PaddleFleet's fused gating GEMM) is not implemented in this runner")
+    k = request["shapes"]["topk"]
+    scaling = float(request["config"].get("topk_scaling_factor", 2.827))
+    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
+    bias = _tensor(tensors["expert_bias"], False)
+
+    def forward():
+        logits = paddle.matmul(x.astype("float32"), w.astype("float32"), transpose_y=True)
+        scores = F.sigmoid(logits)
+        _, chosen = paddle.topk(scores + bias, k, axis=-1)
+        picked = paddle.take_along_axis(scores, chosen, axis=-1)
+        probs = picked / (picked.sum(axis=-1, keepdim=True) + 1e-20) * scaling
+        return paddle.put_along_axis(paddle.zeros_like(scores), chosen, probs, axis=-1), chosen
+
+    probs, chosen = _run(request, phases, guard, "fp32 router (matmul, sigmoid, topk)", forward,
+                         lambda o: o[0].backward(_tensor(tensors["grad_probs"], False)))
+    return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
+             "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
+            "paddle dygraph fp32 router: matmul, sigmoid, topk on scores + expert_bias, take_along_axis, "
+            f"normalise, x{scaling} (use_accuracy_compatible={gate})")
+
+
+def attention_scores(request, tensors, gate, phases, guard):
+    """QK^T * 1/sqrt(d) (batched matmul), causal mask filled with -10000 as Megatron's mask_func, softmax as an FP32
+    island cast back to the input dtype. Gate off: paddle's softmax in the input dtype."""
+    d = request["shapes"]["head_dim"]
+    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    t = tensors["query"].shape[0]
+    mask = paddle.to_tensor(np.triu(np.ones((t, t), dtype=bool), 1))
+    captured = {}
+
+    def forward():
+        scores = paddle.matmul(q.transpose([1, 0, 2]), k.transpose([1, 0, 2]), transpose_y=True) * (1.0 / d ** 0.5)
+        captured["intermediate.scores"] = scores.numpy()
+        if gate:
+            masked = paddle.where(mask, paddle.full_like(scores, -10000.0, "float32"), scores.astype("float32"))
+            return F.softmax(masked, axis=-1).astype(scores.dtype)
+        return F.softmax(paddle.where(mask, paddle.full_like(scores, -10000.0), scores), axis=-1)
+
+    name = "matmul * scale, where(causal, -10000), " + ("FP32-island softmax" if gate else "softmax")
+    out = _run(request, phases, guard, name, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
+            f"paddle dygraph {name} (use_accuracy_compatible={gate})")
+
+
+def routed_experts(request, tensors, gate, phases, guard):
+    """Per-expert GEMMs (PaddleFleet's gated path issues one TN GEMM per expert instead of the grouped kernel):
+    split the permuted tokens by expert, F.linear -> FP32-island SwiGLU times the routing probability -> F.linear,
+    concatenate. Gate off (the grouped/fused expert GEMM) is not written here."""
+    from harness.ops import uneven_split
+    from harness.runners.protocol import Unsupported
+
+    if not gate:
+        raise Unsupported("the gate-off routed experts (PaddleFleet's grouped expert GEMM) are not implemented here")
+    experts = request["shapes"]["num_local_experts"]
+    x, probs = _tensor(tensors["input"]), _tensor(tensors["probs"])
+    w1 = [_tensor(np.ascontiguousarray(tensors["fc1_weight"][i].T)) for i in range(experts)]
+    w2 = [_tensor(np.ascontiguousarray(tensors["fc2_weight"][i].T)) for i in range(experts)]
+    counts = uneven_split(tensors["input"].shape[0], experts)
+
+    def forward():
+        outs = []
+        for i, (tokens, scale) in enumerate(zip(paddle.split(x, counts), paddle.split(probs, counts), strict=True)):
+            outs.append(F.linear(_swiglu_island(F.linear(tokens, w1[i]), scale), w2[i]))
+        return paddle.concat(outs, axis=0)
+
+    out = _run(request, phases, guard, "per-expert F.linear", forward,
+               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
+             "grad.fc1_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w1]),
+             "grad.fc2_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w2])},
+            f"paddle dygraph per-expert F.linear -> FP32-island SwiGLU * prob -> F.linear, tokens per expert {counts} "
+            f"(use_accuracy_compatible={gate})")
+
+
+def raise_if_cpu_gate_off(request):
+    """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
+    from harness.runners.protocol import Unsupported
+
+    if request["device"] != "gpu":
+        raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
+
+
+OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
+       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp, "routed_experts": routed_experts}
