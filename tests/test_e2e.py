@@ -85,7 +85,8 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
         assert "not registered" in result.message or "kernel" in result.message, result.message
         return
     for side in report["sides"]:
-        assert side["meta"]["implementation"] and side["meta"]["versions"]
+        if side["label"] in ("a", "b"):  # the oracle side says UNSUPPORTED for ops it has no oracle for
+            assert side["meta"]["implementation"] and side["meta"]["versions"]
     outputs = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
                if s["label"] in ("a", "b")]  # not the oracle's or a repeat's
     assert_counts_match_outputs(report, *outputs)

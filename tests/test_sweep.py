@@ -57,7 +57,7 @@ def test_sweep_over_tokens_and_both_torch_layouts(tmp_path):
     lines = []
     report, sweep_dir = sweep.run_sweep(
         "tiny", [1, 7], [("megatron", "torch"), ("megatron", "torch_nn")], reports_dir=tmp_path / "reports",
-        cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck", progress=lines.append)
+        cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck", progress=lines.append, oracle=False)
 
     assert [(c["pair"], c["tokens"]) for c in report["cells"]] == [
         ("megatron vs torch", 1), ("megatron vs torch", 7), ("megatron vs torch_nn", 1), ("megatron vs torch_nn", 7)]

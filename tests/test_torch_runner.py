@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 def run(case, runners, checkpoints_dir, tmp_path):
     result, run_dir = compare_case(case, tokens=E2E_TOKENS, runners=runners, checkpoints_dir=checkpoints_dir,
-                                   reports_dir=tmp_path)
+                                   reports_dir=tmp_path, oracle=False)  # the runner pair is under test
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
     assert [s.status for s in result.sides] == ["ok", "ok"], f"{result.message}\n{tails}"
