@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -109,14 +108,7 @@ def write(night: dict, run_dir: Path) -> None:
 
 def new_nightly_dir(root: Path) -> tuple[str, Path]:
     """``nightly-<timestamp>-<suffix>``: sorts by time, never reuses a folder."""
-    root.mkdir(parents=True, exist_ok=True)
-    while True:
-        run_id = f"{PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        try:
-            (root / run_id).mkdir()
-            return run_id, root / run_id
-        except FileExistsError:
-            continue
+    return pipeline.new_run_dir(root, prefix=PREFIX)
 
 
 def find_previous(reports_dir: Path, device: str) -> dict | None:

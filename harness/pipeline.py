@@ -24,12 +24,12 @@ from harness.versus_oracle import oracle_side, versus_oracle
 REPORTS_DIR = Path(__file__).resolve().parents[1] / "reports"
 
 
-def new_run_dir(root: Path, label: str) -> tuple[str, Path]:
-    """A fresh folder per run; existing runs are never touched."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60] or "run"
+def new_run_dir(root: Path, label: str = "", prefix: str = "") -> tuple[str, Path]:
+    """A fresh folder per run, ``<prefix><timestamp>[-<label>]-<suffix>``; existing runs are never touched."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60]
     root.mkdir(parents=True, exist_ok=True)
     while True:
-        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{secrets.token_hex(3)}"
+        run_id = "-".join(filter(None, (f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}", safe, secrets.token_hex(3))))
         try:
             (root / run_id).mkdir()
             return run_id, root / run_id
