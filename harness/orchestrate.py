@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -102,8 +103,10 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
         python = runner_python(runner, pythons)
         started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))
     deadline = time.monotonic() + timeout
-    return [_finish(label, runner, folder, python, tp, launched, deadline, timeout, case)
-            for label, runner, folder, python, tp, launched in started]
+    # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's descendants
+    # are watched from the start (a rank re-parented while we waited on another side would be missed).
+    with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
+        return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
 
 
 def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
