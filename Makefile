@@ -30,7 +30,7 @@ test: $(ENV_READY)
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(ENV_READY)
-	$(PYTHON) -m harness.bench
+	$(PYTHON) -m harness.commands.bench
 
 $(VENV)/.installed: requirements-cpu.txt requirements-weights.txt
 	python3 -m venv $(VENV)

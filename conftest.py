@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cases import Registry
+from harness.case.registry import Registry
 
 CPU_CASES = Registry.load().for_device("cpu")
 # Token count for end-to-end runs: small enough for 2 cores (torch's bf16 GEMM on a CPU without

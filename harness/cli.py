@@ -9,11 +9,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import gate_matrix, nightly, pipeline, publish, report, sweep
 from harness.bits import FORMATS
-from harness.cases import CASES_DIR, RUNNERS, CaseError, Registry
-from harness.checkpoints import CHECKPOINTS_DIR
-from harness.result import EXIT_CODES
+from harness.case.checkpoints import CHECKPOINTS_DIR
+from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
+from harness.commands import compare as pipeline
+from harness.commands import gate_matrix, nightly, publish, run_folder, sweep
+from harness.compare.result import EXIT_CODES
+from harness.report import case_report as report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                               "(error made locally vs carried in)")
     compare.add_argument("--gate-matrix", action="store_true",
                          help="run with use_accuracy_compatible on and off and report both against side a")
-    compare.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
+    compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
     publish.add_parser(commands)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="bring B's tensor NAME (A's name) into A's layout, e.g. a Paddle [in, out] weight")
     diff.add_argument("--as-dtype", action="append", default=[], metavar="[NAME=]DTYPE",
                       help="read integer arrays (e.g. Paddle's uint16 bf16 bits) as DTYPE bit patterns")
-    diff.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
+    diff.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
 
     args = parser.parse_args(argv)
     if args.command == "list":
@@ -121,7 +123,8 @@ def runner_pair(text: str) -> tuple[str, str]:
     return pair
 
 def _diff(args) -> int:
-    from harness import diff, dumps  # matplotlib and safetensors only when needed
+    from harness.commands import diff
+    from harness.compare import dumps  # matplotlib and safetensors only when needed
 
     try:
         name_map = dumps.read_name_map(args.name_map) if args.name_map else {}

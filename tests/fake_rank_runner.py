@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.runners.protocol import rank_and_world
+from harness.run.protocol import rank_and_world
 
 request = json.loads(Path(sys.argv[sys.argv.index("--request") + 1]).read_text())
 rank, world = rank_and_world()

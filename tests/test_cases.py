@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from harness.cases import CaseError, Registry
+from harness.case.registry import CaseError, Registry
 
 GOOD = """
 [fc1]

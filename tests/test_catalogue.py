@@ -6,13 +6,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from harness.cases import CaseError, Registry
-from harness.checkpoints import generate
-from harness.compare import DIFF, EQUAL, TensorComparison, compare_tensor
-from harness.gate_matrix import markdown as matrix_markdown
-from harness.ops import OPS
-from harness.refeed import _attribution
-from harness.result import first_divergence
+from harness.case.checkpoints import generate
+from harness.case.ops import OPS
+from harness.case.registry import CaseError, Registry
+from harness.commands.gate_matrix import markdown as matrix_markdown
+from harness.compare.refeed import _attribution
+from harness.compare.result import first_divergence
+from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 
 SHAPES = {"hidden_size": 64, "ffn_hidden_size": 16}
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from harness import checkpoints
-from harness.cases import Registry
-from harness.checkpoints import CheckpointError
+from harness.case import checkpoints
+from harness.case.checkpoints import CheckpointError
+from harness.case.registry import Registry
 
 REGISTRY_TEXT = """
 [fc1]

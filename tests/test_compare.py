@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from harness.compare import DIFF, DTYPE_MISMATCH, EQUAL, MISSING, SHAPE_MISMATCH, compare_tensor, ulp_histogram
+from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, MISSING, SHAPE_MISMATCH, compare_tensor, ulp_histogram
 
 BF16 = ml_dtypes.bfloat16
 

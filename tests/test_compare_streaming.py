@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from harness import bits
-from harness.compare import bits_equal, compare_tensor
-from harness.mismatch_map import MismatchMap
+from harness.compare.mismatch_map import MismatchMap
+from harness.compare.tensors import bits_equal, compare_tensor
 
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32, np.float64]
 

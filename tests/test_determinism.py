@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harness.pipeline import compare_case
+from harness.commands.compare import compare_case
 from tests.test_orchestrate import CASES, fake_interpreter
 
 # Writes valid outputs for the tiny case. `out` is 1.0 everywhere, except that the flaky double, from its

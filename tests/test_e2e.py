@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import E2E_TOKENS
-from harness.checkpoints import load_tensors, tensor_sha256
-from harness.pipeline import compare_case
-from harness.runners.protocol import cpu_isa_flags
+from harness.case.checkpoints import load_tensors, tensor_sha256
+from harness.commands.compare import compare_case
+from harness.run.protocol import cpu_isa_flags
 
 pytestmark = pytest.mark.e2e
 
@@ -157,7 +157,7 @@ def assert_weights_came_from_the_package(case, report):
 
 def test_gate_matrix_runs_both_settings_through_different_paddle_paths(checkpoints_dir, tmp_path):
     """kimi_embedding: the gate switches Paddle between weight[ids] and F.embedding; both cells get a verdict."""
-    from harness import gate_matrix
+    from harness.commands import gate_matrix
 
     code = gate_matrix.run("kimi_embedding", checkpoints_dir=checkpoints_dir, reports_dir=tmp_path)
     matrix = json.loads(next(tmp_path.glob("*-gate-matrix-*/matrix.json")).read_text())

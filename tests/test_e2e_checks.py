@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
-from harness.checkpoints import load_tensors
-from harness.pipeline import compare_case
-from harness.tolerance import Tolerance, judge
+from harness.case.checkpoints import load_tensors
+from harness.case.tolerance import Tolerance
+from harness.commands.compare import compare_case
+from harness.compare.tolerance import judge
 from tests.test_e2e import paddle_bf16_gemm_unavailable
 
 pytestmark = pytest.mark.e2e
@@ -50,7 +51,7 @@ def test_fp32_fc1_oracle_repeat_and_tolerance(checkpoints_dir, tmp_path):
 
 
 def test_bf16_fc1_oracle_and_repeat(checkpoints_dir, tmp_path):
-    from harness.cases import Registry
+    from harness.case.registry import Registry
 
     case = Registry.load().get("kimi_shared_fc1")
     result, run_dir = compare_case(case.name, tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir,

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from harness.pipeline import compare_case
+from harness.commands.compare import compare_case
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(torch.cuda.is_available(), reason="tests a machine without a CUDA device")]

@@ -1,6 +1,6 @@
 """Parsing oneDNN's verbose log (format of oneDNN 3.x as printed by torch and Paddle)."""
 
-from harness.kernels import onednn_kernels
+from harness.run.kernels import onednn_kernels
 
 LOG = """\
 onednn_verbose,v1,info,oneDNN v3.6.2 (commit 2eb3dd1082db767fab171e934c551c609008289a)

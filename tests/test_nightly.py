@@ -11,9 +11,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness import nightly
 from harness.cli import main
-from harness.result import CaseResult
+from harness.commands import nightly
+from harness.compare.result import CaseResult
 
 TINY_CASES = """
 [tiny_flipped]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS, Phases, Unsupported
 from harness.runners import oracle
-from harness.runners.protocol import EXIT_UNSUPPORTED, META, OUTPUTS, Phases, Unsupported
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 BITS = {2: np.uint16, 4: np.uint32}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness.pipeline import compare_case
+from harness.commands.compare import compare_case
 
 CASES = """
 [tiny]
@@ -132,8 +132,8 @@ def test_bad_input_ends_with_a_report_and_exit_2(env, name, cases_text, expected
 
 
 def test_corrupted_checkpoint_ends_with_a_report_and_exit_2(env):
-    from harness import checkpoints
-    from harness.cases import Registry
+    from harness.case import checkpoints
+    from harness.case.registry import Registry
 
     checkpoint = checkpoints.prepare(Registry.load(env / "cases").get("tiny"), env / "ck")
     data = bytearray(checkpoint.path.read_bytes())

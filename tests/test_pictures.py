@@ -7,8 +7,8 @@ them: `python -m pytest tests/test_pictures.py --basetemp=/tmp/pictures` and ope
 import numpy as np
 import pytest
 
-from harness import pictures
-from harness.compare import compare_tensor
+from harness.compare.tensors import compare_tensor
+from harness.report import pictures
 from tests import gemm_patterns as g
 
 

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from harness import publish
 from harness.cli import main
+from harness.commands import publish
 
 REPO, ISSUE, TOKEN = "octo/bits", 7, "test-token-123"
 LIST = f"/repos/{REPO}/issues/{ISSUE}/comments?per_page=100&page="

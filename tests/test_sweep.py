@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from harness import cli, sweep
-from harness.cases import CaseError, Registry
+from harness import cli
+from harness.case.registry import CaseError, Registry
+from harness.commands import sweep
 
 CASES = """
 [tiny]

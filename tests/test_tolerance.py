@@ -5,10 +5,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from harness.cases import CaseError, Expectation, Registry
-from harness.compare import compare_tensor
-from harness.result import CaseResult, check_expectation, decide
-from harness.tolerance import Tolerance, judge
+from harness.case.registry import CaseError, Expectation, Registry
+from harness.case.tolerance import Tolerance
+from harness.compare.result import CaseResult, check_expectation, decide
+from harness.compare.tensors import compare_tensor
+from harness.compare.tolerance import judge
 
 CASE = """
 [fc1]

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from conftest import E2E_TOKENS
-from harness.checkpoints import load_tensors
-from harness.pipeline import compare_case
+from harness.case.checkpoints import load_tensors
+from harness.commands.compare import compare_case
 from tests.test_e2e import assert_counts_match_outputs
 
 pytestmark = pytest.mark.e2e

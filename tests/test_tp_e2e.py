@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
-from harness.checkpoints import load_tensors
-from harness.pipeline import compare_case
-from harness.result import EXIT_CODES
+from harness.case.checkpoints import load_tensors
+from harness.commands.compare import compare_case
+from harness.compare.result import EXIT_CODES
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness.pipeline import compare_case
+from harness.commands.compare import compare_case
 from tests.test_orchestrate import alive, fake_interpreter
 
 CASE = """

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from harness.cases import CaseError, Registry
-from harness.checkpoints import load_tensors
-from harness.ops import OPS
-from harness.runners.protocol import rank_file_name, shard_index
-from harness.shards import GatherError, gather, inconsistent
+from harness.case.checkpoints import load_tensors
+from harness.case.ops import OPS
+from harness.case.registry import CaseError, Registry
+from harness.run.protocol import rank_file_name, shard_index
+from harness.run.shards import GatherError, gather, inconsistent
 from tests.test_cases import registry_from
 
 

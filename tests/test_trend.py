@@ -2,7 +2,8 @@
 
 import copy
 
-from harness import doc, trend
+from harness.compare import trend
+from harness.report import blocks as doc
 
 
 def side(runner, torch="2.13.0+cpu", isa=("avx", "avx2")):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from numpy.testing._private.utils import integer_repr, nulp_diff
 
 from harness import bits
-from harness.compare import compare_tensor
+from harness.compare.tensors import compare_tensor
 
 NUMPY_FORMATS = ["float16", "float32", "float64"]
 ALL_FORMATS = ["bfloat16", *NUMPY_FORMATS]

@@ -21,9 +21,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from harness.ops import OPS as OP_SPECS  # noqa: E402
-from harness.runners import megatron_ops, torch_env  # noqa: E402
-from harness.runners.protocol import (  # noqa: E402
+from harness.case.ops import OPS as OP_SPECS  # noqa: E402
+from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
     Phases,
     Unsupported,
@@ -32,6 +31,7 @@ from harness.runners.protocol import (  # noqa: E402
     serve,
     shard_index,
 )
+from harness.runners import megatron_ops, torch_env  # noqa: E402
 
 try:
     from megatron.core import __version__ as megatron_version

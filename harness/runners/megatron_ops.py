@@ -214,7 +214,7 @@ def routed_experts(request, tensors, config, device, phases):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from harness.ops import uneven_split
+    from harness.case.ops import uneven_split
 
     shapes = request["shapes"]
     experts, ffn = shapes["num_local_experts"], shapes["ffn_hidden_size"]

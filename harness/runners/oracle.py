@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from harness.runners.protocol import OUTPUTS, Phases, Unsupported, serve
+from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
                  "float32": np.dtype(np.float32)}

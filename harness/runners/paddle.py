@@ -27,8 +27,8 @@ import sys
 
 import numpy as np
 
-from harness.ops import OPS as OP_SPECS
-from harness.runners.protocol import (
+from harness.case.ops import OPS as OP_SPECS
+from harness.run.protocol import (
     OUTPUTS,
     Phases,
     Unsupported,

@@ -141,7 +141,7 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
 def moe_router(request, tensors, gate, phases, guard):
     """Gated router: an unfused fp32 GEMM for the logits, then sigmoid, bias for the choice only, top-k,
     normalisation over the k, scaling; grads by autograd in fp32. The gate-off path (fused gating) is not written."""
-    from harness.runners.protocol import Unsupported
+    from harness.run.protocol import Unsupported
 
     if not gate:
         raise Unsupported("the gate-off router (PaddleFleet's fused gating GEMM) is not implemented in this runner")
@@ -193,8 +193,8 @@ def routed_experts(request, tensors, gate, phases, guard):
     """Per-expert GEMMs (PaddleFleet's gated path issues one TN GEMM per expert instead of the grouped kernel):
     split the permuted tokens by expert, F.linear -> FP32-island SwiGLU times the routing probability -> F.linear,
     concatenate. Gate off (the grouped/fused expert GEMM) is not written here."""
-    from harness.ops import uneven_split
-    from harness.runners.protocol import Unsupported
+    from harness.case.ops import uneven_split
+    from harness.run.protocol import Unsupported
 
     if not gate:
         raise Unsupported("the gate-off routed experts (PaddleFleet's grouped expert GEMM) are not implemented here")
@@ -221,7 +221,7 @@ def routed_experts(request, tensors, gate, phases, guard):
 
 def raise_if_cpu_gate_off(request):
     """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
-    from harness.runners.protocol import Unsupported
+    from harness.run.protocol import Unsupported
 
     if request["device"] != "gpu":
         raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
 from harness.runners import torch_env  # noqa: E402
-from harness.runners.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
 
 LAYOUTS = {
     "tn": "weight [out, in]; forward F.linear(x, W) (TN GEMM); dgrad dy @ W; wgrad dy.t() @ x",

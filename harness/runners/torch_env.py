@@ -9,7 +9,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from harness.runners.protocol import Unsupported
+from harness.run.protocol import Unsupported
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # torch refuses deterministic cuBLAS calls without a fixed workspace; the harness sets the same value (GPU_ENV).

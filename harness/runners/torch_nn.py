@@ -1,6 +1,6 @@
 """Plain-PyTorch runner with Paddle's weight layout (``[in, out]``, NN GEMM); see ``harness.runners.torch``."""
 
-from harness.runners.protocol import serve
+from harness.run.protocol import serve
 from harness.runners.torch import runner
 
 if __name__ == "__main__":

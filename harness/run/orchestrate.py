@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from harness import launch, shards
-from harness.cases import Case
-from harness.checkpoints import Checkpoint, CheckpointError, load_tensors
-from harness.kernels import onednn_kernels
-from harness.runners.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
+from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
+from harness.case.registry import Case
+from harness.run import launch, shards
+from harness.run.kernels import onednn_kernels
+from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STDERR_TAIL_CHARS = 4000
 # Settings of the real alignment runs; recorded by each runner in meta.json.
 GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLAGS_use_accuracy_compatible_kernel": "1",

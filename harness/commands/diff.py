@@ -11,20 +11,22 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import __version__, report
-from harness.dumps import Dump, DumpError, compare_dumps
-from harness.pipeline import REPORTS_DIR, _now, new_run_dir
-from harness.result import ERROR, CaseResult, decide
-from harness.runners.protocol import host_provenance
+from harness import __version__
+from harness.commands import run_folder
+from harness.compare.dumps import Dump, DumpError, compare_dumps
+from harness.compare.result import ERROR, CaseResult, decide
+from harness.report import case_report as report
+from harness.run.protocol import host_provenance
 
 
 def diff_dumps(a: Path, b: Path, *, name_map: dict[str, str] | None = None, layouts: dict[str, str] | None = None,
-               dtype_hints: dict[str, str] | None = None, reports_dir: Path = REPORTS_DIR) -> tuple[CaseResult, Path]:
-    run_id, run_dir = new_run_dir(Path(reports_dir), "diff")
+               dtype_hints: dict[str, str] | None = None,
+               reports_dir: Path = run_folder.REPORTS_DIR) -> tuple[CaseResult, Path]:
+    run_id, run_dir = run_folder.new_run_dir(Path(reports_dir), "diff")
     inputs = {"a": str(a), "b": str(b), "name_map": name_map or {}, "layouts": layouts or {},
               "dtype_hints": dtype_hints or {}}
     result = CaseResult(run_id=run_id, case_name=f"diff {Path(a).name} {Path(b).name}", device="files",
-                        started_at=_now(),
+                        started_at=run_folder.now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "numpy": np.__version__, "host": host_provenance(), "inputs": inputs})
     try:
@@ -33,6 +35,6 @@ def diff_dumps(a: Path, b: Path, *, name_map: dict[str, str] | None = None, layo
         result.verdict, result.message = decide([], result.tensors)
     except DumpError as error:
         result.verdict, result.message = ERROR, str(error)
-    result.finished_at = _now()
+    result.finished_at = run_folder.now()
     report.write(result, run_dir)
     return result, run_dir

@@ -7,7 +7,7 @@ import html
 import json
 from pathlib import Path
 
-from harness.result import CaseResult
+from harness.compare.result import CaseResult
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:first-child,th{text-align:left}

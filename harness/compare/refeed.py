@@ -15,9 +15,10 @@ from pathlib import Path
 
 from safetensors.numpy import save_file
 
-from harness import checkpoints, orchestrate
-from harness.cases import Case
-from harness.compare import DIFF, EQUAL, compare_tensor
+from harness.case import checkpoints
+from harness.case.registry import Case
+from harness.compare.tensors import DIFF, EQUAL, compare_tensor
+from harness.run import orchestrate
 
 
 def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict[str, str], timeout: float) -> dict:

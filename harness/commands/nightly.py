@@ -19,11 +19,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from harness import __version__, junit, nightly_report, pipeline, trend
-from harness.cases import Case, Registry
-from harness.checkpoints import CHECKPOINTS_DIR
-from harness.result import ERROR, UNSUPPORTED, CaseResult
-from harness.runners.protocol import host_provenance
+from harness import __version__
+from harness.case.checkpoints import CHECKPOINTS_DIR
+from harness.case.registry import Case, Registry
+from harness.commands import compare as pipeline
+from harness.commands import run_folder
+from harness.compare import trend
+from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
+from harness.report import junit, nightly_report
+from harness.run.protocol import host_provenance
 
 NIGHTLY_SCHEMA = 1
 PREFIX = "nightly-"
@@ -45,7 +49,7 @@ def add_parser(commands) -> None:
                         help="interpreter for a runner (or set HARNESS_PYTHON_<RUNNER>)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
     parser.add_argument("--weights", help="safetensors file for cases that import their weights")
-    parser.add_argument("--reports", type=Path, default=pipeline.REPORTS_DIR)
+    parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
 
 
@@ -76,7 +80,7 @@ def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, 
     previous_night = load_previous(previous) if previous else find_previous(Path(reports_dir), device)
     run_id, run_dir = new_nightly_dir(Path(reports_dir))
     night = {"schema": NIGHTLY_SCHEMA, "kind": "nightly", "run_id": run_id, "device": device, "tokens": tokens,
-             "cases_dir": str(cases_dir), "started_at": _now(), "finished_at": "",
+             "cases_dir": str(cases_dir), "started_at": run_folder.now(), "finished_at": "",
              "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                          "host": host_provenance(), "node": platform.node()},
              "previous_report": previous_night.get("_path") if previous_night else None}
@@ -89,7 +93,7 @@ def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, 
             entries.append(entry)
             progress.done(entry)
     night["cases"] = entries
-    night["finished_at"] = _now()
+    night["finished_at"] = run_folder.now()
     counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
     night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
                         "skipped": counts["skip"]}
@@ -108,7 +112,7 @@ def write(night: dict, run_dir: Path) -> None:
 
 def new_nightly_dir(root: Path) -> tuple[str, Path]:
     """``nightly-<timestamp>-<suffix>``: sorts by time, never reuses a folder."""
-    return pipeline.new_run_dir(root, prefix=PREFIX)
+    return run_folder.new_run_dir(root, prefix=PREFIX)
 
 
 def find_previous(reports_dir: Path, device: str) -> dict | None:
@@ -209,6 +213,3 @@ def _github_output(run_dir: Path, exit_code: int) -> None:
         with open(target, "a") as out:
             out.write(f"run_dir={run_dir}\nexit_code={exit_code}\n")
 
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

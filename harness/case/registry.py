@@ -14,10 +14,10 @@ from typing import Any
 
 import tomllib
 
-from harness import tolerance as tolerance_policy
-from harness.ops import OPS, OpSpec
+from harness.case import tolerance as tolerance_policy
+from harness.case.ops import OPS, OpSpec
 
-CASES_DIR = Path(__file__).resolve().parents[1] / "cases"
+CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
 WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32}
 DTYPES = tuple(WIDTHS)

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from harness.compare import TensorComparison  # noqa: E402
+from harness.compare.tensors import TensorComparison  # noqa: E402
 
 RING_CELLS = 400  # at most this many touched cells get a ring drawn around them
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import pipeline
-from harness.result import EXIT_CODES, CaseResult
+from harness.commands import compare as pipeline
+from harness.commands import run_folder
+from harness.compare.result import EXIT_CODES, CaseResult
 
 SWEEP_SCHEMA = 1
 # Provenance keys worth repeating in the sweep report (each cell's report.json has all of them).
@@ -29,12 +30,12 @@ PROVENANCE_KEYS = ("implementation", "versions", "torch", "device", "gpu", "gpu_
 
 
 def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str, str] | None] = (None,), *,
-              reports_dir: Path = pipeline.REPORTS_DIR, progress: Callable[[str], None] | None = None,
+              reports_dir: Path = run_folder.REPORTS_DIR, progress: Callable[[str], None] | None = None,
               **compare_kwargs) -> tuple[dict, Path]:
     """Run every (pair, tokens) cell; None is the case's own pair or token count. Returns the report and folder."""
     progress = progress or _print_progress
-    sweep_id, sweep_dir = pipeline.new_run_dir(Path(reports_dir), f"sweep-{name}")
-    started = _now()
+    sweep_id, sweep_dir = run_folder.new_run_dir(Path(reports_dir), f"sweep-{name}")
+    started = run_folder.now()
     cells, total = [], len(tokens) * len(pairs)
     for pair in pairs:
         for count in tokens:
@@ -50,7 +51,7 @@ def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str
               "pairs": list(dict.fromkeys(cell["pair"] for cell in cells)),
               "tensors": list(dict.fromkeys(t for cell in cells for t in cell["tensors"])),
               "verdicts": dict(Counter(cell["verdict"] for cell in cells)), "exit_code": exit_code(cells),
-              "argv": sys.argv, "started_at": started, "finished_at": _now(),
+              "argv": sys.argv, "started_at": started, "finished_at": run_folder.now(),
               "provenance": _provenance(cells), "cells": cells}
     (sweep_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (sweep_dir / "report.md").write_text(markdown(report))
@@ -140,9 +141,6 @@ def console(report: dict, sweep_dir: Path, out: Console | None = None) -> None:
         out.print(table)
     out.print(f"sweep report: {sweep_dir / 'report.md'}  (exit code {report['exit_code']})")
 
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def _print_progress(line: str) -> None:

@@ -23,10 +23,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from harness.bits import format_of
-from harness.cases import Case
+from harness.case.registry import Case
 
 GENERATOR_VERSION = 1
-CHECKPOINTS_DIR = Path(__file__).resolve().parents[1] / "checkpoints"
+CHECKPOINTS_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
 

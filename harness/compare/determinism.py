@@ -8,10 +8,10 @@ by tensor with that side's first run, with the same statistics as the cross-fram
 
 from __future__ import annotations
 
-from harness.cases import Case
-from harness.checkpoints import load_tensors
-from harness.compare import DIFF, compare_tensor
-from harness.orchestrate import SideResult, SideSpec
+from harness.case.checkpoints import load_tensors
+from harness.case.registry import Case
+from harness.compare.tensors import DIFF, compare_tensor
+from harness.run.orchestrate import SideResult, SideSpec
 
 
 def repeat_sides(first_round: list[SideResult], sides: list[SideSpec], run: int) -> list[SideSpec]:

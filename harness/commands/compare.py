@@ -7,34 +7,22 @@ ends with a report in its own new folder and an ERROR verdict that says why.
 from __future__ import annotations
 
 import platform
-import secrets
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from harness import __version__, checkpoints, determinism, orchestrate, refeed, report, shards, tolerance
-from harness.cases import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
-from harness.checkpoints import CheckpointError
-from harness.dumps import Dump, DumpError, compare_dumps
-from harness.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
-from harness.runners.protocol import host_provenance
-from harness.versus_oracle import oracle_side, versus_oracle
-
-REPORTS_DIR = Path(__file__).resolve().parents[1] / "reports"
-
-
-def new_run_dir(root: Path, label: str = "", prefix: str = "") -> tuple[str, Path]:
-    """A fresh folder per run, ``<prefix><timestamp>[-<label>]-<suffix>``; existing runs are never touched."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60]
-    root.mkdir(parents=True, exist_ok=True)
-    while True:
-        run_id = "-".join(filter(None, (f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}", safe, secrets.token_hex(3))))
-        try:
-            (root / run_id).mkdir()
-            return run_id, root / run_id
-        except FileExistsError:
-            continue
+from harness import __version__
+from harness.case import checkpoints
+from harness.case.checkpoints import CheckpointError
+from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
+from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
+from harness.compare import determinism, refeed, tolerance
+from harness.compare.dumps import Dump, DumpError, compare_dumps
+from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
+from harness.compare.versus_oracle import oracle_side, versus_oracle
+from harness.report import case_report as report
+from harness.run import orchestrate, shards
+from harness.run.protocol import host_provenance
 
 
 def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, cases_dir: Path = CASES_DIR,
@@ -51,7 +39,7 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
     check it agrees with itself. `config_overrides`: knobs set over the case's (the gate matrix);
     `refeed_ops`: for multi-op blocks, re-run each op on side b from side a's tensors."""
     run_id, run_dir = new_run_dir(Path(reports_dir), name)
-    result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=_now(),
+    result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "node": platform.node()})
     try:
@@ -92,7 +80,7 @@ def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, c
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except (CaseError, CheckpointError, DumpError) as error:
         result.verdict, result.message = ERROR, str(error)
-    result.finished_at = _now()
+    result.finished_at = now()
     report.write(result, run_dir)
     return result, run_dir
 
@@ -151,7 +139,3 @@ def _compare_outputs(case: Case, sides) -> tuple[list, dict]:
     """The case's output tensors, loaded one pair at a time; and the comparator's peak memory."""
     a, b = (Dump(side.outputs, {spec.name: side.outputs for spec in case.output_specs()}) for side in sides)
     return compare_dumps(a, b)
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

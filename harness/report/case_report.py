@@ -10,8 +10,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness import pictures, refeed, report_html, report_sections
-from harness.result import CaseResult
+from harness.compare import refeed
+from harness.compare.result import CaseResult
+from harness.report import html as report_html
+from harness.report import pictures
+from harness.report import sections as report_sections
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
                  "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from harness import bits
-from harness.mismatch_map import MismatchMap
+from harness.compare.mismatch_map import MismatchMap
 
 EQUAL, DIFF, SHAPE_MISMATCH, DTYPE_MISMATCH, MISSING = "EQUAL", "DIFF", "SHAPE_MISMATCH", "DTYPE_MISMATCH", "MISSING"
 CHUNK_ELEMENTS = 2**20  # temporaries of a few MB: measured faster than 8M-element chunks (make bench)

@@ -28,7 +28,7 @@ import tomllib
 from safetensors import safe_open
 
 from harness import bits
-from harness.compare import MISSING, TensorComparison, compare_tensor
+from harness.compare.tensors import MISSING, TensorComparison, compare_tensor
 
 LAYOUTS = ("transpose",)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.compare import DIFF, EQUAL, TensorComparison
-from harness.orchestrate import SideResult
+from harness.compare.tensors import DIFF, EQUAL, TensorComparison
+from harness.run.orchestrate import SideResult
 
 REPORT_SCHEMA = 1
 BITWISE_PASS, DIFF_VERDICT, UNSUPPORTED, ERROR = "BITWISE_PASS", "DIFF", "UNSUPPORTED", "ERROR"

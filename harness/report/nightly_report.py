@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from harness import doc, trend
+from harness.compare import trend
+from harness.report import blocks as doc
 
 OUTCOME_MARK = {"pass": "✅ pass", "fail": "❌ FAIL", "skip": "⏭️ skip"}
 

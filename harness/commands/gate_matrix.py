@@ -14,14 +14,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from harness import pipeline
-from harness.report import VERDICT_STYLE
-from harness.result import ERROR, EXIT_CODES
+from harness.commands import compare as pipeline
+from harness.commands import run_folder
+from harness.compare.result import ERROR, EXIT_CODES
+from harness.report.case_report import VERDICT_STYLE
 
 SETTINGS = (True, False)
 
 
-def run(name: str, *, reports_dir: Path = pipeline.REPORTS_DIR, **options) -> int:
+def run(name: str, *, reports_dir: Path = run_folder.REPORTS_DIR, **options) -> int:
     cells = []
     for gate in SETTINGS:
         result, run_dir = pipeline.compare_case(name, reports_dir=reports_dir,
@@ -32,7 +33,7 @@ def run(name: str, *, reports_dir: Path = pipeline.REPORTS_DIR, **options) -> in
                       "differing": [t.name for t in result.tensors if t.status != "EQUAL"],
                       "implementations": [s.meta.get("implementation", "") for s in result.sides],
                       "report": str(run_dir / "report.md")})
-    _, matrix_dir = pipeline.new_run_dir(Path(reports_dir), f"{name}-gate-matrix")
+    _, matrix_dir = run_folder.new_run_dir(Path(reports_dir), f"{name}-gate-matrix")
     (matrix_dir / "matrix.json").write_text(json.dumps({"case": name, "cells": cells}, indent=2) + "\n")
     (matrix_dir / "matrix.md").write_text(markdown(name, cells))
     _console(name, cells, matrix_dir)

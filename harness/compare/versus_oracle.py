@@ -8,11 +8,11 @@ perturbed side is measured against the truth of the inputs it did not get, which
 
 from __future__ import annotations
 
-from harness.cases import Case
-from harness.checkpoints import Checkpoint, load_tensors
-from harness.compare import compare_tensor
-from harness.orchestrate import SideResult, SideSpec
-from harness.result import ORACLE_LABEL
+from harness.case.checkpoints import Checkpoint, load_tensors
+from harness.case.registry import Case
+from harness.compare.result import ORACLE_LABEL
+from harness.compare.tensors import compare_tensor
+from harness.run.orchestrate import SideResult, SideSpec
 
 
 def oracle_side(checkpoint: Checkpoint) -> SideSpec:

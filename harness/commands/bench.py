@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from harness import bits
-from harness.compare import bits_equal, compare_tensor
+from harness.compare.tensors import bits_equal, compare_tensor
 
 
 def best_seconds(function, repeats: int) -> tuple[float, float]:
@@ -56,7 +56,7 @@ def tensors(rows: int, cols: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m harness.commands.bench", description=__doc__)
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=7168)
     parser.add_argument("--repeats", type=int, default=5)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from harness.checkpoints import CheckpointError, load_tensors
-from harness.runners.protocol import META, OUTPUTS, rank_file_name
+from harness.case.checkpoints import CheckpointError, load_tensors
+from harness.run.protocol import META, OUTPUTS, rank_file_name
 
 
 class GatherError(RuntimeError):

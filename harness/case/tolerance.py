@@ -1,4 +1,4 @@
-"""Tolerance policy: what a case accepts short of bitwise equality, and whether a comparison met it.
+"""Tolerance policy: what a case accepts short of bitwise equality (judged by ``harness.compare.tolerance``).
 
 Bitwise stays the default. A case may state, for all tensors and/or per tensor::
 
@@ -15,8 +15,6 @@ numbers and the decision can never disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from harness.compare import DIFF, EQUAL, TensorComparison
 
 # limit name -> (the TensorComparison field it bounds, the type a case must give, what it means)
 LIMITS = {
@@ -67,31 +65,3 @@ def _limits(f, table: dict, label: str) -> dict[str, float]:
             raise f.error(f"{label}.{key}", "is a share of elements, at most 1", value)
         limits[key] = value
     return limits
-
-
-def judge(policy: Tolerance | None, comparisons: list[TensorComparison]) -> dict:
-    """Per tensor: each limit, the measured value and the margin left (negative when exceeded)."""
-    if policy is None:
-        return {}
-    tensors = [_judge_tensor(policy.for_tensor(c.name), c) for c in comparisons]
-    return {"policy": {"limits": policy.limits, "tensors": policy.tensors},
-            "within": all(t["within"] for t in tensors), "tensors": tensors}
-
-
-def _judge_tensor(limits: dict[str, float], comparison: TensorComparison) -> dict:
-    checks = []
-    for key, limit in limits.items():
-        measured = getattr(comparison, LIMITS[key][0])
-        checks.append({"limit": key, "value": limit, "measured": measured, "margin": limit - measured,
-                       "met": measured <= limit})
-    problems = []
-    if comparison.status not in (EQUAL, DIFF):
-        problems.append(f"status {comparison.status}")
-    elif comparison.status == DIFF:
-        if not limits:
-            problems.append("no tolerance stated for this tensor, so it must be bitwise equal")
-        if comparison.nan_mismatches:
-            problems.append(f"{comparison.nan_mismatches} elements are NaN on one side only")
-        problems += [f"{c['limit']} {c['measured']:.6g} > {c['value']:.6g}" for c in checks if not c["met"]]
-    return {"name": comparison.name, "status": comparison.status, "checks": checks, "problems": problems,
-            "within": not problems}

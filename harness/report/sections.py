@@ -3,7 +3,7 @@ across ``--repeat`` runs, and the case's tolerance policy. Read from ``CaseResul
 
 from __future__ import annotations
 
-from harness.tolerance import LIMITS
+from harness.case.tolerance import LIMITS
 
 
 def markdown(data: dict) -> list[str]:

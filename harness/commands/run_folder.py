@@ -1,0 +1,26 @@
+"""Where a run's files go: a new folder per run under reports/, never reused, never overwritten."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+REPORTS_DIR = Path(__file__).resolve().parents[2] / "reports"
+
+
+def new_run_dir(root: Path, label: str = "", prefix: str = "") -> tuple[str, Path]:
+    """A fresh folder per run, ``<prefix><timestamp>[-<label>]-<suffix>``; existing runs are never touched."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60]
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        run_id = "-".join(filter(None, (f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}", safe, secrets.token_hex(3))))
+        try:
+            (root / run_id).mkdir()
+            return run_id, root / run_id
+        except FileExistsError:
+            continue
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
