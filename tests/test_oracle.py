@@ -5,6 +5,7 @@ representable value by comparing exact distances, so the two share no arithmetic
 """
 
 import json
+import math
 import subprocess
 import sys
 from fractions import Fraction
@@ -15,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS, Phases, Unsupported
-from harness.runners import oracle
+from harness.runners import exact, oracle
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 BITS = {2: np.uint16, 4: np.uint32}
@@ -151,3 +152,99 @@ def test_elements_a_float64_sum_cannot_settle_are_recomputed_exactly(tmp_path, d
     plain = oracle.round_once(np.array([sum(terms)]), np.dtype(DTYPES[dtype]))  # what float64 alone gives
     out = run_oracle(tmp_path, tensors, dtype)["out"]
     assert out.view(BITS[out.itemsize])[0, 0] == expected_bits != plain.view(BITS[out.itemsize])[0]
+
+
+def exact_row_sums(terms: np.ndarray) -> list[Fraction]:
+    return [sum((Fraction(float(t)) for t in row), Fraction(0)) for row in terms]
+
+
+def nearest_odd_53(exact: Fraction) -> float:
+    """`exact` rounded to odd to float64's 53 bits, by hand: truncate toward zero, set the last bit if inexact."""
+    if exact == 0:
+        return 0.0
+    size = abs(exact)
+    e = size.numerator.bit_length() - size.denominator.bit_length()
+    while Fraction(2) ** e > size:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= size:
+        e += 1
+    scaled = size / Fraction(2) ** (e - 52)  # in [2**52, 2**53)
+    m = scaled.numerator // scaled.denominator
+    if m != scaled:
+        m |= 1
+    return math.copysign(math.ldexp(m, e - 52), exact)
+
+
+def wide_terms(rng, rows, k, dtype):
+    """Products of two `dtype` values spread over their whole exponent range, with exact cancellations and ties."""
+    info = np.finfo(np.float32) if dtype != np.float16 else np.finfo(np.float16)
+    low_exp, high_exp = (-149, 127) if dtype != np.float16 else (-24, 15)
+    a = (rng.standard_normal((rows, k)) * np.exp2(rng.integers(low_exp, high_exp, (rows, k)))).astype(dtype)
+    b = (rng.standard_normal((rows, k)) * np.exp2(rng.integers(low_exp, high_exp, (rows, k)))).astype(dtype)
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    a[:, 1] = -a[:, 0]  # exact cancellation of a large pair
+    b[:, 1] = b[:, 0]
+    a[::3] = 0.0  # exact zero sums
+    assert np.isfinite(a * b).all() and info.max > 0
+    return a * b
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_exact_digit_sums_round_to_odd_like_fractions(dtype):
+    rng = np.random.default_rng(7)
+    terms = wide_terms(rng, 60, 9, dtype)
+    terms[1] = [1.0, 2.0**-53, 2.0**-200, -(2.0**-298), 0, 0, 0, 0, 0]  # sticky far below 53 bits
+    terms[2] = [-1.0, -(2.0**-53), 0, 0, 0, 0, 0, 0, 0]  # a float64 tie, exact: RO53 keeps the odd neighbour
+    terms[4] = [2.0**255, 2.0**255, -(2.0**-298), 0, 0, 0, 0, 0, 0]  # carries to the top, borrow from the bottom
+    got = exact.exact_sums_rounded_to_odd(terms)
+    want = np.array([nearest_odd_53(s) for s in exact_row_sums(terms)])
+    assert np.array_equal(got.view(np.uint64), want.view(np.uint64)), np.nonzero(got != want)
+
+
+def exact_dot(u, v) -> Fraction:
+    return sum((Fraction(float(a)) * Fraction(float(b)) for a, b in zip(u, v, strict=True)), Fraction(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_shift", [False, True])
+def test_a_product_straddling_rounding_boundaries_everywhere_is_exact(dtype, with_shift):
+    """A huge entry in column 0 of `left` and another in row 1 of `right`, each facing a zero, leave the exact
+    products alone but blow up the Cauchy-Schwarz bound (|row| |col| >= big**2): every element's float64 interval
+    spans many rounding boundaries, so every element takes the exact path, and each must equal the Fraction
+    reference (random magnitudes over a wide range, so ties, subnormal outputs and cancellations all occur)."""
+    kind = DTYPES[dtype]
+    rng = np.random.default_rng(len(dtype) + with_shift)
+    rows, k, cols = 24, 17, 19
+    spread, big, scale = (20, 2.0**40, 1.0) if dtype != "float16" else (4, 2.0**15, 2.0**-8)
+    left = rng.standard_normal((rows, k)) * np.exp2(rng.integers(-spread, spread, (rows, k))) * scale
+    right = rng.standard_normal((k, cols)) * np.exp2(rng.integers(-spread, spread, (k, cols))) * scale
+    left[:, 0], left[:, 1], right[0], right[1] = big, 0.0, 0.0, big
+    left[:3, 2:] = 0.0  # exact zeros
+    right[2:, 0] = -right[2:, 1]  # columns 0 and 1 equal but opposite: sums of opposite sign
+    left, right = (a.astype(kind).astype(np.float64) for a in (left, right))
+    shift = (rng.standard_normal(cols) * scale).astype(kind).astype(np.float64) if with_shift else None
+    got, recomputed = oracle.correctly_rounded_product(left, right, shift, np.dtype(kind))
+    assert recomputed >= 0.9 * rows * cols  # all of them, except a few fp16 ones far from a boundary
+    for i in range(rows):
+        for j in range(cols):
+            total = exact_dot(left[i], right[:, j])
+            want = nearest_even(total + (Fraction(float(shift[j])) if with_shift else 0), kind)
+            assert got[i, j].view(BITS[got.itemsize]) == want.view(BITS[got.itemsize])[0], (i, j, float(total))
+
+
+def test_ties_broken_by_a_tiny_tail_or_kept():
+    """Many bf16 midpoints: sums of multiples of 2**-12 plus a 2**-20 tail that breaks the tie, or cancels back
+    to it; the oracle agrees with the Fraction reference element by element."""
+    rng = np.random.default_rng(3)
+    left = rng.integers(-64, 64, (40, 33)).astype(np.float64) * 2.0**-6
+    right = rng.integers(-64, 64, (33, 50)).astype(np.float64) * 2.0**-6
+    left[:, 0], right[0] = 2.0**20, 2.0**-40  # every sum carries a tiny tail: ties broken by it
+    left[:, 1], right[1] = 2.0**20, -(2.0**-40)  # ... or cancelled exactly back to a tie
+    left[::2, 1] = 0.0
+    dtype = np.dtype(ml_dtypes.bfloat16)
+    got, recomputed = oracle.correctly_rounded_product(left, right, None, dtype)
+    assert recomputed > 0
+    for i in range(left.shape[0]):
+        for j in range(right.shape[1]):
+            want = nearest_even(exact_dot(left[i], right[:, j]), dtype)
+            assert got[i, j].view(np.uint16) == want.view(np.uint16)[0], (i, j)

@@ -6,8 +6,9 @@ two such values are exact in float64 (at most 48 significant bits); sums accumul
 the result is rounded once, to nearest even, to the output dtype. The float64 sum is not exact, so each
 element also gets a rigorous error bound (gamma_K times a bound on the terms' magnitudes); where it
 reaches across a rounding boundary of the output dtype (both ends of the interval round differently), the
-element is recomputed exactly: ``math.fsum`` of the exact products (correctly rounded) plus the sign of the
-residual decides the rounding. So every element is the correctly rounded exact value. Intermediate
+element is recomputed exactly, vectorized: the exact products are split into 32-bit digits on a fixed grid
+and summed exactly in integers, then rounded to odd to 53 bits and once more to the output dtype (the proof
+sketch is in ``harness/runners/exact.py``). So every element is the correctly rounded exact value. Intermediate
 roundings that the frameworks do (a bf16 GEMM output before the bias add, for instance) are *not*
 modelled: the oracle is the exact function, not a third implementation.
 
@@ -20,7 +21,6 @@ Ops without an oracle end UNSUPPORTED, saying so. Framework-free: numpy, ml_dtyp
 
 from __future__ import annotations
 
-import math
 import os
 
 import ml_dtypes
@@ -28,6 +28,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
+from harness.runners import exact
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
                  "float32": np.dtype(np.float32)}
@@ -73,46 +74,9 @@ OPS = {"column_parallel_linear": linear, "row_parallel_linear": linear}
 
 def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.ndarray | None,
                               dtype: np.dtype) -> tuple[np.ndarray, int]:
-    """left @ right (+ shift) rounded once to `dtype`, exact for every element; also how many needed fsum."""
-    terms = left.shape[1] + (shift is not None)
-    approx = left @ right
-    # sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz): an outer product of norms instead of a second GEMM, about
-    # 1.6x looser on Gaussian data; (1 + 2 gamma) covers the norms' own float64 rounding.
-    magnitude = np.outer(np.linalg.norm(left, axis=1), np.linalg.norm(right, axis=0))
-    if shift is not None:
-        approx, magnitude = approx + shift, magnitude + np.abs(shift)
-    gamma = terms * 2.0**-53 / (1 - terms * 2.0**-53)
-    bound = gamma * magnitude * (1 + 2 * gamma)
-    with np.errstate(invalid="ignore"):
-        low = round_once(np.nextafter(approx - bound, -np.inf), dtype)
-        high = round_once(np.nextafter(approx + bound, np.inf), dtype)
-    rounded = round_once(approx, dtype)
-    unsure = np.argwhere(low.view(_BITS[dtype.itemsize]) != high.view(_BITS[dtype.itemsize]))
-    for i, j in unsure:
-        products = (left[i] * right[:, j]).tolist() + ([float(shift[j])] if shift is not None else [])
-        rounded[i, j] = _round_exact_sum(products, dtype)
-    return rounded, len(unsure)
-
-
-def _round_exact_sum(products: list[float], dtype: np.dtype):
-    """The exact sum of float64 `products`, rounded once to `dtype`.
-
-    `fsum` is correctly rounded to float64 (r); the residual's sign says on which side of r the exact sum
-    lies. Midpoints of the output format are float64 values, so the exact sum and r round alike unless r is
-    itself a midpoint: then the residual's sign breaks the tie, and only an exact tie goes to even.
-    """
-    nearest = math.fsum(products)
-    residual = math.fsum([*products, -nearest])
-    bits = _BITS[dtype.itemsize]
-    raw = round_once(np.array([nearest]), dtype).view(bits).astype(np.int64)
-    candidates = [(raw + step).astype(bits).view(dtype) for step in (-1, 0, 1)]
-
-    def preference(candidate):
-        value = float(candidate.astype(np.float64)[0])
-        toward_residual = residual != 0 and (value > nearest) == (residual > 0)
-        return abs(value - nearest), not toward_residual, int(candidate.view(bits)[0]) & 1
-
-    return min((c for c in candidates if np.isfinite(c.astype(np.float64)[0])), key=preference)[0]
+    """left @ right (+ shift) rounded once to `dtype`, exact for every element; also how many needed the exact
+    path (vectorized exact sums in 32-bit digits; the proof sketch is in harness/runners/exact.py)."""
+    return exact.correctly_rounded_product(left, right, shift, dtype, round_once)
 
 
 _BITS = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
