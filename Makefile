@@ -29,8 +29,11 @@ test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
+# The comparator's throughput, then end-to-end speed ratios (issue 15); BENCH_ARGS="--repo DIR" measures another tree.
+BENCH_ARGS ?=
 bench: $(ENV_READY)
 	$(PYTHON) -m harness.commands.bench
+	$(PYTHON) -m harness.commands.bench_speed $(BENCH_ARGS)
 
 $(VENV)/.installed: requirements-cpu.txt requirements-weights.txt
 	python3 -m venv $(VENV)

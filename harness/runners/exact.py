@@ -67,6 +67,8 @@ about 2**21 terms at a time) and the 22 digits.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _BITS = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
@@ -75,7 +77,8 @@ DIGIT_BITS = 32
 DIGITS = 22
 LOWEST_UNIT = -384  # exponent of digit 0's unit
 MAX_TERMS = 2**21 - 2  # each digit's sum of terms stays below 2**53
-BLOCK_ELEMENTS = 1 << 20  # output elements per block of the float64 pass (a few MiB per temporary)
+GEMM_ELEMENTS = 1 << 21  # output elements per float64 GEMM call
+PASS_ELEMENTS = 1 << 15  # output elements per screening pass (its temporaries stay in cache)
 CHUNK_TERMS = 1 << 21  # terms per chunk of the exact pass
 
 
@@ -91,44 +94,114 @@ def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.nda
     if terms > MAX_TERMS:
         raise ValueError(f"{terms} terms per element: the exact path sums at most {MAX_TERMS}")
     gamma = terms * 2.0**-53 / (1 - terms * 2.0**-53)
-    left_norms, right_norms = np.linalg.norm(left, axis=1), np.linalg.norm(right, axis=0)
-    precision = PRECISION[dtype.name]
-    info = np.finfo(np.float32) if dtype.name == "float32" else _finfo(dtype)
-    smallest_normal, largest = float(info.smallest_normal), float(info.max)
+    norms = np.linalg.norm(left, axis=1), np.linalg.norm(right, axis=0)
+    screen = _Screen(dtype, gamma, *norms, shift)
     out = np.empty((rows, cols), dtype)
     unsure_rows, unsure_cols = [], []
-    step = max(1, BLOCK_ELEMENTS // max(cols, 1))
-    for start in range(0, rows, step):
-        block = slice(start, min(rows, start + step))
-        approx = left[block] @ right
-        magnitude = np.outer(left_norms[block], right_norms)
+    gemm_rows = max(1, GEMM_ELEMENTS // max(cols, 1))
+    pass_rows = max(1, PASS_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, gemm_rows):
+        approx = left[start:start + gemm_rows] @ right
         if shift is not None:
             approx += shift
-            magnitude += np.abs(shift)
-        bound = magnitude
-        bound *= gamma
-        bound *= 1 + 2 * gamma  # the same roundings as gamma * magnitude * (1 + 2 * gamma)
-        settled, far = _settled(approx, bound, precision, smallest_normal, largest)
-        block_out = out[block]
-        block_out[...] = approx.astype(dtype)  # right wherever `far` holds; the others are overwritten below
-        near = ~far
-        if near.any():
-            block_out[near] = round_once(approx[near], dtype)
-        check = ~settled
-        if check.any():
-            where = np.nonzero(check)
-            value, width = approx[where], bound[where]
-            with np.errstate(invalid="ignore"):
-                low = round_once(np.nextafter(value - width, -np.inf), dtype).view(_BITS[dtype.itemsize])
-                high = round_once(np.nextafter(value + width, np.inf), dtype).view(_BITS[dtype.itemsize])
-            differ = low != high
-            unsure_rows.append(where[0][differ] + start)
-            unsure_cols.append(where[1][differ])
+        for offset in range(0, approx.shape[0], pass_rows):
+            first = start + offset
+            value = approx[offset:offset + pass_rows]
+            settled, far = screen.settled(value, first)
+            out[first:first + value.shape[0]] = value.astype(dtype)  # right where `far` holds
+            if far.all():
+                continue
+            block_out = out[first:first + value.shape[0]]
+            near = ~far
+            block_out[near] = round_once(value[near], dtype)
+            where = np.nonzero(~settled)
+            if len(where[0]):
+                differ = screen.straddles(value[where], where[0] + first, where[1], round_once)
+                unsure_rows.append(where[0][differ] + first)
+                unsure_cols.append(where[1][differ])
     i = np.concatenate(unsure_rows) if unsure_rows else np.zeros(0, np.intp)
     j = np.concatenate(unsure_cols) if unsure_cols else np.zeros(0, np.intp)
     if len(i):
         out[i, j] = exact_dot_rounded(left, right, shift, i, j, dtype, round_once)
     return out, len(i)
+
+
+class _Screen:
+    """Which elements of a block are settled (no rounding boundary within the bound) and far (also none
+    within a float32 ULP), cheaply; and, for the rest, the exact straddle test. See the module docstring."""
+
+    def __init__(self, dtype: np.dtype, gamma: float, left_norms: np.ndarray, right_norms: np.ndarray,
+                 shift: np.ndarray | None):
+        self.dtype, self.gamma = dtype, gamma
+        self.left_norms, self.right_norms, self.shift = left_norms, right_norms, shift
+        self.precision = PRECISION[dtype.name]
+        info = np.finfo(np.float32) if dtype.name == "float32" else _finfo(dtype)
+        self.smallest_normal, self.largest = float(info.smallest_normal), float(info.max)
+        if self.precision < 24:  # float32 screen: the bound, rounded up into float32 (see settled_float32)
+            slack = gamma * (1 + 2 * gamma) * (1 + 2.0**-20)
+            with np.errstate(over="ignore"):
+                self.left32 = (left_norms * slack).astype(np.float32)
+                self.right32 = (right_norms * (1 + 2.0**-20)).astype(np.float32)
+                self.shift32 = None if shift is None else (np.abs(shift) * slack).astype(np.float32)
+            low, high = 4 * self.smallest_normal, self.largest / 4
+            self.exponent_low = np.float32(2.0 ** math.floor(math.log2(low))).view(np.uint32)
+            self.exponent_high = np.float32(2.0 ** math.floor(math.log2(high))).view(np.uint32)
+
+    def bound(self, first: int, count: int) -> np.ndarray:
+        """The float64 bound of rows first.. (gamma * magnitude * (1 + 2 gamma), as the original test)."""
+        magnitude = np.outer(self.left_norms[first:first + count], self.right_norms)
+        if self.shift is not None:
+            magnitude += np.abs(self.shift)
+        return self.gamma * magnitude * (1 + 2 * self.gamma)
+
+    def settled(self, value: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.precision < 24:
+            return self.settled_float32(value, first)
+        settled = _settled(value, self.bound(first, value.shape[0]), self.precision, self.smallest_normal,
+                           self.largest)
+        return settled, settled  # float32 output: numpy's cast rounds once, to nearest even
+
+    def settled_float32(self, value: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+        """bf16/fp16 outputs, in float32 arithmetic (half the memory traffic). v32 = RN32(value) lies within
+        half a float32 ULP of value. In float32's bits, the low 24 - p bits r of v32's significand place it
+        between two output values: the midpoints are |r - h| float32 ULPs away (h = 2**(23 - p)) and at least
+        r + h/2 below (the binade under it has half the spacing), so d = min(|r - h|, r + h/2) - 8 ULPs,
+        computed exactly (integers, then a power-of-two scale), is a lower bound on value's distance to every
+        midpoint less 7.5 float32 ULPs. `settled` claims d > bound (rounded up into float32; where the
+        float32 bound is subnormal or zero its absolute error is below 2**-150, less than one step of d):
+        so no midpoint lies within the bound plus more than a float32 ULP, which is also `far`."""
+        v32 = value.astype(np.float32)
+        raw = v32.view(np.uint32)
+        exponent = raw & np.uint32(0x7F800000)
+        half = 1 << (23 - self.precision)
+        r = (raw & np.uint32((1 << (24 - self.precision)) - 1)).view(np.int32)
+        d = np.abs(r - np.int32(half))
+        r += np.int32(half // 2)
+        np.minimum(d, r, out=d)
+        d -= np.int32(8)
+        room = d.astype(np.float32)
+        room *= exponent.view(np.float32)
+        room *= np.float32(2.0**-23)
+        with np.errstate(over="ignore"):
+            bound = np.outer(self.left32[first:first + value.shape[0]], self.right32)
+            if self.shift32 is not None:
+                bound += self.shift32
+        settled = room > bound
+        settled &= exponent >= self.exponent_low
+        settled &= exponent <= self.exponent_high
+        return settled, settled
+
+    def straddles(self, value: np.ndarray, rows: np.ndarray, cols: np.ndarray, round_once) -> np.ndarray:
+        """The exact test: both ends of the outward-rounded interval, rounded once, differ in their bits."""
+        magnitude = self.left_norms[rows] * self.right_norms[cols]
+        if self.shift is not None:
+            magnitude += np.abs(self.shift[cols])
+        width = self.gamma * magnitude * (1 + 2 * self.gamma)
+        bits = _BITS[self.dtype.itemsize]
+        with np.errstate(invalid="ignore"):
+            low = round_once(np.nextafter(value - width, -np.inf), self.dtype).view(bits)
+            high = round_once(np.nextafter(value + width, np.inf), self.dtype).view(bits)
+        return low != high
 
 
 def _finfo(dtype: np.dtype):
@@ -138,9 +211,9 @@ def _finfo(dtype: np.dtype):
 
 
 def _settled(approx: np.ndarray, bound: np.ndarray, precision: int, smallest_normal: float,
-             largest: float) -> tuple[np.ndarray, np.ndarray]:
-    """(settled, far): no midpoint of the output format within the bound (plus four float64 ULPs), and also
-    none within one float32 ULP; both only claimed inside the output's normal range (see the module docstring)."""
+             largest: float) -> np.ndarray:
+    """No midpoint of the output format within the bound plus four float64 ULPs, claimed only inside the
+    output's normal range (see the module docstring)."""
     size = np.abs(approx)
     _, e = np.frexp(size)  # size in [2**(e-1), 2**e)
     ulp = np.ldexp(1.0, e - precision)
@@ -148,9 +221,7 @@ def _settled(approx: np.ndarray, bound: np.ndarray, precision: int, smallest_nor
         r = size - np.floor(size / ulp) * ulp
         d = np.minimum(np.abs(r - 0.5 * ulp), r + 0.25 * ulp)
         in_range = (size >= 4 * smallest_normal) & (size <= 0.25 * largest)
-        settled = (bound + size * 2.0**-50 < d) & in_range
-        far = settled if precision == 24 else settled & (d > ulp * 2.0 ** (precision - 24))
-    return settled, far
+        return (bound + size * 2.0**-50 < d) & in_range
 
 
 def exact_dot_rounded(left: np.ndarray, right: np.ndarray, shift: np.ndarray | None, i: np.ndarray, j: np.ndarray,

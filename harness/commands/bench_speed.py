@@ -1,0 +1,184 @@
+"""``make bench`` (second half): end-to-end speed ratios, each measured side by side in one run (issue 15).
+
+Wall seconds on a shared machine mostly measure the neighbours, so every number here is a *ratio* of two
+things measured in the same run, one right after the other, on the same checkpoint:
+
+1. ``compare / floor``: ``python -m harness compare kimi_shared_fc1 --tokens 256`` (oracle on: the plain
+   command) against the bare sequential floor, each framework's runner process started alone, one after the
+   other (interpreter start, framework import, fc1 forward + backward once, outputs written). Goal <= 0.8:
+   the sides overlap and the oracle stays off the critical path.
+2. ``oracle / slower side``: the oracle runner alone against the slower framework runner alone. Goal <= 0.5.
+3. ``sweep cell / framework work``: an 8-token-count sweep of fc1 on the CPU, wall per cell against the
+   cell's framework work (the slower framework side's own phases from its meta.json: setup, forward,
+   backward, write; no interpreter start or import). Goal <= 1.5.
+
+Everything runs as subprocesses of ``--repo`` (default: this checkout), so the same script measures an
+older tree (``git archive <commit> | tar -x -C DIR``; ``--repo DIR``) before a change and this one after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CASE = "kimi_shared_fc1"
+GOALS = {"compare / floor": 0.8, "oracle / slower side": 0.5, "sweep cell / framework work": 1.5,
+         "cpu: compare / floor": None, "cpu: oracle / slower side": None}
+
+
+def env_for(repo: Path) -> dict[str, str]:
+    """What the harness gives its runners (orchestrate.runner_env, CPU), so the floor runs like a side does."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    env.setdefault("ONEDNN_VERBOSE", "1")
+    return env
+
+
+CPU_SECONDS: dict[int, float] = {}  # id(CompletedProcess) -> CPU seconds of the command and its children
+
+
+def timed(command: list[str], repo: Path, **kwargs) -> tuple[float, subprocess.CompletedProcess]:
+    """Wall seconds of the command; its CPU seconds (user + system, all descendants) go to cpu_of(done)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=repo, env=env_for(repo), capture_output=True, text=True, **kwargs)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_SECONDS[id(done)] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return seconds, done
+
+
+def cpu_of(done: subprocess.CompletedProcess) -> float:
+    return CPU_SECONDS.get(id(done), float("nan"))
+
+
+def prepare_checkpoint(repo: Path, python: str, tokens: int) -> dict:
+    """The case's request fields and checkpoint path, from the repository under test."""
+    code = ("import json, sys\nfrom harness.case.registry import Registry\nfrom harness.case import checkpoints\n"
+            f"case = Registry.load().get({CASE!r}).with_tokens({tokens})\n"
+            "ck = checkpoints.prepare(case)\n"
+            "print(json.dumps({'case': case.name, 'op': case.op, 'dtype': case.dtype, 'tokens': case.tokens,"
+            " 'shapes': case.shapes, 'config': case.config, 'seed': case.seed, 'checkpoint': str(ck.path)}))")
+    _, done = timed([python, "-c", code], repo, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_runner(repo: Path, python: str, runner: str, fields: dict, folder: Path) -> tuple[float, float, dict]:
+    """One runner process alone on the case's request: its wall seconds, CPU seconds and meta.json."""
+    folder.mkdir(parents=True)
+    request = {"schema": 1, "device": "cpu", "tp": 1, **fields, "output_dir": str(folder)}
+    (folder / "request.json").write_text(json.dumps(request))
+    seconds, done = timed([python, "-m", f"harness.runners.{runner}", "--request", str(folder / "request.json")],
+                          repo, timeout=1800)
+    meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else {}
+    if done.returncode != 0:
+        print(f"  {runner} exited {done.returncode}: {done.stderr[-400:]}", file=sys.stderr)
+    return seconds, cpu_of(done), meta
+
+
+def framework_work(meta: dict) -> float:
+    return sum(seconds for name, seconds in meta.get("phases", {}).items() if name != "import")
+
+
+def measure_compare(repo: Path, python: str, tokens: int, scratch: Path, round_number: int) -> dict:
+    fields = prepare_checkpoint(repo, python, tokens)
+    floor, cpu = {}, {}
+    for runner in ("megatron", "paddle", "oracle"):
+        floor[runner], cpu[runner], _ = run_runner(repo, python, runner, fields, scratch / f"r{round_number}-{runner}")
+    reports = scratch / f"r{round_number}-reports"
+    compare_seconds, done = timed([python, "-m", "harness", "compare", CASE, "--tokens", str(tokens),
+                                   "--reports", str(reports)], repo, timeout=3600)
+    report = json.loads(next(reports.glob("*/report.json")).read_text())
+    slower = max(floor["megatron"], floor["paddle"])
+    return {"compare_s": compare_seconds, "verdict": report.get("verdict"), "exit": done.returncode,
+            "megatron_s": floor["megatron"], "paddle_s": floor["paddle"], "oracle_s": floor["oracle"],
+            "floor_s": floor["megatron"] + floor["paddle"],
+            "compare / floor": compare_seconds / (floor["megatron"] + floor["paddle"]),
+            "oracle / slower side": floor["oracle"] / slower,
+            "cpu_s": {"compare": cpu_of(done), **cpu},
+            "cpu: compare / floor": cpu_of(done) / (cpu["megatron"] + cpu["paddle"]),
+            "cpu: oracle / slower side": cpu["oracle"] / cpu[max(("megatron", "paddle"), key=floor.get)],
+            "sides_in_compare_s": {s["label"]: round(s["wall_seconds"], 2) for s in report.get("sides", [])}}
+
+
+def measure_sweep(repo: Path, python: str, tokens: list[int], scratch: Path, extra: list[str]) -> dict:
+    reports = scratch / "sweep-reports"
+    seconds, done = timed([python, "-m", "harness", "compare", CASE, "--tokens", ",".join(map(str, tokens)),
+                           "--reports", str(reports), *extra], repo, timeout=3600)
+    sweep = json.loads(next(reports.glob("*/report.json")).read_text())
+    work = [max((framework_work(side.get("meta", {})) for side in cell["sides"] if side["label"] in ("a", "b")),
+                default=0.0) for cell in sweep.get("cells", [])]
+    per_cell = seconds / max(1, len(tokens))
+    mean_work = statistics.mean(work) if work else float("nan")
+    return {"sweep_s": seconds, "cpu_s": cpu_of(done), "cells": len(tokens), "exit": done.returncode,
+            "wall_per_cell_s": per_cell,
+            "framework_work_per_cell_s": mean_work, "sweep cell / framework work": per_cell / mean_work,
+            "verdicts": sweep.get("verdicts")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.commands.bench_speed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure (default: this one)")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1, help="compare/floor rounds; ratios are per round")
+    parser.add_argument("--sweep-tokens", default="8,16,24,32,40,48,56,64")
+    parser.add_argument("--sweep-args", default="", help="extra compare arguments for the sweep (e.g. --no-oracle)")
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the measurements here")
+    args = parser.parse_args(argv)
+    repo = args.repo.resolve()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"speed bench on {repo} (commit {_commit(repo)}), {os.cpu_count()} CPUs, load average {load}")
+    results: dict = {"repo": str(repo), "commit": _commit(repo), "load_before": load, "rounds": []}
+    with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
+        for number in range(args.rounds):
+            measured = measure_compare(repo, args.python, args.tokens, Path(scratch), number)
+            results["rounds"].append(measured)
+            print(f"round {number + 1}: compare {measured['compare_s']:.1f} s ({measured['verdict']}); floor "
+                  f"megatron {measured['megatron_s']:.1f} s + paddle {measured['paddle_s']:.1f} s = "
+                  f"{measured['floor_s']:.1f} s; oracle alone {measured['oracle_s']:.1f} s; sides inside compare "
+                  f"{measured['sides_in_compare_s']}; CPU seconds {_rounded(measured['cpu_s'])}")
+        if not args.skip_sweep:
+            tokens = [int(t) for t in args.sweep_tokens.split(",")]
+            results["sweep"] = measure_sweep(repo, args.python, tokens, Path(scratch), args.sweep_args.split())
+            s = results["sweep"]
+            print(f"sweep of {s['cells']} token counts: {s['sweep_s']:.1f} s, {s['wall_per_cell_s']:.2f} s per cell, "
+                  f"framework work {s['framework_work_per_cell_s']:.2f} s per cell; verdicts {s['verdicts']}")
+    print(f"{'ratio (wall unless cpu:)':<30} {'measured':>9} {'goal':>6}")
+    for name, goal in GOALS.items():
+        values = ([r[name] for r in results["rounds"]] if name != "sweep cell / framework work"
+                  else [results["sweep"][name]] if "sweep" in results else [])
+        if values:
+            print(f"{name:<30} {statistics.median(values):>9.2f} {'<= ' + str(goal) if goal else '':>6}"
+                  + (f"  (rounds: {', '.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else ""))
+    results["load_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
+
+
+def _rounded(values: dict) -> dict:
+    return {k: round(v, 1) for k, v in values.items()}
+
+
+def _commit(repo: Path) -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    return done.stdout.strip() or "not a git checkout"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
