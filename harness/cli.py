@@ -13,7 +13,7 @@ from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.commands import compare as pipeline
-from harness.commands import gate_matrix, nightly, publish, run_folder, sweep
+from harness.commands import gate_matrix, nightly, nightly_shards, publish, run_folder, sweep
 from harness.compare.result import EXIT_CODES
 from harness.report import case_report as report
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
+    nightly_shards.add_parser(commands)
     publish.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return publish.main(args)
     if args.command == "diff":
         return _diff(args)
+    if args.command == "nightly-merge":
+        return nightly_shards.main(args)
     pythons = {}
     for item in args.python:
         runner, _, path = item.partition("=")

@@ -93,3 +93,26 @@ def test_weights_import_names_a_missing_tensor(registry, tmp_path):
     save_file({"layers.1.gate_proj.weight": np.zeros((4, 6), np.float32)}, str(source))
     with pytest.raises(CheckpointError, match=r"model.safetensors: no tensor 'layers.1.up_proj.weight'"):
         checkpoints.prepare(registry.get("fc1_hf"), tmp_path / "ck", weights_file=str(source))
+
+
+def test_concurrent_generation_of_one_checkpoint_is_safe(tmp_path):
+    """Test workers (pytest -n) and nightly workers may build one checkpoint at once: each writes a staging
+    folder and renames it into place (atomic); the loser reuses the winner's files, and nothing is left over."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "t.toml").write_text(REGISTRY_TEXT.replace("tokens = 4", "tokens = 512"))
+    code = ("import sys; from pathlib import Path; from harness.case import checkpoints; "
+            "from harness.case.registry import Registry; "
+            "case = Registry.load(Path(sys.argv[1]) / 'cases').get('fc1_flip'); "
+            "print(checkpoints.prepare(case, Path(sys.argv[1]) / 'ck').folder)")
+    processes = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    results = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err for _, err in results]
+    folders = {out.strip() for out, _ in results}
+    assert len(folders) == 1
+    [case_dir] = (tmp_path / "ck").iterdir()
+    assert [p.name for p in case_dir.iterdir()] == [checkpoints.Path(folders.pop()).name]  # no staging leftovers
+    checkpoints.verify(case_dir / next(case_dir.iterdir()).name)

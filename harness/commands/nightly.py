@@ -23,10 +23,11 @@ from harness import __version__
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
-from harness.commands import run_folder
+from harness.commands import nightly_shards, run_folder
 from harness.compare import trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import junit, nightly_report
+from harness.run import placement
 from harness.run.protocol import host_provenance
 
 NIGHTLY_SCHEMA = 1
@@ -51,6 +52,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--weights", help="safetensors file for cases that import their weights")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
+    nightly_shards.add_arguments(parser)
 
 
 def main(args, pythons: dict[str, str]) -> int:
@@ -60,7 +62,8 @@ def main(args, pythons: dict[str, str]) -> int:
     try:
         night, run_dir = run(device=args.device, tokens=args.tokens, cases_dir=args.cases, reports_dir=args.reports,
                              checkpoints_dir=args.checkpoints, pythons=pythons, timeout=args.timeout,
-                             weights_file=args.weights, previous=args.previous)
+                             weights_file=args.weights, previous=args.previous, workers=args.workers,
+                             shard=args.shard)
     except NightlyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -72,26 +75,34 @@ def main(args, pythons: dict[str, str]) -> int:
 
 
 def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, checkpoints_dir: Path,
-        pythons: dict[str, str], timeout: float, weights_file: str | None, previous: Path | None) -> tuple[dict, Path]:
+        pythons: dict[str, str], timeout: float, weights_file: str | None, previous: Path | None,
+        workers: int = 1, shard: tuple[int, int] | None = None) -> tuple[dict, Path]:
+    """Every case for `device` (or shard i of n of them, ``shard=(i, n)``), `workers` cells at a time."""
     try:
         cases = Registry.load(Path(cases_dir)).for_device(device)
     except ValueError as error:
         raise NightlyError(str(error)) from None
+    positions = {case.name: index for index, case in enumerate(cases)}
+    cases = nightly_shards.select(cases, shard)
     previous_night = load_previous(previous) if previous else find_previous(Path(reports_dir), device)
     run_id, run_dir = new_nightly_dir(Path(reports_dir))
     night = {"schema": NIGHTLY_SCHEMA, "kind": "nightly", "run_id": run_id, "device": device, "tokens": tokens,
              "cases_dir": str(cases_dir), "started_at": run_folder.now(), "finished_at": "",
              "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                          "host": host_provenance(), "node": platform.node()},
-             "previous_report": previous_night.get("_path") if previous_night else None}
-    entries = []
+             "previous_report": previous_night.get("_path") if previous_night else None,
+             "workers": workers, "shard": nightly_shards.describe(shard, cases)}
     with _Reporter(len(cases)) as progress:
-        for case in cases:
+        def one(case: Case) -> dict:
             progress.start(case.name)
             entry = _run_case(case, run_dir, device=device, tokens=tokens, cases_dir=cases_dir, pythons=pythons,
                               checkpoints_dir=checkpoints_dir, timeout=timeout, weights_file=weights_file)
-            entries.append(entry)
+            entry["position"] = positions[case.name]  # in the registry's order: shards merge back into it
             progress.done(entry)
+            return entry
+
+        entries = placement.run_cells(cases, one, workers=workers, device=device, tp_of=lambda case: case.tp,
+                                      on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries
     night["finished_at"] = run_folder.now()
     counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
@@ -124,7 +135,7 @@ def find_previous(reports_dir: Path, device: str) -> dict | None:
             night = load_previous(folder)
         except NightlyError:
             continue
-        if night["device"] == device:
+        if night["device"] == device and not night.get("shard"):  # a shard is part of a night, not one
             return night
     return None
 
@@ -163,6 +174,12 @@ def _run_case(case: Case, run_dir: Path, *, device, tokens, cases_dir, pythons, 
             "report": str((case_dir / "report.md").relative_to(run_dir)), "result": result.to_dict()}
 
 
+def _placement_failure(case: Case, error: Exception, positions: dict[str, int]) -> dict:
+    return {"case": case.name, "family": case.family, "expected": case.expect.verdict, "verdict": ERROR,
+            "exit_code": None, "problems": [], "wall_seconds": 0.0, "run_dir": None, "report": None, "result": None,
+            "outcome": "fail", "message": f"not run: {error}", "position": positions[case.name]}
+
+
 def outcome(result: CaseResult) -> str:
     if result.exit_code == 0:
         return "pass"
@@ -173,7 +190,7 @@ class _Reporter:
     """A rich progress bar on a terminal; one plain line per case in CI or when output is not a terminal."""
 
     def __init__(self, total: int):
-        self.total, self.count = total, 0
+        self.total, self.count, self.finished = total, 0, 0
         self.bar = None
         if Console().is_terminal and not os.environ.get("CI"):
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -197,7 +214,8 @@ class _Reporter:
             print(f"[nightly {self.count}/{self.total}] {name}: running", flush=True)
 
     def done(self, entry: dict) -> None:
-        line = (f"[nightly {self.count}/{self.total}] {entry['case']}: {entry['outcome'].upper()} "
+        self.finished += 1
+        line = (f"[nightly {self.finished}/{self.total}] {entry['case']}: {entry['outcome'].upper()} "
                 f"{entry['verdict'] or ''} ({entry['wall_seconds']:.1f} s) {entry['message']}")
         if self.bar:
             self.bar.console.print(line, highlight=False, markup=False)

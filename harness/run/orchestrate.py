@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
 from harness.case.registry import Case
-from harness.run import launch, shards
+from harness.run import launch, placement, shards
 from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
@@ -71,6 +71,7 @@ def runner_env(device: str) -> dict[str, str]:
             env.setdefault(key, value)
     else:
         env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.kernels)
+    env.update(placement.runner_env_overrides())  # a concurrent cell's own GPUs or CPU threads
     return env
 
 

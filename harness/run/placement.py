@@ -1,0 +1,116 @@
+"""Where a cell runs when several run at once: its own GPUs on a multi-GPU host, its share of the CPU threads.
+
+``run_cells(items, work, workers=N, device=..., tp_of=...)`` runs ``work(item)`` for every item on N threads
+(each cell is an ordinary ``compare_case``: its runners are subprocesses, so threads only wait). On a GPU host a
+cell takes ``tp`` GPUs of the ones this process was given (``CUDA_VISIBLE_DEVICES``, else every GPU that
+``nvidia-smi -L`` lists), waiting until that many are free, and its runners see only those
+(``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``); on the CPU each cell's runners get
+``OMP_NUM_THREADS`` = cores / workers, so N cells do not oversubscribe the machine N times. Results come back
+in the items' order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Environment set for the runners this thread starts (read by orchestrate.runner_env); empty: none.
+RUNNER_ENV: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("runner_env", default=None)
+
+
+def runner_env_overrides() -> dict[str, str]:
+    return dict(RUNNER_ENV.get() or {})
+
+
+@contextlib.contextmanager
+def runner_env(values: dict[str, str]) -> Iterator[None]:
+    token = RUNNER_ENV.set({**(RUNNER_ENV.get() or {}), **values})
+    try:
+        yield
+    finally:
+        RUNNER_ENV.reset(token)
+
+
+class PlacementError(ValueError):
+    """A cell that can never be placed (more GPUs than this process was given); the message says which."""
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES if set (empty: none), else nvidia-smi's list."""
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU ")]
+
+
+class GpuPool:
+    """Hands out GPUs: `take(n)` blocks until n are free and returns them (lowest ids first)."""
+
+    def __init__(self, gpus: Sequence[str]):
+        self.free = list(gpus)
+        self.total = len(self.free)
+        self.changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, count: int) -> Iterator[list[str]]:
+        if count > self.total:
+            raise PlacementError(f"a cell needs {count} GPUs, this process was given {self.total} "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        with self.changed:
+            self.changed.wait_for(lambda: len(self.free) >= count)
+            taken, self.free = self.free[:count], self.free[count:]
+        try:
+            yield taken
+        finally:
+            with self.changed:
+                self.free = sorted(self.free + taken, key=_gpu_order)
+                self.changed.notify_all()
+
+
+def _gpu_order(gpu: str):
+    return (0, int(gpu), "") if gpu.isdigit() else (1, 0, gpu)
+
+
+def run_cells(items: Sequence[T], work: Callable[[T], R], *, workers: int, device: str,
+              tp_of: Callable[[T], int] = lambda item: 1, gpus: Sequence[str] | None = None,
+              on_error: Callable[[T, Exception], R] | None = None) -> list[R]:
+    """`work(item)` for every item, `workers` at a time, each placed as the module docstring says."""
+    workers = max(1, workers)
+    pool = GpuPool(visible_gpus() if gpus is None else gpus) if device == "gpu" else None
+    if pool is not None and pool.total:
+        workers = min(workers, pool.total)
+    cpu_threads = str(max(1, (os.cpu_count() or 1) // workers))
+
+    def one(item: T) -> R:
+        try:
+            if pool is None:
+                env = {} if workers == 1 or "OMP_NUM_THREADS" in os.environ else {
+                    "OMP_NUM_THREADS": cpu_threads, "MKL_NUM_THREADS": cpu_threads}
+                with runner_env(env):
+                    return work(item)
+            if not pool.total:  # no GPU listed: run as before (the runners say what is missing)
+                return work(item)
+            with pool.take(tp_of(item)) as taken, runner_env({"CUDA_VISIBLE_DEVICES": ",".join(taken)}):
+                return work(item)
+        except Exception as error:
+            if on_error is None:
+                raise
+            return on_error(item, error)
+
+    if workers == 1:
+        return [one(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cell") as executor:
+        return list(executor.map(one, items))

@@ -1,0 +1,143 @@
+"""Nightly cells at once (`--workers`: each cell on its own GPUs) and over hosts (`--shard i/n`, `nightly-merge`).
+
+The real runs use the truth oracle on both sides (numpy only, a second each), so they test the scheduling and
+the merge, not a framework.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+
+from harness.case.registry import Registry
+from harness.cli import main
+from harness.run import orchestrate, placement
+
+ORACLE_CASES = """
+[one]
+family = "linear"
+op = "column_parallel_linear"
+dtype = "float32"
+seed = 1
+tokens = 4
+shapes = { input_size = 8, output_size = 4 }
+runners = ["oracle", "oracle"]
+devices = ["cpu"]
+
+[two]
+base = "one"
+seed = 2
+
+[three]
+base = "one"
+seed = 3
+
+[four_flipped]
+base = "one"
+perturb = { side = "b", tensor = "input", index = [1, 2], bit = 3 }
+"""
+
+
+def test_each_cell_gets_its_own_gpus_and_tp_cells_take_tp_of_them():
+    busy, lock, seen, overlaps = set(), threading.Lock(), [], []
+
+    def work(tp):
+        gpus = placement.runner_env_overrides()["CUDA_VISIBLE_DEVICES"].split(",")
+        with lock:
+            if busy & set(gpus):
+                overlaps.append(gpus)
+            busy.update(gpus)
+        time.sleep(0.05)
+        with lock:
+            busy.difference_update(gpus)
+        seen.append((tp, gpus))
+        return len(gpus)
+
+    items = [1, 2, 1, 4, 2, 1, 1, 1]
+    counts = placement.run_cells(items, work, workers=4, device="gpu", tp_of=lambda tp: tp, gpus=["0", "1", "2", "3"])
+    assert counts == items  # in order, each with as many GPUs as its TP size
+    assert not overlaps
+    assert all(set(gpus) <= {"0", "1", "2", "3"} for _, gpus in seen)
+
+
+def test_a_cell_needing_more_gpus_than_given_fails_alone():
+    results = placement.run_cells([1, 8], lambda tp: "ran", workers=2, device="gpu", tp_of=lambda tp: tp,
+                                  gpus=["0", "1"], on_error=lambda tp, error: str(error))
+    assert results[0] == "ran"
+    assert "needs 8 GPUs, this process was given 2" in results[1]
+
+
+def test_visible_gpus_come_from_cuda_visible_devices():
+    assert placement.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3, 5"}) == ["2", "3", "5"]
+    assert placement.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_runner_env_carries_the_cells_placement_and_only_inside_it():
+    with placement.runner_env({"CUDA_VISIBLE_DEVICES": "3"}):
+        assert orchestrate.runner_env("gpu")["CUDA_VISIBLE_DEVICES"] == "3"
+    assert orchestrate.runner_env("gpu").get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get(
+        "CUDA_VISIBLE_DEVICES")
+
+
+def test_cpu_workers_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
+    threads = placement.run_cells([1, 2], lambda _: placement.runner_env_overrides()["OMP_NUM_THREADS"],
+                                  workers=2, device="cpu")
+    assert threads == ["4", "4"]
+
+
+@pytest.fixture
+def oracle_registry(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "t.toml").write_text(ORACLE_CASES)
+    return tmp_path
+
+
+def night(folder):
+    [report] = folder.glob("nightly-*/report.json")
+    return json.loads(report.read_text()), report.parent
+
+
+def test_shards_run_concurrently_and_merge_into_one_night(oracle_registry):
+    root = oracle_registry
+    common = ["--cases", str(root / "cases"), "nightly", "--checkpoints", str(root / "ck"), "--workers", "2"]
+    codes = [main([*common, "--shard", f"{i}/2", "--reports", str(root / f"shard{i}")]) for i in (1, 2)]
+    first, first_dir = night(root / "shard1")
+    second, second_dir = night(root / "shard2")
+    order = [case.name for case in Registry.load(root / "cases").for_device("cpu")]
+    assert [c["case"] for c in first["cases"]] == order[0::2]
+    assert [c["case"] for c in second["cases"]] == order[1::2]
+    assert first["shard"] == {"index": 1, "count": 2, "cases": order[0::2]} and first["workers"] == 2
+    assert codes == [int("four_flipped" in order[0::2]), int("four_flipped" in order[1::2])]  # it expects a pass
+
+    code = main(["nightly-merge", str(second_dir), str(first_dir), "--reports", str(root / "merged")])
+    merged, merged_dir = night(root / "merged")
+    assert code == 1 == merged["exit_code"]
+    assert [c["case"] for c in merged["cases"]] == order
+    assert merged["summary"] == {"total": 4, "passed": 3, "failed": 1, "skipped": 0}
+    assert [s["index"] for s in merged["merged_from"]] == [2, 1] and merged["missing_shards"] == []
+    for entry in merged["cases"]:
+        assert (merged_dir / entry["report"]).is_file()  # each case's own folder travels with the night
+    assert (merged_dir / "junit.xml").is_file() and "four_flipped" in (merged_dir / "report.md").read_text()
+
+
+def test_a_missing_shard_fails_the_merged_night(oracle_registry):
+    root = oracle_registry
+    main(["--cases", str(root / "cases"), "nightly", "--checkpoints", str(root / "ck"), "--shard", "1/2",
+          "--reports", str(root / "shard1")])
+    _, first_dir = night(root / "shard1")
+    assert main(["nightly-merge", str(first_dir), "--reports", str(root / "merged")]) == 1
+    merged, _ = night(root / "merged")
+    assert merged["missing_shards"] == [2]
+    assert any("shard 2 of 2 is missing" in c["message"] for c in merged["cases"])
+
+
+def test_merging_the_same_shard_twice_is_refused(oracle_registry, capsys):
+    root = oracle_registry
+    main(["--cases", str(root / "cases"), "nightly", "--checkpoints", str(root / "ck"), "--shard", "2/2",
+          "--reports", str(root / "shard2")])
+    _, folder = night(root / "shard2")
+    assert main(["nightly-merge", str(folder), str(folder), "--reports", str(root / "merged")]) == 2
+    assert "shard numbers repeat" in capsys.readouterr().err
