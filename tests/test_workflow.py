@@ -42,7 +42,8 @@ def test_actionlint_reports_a_broken_workflow(actionlint, tmp_path):
 def test_workflow_command_is_the_makefile_target():
     text = WORKFLOW.read_text()
     assert 'make nightly PYTHON="$HARNESS_PYTHON" DEVICE=gpu TOKENS="$TOKENS_INPUT" ARGS="$previous"' in text
-    assert 'make nightly DEVICE=cpu TOKENS="${TOKENS_INPUT:-16}" ARGS="$previous"' in text
+    assert 'make nightly DEVICE=cpu TOKENS="${TOKENS_INPUT:-16}" ARGS="--shard $SHARD"' in text
+    assert "python -m harness nightly-merge shards/*/ $previous" in text
     dry = subprocess.run(["make", "-s", "-n", "nightly", "PYTHON=py", "DEVICE=gpu", "TOKENS=16",
                           "ARGS=--previous prev/report.json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.stdout.strip() == "py -m harness nightly --device gpu --tokens 16 --previous prev/report.json", dry
