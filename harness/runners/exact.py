@@ -78,7 +78,7 @@ DIGITS = 22
 LOWEST_UNIT = -384  # exponent of digit 0's unit
 MAX_TERMS = 2**21 - 2  # each digit's sum of terms stays below 2**53
 GEMM_ELEMENTS = 1 << 21  # output elements per float64 GEMM call
-PASS_ELEMENTS = 1 << 15  # output elements per screening pass (its temporaries stay in cache)
+PASS_ELEMENTS = 1 << 16  # output elements per screening pass (its temporaries stay in cache)
 CHUNK_TERMS = 1 << 21  # terms per chunk of the exact pass
 
 
@@ -88,13 +88,13 @@ def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.nda
     exact path. `left`, `right`, `shift`: float64 holding bf16/fp16/fp32 values; `round_once`: the oracle's
     float64 -> dtype rounding (to odd through float32)."""
     dtype = np.dtype(dtype)
-    left, right = np.ascontiguousarray(left), np.ascontiguousarray(right)
+    left = np.ascontiguousarray(left)  # row blocks of it; `right` may stay a transposed view (BLAS reads it so)
     rows, cols = left.shape[0], right.shape[1]
     terms = left.shape[1] + (shift is not None)
     if terms > MAX_TERMS:
         raise ValueError(f"{terms} terms per element: the exact path sums at most {MAX_TERMS}")
     gamma = terms * 2.0**-53 / (1 - terms * 2.0**-53)
-    norms = np.linalg.norm(left, axis=1), np.linalg.norm(right, axis=0)
+    norms = np.sqrt(np.einsum("ij,ij->i", left, left)), np.sqrt(np.einsum("ij,ij->j", right, right))
     screen = _Screen(dtype, gamma, *norms, shift)
     out = np.empty((rows, cols), dtype)
     unsure_rows, unsure_cols = [], []
@@ -104,21 +104,25 @@ def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.nda
         approx = left[start:start + gemm_rows] @ right
         if shift is not None:
             approx += shift
+        near, unsettled = [], []  # (row, col) within `approx` of elements the screen leaves to round_once / the test
         for offset in range(0, approx.shape[0], pass_rows):
-            first = start + offset
             value = approx[offset:offset + pass_rows]
-            settled, far = screen.settled(value, first)
-            out[first:first + value.shape[0]] = value.astype(dtype)  # right where `far` holds
-            if far.all():
-                continue
-            block_out = out[first:first + value.shape[0]]
-            near = ~far
-            block_out[near] = round_once(value[near], dtype)
-            where = np.nonzero(~settled)
-            if len(where[0]):
-                differ = screen.straddles(value[where], where[0] + first, where[1], round_once)
-                unsure_rows.append(where[0][differ] + first)
-                unsure_cols.append(where[1][differ])
+            settled, far = screen.settled(value, start + offset)
+            out[start + offset:start + offset + value.shape[0]] = value.astype(dtype)  # right where `far` holds
+            if not far.all():
+                where = np.nonzero(~far)
+                near.append((where[0] + offset, where[1]))
+                if settled is not far:
+                    where = np.nonzero(~settled)
+                unsettled.append((where[0] + offset, where[1]))
+        if near:
+            r, c = (np.concatenate(parts) for parts in zip(*near, strict=True))
+            out[r + start, c] = round_once(approx[r, c], dtype)
+        if unsettled:
+            r, c = (np.concatenate(parts) for parts in zip(*unsettled, strict=True))
+            differ = screen.straddles(approx[r, c], r + start, c, round_once)
+            unsure_rows.append(r[differ] + start)
+            unsure_cols.append(c[differ])
     i = np.concatenate(unsure_rows) if unsure_rows else np.zeros(0, np.intp)
     j = np.concatenate(unsure_cols) if unsure_cols else np.zeros(0, np.intp)
     if len(i):
