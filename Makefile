@@ -3,6 +3,8 @@ VENV := .venv
 CASE ?= kimi_shared_fc1
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process). 2 matches CI's 2 cores; see README "Tests".
+TEST_WORKERS ?= 2
 DEVICE ?= cpu
 TOKENS ?=
 
@@ -27,7 +29,7 @@ list: $(ENV_READY)
 
 test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The comparator's throughput, then end-to-end speed ratios (issue 15); BENCH_ARGS="--repo DIR" measures another tree.
 BENCH_ARGS ?=
