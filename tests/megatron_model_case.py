@@ -23,7 +23,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermedia
 DEFAULT = dict(TINY, vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=32,
                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=384, num_experts_per_tok=8,
                q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-               rope_theta=50000.0,
+               rope_theta=50000.0, max_position_embeddings=131072,
                rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
 

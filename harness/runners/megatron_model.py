@@ -80,23 +80,27 @@ ADAPTER_DOCS = {
 }
 
 
-def install_adapters(device: torch.device) -> list[dict]:
-    """The CPU shims (none on a GPU), each returned as a meta.json entry."""
+def install_adapters(device: torch.device, skip=()) -> list[dict]:
+    """The shims (the CPU ones only on a CPU), each returned as a meta.json entry; `skip` is for the tests that
+    show each one is needed."""
     from megatron.core.transformer.moe import moe_utils
 
     from megatron.core.transformer import multi_latent_attention
 
-    names = ["MLADotProductAttention"]
-    if not _te_importable() and multi_latent_attention.HAVE_TE:
+    names = [] if "MLADotProductAttention" in skip else ["MLADotProductAttention"]
+    if not _te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
         multi_latent_attention.HAVE_TE = False
         names.append("mla_have_te_false")
-    if not hasattr(moe_utils, "te_general_gemm"):
+    if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
         moe_utils.te_general_gemm = None
         names.append("te_general_gemm_none")
     if device.type == "cpu":
-        torch.cuda.current_device = lambda: "cpu"
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        names += ["cpu_current_device", "cpu_rng_tracker"]
+        if "cpu_current_device" not in skip:
+            torch.cuda.current_device = lambda: "cpu"
+            names.append("cpu_current_device")
+        if "cpu_rng_tracker" not in skip:
+            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            names.append("cpu_rng_tracker")
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return [{"name": n, "why": ADAPTER_DOCS[n], "changes_computation": False} for n in names]
@@ -194,7 +198,7 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
     return config, knobs
 
 
-def build_model(config, model_cfg: dict, device: torch.device):
+def build_model(config, model_cfg: dict, device: torch.device, core_attention=MLADotProductAttention):
     """``GPTModel`` on the local block spec, every layer's core attention swapped for ``MLADotProductAttention``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -203,7 +207,7 @@ def build_model(config, model_cfg: dict, device: torch.device):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]
     for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        layer_spec.submodules.self_attention.submodules.core_attention = core_attention
     spec.layer_norm = WrappedTorchNorm
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model_cfg["vocab_size"],
                      max_sequence_length=int(model_cfg.get("max_position_embeddings", 4096)), pre_process=True,
@@ -359,24 +363,25 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
     return outputs
 
 
-def compute(request: dict, phases: Phases, loss_path: str = "megatron"):
-    """Set up (process group already initialised), run, and return (outputs, meta additions)."""
+def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_adapters=()):
+    """Set up (process group already initialised), run, and return (outputs, meta additions, device)."""
     model_cfg = request["config"]["model"]
     dtype = DTYPES[request["dtype"]]
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         determinism = torch_env.apply_determinism(device)
-        adapters = install_adapters(device)
+        adapters = install_adapters(device, skip_adapters)
         config, knobs = translate_config(model_cfg, dtype, device)
-        model = build_model(config, model_cfg, device)
+        model = build_model(config, model_cfg, device, DotProductAttention if "MLADotProductAttention" in
+                            skip_adapters else MLADotProductAttention)
         dense_layers, moe_layers = layer_kinds(model_cfg)
         names = name_map(moe_layers, dense_layers, model_cfg["n_routed_experts"])
         tensors = torch_env.load_inputs(request["checkpoint"], device)
         load_weights(model, names, tensors)
         model.train()
     outputs = forward_backward(model, names, tensors, device, phases, loss_path)
-    if dtype != torch.float64:
-        outputs["loss"] = outputs["loss"].float()
+    # Megatron's cross entropy is float32 whatever the model dtype; a float64 case gets it exactly upcast.
+    outputs["loss"] = outputs["loss"].to(torch.float64 if dtype == torch.float64 else torch.float32)
     meta = {"implementation": "megatron.core.models.gpt.GPTModel, local spec (no TE): MLASelfAttention "
                               "(MLADotProductAttention), MoELayer(TopKRouter, SequentialMLP, SharedExpertMLP), "
                               "WrappedTorchNorm RMSNorm, vocab_parallel_cross_entropy",
