@@ -15,7 +15,7 @@ from typing import Any
 import tomllib
 
 from harness.case import tolerance as tolerance_policy
-from harness.case.ops import OPS, OpSpec
+from harness.case.ops import KNOBS, OPS, Op
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
@@ -34,19 +34,6 @@ DEFAULT_DISTRIBUTION = {
     "input": {"dist": "normal", "mean": 0.0, "std": 1.0},
     "grad": {"dist": "normal", "mean": 0.0, "std": 0.01},
 }
-CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
-    "bias": (bool,),
-    # PaddleFleet's accuracy gate; newer PaddleFleet also accepts "megatron" / "hf".
-    "use_accuracy_compatible": (bool, str),
-    # Megatron's config.sequence_parallel: tokens split across the TP ranks around the parallel linears.
-    "sequence_parallel": (bool,),
-    "eps": (float,),  # RMSNorm epsilon
-    "per_token_scale": (bool,),  # SwiGLU multiplied by a per-token fp32 scale (MoE routing probabilities)
-    "deterministic_mode": (bool,),  # Megatron's embedding: weight[ids] instead of F.embedding
-    "topk_scaling_factor": (float,),  # MoE router: probabilities scaled after top-k normalisation
-    "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
-}
-SWIGLU_IMPLS = ("fused", "eager")
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
     "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance",
@@ -107,7 +94,7 @@ class Case:
     tolerance: tolerance_policy.Tolerance | None = None  # None: bitwise
 
     @property
-    def op_spec(self) -> OpSpec:
+    def op_spec(self) -> Op:
         return OPS[self.op]
 
     def with_tokens(self, tokens: int) -> Case:
@@ -266,11 +253,13 @@ def _build(name: str, path: Path, table: dict) -> Case:
 
     config = f.get("config", dict, {})
     for key, value in config.items():
-        if key not in CONFIG_KNOBS:
-            raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
-        f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
-    if config.get("swiglu_impl", "fused") not in SWIGLU_IMPLS:
-        raise f.error("config.swiglu_impl", f"must be one of {', '.join(SWIGLU_IMPLS)}", config["swiglu_impl"])
+        knob = KNOBS.get(key)
+        if knob is None:
+            raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(KNOBS)}", value)
+        f.get(key, knob.types, where=config, label=f"config.{key}")
+        if knob.choices and value not in knob.choices:
+            raise f.error(f"config.{key}", f"must be one of {', '.join(knob.choices)}", value)
+    config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, tp, tokens, config)
     input_specs = spec.inputs(shapes, tokens, config)
@@ -303,7 +292,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
     outputs = [s.name for s in spec.outputs(shapes, tokens, config)]
     tolerance = tolerance_policy.parse(f, outputs)
     return Case(
-        name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str),
+        name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str, spec.family),
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config), tolerance is not None),
@@ -313,7 +302,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
     )
 
 
-def _check_tensor_parallel(f: _Fields, spec: OpSpec, tp: int, tokens: int, config: dict) -> None:
+def _check_tensor_parallel(f: _Fields, spec: Op, tp: int, tokens: int, config: dict) -> None:
     if config.get("sequence_parallel", False):
         if tp == 1:
             raise f.error("config.sequence_parallel", "needs tp > 1 (Megatron refuses it without tensor parallelism)",

@@ -117,7 +117,8 @@ def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, fol
 
 
 def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -> dict:
-    config = case.config if tp > 1 else {k: v for k, v in case.config.items() if k != "sequence_parallel"}
+    config = case.config if tp > 1 or "sequence_parallel" not in case.config else {**case.config,
+                                                                                    "sequence_parallel": False}
     return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": tp,
             "tokens": case.tokens, "shapes": case.shapes, "config": config, "seed": case.seed,
             "checkpoint": str(checkpoint.resolve()), "output_dir": str(folder.resolve())}
