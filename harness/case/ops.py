@@ -265,6 +265,25 @@ def _experts_outputs(shapes, tokens, config):
             TensorSpec("grad.fc1_weight", (e, 2 * f, h), "output"), TensorSpec("grad.input", (tokens, h), "output")]
 
 
+def _up_projection_inputs(shapes, tokens, config):
+    rank, heads, dim = shapes["lora_rank"], shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("input", (tokens, rank), "input"), TensorSpec("weight", (heads * dim, rank), "weight"),
+            TensorSpec("grad_output", (tokens, heads, dim), "grad")]
+
+
+def _up_projection_outputs(shapes, tokens, config):
+    """out per head, as MLA attention views it: [tokens, heads, head_dim] (head-major rows of the weight)."""
+    rank, heads, dim = shapes["lora_rank"], shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("out", (tokens, heads, dim), "output"), TensorSpec("grad.input", (tokens, rank), "output"),
+            TensorSpec("grad.weight", (heads * dim, rank), "output")]
+
+
+def _up_projection_partition(config):
+    """Column-parallel over heads: each rank holds whole heads (weight rows, out's head dim); the input grad is
+    all-reduced."""
+    return {"input": None, "weight": 0, "grad_output": 1, "out": 1, "grad.input": None, "grad.weight": 0}
+
+
 LINEAR_KNOBS = ("bias", "use_accuracy_compatible", "sequence_parallel")
 COLUMN_PARALLEL_LINEAR = Op("column_parallel_linear", "linear", ("input_size", "output_size"), _linear_inputs,
                             _linear_outputs, "output_size", LINEAR_KNOBS, _column_partition, oracle="linear",
@@ -287,8 +306,12 @@ ROUTED_EXPERTS = Op("routed_experts", "experts", ("hidden_size", "ffn_hidden_siz
 SHARED_EXPERT_MLP = Op("shared_expert_mlp", "mlp_block", ("hidden_size", "ffn_hidden_size"), _mlp_inputs,
                        _mlp_outputs, "ffn_hidden_size", ("swiglu_impl", "use_accuracy_compatible"),
                        stages=_mlp_stages)
+# MLA's q/kv up-projections (q_b: q_lora -> heads x (nope + rope); kv_b: kv_lora -> heads x (nope + v)).
+MLA_UP_PROJECTION = Op("mla_up_projection", "mla_up_projection", ("lora_rank", "num_heads", "head_dim"),
+                       _up_projection_inputs, _up_projection_outputs, "num_heads", ("use_accuracy_compatible",),
+                       _up_projection_partition, oracle="linear", reduced=("grad.input",))
 
 OPS: dict[str, Op] = {op.name: op for op in (
     COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, RMS_NORM, SWIGLU, EMBEDDING, MOE_ROUTER, ATTENTION_SCORES,
-    ROUTED_EXPERTS, SHARED_EXPERT_MLP,
+    ROUTED_EXPERTS, SHARED_EXPERT_MLP, MLA_UP_PROJECTION,
 )}

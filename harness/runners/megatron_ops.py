@@ -268,8 +268,28 @@ def routed_experts(request, tensors, config, device, phases):
             "weighted_bias_swiglu_impl, no TE")
 
 
+def mla_up_projection(request, tensors, config, device, phases):
+    """MLA's q/kv up-projection as ``MLASelfAttention`` runs it: a ``ColumnParallelLinear`` (lora rank -> heads x
+    head dim, no bias, gather_output=False) whose output is viewed as [s, b, heads on this rank, head_dim]."""
+    from megatron.core import tensor_parallel
+
+    shapes = request["shapes"]
+    layer = tensor_parallel.ColumnParallelLinear(
+        shapes["lora_rank"], shapes["num_heads"] * shapes["head_dim"], config=config,
+        init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=False).to(device)
+    with torch.no_grad():
+        layer.weight.copy_(tensors["weight"])
+    x = tensors["input"].unsqueeze(1).requires_grad_()  # [s, b=1, lora rank]
+    dy = tensors["grad_output"].unsqueeze(1)  # [s, b=1, heads on this rank, head_dim]
+    out = _run(phases, device, lambda: layer(x)[0].view(*dy.shape), lambda out: out.backward(dy))
+    return ({"out": out.squeeze(1), "grad.input": x.grad.squeeze(1), "grad.weight": layer.weight.grad},
+            "megatron.core.tensor_parallel.ColumnParallelLinear viewed per head, as MLASelfAttention's "
+            "linear_q_up_proj / linear_kv_up_proj (no Transformer Engine)")
+
+
 IMPLEMENTATIONS = {
     ops.COLUMN_PARALLEL_LINEAR: parallel_linear, ops.ROW_PARALLEL_LINEAR: parallel_linear, ops.RMS_NORM: rms_norm,
     ops.SWIGLU: swiglu, ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
     ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
+    ops.MLA_UP_PROJECTION: mla_up_projection,
 }

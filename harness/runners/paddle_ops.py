@@ -354,8 +354,24 @@ def raise_if_cpu_gate_off(request):
         raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
 
 
+def mla_up_projection(request, tensors, gate, phases, guard):
+    """MLA's q/kv up-projection: PaddleFleet builds ``q_up_proj`` / ``kv_up_proj`` as its column-parallel linear and
+    views the output as [tokens, heads, head_dim] (src/paddlefleet/transformer/multi_latent_attention.py,
+    ``get_query_key_value_tensors``, PaddlePaddle/PaddleFleet@023ee66c6bd20101d946d14fef24588df4d515ac): the same
+    linear path as the linear ops, then the view."""
+    shapes, dy = request["shapes"], tensors["grad_output"]
+    as_linear = {**request, "shapes": {"input_size": shapes["lora_rank"],
+                                       "output_size": shapes["num_heads"] * shapes["head_dim"]},
+                 "config": {**request["config"], "bias": False, "sequence_parallel": False}}
+    outputs, implementation = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate,
+                                     phases, guard)
+    outputs["out"] = outputs["out"].reshape(dy.shape)
+    return outputs, implementation + ", output viewed as [tokens, heads, head_dim]"
+
+
 IMPLEMENTATIONS = {
     ops.COLUMN_PARALLEL_LINEAR: linear, ops.ROW_PARALLEL_LINEAR: linear, ops.RMS_NORM: rms_norm, ops.SWIGLU: swiglu,
     ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
     ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
+    ops.MLA_UP_PROJECTION: mla_up_projection,
 }
