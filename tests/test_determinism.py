@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 from tests.test_orchestrate import CASES, fake_interpreter
 
 # Writes valid outputs for the tiny case. `out` is 1.0 everywhere, except that the flaky double, from its
@@ -54,8 +54,8 @@ def env(tmp_path):
 
 
 def run(env, pythons, **options):
-    return compare_case("tiny", cases_dir=env / "cases", checkpoints_dir=env / "ck", reports_dir=env / "reports",
-                        pythons=pythons, timeout=120.0, **options)
+    return compare_case("tiny", CompareOptions(cases_dir=env / "cases", checkpoints_dir=env / "ck",
+                                               reports_dir=env / "reports", pythons=pythons, timeout=120.0, **options))
 
 
 def test_a_side_that_changes_its_bits_is_nondeterministic_even_if_its_first_run_agrees(env):

@@ -16,13 +16,14 @@ from safetensors.numpy import save_file
 
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors, tensor_sha256
-from harness.commands.compare import compare_case
+from harness.case.ops import OPS
+from harness.commands.compare import CompareOptions, compare_case
 from harness.run.protocol import cpu_isa_flags
 
 pytestmark = pytest.mark.e2e
 
 
-LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear")
+LINEAR_OPS = tuple(name for name, op in OPS.items() if op.oracle == "linear")  # out = x @ W.t(), however viewed
 
 
 def paddle_bf16_gemm_unavailable(case) -> bool:
@@ -58,9 +59,9 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
     shipped = cpu_case.weights_from and (cpu_case.weights_from.file or cpu_case.weights_from.package)
     weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from and not shipped else None
     blocks = cpu_case.op_spec.stages is not None
-    result, run_dir = compare_case(cpu_case.name, tokens=e2e_tokens(cpu_case),
+    result, run_dir = compare_case(cpu_case.name, CompareOptions(tokens=e2e_tokens(cpu_case),
                                    checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
-                                   weights_file=weights, refeed_ops=blocks)
+                                   weights_file=weights, refeed_ops=blocks))
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
     assert result.verdict != "ERROR", f"{result.message}\n{tails}"
@@ -159,7 +160,7 @@ def test_gate_matrix_runs_both_settings_through_different_paddle_paths(checkpoin
     """kimi_embedding: the gate switches Paddle between weight[ids] and F.embedding; both cells get a verdict."""
     from harness.commands import gate_matrix
 
-    code = gate_matrix.run("kimi_embedding", checkpoints_dir=checkpoints_dir, reports_dir=tmp_path)
+    code = gate_matrix.run("kimi_embedding", CompareOptions(checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))
     matrix = json.loads(next(tmp_path.glob("*-gate-matrix-*/matrix.json")).read_text())
     assert code == 0 and [c["use_accuracy_compatible"] for c in matrix["cells"]] == [True, False]
     paddle_paths = [c["implementations"][1] for c in matrix["cells"]]

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(torch.cuda.is_available(), reason="tests a machine without a CUDA device")]
@@ -36,8 +36,9 @@ def env(tmp_path):
 
 
 def run(env, runners, pythons=None):
-    return compare_case("tiny", device="gpu", runners=runners, cases_dir=env / "cases", checkpoints_dir=env / "ck",
-                        reports_dir=env / "reports", pythons=pythons or {}, oracle=False)  # the pair is under test
+    return compare_case("tiny", CompareOptions(device="gpu", runners=runners, cases_dir=env / "cases",
+                                               checkpoints_dir=env / "ck", reports_dir=env / "reports",
+                                               pythons=pythons or {}, oracle=False))  # the pair is under test
 
 
 def test_megatron_and_cpu_paddle_on_gpu_are_unsupported(env):

@@ -13,6 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.commands import nightly
+from harness.commands.compare import CompareOptions
 from harness.compare.result import CaseResult
 
 TINY_CASES = """
@@ -82,16 +83,16 @@ def test_a_bad_previous_report_or_registry_is_named_and_nothing_runs(tmp_path, c
 
 
 def test_a_harness_crash_in_one_case_fails_that_case_and_keeps_the_night(tmp_path, monkeypatch):
-    def fake_compare_case(name, **kwargs):  # test double: the harness itself breaks (disk full, a bug)
+    def fake_compare_case(name, options):  # test double: the harness itself breaks (disk full, a bug)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(nightly.pipeline, "compare_case", fake_compare_case)
     monkeypatch.setenv("CI", "true")
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "tiny.toml").write_text(TINY_CASES)
-    night, run_dir = nightly.run(device="cpu", tokens=None, cases_dir=tmp_path / "cases",
+    night, run_dir = nightly.run(CompareOptions(device="cpu", tokens=None, cases_dir=tmp_path / "cases",
                                  reports_dir=tmp_path / "reports", checkpoints_dir=tmp_path / "ckpt", pythons={},
-                                 timeout=10, weights_file=None, previous=None)
+                                 timeout=10, weights_file=None), previous=None)
     crashed, skipped = night["cases"]
     assert (crashed["outcome"], crashed["verdict"]) == ("fail", "ERROR")
     assert "No space left on device" in crashed["message"] and skipped["outcome"] == "skip"

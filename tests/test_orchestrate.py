@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 
 CASES = """
 [tiny]
@@ -40,8 +40,8 @@ def env(tmp_path):
 
 
 def run(env, pythons, timeout=60.0):
-    return compare_case("tiny", cases_dir=env / "cases", checkpoints_dir=env / "ck", reports_dir=env / "reports",
-                        pythons=pythons, timeout=timeout)
+    return compare_case("tiny", CompareOptions(cases_dir=env / "cases", checkpoints_dir=env / "ck",
+                                               reports_dir=env / "reports", pythons=pythons, timeout=timeout))
 
 
 def test_crashing_runner_is_error_with_its_stderr_tail(env):
@@ -125,8 +125,8 @@ def test_runs_never_overwrite_each_other(env):
 ])
 def test_bad_input_ends_with_a_report_and_exit_2(env, name, cases_text, expected):
     (env / "cases" / "tiny.toml").write_text(cases_text)
-    result, run_dir = compare_case(name, cases_dir=env / "cases", checkpoints_dir=env / "ck",
-                                   reports_dir=env / "reports")
+    result, run_dir = compare_case(name, CompareOptions(cases_dir=env / "cases", checkpoints_dir=env / "ck",
+                                   reports_dir=env / "reports"))
     assert result.exit_code == 2 and expected in result.message
     assert expected in json.loads((run_dir / "report.json").read_text())["message"]
 

@@ -7,6 +7,7 @@ import pytest
 from harness import cli
 from harness.case.registry import CaseError, Registry
 from harness.commands import sweep
+from harness.commands.compare import CompareOptions
 
 CASES = """
 [tiny]
@@ -57,8 +58,9 @@ def test_sweep_over_tokens_and_both_torch_layouts(tmp_path):
     (tmp_path / "cases" / "tiny.toml").write_text(CASES)
     lines = []
     report, sweep_dir = sweep.run_sweep(
-        "tiny", [1, 7], [("megatron", "torch"), ("megatron", "torch_nn")], reports_dir=tmp_path / "reports",
-        cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck", progress=lines.append, oracle=False)
+        "tiny", [1, 7], [("megatron", "torch"), ("megatron", "torch_nn")],
+        CompareOptions(reports_dir=tmp_path / "reports", cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
+                       oracle=False), progress=lines.append)
 
     assert [(c["pair"], c["tokens"]) for c in report["cells"]] == [
         ("megatron vs torch", 1), ("megatron vs torch", 7), ("megatron vs torch_nn", 1), ("megatron vs torch_nn", 7)]

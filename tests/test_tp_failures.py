@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 from tests.test_orchestrate import alive, fake_interpreter
 
 CASE = """
@@ -41,9 +41,9 @@ def fake_rank_python(tmp_path):
 
 
 def run(tmp_path, python, timeout):
-    return compare_case("tiny_tp2", cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
+    return compare_case("tiny_tp2", CompareOptions(cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
                         reports_dir=tmp_path / "reports", pythons={"megatron": python, "paddle": python},
-                        timeout=timeout, oracle=False)  # the launches are under test, not the oracle
+                        timeout=timeout, oracle=False))  # the launches are under test, not the oracle
 
 
 def processes_mentioning(text):

@@ -22,7 +22,7 @@ from tests.test_cases import registry_from
 def test_split_then_gather_gives_back_every_output(tmp_path, op, sequence_parallel, tp):
     config = {"bias": True, "sequence_parallel": sequence_parallel}
     spec = OPS[op]
-    outputs = spec.outputs({"input_size": 8, "output_size": 16}, 8, config)
+    outputs = spec.outputs({field: 16 for field in spec.shape_fields}, 8, config)  # 16 and 8: divisible by tp
     partition = spec.partition(config)
     rng = np.random.default_rng(0)
     full = {s.name: rng.standard_normal(s.shape).astype(np.float32) for s in outputs}
