@@ -23,11 +23,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_reference import group_of, lift_hf_fp32_islands, relative_error, run_hf  # noqa: E402
-from megatron_model_case import DEFAULT, TINY, make_case  # noqa: E402
-
 from harness.run.protocol import Phases  # noqa: E402
+from tests.support.deepseek_v3_case import DEFAULT, TINY, make_case  # noqa: E402
+from tests.support.hf_deepseek_v3 import group_of, lift_hf_fp32_islands, relative_error, run_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
@@ -140,8 +138,7 @@ def test_mla_attention_adapter_computes_mla_attention(megatron_in_process):
 ABLATION = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    sys.path.insert(0, "tests")
-    from megatron_model_case import TINY, make_case
+    from tests.support.deepseek_v3_case import TINY, make_case
     from harness.runners import megatron_model as mm
     from harness.run.protocol import Phases
     request, *_ = make_case(Path(sys.argv[2]), TINY, "float32", 8)
@@ -168,7 +165,9 @@ def test_each_adapter_is_needed(adapter, error, tmp_path):
     from megatron.core import __version__ as megatron_version
     from packaging.version import Version
 
-    if adapter in ("mla_have_te_false", "te_general_gemm_none") and _te_importable():
+    from harness.runners.megatron_model import te_importable
+
+    if adapter in ("mla_have_te_false", "te_general_gemm_none") and te_importable():
         pytest.skip("Transformer Engine is installed: the shim is not applied")
     if adapter == "te_general_gemm_none" and Version(megatron_version) >= Version("0.17"):
         pytest.skip("megatron-core >= 0.17 defines te_general_gemm itself (read in 0.19 source)")
@@ -178,12 +177,6 @@ def test_each_adapter_is_needed(adapter, error, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert "FAILED-WITHOUT-ADAPTER" in done.stdout, done.stdout + done.stderr[-3000:]
     assert error in done.stdout, done.stdout
-
-
-def _te_importable():
-    from harness.runners.megatron_model import _te_importable
-
-    return _te_importable()
 
 
 def test_runner_default_size_writes_the_contract(tmp_path):

@@ -88,7 +88,7 @@ def install_adapters(device: torch.device, skip=()) -> list[dict]:
     from megatron.core.transformer import multi_latent_attention
 
     names = [] if "MLADotProductAttention" in skip else ["MLADotProductAttention"]
-    if not _te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
+    if not te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
         multi_latent_attention.HAVE_TE = False
         names.append("mla_have_te_false")
     if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
@@ -106,7 +106,7 @@ def install_adapters(device: torch.device, skip=()) -> list[dict]:
     return [{"name": n, "why": ADAPTER_DOCS[n], "changes_computation": False} for n in names]
 
 
-def _te_importable() -> bool:
+def te_importable() -> bool:
     try:
         import transformer_engine  # noqa: F401  (probed only: this runner never uses it)
     except ImportError:

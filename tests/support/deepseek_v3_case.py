@@ -1,6 +1,6 @@
 """A tiny DeepSeek-V3 causal-LM case built from HF transformers' ``DeepseekV3ForCausalLM`` (its own random init,
 seeded): the request and HF-named checkpoint of docs/model-contract.md, and the HF model itself as a reference.
-Used by tests/test_megatron_model.py until the case generator lands on main."""
+Used by tests/test_megatron_model.py (a stand-in until the model case generator lands on main)."""
 
 from __future__ import annotations
 
