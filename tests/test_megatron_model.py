@@ -67,13 +67,18 @@ def report(title, groups):
         print(f"  {group:26s} {error:.3e}  ({name})")
 
 
-def test_float64_mapping_matches_hf(megatron_in_process, tiny64):
+# DeepSeek-V3's group-limited routing (n_group 8, topk_group 4, top-8: each group scored by its top-2) in small.
+GROUPED = dict(TINY, n_group=4, topk_group=1, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("model", [TINY, GROUPED], ids=["tiny", "group_limited_routing"])
+def test_float64_mapping_matches_hf(megatron_in_process, tiny64, model, tmp_path):
     """Every canonical tensor, with Megatron's float32 islands matched on both sides: ~1e-15."""
-    request, net, input_ids, labels = tiny64
+    request, net, input_ids, labels = tiny64 if model is TINY else make_case(tmp_path, model, "float64", 16)
     ours, meta, _ = megatron_in_process.compute(request, Phases(), loss_path="float64_logits")
     net.zero_grad()
     with lift_hf_fp32_islands(megatron_islands=True):
-        ref = run_hf(net, input_ids, labels, TINY)
+        ref = run_hf(net, input_ids, labels, model)
     experts = {n for n in ref if ".mlp.experts." in n and n.startswith("module.")}
     assert not experts  # HF has no per-expert hook point either; Megatron's side is in not_captured
     assert set(ref) == set(ours), (sorted(set(ref) - set(ours)), sorted(set(ours) - set(ref)))
@@ -182,7 +187,7 @@ def test_each_adapter_is_needed(adapter, error, tmp_path):
 def test_runner_default_size_writes_the_contract(tmp_path):
     """`python -m harness.runners.megatron_model` at the default size (384 experts top-8, 64 tokens, fp32): exit 0,
     794 gradients, every contract module output except the routed experts (listed in not_captured), adapters named."""
-    request, *_ = make_case(tmp_path, DEFAULT, "float32", 64)
+    request, _, _, labels = make_case(tmp_path, DEFAULT, "float32", 64)
     done = subprocess.run([sys.executable, "-m", "harness.runners.megatron_model", "--request",
                            str(tmp_path / "request.json")], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=600)
@@ -195,6 +200,9 @@ def test_runner_default_size_writes_the_contract(tmp_path):
     assert len(grads) == 794 == expected_grad_count(DEFAULT)
     assert out["loss"].dtype == torch.float32 and out["logits"].shape == (64, DEFAULT["vocab_size"])
     assert out["module.model.layers.1.mlp.gate.topk_indices"].shape == (64, 8)
+    # The logits as the output layer produced them (fp32 cross entropy works in place on them: captured as a copy)
+    ce = torch.nn.functional.cross_entropy(out["logits"], labels, ignore_index=-100)
+    assert abs(ce.item() - out["loss"].item()) < 1e-5 * out["loss"].item()
     assert out["module.model.layers.1.mlp.gate.probs"].dtype == torch.float32
     assert len(meta["not_captured"]) == 384
     assert {a["name"] for a in meta["adapters"]} >= {"MLADotProductAttention", "cpu_current_device"}

@@ -301,14 +301,16 @@ class Capture:
             if canonical.endswith(".mlp.gate"):  # TopKRouter: (probs [T, E], routing_map [T, E])
                 probs, routing_map = output
                 indices = torch.nonzero(routing_map)[:, 1].view(routing_map.shape[0], -1)
-                self.outputs[f"module.{canonical}.probs"] = probs.detach()
+                self.outputs[f"module.{canonical}.probs"] = probs.detach().clone()
                 self.outputs[f"module.{canonical}.topk_indices"] = torch.sort(indices, dim=-1).values
                 return
             self._keep(canonical, output[0] if isinstance(output, tuple) else output)
         return hook
 
     def _keep(self, canonical, tensor):
-        tensor = tensor.detach()
+        # A copy: Megatron reuses some outputs in place afterwards (vocab_parallel_cross_entropy exponentiates fp32
+        # logits in place; bias-dropout-add may add into its input).
+        tensor = tensor.detach().clone()
         if tensor.dim() >= 3:
             tensor = tensor.squeeze(1)  # [s, b=1, ...]
         self.outputs[f"module.{canonical}"] = tensor
@@ -338,7 +340,9 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1).view(1, 1, t, t)
     capture = Capture(model, names["modules"])
     logits_box = {}
-    hook = model.output_layer.register_forward_hook(lambda m, a, o: logits_box.__setitem__("logits", o[0]))
+    # A copy: vocab_parallel_cross_entropy subtracts the max and exponentiates fp32 logits in place.
+    hook = model.output_layer.register_forward_hook(
+        lambda m, a, o: logits_box.__setitem__("logits", o[0].detach().clone()))
     with phases("forward"):
         if loss_path == "megatron":
             per_token = model(input_ids, position_ids, causal, labels=safe_labels)  # [b, s] fp32
