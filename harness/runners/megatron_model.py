@@ -60,7 +60,6 @@ class MLADotProductAttention(DotProductAttention):
         super().__init__(*args, **kwargs)
         if v_channels is not None:
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-            self.hidden_size_per_attention_head = v_channels
         self.k_channels, self.v_channels = k_channels, v_channels
 
 
@@ -80,20 +79,23 @@ ADAPTER_DOCS = {
 }
 
 
+_PATCHED: set[str] = set()
+
+
 def install_adapters(device: torch.device, skip=()) -> list[dict]:
     """The shims (the CPU ones only on a CPU), each returned as a meta.json entry; `skip` is for the tests that
     show each one is needed."""
-    from megatron.core.transformer.moe import moe_utils
-
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
     names = [] if "MLADotProductAttention" in skip else ["MLADotProductAttention"]
     if not te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
         multi_latent_attention.HAVE_TE = False
-        names.append("mla_have_te_false")
+        _PATCHED.add("mla_have_te_false")
     if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
         moe_utils.te_general_gemm = None
-        names.append("te_general_gemm_none")
+        _PATCHED.add("te_general_gemm_none")
+    names += sorted(_PATCHED)  # module-level patches stay for the process: listed by every run in it
     if device.type == "cpu":
         if "cpu_current_device" not in skip:
             torch.cuda.current_device = lambda: "cpu"
@@ -158,6 +160,8 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
         "moe_router_dtype": f"{router_dtype}: the gating GEMM and routing in {router_dtype} (fp32 is Kimi-K2's "
                             "training setting; float64 cases keep float64). Megatron computes sigmoid(logits.float()) "
                             "in fp32 whatever this says",
+        "router_gating_gemm": "megatron-core >= 0.19 with Transformer Engine installed: te_general_gemm for a fp32 "
+                              "router (Megatron's own choice); otherwise torch (RouterGatingLinearFunction)",
         "moe_router_load_balancing_type": "none, moe_aux_loss_coeff 0: no auxiliary loss in the gradients (HF has none)",
         "moe_router_num_groups": f"{n_group if n_group > 1 else None} (n_group), group_topk "
                                  f"{topk_group if n_group > 1 else None}",
@@ -411,7 +415,9 @@ def run(request: dict, phases: Phases) -> dict:
                   os.path.join(request["output_dir"], OUTPUTS))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version}, **meta,
+    from harness.runners.megatron import _te_version
+
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()}, **meta,
             "tensor_parallel": 1, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
 
