@@ -9,7 +9,7 @@ import pytest
 from harness.case.checkpoints import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
-from harness.commands.gate_matrix import markdown as matrix_markdown
+from harness.report.gate_matrix_report import markdown as matrix_markdown
 from harness.compare.refeed import _attribution
 from harness.compare.result import first_divergence
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
