@@ -70,8 +70,9 @@ def every_section_result(folder: Path) -> CaseResult:
     result.tolerance = tolerance.judge(Tolerance({"max_ulp": 2}, {"out": {"max_mismatch_share": 0.001}}), tensors)
     result.refeed = {"runner": "paddle", "fed_from": "side a (megatron)", "first_local_divergence": "out",
                      "tensors": {"out": "made by fc2 (differs when re-fed with side a's inputs)"},
-                     "stages": [{"stage": "fc1", "op": "linear", "status": "error", "reason": "no kernel", "tensors": []},
-                                {"stage": "fc2", "op": "linear", "status": "ok", "reason": "", "tensors": as_dicts[:1]}]}
+                     "stages": [
+                         {"stage": "fc1", "op": "linear", "status": "error", "reason": "no kernel", "tensors": []},
+                         {"stage": "fc2", "op": "linear", "status": "ok", "reason": "", "tensors": as_dicts[:1]}]}
     result.harness = {"version": "0.0-test", "python": "3.12", "argv": ["harness", "tiny"]}
     return result
 

@@ -17,8 +17,14 @@ from rich.table import Table
 
 from harness.compare.result import CaseResult
 from harness.report import blocks as doc
-from harness.report import check_sections, pictures, provenance_section, refeed_section, summary_section
-from harness.report import tensor_sections
+from harness.report import (
+    check_sections,
+    pictures,
+    provenance_section,
+    refeed_section,
+    summary_section,
+    tensor_sections,
+)
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
                  "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}

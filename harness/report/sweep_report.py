@@ -33,8 +33,8 @@ def blocks(report: dict) -> list[tuple]:
                "(see the notes). Side a against side b; each cell's full report is `<run>/report.md`."])]
     for pair in report["pairs"]:
         cells = [cell for cell in report["cells"] if cell["pair"] == pair]
-        rows = [[cell["tokens"], cell["verdict"], *[matrix_cell(cell["tensors"].get(name)) for name in report["tensors"]],
-                 cell["wall_seconds"], f"`{cell['run_dir']}`"] for cell in cells]
+        rows = [[cell["tokens"], cell["verdict"], *_matrix_row(cell, report["tensors"]), cell["wall_seconds"],
+                 f"`{cell['run_dir']}`"] for cell in cells]
         out += [h(2, pair),
                 table(["tokens", "verdict", *report["tensors"], "wall s", "run"], rows,
                       "rl" + "r" * len(report["tensors"]) + "rl")]
@@ -45,6 +45,10 @@ def blocks(report: dict) -> list[tuple]:
         out += [h(2, "Provenance (first cell of each runner)"),
                 pre(json.dumps(report["provenance"], indent=2, sort_keys=True, default=str), "json")]
     return out
+
+
+def _matrix_row(cell: dict, tensors: list[str]) -> list[str]:
+    return [matrix_cell(cell["tensors"].get(name)) for name in tensors]
 
 
 def matrix_cell(tensor: dict | None) -> str:
@@ -65,7 +69,7 @@ def console(report: dict, sweep_dir: Path, out: Console | None = None) -> None:
             matrix.add_column(column, justify="right" if column != "verdict" else "left")
         for cell in (c for c in report["cells"] if c["pair"] == pair):
             matrix.add_row(str(cell["tokens"]), cell["verdict"],
-                           *[matrix_cell(cell["tensors"].get(name)) for name in report["tensors"]],
+                           *_matrix_row(cell, report["tensors"]),
                            style="green" if cell["verdict"] == "BITWISE_PASS" else "red")
         out.print(matrix)
     out.print(f"sweep report: {sweep_dir / 'report.md'}  (exit code {report['exit_code']})")
