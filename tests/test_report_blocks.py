@@ -6,7 +6,6 @@ side with its stderr tail) and is never a verdict of a real comparison. Each out
 (the Markdown by its lines, the HTML by an HTML parser) and the two lists of texts must be equal.
 """
 
-import copy
 import html.parser
 import re
 from collections import Counter
@@ -21,7 +20,6 @@ from harness.compare.result import CaseResult
 from harness.compare.tensors import compare_tensor
 from harness.report import blocks, case_report, gate_matrix_report, nightly_report, sweep_report
 from harness.run.orchestrate import SideResult
-from tests import test_trend
 
 SECTIONS = ("TP-invariant (bitwise equal)", "Runners", "Tensors (side a against side b)", "Where the mismatches sit",
             "Re-feed (each op re-run on side b from side a's tensors)", "Distance from the truth oracle",
@@ -195,15 +193,25 @@ def test_sweep_gate_matrix_and_nightly_md_and_html_say_the_same(tmp_path):
     gate_matrix_report.write("kimi_swiglu", cells, tmp_path)
     assert_same_text((tmp_path / "matrix.md").read_text(), (tmp_path / "matrix.html").read_text())
 
-    night = copy.deepcopy(test_trend.REGRESSED)
-    for entry in night["cases"]:
-        entry.update(expected="BITWISE_PASS", wall_seconds=1.0, report=f"cases/{entry['case']}/report.md")
-    night["cases"][0]["result"]["sides"][0].update(status="error", stderr_tail="Traceback\n  boom")
+    before, night = _night("nightly-1", "pass", "BITWISE_PASS", 0), _night("nightly-2", "fail", "DIFF", 7)
     night.update(tokens=None, started_at="s", finished_at="f", exit_code=1, harness={"version": "0", "host": {}},
-                 summary={"failed": 1, "passed": 1, "skipped": 1},
-                 trend=trend.compare(test_trend.PASSING, night))
+                 summary={"failed": 1, "passed": 0, "skipped": 0}, trend=trend.compare(before, night))
     nightly_report.write(night, tmp_path)
-    assert_same_text((tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text())
+    markdown = (tmp_path / "report.md").read_text()
+    assert "### New failures (1)" in markdown and "[b paddle] Traceback" in markdown
+    assert_same_text(markdown, (tmp_path / "report.html").read_text())
+
+
+def _night(run_id: str, outcome: str, verdict: str, mismatches: int) -> dict:
+    """A one-case night as ``harness.commands.nightly`` stores it (only the fields its report reads)."""
+    side = {"label": "b", "runner": "paddle", "status": "error" if mismatches else "ok",
+            "stderr_tail": "Traceback\n  boom" if mismatches else "", "meta": {"torch": f"2.{mismatches}"}}
+    tensor = {"name": "out", "status": "DIFF" if mismatches else "EQUAL", "mismatches": mismatches, "max_ulp": 3}
+    case = {"case": "fc1", "outcome": outcome, "verdict": verdict, "expected": "BITWISE_PASS", "wall_seconds": 1.0,
+            "message": f"{mismatches} elements differ", "problems": [f"verdict {verdict}, expected BITWISE_PASS"],
+            "report": "cases/fc1/report.md",
+            "result": {"case": {"tokens": 16}, "sides": [side], "tensors": [tensor]}}
+    return {"schema": 1, "kind": "nightly", "run_id": run_id, "device": "cpu", "cases": [case]}
 
 
 def test_an_unknown_block_kind_is_an_error_not_a_silent_gap():
