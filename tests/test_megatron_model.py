@@ -168,11 +168,10 @@ def test_each_adapter_is_needed(adapter, error, tmp_path):
     """Without the adapter the model does not build or run on this CPU-only torch (so a removed adapter fails here);
     with all of them the float64 tests above prove they change no computation."""
     from megatron.core import __version__ as megatron_version
+    from megatron.core.transformer import multi_latent_attention
     from packaging.version import Version
 
     from harness.runners.megatron_model import te_importable
-
-    from megatron.core.transformer import multi_latent_attention
 
     if adapter in ("mla_have_te_false", "te_general_gemm_none") and te_importable():
         pytest.skip("Transformer Engine is installed: the shim is not applied")

@@ -23,8 +23,9 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: keep eager numerics
 
@@ -162,12 +163,14 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
                             "in fp32 whatever this says",
         "router_gating_gemm": "megatron-core >= 0.19 with Transformer Engine installed: te_general_gemm for a fp32 "
                               "router (Megatron's own choice); otherwise torch (RouterGatingLinearFunction)",
-        "moe_router_load_balancing_type": "none, moe_aux_loss_coeff 0: no auxiliary loss in the gradients (HF has none)",
+        "moe_router_load_balancing_type": "none, moe_aux_loss_coeff 0: no auxiliary loss in the gradients "
+                                          "(HF has none)",
         "moe_router_num_groups": f"{n_group if n_group > 1 else None} (n_group), group_topk "
                                  f"{topk_group if n_group > 1 else None}",
         "bias_activation_fusion": "True: SwiGLU through bias_swiglu_impl / weighted_bias_swiglu_impl (hand-written "
                                   "backward), eager (TORCHDYNAMO_DISABLE=1)",
-        "attention_softmax_in_fp32": "True: FusedScaleMaskSoftmax's unfused path upcasts bf16 scores (no-op in fp32/64)",
+        "attention_softmax_in_fp32": "True: FusedScaleMaskSoftmax's unfused path upcasts bf16 scores "
+                                     "(no-op in fp32/64)",
         "masked_softmax_fusion": "False: the torch softmax path (the fused kernels are CUDA extensions)",
         "apply_rope_fusion": "False: unfused MLA RoPE (_apply_rotary_pos_emb_bshd, de-interleaving HF's rope dims)",
         "cross_entropy_loss_fusion": "False: tensor_parallel.vocab_parallel_cross_entropy (fp32 logits)",
@@ -193,7 +196,8 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
                                              if model.get("n_shared_experts") else None),
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
         moe_router_topk_scaling_factor=float(model.get("routed_scaling_factor", 1.0)),
-        moe_router_num_groups=n_group if n_group > 1 else None, moe_router_group_topk=topk_group if n_group > 1 else None,
+        moe_router_num_groups=n_group if n_group > 1 else None,
+        moe_router_group_topk=topk_group if n_group > 1 else None,
         moe_router_dtype=router_dtype, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False,
