@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens = [int(t) for t in args.sweep_tokens.split(",")]
             results["sweep"] = measure_sweep(repo, args.python, tokens, Path(scratch), args.sweep_args.split())
             s = results["sweep"]
-            print(f"sweep of {s['cells']} token counts: {s['sweep_s']:.1f} s, {s['wall_per_cell_s']:.2f} s per cell, "
-                  f"framework work {s['framework_work_per_cell_s']:.2f} s per cell; verdicts {s['verdicts']}")
+            print(f"sweep of {s['cells']} token counts: {s['sweep_s']:.1f} s, {s['wall_per_cell_s']:.2f} s per cell "
+                  f"({s['cpu_s'] / s['cells']:.2f} CPU s per cell), framework work "
+                  f"{s['framework_work_per_cell_s']:.2f} s per cell; verdicts {s['verdicts']}")
     print(f"{'ratio (wall unless cpu:)':<30} {'measured':>9} {'goal':>6}")
     for name, goal in GOALS.items():
         values = ([r[name] for r in results["rounds"]] if name != "sweep cell / framework work"
