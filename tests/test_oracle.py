@@ -13,6 +13,8 @@ from fractions import Fraction
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from harness.case.ops import OPS
@@ -249,3 +251,25 @@ def test_ties_broken_by_a_tiny_tail_or_kept():
         for j in range(right.shape[1]):
             want = nearest_even(exact_dot(left[i], right[:, j]), dtype)
             assert got[i, j].view(np.uint16) == want.view(np.uint16)[0], (i, j)
+
+
+def test_an_infinite_input_gives_ieee_infinity_not_a_crash():
+    left = np.array([[np.inf, 1.0, 2.0**40], [1.0, 2.0, 0.0]])
+    right = np.array([[1.0, 0.0], [1.0, 1.0], [2.0**40, -(2.0**40)]])  # 2**80 terms: the bound straddles
+    got, _ = oracle.correctly_rounded_product(left, right, None, np.dtype(np.float32))
+    assert got[0, 0] == np.inf and np.isnan(got[0, 1])  # inf * 0 is NaN, as IEEE says
+    assert got[1, 0] == 3.0 and got[1, 1] == 2.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2**23, 2**23), st.integers(-149, 104), st.integers(-2**23, 2**23),
+                          st.integers(-149, 104)), min_size=1, max_size=12))
+def test_exact_sums_of_random_fp32_products_match_fractions(pairs):
+    """Products of two fp32 values (24-bit integers times powers of two, subnormals included), any mix of signs
+    and exponents: the digit sums rounded to odd equal the Fraction sum rounded to odd by hand."""
+    terms = np.array([[math.ldexp(a, ea) * math.ldexp(b, eb) for a, ea, b, eb in pairs]])
+    assert np.isfinite(terms).all()
+    got = exact.exact_sums_rounded_to_odd(terms)[0]
+    want = nearest_odd_53(sum((Fraction(math.ldexp(a, ea)) * Fraction(math.ldexp(b, eb)) for a, ea, b, eb in pairs),
+                              Fraction(0)))
+    assert np.float64(got).view(np.uint64) == np.float64(want).view(np.uint64)

@@ -101,9 +101,10 @@ def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.nda
     gemm_rows = max(1, GEMM_ELEMENTS // max(cols, 1))
     pass_rows = max(1, PASS_ELEMENTS // max(cols, 1))
     for start in range(0, rows, gemm_rows):
-        approx = left[start:start + gemm_rows] @ right
-        if shift is not None:
-            approx += shift
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite inputs give IEEE's inf and NaN
+            approx = left[start:start + gemm_rows] @ right
+            if shift is not None:
+                approx += shift
         near, unsettled = [], []  # (row, col) within `approx` of elements the screen leaves to round_once / the test
         for offset in range(0, approx.shape[0], pass_rows):
             value = approx[offset:offset + pass_rows]
@@ -238,7 +239,12 @@ def exact_dot_rounded(left: np.ndarray, right: np.ndarray, shift: np.ndarray | N
         terms = left[rows] * right[:, cols].T  # exact: products of two <= 24-bit significands
         if shift is not None:
             terms = np.concatenate([terms, shift[cols][:, None]], axis=1)
-        results.append(round_once(exact_sums_rounded_to_odd(terms), dtype))
+        finite = np.isfinite(terms).all(axis=1)
+        sums = np.empty(len(rows))
+        sums[finite] = exact_sums_rounded_to_odd(terms[finite])
+        with np.errstate(invalid="ignore"):
+            sums[~finite] = terms[~finite].sum(axis=1)  # an infinity or NaN among the inputs: IEEE's answer
+        results.append(round_once(sums, dtype))
     return np.concatenate(results) if results else np.zeros(0, dtype)
 
 
