@@ -13,16 +13,22 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # no display; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
-
-from harness.compare.tensors import TensorComparison  # noqa: E402
+from harness.compare.tensors import TensorComparison
 
 RING_CELLS = 400  # at most this many touched cells get a ring drawn around them
+
+
+def _pyplot():
+    """matplotlib, imported on the first picture: a run without differences never pays its import (seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    return matplotlib, plt, LogNorm
 
 
 def render(tensors: list[TensorComparison], folder: Path) -> dict[str, dict[str, str]]:
@@ -43,6 +49,7 @@ def render(tensors: list[TensorComparison], folder: Path) -> dict[str, dict[str,
 
 
 def mismatch_map_png(tensor: TensorComparison, path: Path) -> None:
+    matplotlib, plt, LogNorm = _pyplot()
     where = tensor.mismatch_map
     share = where.share()
     summary = where.summary()
@@ -85,6 +92,7 @@ def mismatch_map_png(tensor: TensorComparison, path: Path) -> None:
 
 
 def ulp_histogram_png(tensor: TensorComparison, path: Path) -> None:
+    _, plt, _ = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 3.6), dpi=90)
     labels, counts = list(tensor.ulp_histogram), list(tensor.ulp_histogram.values())
     apart = {"±0": tensor.signed_zero_diffs, "NaN": tensor.nan_payload_diffs + tensor.nan_mismatches}
