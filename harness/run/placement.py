@@ -89,6 +89,8 @@ def run_cells(items: Sequence[T], work: Callable[[T], R], *, workers: int, devic
               on_error: Callable[[T, Exception], R] | None = None) -> list[R]:
     """`work(item)` for every item, `workers` at a time, each placed as the module docstring says."""
     workers = max(1, workers)
+    if workers == 1 and gpus is None:  # one cell at a time: today's behaviour, every GPU visible to each cell
+        return [_guarded(work, item, on_error) for item in items]
     pool = GpuPool(visible_gpus() if gpus is None else gpus) if device == "gpu" else None
     if pool is not None and pool.total:
         workers = min(workers, pool.total)
@@ -114,3 +116,12 @@ def run_cells(items: Sequence[T], work: Callable[[T], R], *, workers: int, devic
         return [one(item) for item in items]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cell") as executor:
         return list(executor.map(one, items))
+
+
+def _guarded(work: Callable[[T], R], item: T, on_error: Callable[[T, Exception], R] | None) -> R:
+    try:
+        return work(item)
+    except Exception as error:
+        if on_error is None:
+            raise
+        return on_error(item, error)
