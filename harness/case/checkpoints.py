@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from harness.bits import format_of
+from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
 
 GENERATOR_VERSION = 1
@@ -108,12 +109,16 @@ def generate(case: Case) -> dict[str, np.ndarray]:
     """Each tensor from its own stream, seeded by (case seed, tensor name): adding a tensor moves no other."""
     tensors = {}
     for spec in case.input_specs():
+        if spec.role == "labels":  # the next token of each position; the last predicts nothing (-100)
+            ids = tensors["input_ids"]
+            tensors[spec.name] = np.concatenate([ids[1:], np.array([-100], dtype=np.int64)])
+            continue
         dist = case.tensors[spec.name]
         rng = np.random.default_rng([case.seed, zlib.crc32(spec.name.encode())])
         if dist["dist"] == "randint":
             tensors[spec.name] = rng.integers(0, int(dist["high"]), spec.shape, dtype=np.int64)
             continue
-        dtype = format_of(spec.dtype or case.dtype).float_dtype
+        dtype = format_of(resolve_dtype(spec.dtype, case.dtype)).float_dtype
         if dist["dist"] == "normal":
             values = rng.standard_normal(spec.shape, dtype=np.float32) * dist["std"] + dist["mean"]
         else:

@@ -10,16 +10,38 @@ Canonical layout is Megatron's: a linear weight is ``[out, in]``; activations ar
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from harness.case import models
+
+
+# A spec dtype meaning "float32, or float64 in a float64 case" (routing probabilities, the loss, the expert bias).
+FLOAT32_OR_WIDER = "float32+"
+
+
+def resolve_dtype(spec_dtype: str | None, case_dtype: str) -> str:
+    """A tensor's dtype name: the spec's own, the case's (None), or float32 widened for a float64 case."""
+    if spec_dtype is None:
+        return case_dtype
+    if spec_dtype == FLOAT32_OR_WIDER:
+        return "float64" if case_dtype == "float64" else "float32"
+    return spec_dtype
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    role: str  # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "output"
+    # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "labels" (derived from the
+    # ids: next token, -100 at the end) | "output"
+    role: str
     dtype: str | None = None  # None: the case's dtype; else fixed (fp32 router probabilities, int64 ids)
     high: int = 0  # for integer tensors: values are drawn from [0, high)
+    # Outputs only: written only when it exists on that side (a routed expert's output exists only when the expert
+    # got tokens); a shape dim of -1 depends on the data.
+    optional: bool = False
+    # Inputs: the distribution when the case states none (else the role's default), e.g. norm weights near 1.
+    default_dist: dict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -40,7 +62,7 @@ class OpSpec:
     shape_fields: tuple[str, ...]
     inputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     outputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
-    tp_split_field: str  # the shape field that tensor parallelism divides
+    tp_split_field: str | None  # the shape field that tensor parallelism divides (None: TP=1 only)
     # Canonical dim each input and output is split on across tensor-parallel ranks, None where every rank
     # holds the whole tensor (replicated, or already all-reduced); the harness gathers shards with it.
     partition: Callable[[Mapping[str, object]], dict[str, int | None]] = lambda config: {}
@@ -238,3 +260,136 @@ OPS: dict[str, OpSpec] = {
     "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
                                 "ffn_hidden_size", stages=_mlp_stages),
 }
+
+
+# --- the model level: a whole causal LM (docs/model-contract.md) ----------------------------------------------------
+# Shapes come from the case's `config.model` (HF DeepseekV3Config names, every default resolved by the registry).
+
+NORM_DIST = {"dist": "normal", "mean": 1.0, "std": 0.02}  # RMSNorm weights near 1
+EXPERT_BIAS_DIST = {"dist": "normal", "mean": 0.0, "std": 0.01}  # the routing bias: small, float32
+
+
+def model_of(config: Mapping[str, object]) -> dict:
+    return dict(config["model"])  # type: ignore[arg-type]
+
+
+def causal_lm_parameters(m: Mapping) -> list[tuple[str, tuple[int, ...], str]]:
+    """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | norm | embedding |
+    router | expert_bias."""
+    h, heads = m["hidden_size"], m["num_attention_heads"]
+    qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    params = [("model.embed_tokens.weight", (m["vocab_size"], h), "embedding")]
+    for layer in range(m["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        params += [
+            (p + "input_layernorm.weight", (h,), "norm"),
+            (p + "self_attn.q_a_proj.weight", (m["q_lora_rank"], h), "linear"),
+            (p + "self_attn.q_a_layernorm.weight", (m["q_lora_rank"],), "norm"),
+            (p + "self_attn.q_b_proj.weight", (heads * qk, m["q_lora_rank"]), "linear"),
+            (p + "self_attn.kv_a_proj_with_mqa.weight", (m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "linear"),
+            (p + "self_attn.kv_a_layernorm.weight", (m["kv_lora_rank"],), "norm"),
+            (p + "self_attn.kv_b_proj.weight", (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]),
+             "linear"),
+            (p + "self_attn.o_proj.weight", (h, heads * m["v_head_dim"]), "linear"),
+            (p + "post_attention_layernorm.weight", (h,), "norm"),
+        ]
+        if layer < m["first_k_dense_replace"]:
+            f = m["intermediate_size"]
+            params += [(p + f"mlp.{n}_proj.weight", (f, h), "linear") for n in ("gate", "up")]
+            params.append((p + "mlp.down_proj.weight", (h, f), "linear"))
+            continue
+        e, f, fs = m["n_routed_experts"], m["moe_intermediate_size"], m["moe_intermediate_size"] * m["n_shared_experts"]
+        params += [(p + "mlp.gate.weight", (e, h), "router"), (p + "mlp.gate.e_score_correction_bias", (e,), "expert_bias")]
+        for expert in range(e):
+            q = p + f"mlp.experts.{expert}."
+            params += [(q + "gate_proj.weight", (f, h), "linear"), (q + "up_proj.weight", (f, h), "linear"),
+                       (q + "down_proj.weight", (h, f), "linear")]
+        params += [(p + f"mlp.shared_experts.{n}_proj.weight", (fs, h), "linear") for n in ("gate", "up")]
+        params.append((p + "mlp.shared_experts.down_proj.weight", (h, fs), "linear"))
+    params += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (m["vocab_size"], h), "linear")]
+    return params
+
+
+def causal_lm_gradients(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
+    """Canonical gradient names (gate and up fused as Megatron fuses them) and shapes, in backward order."""
+    grads: list[tuple[str, tuple[int, ...]]] = []
+    pending: list[tuple[str, tuple[int, ...]]] = []
+    for name, shape, kind in causal_lm_parameters(m):
+        if kind == "expert_bias" or name.endswith("up_proj.weight"):
+            continue  # no gradient; up_proj is fused into gate_proj's entry
+        if name.endswith("gate_proj.weight"):
+            name, shape = name.replace("gate_proj", "gate_up_proj"), (2 * shape[0], shape[1])
+        pending.append((name, shape))
+    # backward order: the reverse of the forward order, except that each MoE layer's experts stay ascending
+    # (down_proj before gate_up_proj: autograd meets fc2 first) so the report reads expert by expert.
+    i = len(pending) - 1
+    while i >= 0:
+        name, shape = pending[i]
+        if ".mlp.experts." in name:
+            j = i
+            while j >= 0 and ".mlp.experts." in pending[j][0]:
+                j -= 1
+            block = pending[j + 1:i + 1]
+            for k in range(0, len(block), 2):
+                grads += [block[k + 1], block[k]]
+            i = j
+            continue
+        grads.append((name, shape))
+        i -= 1
+    return [("grad." + n, s) for n, s in grads]
+
+
+def causal_lm_modules(m: Mapping, tokens: int) -> list[TensorSpec]:
+    """Module outputs in forward order (canonical HF module paths)."""
+    h, heads, t = m["hidden_size"], m["num_attention_heads"], tokens
+    qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    probs_dtype = FLOAT32_OR_WIDER
+    specs = [TensorSpec("module.model.embed_tokens", (t, h), "output")]
+    for layer in range(m["num_hidden_layers"]):
+        p = f"module.model.layers.{layer}."
+        specs += [TensorSpec(p + name, (t, width), "output") for name, width in (
+            ("input_layernorm", h), ("self_attn.q_a_proj", m["q_lora_rank"]),
+            ("self_attn.q_a_layernorm", m["q_lora_rank"]), ("self_attn.q_b_proj", heads * qk),
+            ("self_attn.kv_a_proj_with_mqa", m["kv_lora_rank"] + m["qk_rope_head_dim"]),
+            ("self_attn.kv_a_layernorm", m["kv_lora_rank"]),
+            ("self_attn.kv_b_proj", heads * (m["qk_nope_head_dim"] + m["v_head_dim"])),
+            ("self_attn.core_attention", heads * m["v_head_dim"]), ("self_attn.o_proj", h),
+            ("post_attention_layernorm", h))]
+        if layer < m["first_k_dense_replace"]:
+            f = m["intermediate_size"]
+            specs += [TensorSpec(p + "mlp.gate_up_proj", (t, 2 * f), "output"),
+                      TensorSpec(p + "mlp.act", (t, f), "output"), TensorSpec(p + "mlp.down_proj", (t, h), "output")]
+        else:
+            e = m["n_routed_experts"]
+            specs += [TensorSpec(p + "mlp.gate.topk_indices", (t, m["num_experts_per_tok"]), "output", "int64"),
+                      TensorSpec(p + "mlp.gate.probs", (t, e), "output", probs_dtype)]
+            specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(e)]
+            specs += [TensorSpec(p + "mlp.shared_experts", (t, h), "output"), TensorSpec(p + "mlp", (t, h), "output")]
+        specs.append(TensorSpec(p.rstrip("."), (t, h), "output"))
+    specs.append(TensorSpec("module.model.norm", (t, h), "output"))
+    return specs
+
+
+def _causal_lm_inputs(shapes, tokens, config):
+    m = model_of(config)
+    specs = []
+    for name, shape, kind in causal_lm_parameters(m):
+        if kind == "expert_bias":
+            specs.append(TensorSpec(name, shape, "weight", FLOAT32_OR_WIDER, default_dist=EXPERT_BIAS_DIST))
+        else:
+            specs.append(TensorSpec(name, shape, "weight", default_dist=NORM_DIST if kind == "norm" else None))
+    return specs + [TensorSpec("input_ids", (tokens,), "ids", "int64", high=m["vocab_size"]),
+                    TensorSpec("labels", (tokens,), "labels", "int64")]
+
+
+def _causal_lm_outputs(shapes, tokens, config):
+    """Forward (module outputs, logits, loss), then backward (every parameter gradient): topological order."""
+    m = model_of(config)
+    loss_dtype = FLOAT32_OR_WIDER
+    return [*causal_lm_modules(m, tokens), TensorSpec("logits", (tokens, m["vocab_size"]), "output"),
+            TensorSpec("loss", (), "output", loss_dtype),
+            *(TensorSpec(name, shape, "output") for name, shape in causal_lm_gradients(m))]
+
+
+OPS["causal_lm"] = OpSpec("causal_lm", (), _causal_lm_inputs, _causal_lm_outputs, None)
+MODEL_OPS = ("causal_lm",)

@@ -14,18 +14,21 @@ from typing import Any
 
 import tomllib
 
+from harness.case import models
 from harness.case import tolerance as tolerance_policy
-from harness.case.ops import OPS, OpSpec
+from harness.case.ops import MODEL_OPS, OPS, OpSpec, resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
-WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32}
+WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
 DTYPES = tuple(WIDTHS)
 TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
 # oracle: the exact result, framework-free (harness.runners.oracle).
-RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle")
+# *_model: whole-model runners (op causal_lm, docs/model-contract.md): Megatron-Core GPTModel, HF transformers
+# DeepseekV3ForCausalLM (torch), Paddle's DeepseekV3.
+RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model", "hf_model", "paddle_model")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
 DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}, "randint": {"high"}}
@@ -45,6 +48,9 @@ CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
     "deterministic_mode": (bool,),  # Megatron's embedding: weight[ids] instead of F.embedding
     "topk_scaling_factor": (float,),  # MoE router: probabilities scaled after top-k normalisation
     "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
+    # Model cases (op causal_lm): the model's config in HF DeepseekV3Config key names, `family` naming its defaults
+    # and name map (harness/case/models/); every default is resolved when the case is built.
+    "model": (dict,),
 }
 SWIGLU_IMPLS = ("fused", "eager")
 FIELDS = {
@@ -130,6 +136,10 @@ class Case:
         return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
 
     def with_tp(self, tp: int) -> Case:
+        if self.op_spec.tp_split_field is None:
+            if tp != 1:
+                raise CaseError(f"case {self.name!r}: op {self.op} runs at tp=1 only (got tp={tp!r})")
+            return self
         split = self.shapes[self.op_spec.tp_split_field]
         if tp not in TP_SIZES or split % tp:
             raise CaseError(f"case {self.name!r}: tp must be one of {', '.join(map(str, TP_SIZES))} and divide "
@@ -254,13 +264,15 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if tokens <= 0:
         raise f.error("tokens", "must be > 0", tokens)
 
-    shapes = f.get("shapes", dict)
+    shapes = f.get("shapes", dict, {} if not spec.shape_fields else ...)
     if set(shapes) != set(spec.shape_fields):
         raise f.error("shapes", f"op {op} needs exactly {', '.join(spec.shape_fields)}", shapes)
     for key, value in shapes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise f.error(f"shapes.{key}", "must be a positive integer", value)
-    split = shapes[spec.tp_split_field]
+    if spec.tp_split_field is None and tp != 1:
+        raise f.error("tp", f"op {op} runs at tp=1 only", tp)
+    split = shapes[spec.tp_split_field] if spec.tp_split_field else 1
     if split % tp:
         raise f.error(f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split)
 
@@ -269,6 +281,15 @@ def _build(name: str, path: Path, table: dict) -> Case:
         if key not in CONFIG_KNOBS:
             raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
         f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
+    if ("model" in config) != (op in MODEL_OPS):
+        raise f.error("config.model", f"is required for op {op} and only for model ops ({', '.join(MODEL_OPS)})",
+                      config.get("model"))
+    if op in MODEL_OPS:
+        given = config["model"]
+        try:
+            config = {**config, "model": models.resolve_config(given.get("family", "deepseek_v3"), given)}
+        except models.ModelConfigError as error:
+            raise f.error("config.model", str(error), given) from None
     if config.get("swiglu_impl", "fused") not in SWIGLU_IMPLS:
         raise f.error("config.swiglu_impl", f"must be one of {', '.join(SWIGLU_IMPLS)}", config["swiglu_impl"])
 
@@ -282,7 +303,12 @@ def _build(name: str, path: Path, table: dict) -> Case:
         given = tensors_table.get(tensor_name, {})
         if not isinstance(given, dict):
             raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
-        default = {"dist": "randint", "high": input_spec.high} if role == "ids" else DEFAULT_DISTRIBUTION[role]
+        if role == "labels":  # derived from the ids (checkpoints.generate), no distribution of its own
+            if tensor_name in tensors_table:
+                raise f.error(f"tensors.{tensor_name}", "is derived from the ids (next token), not drawn", given)
+            continue
+        default = ({"dist": "randint", "high": input_spec.high} if role == "ids"
+                   else input_spec.default_dist or DEFAULT_DISTRIBUTION[role])
         merged = {**default, **given}
         if (merged["dist"] == "randint") != (role == "ids") or (
                 role == "ids" and not 0 < _number(merged.get("high")) <= input_spec.high):
@@ -308,7 +334,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
         tensors=tensors, runners=runners, devices=devices,
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config), tolerance is not None),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
-                              {s.name: WIDTHS.get(s.dtype or dtype, 0) for s in input_specs}),
+                              {s.name: WIDTHS.get(resolve_dtype(s.dtype, dtype), 0) for s in input_specs}),
         weights_from=_weight_import(f, input_roles), tolerance=tolerance,
     )
 
@@ -381,8 +407,8 @@ def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, widths: dic
     if side not in ("a", "b"):
         raise f.error("perturb.side", "must be 'a' or 'b'", side)
     tensor = f.get("tensor", str, where=table, label="perturb.tensor")
-    if tensor not in input_roles or input_roles[tensor] == "ids":
-        floats = [n for n, r in input_roles.items() if r != "ids"]
+    if tensor not in input_roles or input_roles[tensor] in ("ids", "labels"):
+        floats = [n for n, r in input_roles.items() if r not in ("ids", "labels")]
         raise f.error("perturb.tensor", f"no such floating-point input; inputs: {', '.join(floats)}", tensor)
     index = tuple(f.get("index", list, where=table, label="perturb.index"))
     shape = input_shapes[tensor]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
+from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
 from harness.run import launch, shards
 from harness.run.kernels import onednn_kernels
@@ -192,9 +193,13 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
         return str(error)
     for spec in case.output_specs():
         if spec.name not in tensors:
-            return f"{side.outputs} lacks tensor {spec.name!r} (has {sorted(tensors)})"
-        array, dtype = tensors[spec.name], spec.dtype or case.dtype
-        if tuple(array.shape) != spec.shape or array.dtype.name != dtype:
+            if spec.optional:
+                continue
+            return f"{side.outputs} lacks tensor {spec.name!r} (has {len(tensors)} tensors)"
+        array, dtype = tensors[spec.name], resolve_dtype(spec.dtype, case.dtype)
+        shape_ok = len(array.shape) == len(spec.shape) and all(
+            want in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True))
+        if not shape_ok or array.dtype.name != dtype:
             return (f"{side.outputs}: tensor {spec.name!r} is {array.dtype.name}{list(array.shape)}, "
                     f"expected {dtype}{list(spec.shape)}")
     return ""
