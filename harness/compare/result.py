@@ -33,6 +33,7 @@ class CaseResult:
     harness: dict = field(default_factory=dict)
     first_divergence: str | None = None  # first differing output in the op's topological order
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
+    model: dict = field(default_factory=dict)  # model cases: harness.compare.model.summarise (+ "semantic")
     started_at: str = ""
     finished_at: str = ""
 
@@ -55,7 +56,7 @@ class CaseResult:
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
             "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
-            "first_divergence": self.first_divergence, "refeed": self.refeed,
+            "first_divergence": self.first_divergence, "refeed": self.refeed, "model": self.model,
         }
 
 

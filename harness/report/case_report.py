@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from harness.compare import model as model_level
 from harness.compare import refeed
 from harness.compare.result import CaseResult
 from harness.report import html as report_html
@@ -34,6 +35,7 @@ def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = Non
              f"- verdict: **{result.verdict}** (exit code {result.exit_code}): {result.message}"]
     if result.first_divergence:
         lines.append(f"- first divergence (outputs in topological order): `{result.first_divergence}`")
+    lines += _model_lines(data)
     expectation = data["expectation"]
     if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
@@ -69,7 +71,7 @@ def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = Non
                   "| tensor | status | dtype | shape | mismatches | share | max ULP | p99 ULP | sign flips | "
                   "max abs err | max rel err | max err in ULPs at scale | ±0 diffs | NaN diffs | first mismatch |",
                   "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for t in data["tensors"]:
+        for t in model_level.group_rows(data["tensors"]) if data.get("model") else data["tensors"]:
             first = t["first_mismatch"]
             where = f"{first['index']}: {first['a_bits']} vs {first['b_bits']}" if first else ""
             lines.append(
@@ -102,6 +104,30 @@ def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = Non
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _model_lines(data: dict) -> list[str]:
+    """Model cases: how many of the canonical gradients and module outputs are bitwise equal, where they part."""
+    summary = data.get("model") or {}
+    if not summary:
+        return []
+    g, m = summary["gradients"], summary["module_outputs"]
+    lines = [f"- **{g['bitwise_pass']} of {g['total']} canonical gradients BITWISE_PASS**; "
+             f"**{m['bitwise_pass']} of {m['compared']} module outputs compared BITWISE_PASS** "
+             f"({m['not_compared']} not compared); logits {summary['logits']}, loss {summary['loss']}"]
+    if summary["first_divergence"]:
+        lines.append(f"- first divergence (forward, then backward): module `{summary['first_divergence_module']}` "
+                     f"(`{summary['first_divergence']}`); first gradient: `{summary['first_gradient_divergence']}`")
+    for name, why in summary["not_compared"].items():
+        lines.append(f"- not compared: `{name}`: {why}")
+    semantic = summary.get("semantic")
+    if semantic:
+        state = ("passed" if semantic["ok"] else f"FAILED: mapping error at `{semantic['first_mismatch']}` "
+                 f"(module `{semantic['first_module']}`)")
+        lines.append(f"- float64 semantic check {state}: max relative error at scale "
+                     f"{semantic['max_relative_error']:.3g} (limit {semantic['agreement']:.0e}"
+                     + (f"; floors stated for {len(semantic['floors'])} tensors" if semantic["floors"] else "") + ")")
+    return lines
+
+
 def _tensor_parallel_lines(data: dict) -> list[str]:
     """How the sides were launched and gathered, and, for a TP=N vs TP=M run, which tensors are TP-invariant."""
     lines = []
@@ -132,10 +158,11 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     for column in ("tensor", "status", "mismatches", "share", "max ULP", "p99 ULP", "sign flips",
                    "max abs err", "ULPs at scale"):
         table.add_column(column, justify="left" if column in ("tensor", "status") else "right")
-    for t in result.tensors:
-        table.add_row(t.name, t.status, str(t.mismatches), f"{t.mismatch_share:.4%}", str(t.max_ulp),
-                      str(t.p99_ulp), str(t.sign_flips), f"{t.max_abs_error:.3g}", f"{t.max_error_in_scale_ulps:.3g}",
-                      style="green" if t.status == "EQUAL" else "red")
+    rows = [t.to_dict() for t in result.tensors]
+    for t in model_level.group_rows(rows) if result.model else rows:
+        table.add_row(t["name"], t["status"], str(t["mismatches"]), f"{t['mismatch_share']:.4%}", str(t["max_ulp"]),
+                      str(t["p99_ulp"]), str(t["sign_flips"]), f"{t['max_abs_error']:.3g}",
+                      f"{t['max_error_in_scale_ulps']:.3g}", style="green" if t["status"] == "EQUAL" else "red")
     if result.tensors:
         out.print(table)
     for side in result.sides:
@@ -147,6 +174,8 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
     if result.first_divergence:
         out.print(f"first divergence: {result.first_divergence}")
+    for line in _model_lines(result.to_dict()):
+        out.print(escape(line.lstrip("- ").replace("**", "").replace("`", "")), highlight=False)
     if result.refeed.get("stages"):
         out.print(f"re-feed: first tensor made locally: {result.refeed['first_local_divergence'] or 'none'}")
         for name, how in result.refeed["tensors"].items():

@@ -14,7 +14,14 @@ def console_lines(data: dict) -> list[str]:
     """One line per tensor: who is closer to the oracle; one per unstable side; the tolerance outcome."""
     lines = []
     oracle = data.get("versus_oracle") or {}
-    if oracle.get("status") == "ok":
+    if oracle.get("status") == "ok" and data.get("model"):  # hundreds of tensors: counts only
+        for label, side in oracle["sides"].items():
+            equal = sum(1 for t in side["tensors"] if t["status"] == "EQUAL")
+            lines.append(f"side {label} ({side['runner']}) vs the float64 truth: {equal} of {len(side['tensors'])} "
+                         "tensors equal to the truth rounded once")
+        votes = list(oracle["closer"].values())
+        lines.append("closer to the truth: " + ", ".join(f"{v} on {votes.count(v)}" for v in sorted(set(votes))))
+    elif oracle.get("status") == "ok":
         for label, side in oracle["sides"].items():
             counts = ", ".join(f"{t['name']} {t['mismatches']} (max {t['max_ulp']} ULP)" for t in side["tensors"])
             lines.append(f"side {label} ({side['runner']}) vs oracle, differing elements: {counts}")
@@ -39,20 +46,47 @@ def _versus_oracle(data: dict) -> list[str]:
     lines = ["", "## Distance from the truth oracle", ""]
     if oracle["status"] != "ok":
         return lines + [f"No oracle result ({oracle['status']}): {oracle['reason']}"]
-    lines += ["Each side against the exact result (float64 accumulation from the same input bits, rounded once; "
-              "see `harness/runners/oracle.py`). Closer: fewer differing elements, then the smaller max abs error.",
+    truth = oracle.get("truth") or ("the exact result (float64 accumulation from the same input bits, rounded once; "
+                                    "see `harness/runners/oracle.py`)")
+    lines += [f"Each side against {truth}. Closer: fewer differing elements, then the smaller max abs error.",
               "",
               "| tensor | side | mismatches | share | max ULP | ULP histogram | max abs err | max err in ULPs at scale "
               "| closer |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
-    names = [t["name"] for side in oracle["sides"].values() for t in side["tensors"]]
+    rows = {label: _rows(data, side["tensors"]) for label, side in oracle["sides"].items()}
+    if data.get("model"):  # expert families folded into one row; closer: the side closer on more members
+        closer_of = _family_closer(oracle["closer"])
+    else:
+        closer_of = oracle["closer"]
+    names = [t["name"] for side_rows in rows.values() for t in side_rows]
     for name in dict.fromkeys(names):
         for label, side in oracle["sides"].items():
-            t = next(t for t in side["tensors"] if t["name"] == name)
-            closer = oracle["closer"].get(name, "")
+            t = next(t for t in rows[label] if t["name"] == name)
+            closer = closer_of.get(name, "")
             lines.append(f"| {name} | {label} ({side['runner']}) | {t['mismatches']} | {t['mismatch_share']:.4%} | "
                          f"{t['max_ulp']} | {_histogram(t['ulp_histogram'])} | {t['max_abs_error']:.3g} | "
                          f"{t['max_error_in_scale_ulps']:.3g} | {'closer' if label == closer else ''} |")
     return lines
+
+
+def _rows(data: dict, tensors: list[dict]) -> list[dict]:
+    from harness.compare.model import group_rows
+    return group_rows(tensors) if data.get("model") else tensors
+
+
+def _family_closer(closer: dict) -> dict:
+    from harness.compare.model import family
+    votes: dict[str, dict[str, int]] = {}
+    for name, label in closer.items():
+        key = family(name)
+        if key is not None:
+            votes.setdefault(key, {}).setdefault(label, 0)
+            votes[key][label] += 1
+    folded = {k: v for k, v in closer.items() if family(k) is None}
+    for key, count in votes.items():
+        members = sum(count.values())
+        best = max(count, key=count.get)
+        folded[f"{key} ({members} tensors)"] = best if best != "tie" else "tie"
+    return folded
 
 
 def _tolerance(data: dict) -> list[str]:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -83,6 +83,7 @@ class SideSpec(NamedTuple):
     inputs: Path
     tp: int
     folder: str  # its folder under the run directory
+    dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None) -> list[SideSpec]:
@@ -98,16 +99,17 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
     for side in sides:
         folder = run_dir / side.folder
         folder.mkdir(parents=True)
-        request = _request(case, side.inputs, device, folder, side.tp)
+        side_case = replace(case, dtype=side.dtype) if side.dtype else case
+        request = _request(side_case, side.inputs, device, folder, side.tp)
         label, runner, tp = side.label, side.runner, side.tp
         (folder / "request.json").write_text(json.dumps(request, indent=2))
         python = runner_python(runner, pythons)
-        started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))
+        started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp), side_case))
     deadline = time.monotonic() + timeout
     # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's descendants
     # are watched from the start (a rank re-parented while we waited on another side would be missed).
     with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
-        return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
+        return list(waiters.map(lambda s: _finish(*s[:6], deadline, timeout, s[6]), started))
 
 
 def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,

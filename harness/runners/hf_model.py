@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -122,12 +123,17 @@ def run(request: dict, phases: Phases) -> dict:
         "adapters": [],
         "knobs": {k: {"value": v, "why": why} for k, (v, why) in KNOBS.items()},
         "float64_mode": float64_mode,
-        "not_captured": cap.not_captured,
+        "not_captured": group_by_expert(cap.not_captured),
         "zero_grads": cap.zero_grads,
         "routing": {f"layer {layer}": {"experts_with_tokens": int(torch.unique(idx).numel())}
                     for layer, (idx, _) in gates.items()},
         "determinism": determinism, **torch_env.provenance(device),
     }
+
+
+def group_by_expert(names: dict[str, str]) -> dict[str, str]:
+    """{name: why} with the per-expert names folded into one `{E}` pattern (name-map syntax) each."""
+    return {re.sub(r"\.experts\.\d+(?=\.|$)", ".experts.{E}", name): why for name, why in names.items()}
 
 
 def hf_config(m: dict, hf):

@@ -158,6 +158,14 @@ class NameMap:
         return default
 
 
+def lookup(table: dict[str, str], name: str) -> str | None:
+    """The value for a concrete `name` in a table keyed by names or name patterns ({L}, {E}, *): e.g. a runner's
+    ``not_captured``."""
+    if name in table:
+        return table[name]
+    return next((value for key, value in table.items() if _pattern(key).fullmatch(name)), None)
+
+
 def expand_stack(rule: Rule) -> list[list[str]]:
     """Per expert, the source names of a stack rule."""
     return [[s.replace("{E}", str(e)) for s in rule.sources] for e in range(rule.experts)]
