@@ -199,3 +199,25 @@ def test_summary_counts_and_first_divergence_as_a_module_path(case):
     assert summary["first_gradient_divergence"] == "grad.model.layers.1.mlp.experts.3.gate_up_proj.weight"
     assert summary["not_compared"] == {"module.model.layers.1.mlp.experts.* (2)": "fused"}
     assert OPS["causal_lm"].tp_split_field is None
+
+
+def test_weights_from_an_hf_checkpoint_are_sliced_to_the_cases_experts(tmp_path):
+    from safetensors.numpy import save_file
+
+    from harness.case.checkpoints import CheckpointError, load_tensors, prepare
+    case = Registry.load().get("kimi_k2_2layer_fp32").with_tokens(4)
+    ours = generate(case)
+    theirs = {name: array for name, array in ours.items() if name not in ("input_ids", "labels")}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    theirs["model.layers.1.mlp.gate.weight"] = np.concatenate([theirs["model.layers.1.mlp.gate.weight"]] * 2)
+    theirs[bias] = np.concatenate([theirs[bias], np.ones(384, np.float32)])
+    theirs["model.layers.1.mlp.experts.384.down_proj.weight"] = np.zeros((256, 32), np.float32)  # beyond the case
+    theirs["model.layers.0.mlp.down_proj.weight"] = theirs["model.layers.0.mlp.down_proj.weight"] * 2
+    save_file(theirs, str(tmp_path / "model.safetensors"))
+    loaded = load_tensors(prepare(case, tmp_path / "ckpt", str(tmp_path / "model.safetensors")).path)
+    assert np.array_equal(loaded[bias], ours[bias]) and loaded["model.layers.1.mlp.gate.weight"].shape == (384, 256)
+    assert np.array_equal(loaded["model.layers.0.mlp.down_proj.weight"], ours["model.layers.0.mlp.down_proj.weight"] * 2)
+    del theirs["lm_head.weight"]
+    save_file(theirs, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'"):
+        prepare(case, tmp_path / "ckpt", str(tmp_path / "partial.safetensors"))

@@ -21,8 +21,14 @@ VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED"
                  "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}
 
 
+MODEL_PICTURES = 6  # a model case: pictures of its first differing tensors only (hundreds can differ)
+
+
 def write(result: CaseResult, run_dir: Path) -> None:
-    figures = pictures.render(result.tensors, run_dir / "pictures")
+    tensors = result.tensors
+    if result.model:
+        tensors = [t for t in tensors if t.mismatch_map is not None][:MODEL_PICTURES]
+    figures = pictures.render(tensors, run_dir / "pictures")
     (run_dir / "report.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     (run_dir / "report.md").write_text(markdown(result, figures))
     report_html.write(result, run_dir, figures)
