@@ -54,9 +54,11 @@ def compare_outputs(case: Case, sides: list[SideResult]) -> tuple[list[TensorCom
             both.append(spec.name)
         elif not any(present):
             whys = [(side, lookup(side.meta.get("not_captured", {}), spec.name)) for side in sides]
-            blind = [f"side {side.label} ({side.runner}): {why}" for side, why in whys if why is not None]
-            skipped[spec.name] = ("not captured by " + "; ".join(blind) if blind
-                                  else "written by neither side: the expert got no tokens")
+            blind = {why: [f"{side.label} ({side.runner})" for side, w in whys if w == why]
+                     for _, why in whys if why is not None}
+            skipped[spec.name] = ("; ".join(f"not captured by side {' and '.join(who)}: {why}"
+                                            for why, who in blind.items())
+                                  or "written by neither side: the expert got no tokens")
         else:
             writer, other = (sides[0], sides[1]) if present[0] else (sides[1], sides[0])
             why = lookup(other.meta.get("not_captured", {}), spec.name)
