@@ -216,7 +216,8 @@ def test_weights_from_an_hf_checkpoint_are_sliced_to_the_cases_experts(tmp_path)
     save_file(theirs, str(tmp_path / "model.safetensors"))
     loaded = load_tensors(prepare(case, tmp_path / "ckpt", str(tmp_path / "model.safetensors")).path)
     assert np.array_equal(loaded[bias], ours[bias]) and loaded["model.layers.1.mlp.gate.weight"].shape == (384, 256)
-    assert np.array_equal(loaded["model.layers.0.mlp.down_proj.weight"], ours["model.layers.0.mlp.down_proj.weight"] * 2)
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert np.array_equal(loaded[down], ours[down] * 2)
     del theirs["lm_head.weight"]
     save_file(theirs, str(tmp_path / "partial.safetensors"))
     with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'"):

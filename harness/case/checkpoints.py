@@ -258,7 +258,7 @@ def _import_model_weights(case: Case, weights_file: str) -> dict[str, tuple[np.n
             source["rows"] = [0, spec.shape[0]]
         if tuple(array.shape) != spec.shape:
             raise CheckpointError(f"{files[spec.name]}: tensor {spec.name!r} has shape {list(array.shape)}, case "
-                                  f"{case.name!r} needs {list(spec.shape)} (its config.model must match the checkpoint's)")
+                                  f"{case.name!r} needs {list(spec.shape)} (config.model must match the checkpoint)")
         dtype = format_of(resolve_dtype(spec.dtype, case.dtype)).float_dtype
         converted = np.ascontiguousarray(array.astype(np.float32).astype(dtype) if array.dtype != dtype else array)
         source["sha256"] = tensor_sha256(converted)

@@ -12,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from harness.case import models
-
-
 # A spec dtype meaning "float32, or float64 in a float64 case" (routing probabilities, the loss, the expert bias).
 FLOAT32_OR_WIDER = "float32+"
 
@@ -299,7 +296,8 @@ def causal_lm_parameters(m: Mapping) -> list[tuple[str, tuple[int, ...], str]]:
             params.append((p + "mlp.down_proj.weight", (h, f), "linear"))
             continue
         e, f, fs = m["n_routed_experts"], m["moe_intermediate_size"], m["moe_intermediate_size"] * m["n_shared_experts"]
-        params += [(p + "mlp.gate.weight", (e, h), "router"), (p + "mlp.gate.e_score_correction_bias", (e,), "expert_bias")]
+        params += [(p + "mlp.gate.weight", (e, h), "router"),
+                   (p + "mlp.gate.e_score_correction_bias", (e,), "expert_bias")]
         for expert in range(e):
             q = p + f"mlp.experts.{expert}."
             params += [(q + "gate_proj.weight", (f, h), "linear"), (q + "up_proj.weight", (f, h), "linear"),
