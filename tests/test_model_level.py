@@ -1,6 +1,7 @@
 """The model level without running a model: the causal_lm op record (794 gradients), the resolved config, the name
 map, checkpoint generation, the capture API on a small torch module, grouping and the float64 semantic check."""
 
+import math
 import textwrap
 
 import numpy as np
@@ -222,3 +223,21 @@ def test_weights_from_an_hf_checkpoint_are_sliced_to_the_cases_experts(tmp_path)
     save_file(theirs, str(tmp_path / "partial.safetensors"))
     with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'"):
         prepare(case, tmp_path / "ckpt", str(tmp_path / "partial.safetensors"))
+
+
+def test_float64_yarn_tables_are_hfs_formula():
+    """The runner's float64 YaRN inverse frequencies, computed in float32, equal transformers' own (same formula);
+    and the config the runner builds gives HF's mscale-squared softmax scale."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from harness.runners.hf_model import hf_config, yarn_inv_freq
+    m = Registry.load().get("kimi_k2_2layer").config["model"]
+    config = hf_config(m, hf)
+    theirs = hf.DeepseekV3RotaryEmbedding(config)
+    ours, scaling = yarn_inv_freq(config, torch.float32)
+    assert torch.equal(ours, theirs.inv_freq) and scaling == theirs.attention_scaling == 1.0
+    wide, _ = yarn_inv_freq(config)
+    assert wide.dtype == torch.float64 and torch.allclose(wide.float(), ours, rtol=1e-6, atol=0)
+    attention = hf.DeepseekV3Attention(config, 0)
+    mscale = 0.1 * math.log(32) + 1
+    assert attention.scaling == pytest.approx((32 + 16) ** -0.5 * mscale * mscale, rel=1e-15)
