@@ -20,7 +20,7 @@ import pytest
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors
 from harness.case.registry import Perturbation, Registry
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 
 pytestmark = pytest.mark.e2e
 
@@ -36,8 +36,8 @@ def _runner_exists(name: str) -> bool:
 
 
 def _run(name, tmp_path, checkpoints_dir, **kwargs):
-    result, run_dir = compare_case(name, tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir,
-                                   reports_dir=tmp_path / "reports", **kwargs)
+    result, run_dir = compare_case(name, CompareOptions(tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir,
+                                                        reports_dir=tmp_path / "reports", **kwargs))
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-2000:] for s in report["sides"] if s["status"] != "ok")
     return result, run_dir, report, tails
