@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import re
 import time
-import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import paddle
+import tomllib
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "case" / "models"
 
@@ -141,7 +141,7 @@ class Capture:
             array = array[0]  # [1, T, ...] -> [T, ...]; 2-D outputs (router, experts) are already [tokens, ...]
         if name in self.tensors:
             raise RuntimeError(f"{name} observed twice in one forward pass")
-        self.tensors[name] = np.ascontiguousarray(array)
+        self.tensors[name] = np.array(array, order="C", copy=True)  # (ascontiguousarray makes a 0-d array 1-d)
         self.order.append(name)
 
     def add(self, name: str, tensor) -> None:

@@ -117,6 +117,7 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(1, -1))
         labels = paddle.to_tensor(checkpoint["labels"].reshape(1, -1))
     layers, experts = model_config["num_hidden_layers"], model_config.get("n_routed_experts") or 0
+    Path(request["output_dir"]).mkdir(parents=True, exist_ok=True)
     upcast = {}
     with capture(model, os.path.join(request["output_dir"], OUTPUTS), name_map=name_map, layers=layers,
                  experts=experts, cast=lambda name, array: _to_case_dtype(name, array, dtype, upcast)) as cap:
@@ -202,14 +203,33 @@ def _probe_cpu_bf16_matmul() -> None:
 
 
 def _kernel_guard(call, what: str, request):
-    """A kernel Paddle lacks here becomes UNSUPPORTED naming it; anything else is a crash."""
+    """A kernel Paddle lacks here becomes UNSUPPORTED naming it; so does PaddleFormers' MoE in float64 (below);
+    anything else is a crash."""
     try:
         return call()
     except Exception as error:
         if "not registered" in str(error):
             first = next(line.strip() for line in str(error).splitlines() if "not registered" in line)
             raise Unsupported(f"{what} on {request['device']} in {request['dtype']}: {first}") from error
+        if request["dtype"] == "float64" and _raised_in(error, "deepseek_v3/modeling.py", "moe") \
+                and "does not match the type of data" in str(error):
+            raise Unsupported(
+                "PaddleFormers' DeepseekV3MoE.moe cannot run in float64: it accumulates the routed experts into "
+                "zeros_like(hidden_states, dtype=topk_weights.dtype), and the router's weights are float32 by "
+                "construction (scores.cast(float32)), so index_add_ of the float64 expert outputs into that float32 "
+                f"buffer is refused ({str(error).strip().splitlines()[0]}); a float64 case needs dense layers only "
+                "(first_k_dense_replace = num_hidden_layers)") from error
         raise
+
+
+def _raised_in(error: BaseException, file_suffix: str, function: str) -> bool:
+    traceback = error.__traceback__
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if code.co_filename.replace(os.sep, "/").endswith(file_suffix) and code.co_name == function:
+            return True
+        traceback = traceback.tb_next
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
