@@ -125,7 +125,7 @@ def run(request: dict, out_path: str) -> None:
             captured["grad." + name.replace("gate_proj", "gate_up_proj")] = np.concatenate([grad, up], axis=0)
         elif not name.endswith("up_proj.weight") or "gate_up" in name:
             captured["grad." + name] = grad.copy()
-    save_file({k: np.ascontiguousarray(v) for k, v in captured.items()}, out_path)
+    save_file({k: np.array(v, order="C") for k, v in captured.items()}, out_path)  # (ascontiguousarray: 0-d -> 1-d)
 
 
 if __name__ == "__main__":

@@ -98,87 +98,203 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         import paddleformers
         from paddleformers.transformers.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
-        from harness.capture.paddle import capture, load_name_map
+        from harness.capture.paddle import capture, write
     dtype = request["dtype"]
-    model_config = dict(request["config"]["model"])
+    m = dict(request["config"]["model"])
+    if not m.pop("rope_interleave", True):
+        raise Unsupported("rope_interleave = False: PaddleFormers' DeepseekV3 always de-interleaves the rope dims "
+                          "(apply_rotary_pos_emb reshapes [d/2, 2] -> [2, d/2]); it has no non-interleaved path")
+    m.pop("family", None)
     with phases("setup"):
         from safetensors.paddle import load_file
 
         checkpoint = {name: tensor.numpy() for name, tensor in load_file(request["checkpoint"]).items()}
-        config = DeepseekV3Config(**model_config)
+        config = DeepseekV3Config(**m)
         for knob, (value, _) in KNOBS.items():
             setattr(config, knob, value)
         paddle.set_default_dtype(dtype)
         paddle.seed(0)  # construction draws initial weights; all of them are overwritten from the checkpoint
         model = DeepseekV3ForCausalLM(config)
         model.train()  # the training path (dropout is 0): what a training step computes
-        name_map = load_name_map(NAME_MAP, "paddle")
+        name_map = load_name_map()
         loaded = _load_weights(model, checkpoint, name_map)
         input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(1, -1))
         labels = paddle.to_tensor(checkpoint["labels"].reshape(1, -1))
-    layers, experts = model_config["num_hidden_layers"], model_config.get("n_routed_experts") or 0
-    Path(request["output_dir"]).mkdir(parents=True, exist_ok=True)
-    upcast = {}
-    with capture(model, os.path.join(request["output_dir"], OUTPUTS), name_map=name_map, layers=layers,
-                 experts=experts, cast=lambda name, array: _to_case_dtype(name, array, dtype, upcast)) as cap:
+        routers = {layer: _record_router(model.model.layers[layer].mlp.gate)
+                   for layer in range(m["num_hidden_layers"]) if hasattr(model.model.layers[layer].mlp, "gate")}
+    modules, grads = canonical_modules(m), canonical_grads(m)
+    hooked = [name for name in modules if not name.endswith((".gate.topk_indices", ".gate.probs"))]  # recorded
+    with capture(model, None, name_map=name_map, modules=hooked, grads=grads) as cap:
         with phases("forward"):
             out = _kernel_guard(lambda: model(input_ids=input_ids, labels=labels, return_dict=True),
                                 "DeepseekV3ForCausalLM forward", request)
-        cap.add("logits", out.logits[0])
-        cap.add("loss", out.loss.reshape([]))  # a scalar, as the contract writes it
         with phases("backward"):
             _kernel_guard(lambda: out.loss.backward(), "DeepseekV3ForCausalLM backward", request)
-    phases.seconds["write"] = cap.write_seconds  # gradients gathered and the file written on leaving the block
+        cap.record("logits", out.logits[0])
+        cap.record("loss", out.loss.reshape([]))  # a scalar, as the contract writes it
+    with phases("write"):
+        tensors, routed = _routing(cap.tensors, routers, m["n_routed_experts"] if routers else 0)
+        upcast = {}
+        tensors = {name: _to_case_dtype(name, array, dtype, upcast) for name, array in tensors.items()}
+        order = ["module." + x for x in modules] + ["logits", "loss"] + ["grad." + g for g in grads]
+        Path(request["output_dir"]).mkdir(parents=True, exist_ok=True)
+        write(tensors, os.path.join(request["output_dir"], OUTPUTS), order)
     return {
         "implementation": "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM (Paddle dygraph, CPU, "
                           "non-fused paths; PaddleFormers' own CriterionLayer sft loss)",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
         "adapters": [adapter] if adapter else [],
-        "paddlefleet_ops": "stand-in (not installed)" if adapter else "real package",
+        "paddlefleet_ops": "stand-in (harness)" if adapter else "real package",
         "knobs": {knob: {"value": value, "why": why} for knob, (value, why) in KNOBS.items()},
-        "default_dtype": dtype,
+        "name_map": f"{name_map.__class__.__module__}.{name_map.__class__.__name__} [paddle] of {NAME_MAP.name}",
         "weights_loaded": loaded,
         "not_captured": cap.not_captured,
+        "zero_grads": cap.zero_grads,
+        "routing": routed,
         "upcast_exactly": upcast,
-        "captured": len(cap.tensors),
         "use_accuracy_compatible_note": "read by PaddleFleet only; PaddleFormers has no such switch",
     }
 
 
-def _load_weights(model, checkpoint: dict, name_map: dict) -> int:
-    """Every parameter and buffer from the checkpoint through the name map; refuses to run with one left out."""
-    from harness.capture.paddle import pattern_regex
+def canonical_modules(m: dict) -> list[str]:
+    """The contract's module paths in forward order (without "module."; the router's two are recorded apart)."""
+    names = ["model.embed_tokens"]
+    attn = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+            "core_attention", "o_proj"]
+    for layer in range(m["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        names += [f"{p}.input_layernorm", *(f"{p}.self_attn.{a}" for a in attn), f"{p}.post_attention_layernorm"]
+        if layer < m["first_k_dense_replace"]:
+            names += [f"{p}.mlp.gate_up_proj", f"{p}.mlp.act", f"{p}.mlp.down_proj"]
+        else:
+            names += [f"{p}.mlp.gate.topk_indices", f"{p}.mlp.gate.probs"]
+            names += [f"{p}.mlp.experts.{e}" for e in range(m["n_routed_experts"])]
+            names += [f"{p}.mlp.shared_experts", f"{p}.mlp"]
+        names.append(p)
+    return [*names, "model.norm"]
 
-    rules = [(pattern_regex(pattern), pattern, rule) for pattern, rule in name_map["load"].items()]
-    targets = dict(model.named_parameters())
-    targets.update({name: buffer for name, buffer in model.named_buffers() if name.endswith("e_score_correction_bias")})
-    filled = set()
-    for name, array in checkpoint.items():
-        if name in ("input_ids", "labels"):
+
+def canonical_grads(m: dict) -> list[str]:
+    """The contract's gradient names (without "grad."), gate and up fused: 794 for Kimi-K2's 2-layer shape."""
+    names = ["model.embed_tokens.weight"]
+    attn = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    for layer in range(m["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        names += [f"{p}.input_layernorm.weight", *(f"{p}.self_attn.{a}.weight" for a in attn),
+                  f"{p}.post_attention_layernorm.weight"]
+        if layer < m["first_k_dense_replace"]:
+            names += [f"{p}.mlp.gate_up_proj.weight", f"{p}.mlp.down_proj.weight"]
             continue
-        match = next(((m, pattern, rule) for regex, pattern, rule in rules if (m := regex.match(name))), None)
-        if match is None:
-            raise KeyError(f"checkpoint tensor {name!r} matches no [paddle.load] entry of {NAME_MAP}")
-        found, pattern, rule = match
-        target_name = rule.get("to", pattern)
-        for key, value in found.groupdict().items():
-            target_name = target_name.replace("{" + key + "}", value)
-        if target_name not in targets:
-            raise KeyError(f"checkpoint tensor {name!r} -> {target_name!r}: no such parameter or buffer in the model")
-        value = array.T if rule.get("transpose") else array
-        target = targets[target_name]
+        names.append(f"{p}.mlp.gate.weight")
+        for e in range(m["n_routed_experts"]):
+            names += [f"{p}.mlp.experts.{e}.gate_up_proj.weight", f"{p}.mlp.experts.{e}.down_proj.weight"]
+        names += [f"{p}.mlp.shared_experts.gate_up_proj.weight", f"{p}.mlp.shared_experts.down_proj.weight"]
+    return [*names, "model.norm.weight", "lm_head.weight"]
+
+
+def _record_router(gate) -> dict:
+    """The router sublayer's own (indices [T, k], weights [T, k]) output, copied to the host as it leaves forward."""
+    seen = {}
+
+    def hook(_layer, _inputs, output):
+        seen["indices"], seen["weights"] = (np.array(t.detach().cpu().numpy(), copy=True) for t in output[:2])
+
+    gate.register_forward_post_hook(hook)
+    return seen
+
+
+def _routing(tensors: dict, routers: dict, experts: int) -> tuple[dict, dict]:
+    """topk_indices (each row ascending) and probs [T, E] (the weights at their experts, zero elsewhere): a sort and
+    a scatter, exact. Expert outputs are kept only for experts the router chose: PaddleFormers also runs every idle
+    expert once on one zero row (a dummy for the gradient graph), which is no output of the model."""
+    tensors = dict(tensors)
+    summary = {}
+    for layer, seen in routers.items():
+        p = f"module.model.layers.{layer}.mlp"
+        indices, weights = seen["indices"], seen["weights"]
+        tensors[f"{p}.gate.topk_indices"] = np.sort(indices, axis=-1).astype(np.int64)
+        probs = np.zeros((indices.shape[0], experts), dtype=weights.dtype)
+        np.put_along_axis(probs, indices, weights, axis=-1)
+        tensors[f"{p}.gate.probs"] = probs
+        chosen = set(np.unique(indices).tolist())
+        for e in range(experts):
+            if e not in chosen:
+                tensors.pop(f"{p}.experts.{e}", None)
+        summary[f"layer {layer}"] = {"experts_with_tokens": len(chosen)}
+    return tensors, summary
+
+
+class _LocalNameMap:
+    """Reads one section of the name map when the shared reader (``harness.case.models.NameMap``) is not there:
+    the same rule lookup (first pattern that matches, placeholders filled; otherwise "same")."""
+
+    KINDS = ("same", "transpose", "transpose_cat0", "cat0", "cat_last", "slice", "input_of", "output_of",
+             "not_captured")
+
+    def __init__(self, tables: dict):
+        self.tables = tables
+
+    def rule(self, section: str, name: str):
+        import re
+        from types import SimpleNamespace
+
+        for pattern, raw in self.tables.get(section, {}).items():
+            text = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+            match = re.fullmatch(text.replace(r"\*", ".*"), name)
+            if match is None:
+                continue
+            raw = {"same": raw} if isinstance(raw, str) else raw
+            kind = next(k for k in raw if k in self.KINDS)
+            if kind == "not_captured":
+                return SimpleNamespace(kind=kind, sources=(), index=None, why=raw[kind])
+            fill = match.groupdict()
+
+            def filled(template, fill=fill):
+                for key, value in fill.items():
+                    template = template.replace("{" + key + "}", value)
+                return template
+
+            value = raw[kind]
+            sources = tuple(filled(v) for v in ([value] if isinstance(value, str) else value))
+            index = int(filled(str(raw["index"]))) if "index" in raw else None
+            return SimpleNamespace(kind=kind, sources=sources, index=index, why="")
+        return SimpleNamespace(kind="same", sources=(name,), index=None, why="")
+
+
+def load_name_map():
+    """[paddle] of harness/case/models/deepseek_v3.toml, through the shared reader where this tree has it."""
+    try:
+        from harness.case.models import NameMap
+    except ImportError:
+        import tomllib
+
+        return _LocalNameMap(tomllib.loads(NAME_MAP.read_text())["paddle"])
+    return NameMap.load("deepseek_v3", "paddle")
+
+
+def _load_weights(model, checkpoint: dict, name_map) -> int:
+    """Every parameter and the expert-bias buffers from the checkpoint through [paddle.checkpoint]; refuses to run
+    with one left out."""
+    targets = dict(model.named_parameters())
+    targets.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    for name, target in targets.items():
+        rule = name_map.rule("checkpoint", name)
+        if rule.kind not in ("same", "transpose"):
+            raise ValueError(f"[paddle.checkpoint] {name}: rule {rule.kind} is not one this runner applies")
+        missing = [s for s in rule.sources if s not in checkpoint]
+        if missing:
+            raise KeyError(f"model tensor {name!r} needs checkpoint tensor(s) {missing} (rule {rule.kind})")
+        value = checkpoint[rule.sources[0]]
+        value = np.swapaxes(value, -1, -2) if rule.kind == "transpose" else value
         if list(value.shape) != list(target.shape):
-            raise ValueError(f"{name} {list(value.shape)} does not fit {target_name} {list(target.shape)}")
+            raise ValueError(f"{rule.sources[0]} {list(value.shape)} ({rule.kind}) does not fit {name} "
+                             f"{list(target.shape)}")
         tensor = paddle.to_tensor(np.ascontiguousarray(value), place=paddle.CPUPlace())
         if tensor.dtype != target.dtype:  # the router weight is a float32 parameter in every case dtype
             tensor = tensor.astype(target.dtype)
         target.set_value(tensor)
-        filled.add(target_name)
-    missing = sorted(n for n in targets if n not in filled and not n.endswith("inv_freq"))
-    if missing:
-        raise KeyError(f"the checkpoint left {len(missing)} model tensors unset: {', '.join(missing[:8])}")
-    return len(filled)
+    return len(targets)
 
 
 def _to_case_dtype(name: str, array: np.ndarray, dtype: str, upcast: dict) -> np.ndarray:
