@@ -1,8 +1,9 @@
 """paddle_model: PaddleFormers' DeepseekV3ForCausalLM on the CPU, the paddlefleet_ops stand-in, UNSUPPORTED paths,
 and float64/float32 agreement with HF transformers' DeepseekV3ForCausalLM (torch) on the same HF-named checkpoint.
 
-Every Paddle run is a subprocess (the runner, as the harness starts it); HF's side too (tests/hf_deepseek_reference.py),
-because PaddleFormers, once imported, switches transformers' torch support off.
+Every Paddle run is a subprocess (the runner, as the harness starts it); HF's side too
+(tests/support/hf_deepseek_reference.py), because PaddleFormers, once imported, switches transformers' torch support
+off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.deepseek_v3_fixtures import default_config, tiny_config, write_request
+from tests.support.deepseek_v3 import default_config, tiny_config, write_request
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_UNSUPPORTED = 3
@@ -45,8 +46,9 @@ def load(path: Path) -> dict[str, np.ndarray]:
 
 
 def hf_reference(request: Path, out: Path) -> dict[str, np.ndarray]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hf_deepseek_reference.py"), str(request), str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    script = ROOT / "tests" / "support" / "hf_deepseek_reference.py"
+    proc = subprocess.run([sys.executable, str(script), str(request), str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return load(out)
 

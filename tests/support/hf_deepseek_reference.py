@@ -1,6 +1,6 @@
 """HF transformers' DeepseekV3ForCausalLM (torch, CPU) on a causal_lm request, for the paddle_model tests.
 
-    python tests/hf_deepseek_reference.py REQUEST.json OUT.safetensors
+    python tests/support/hf_deepseek_reference.py REQUEST.json OUT.safetensors
 
 Imports torch and transformers only (PaddleFormers, once imported, switches transformers' torch support off, so
 the two stay in separate processes). Writes the canonical tensors it can observe without recomputing anything:
