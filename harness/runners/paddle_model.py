@@ -360,17 +360,27 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
                           "PaddleFleet's GPTModel (multi-latent attention, MoE, use_accuracy_compatible); install "
                           "paddlefleet and paddlefleet-ops (Paddle's package index) next to paddlepaddle-gpu >= 3.3"
                           ) from None
-    # Read from gpt_layer_specs.py (commit above): the model is a LayerSpec tree,
+    # The construction, as read (files and commits in the module docstring, plus
+    # src/paddlefleet/models/gpt/gpt_config.py @ 6ab5862788a71923b445457b759180d29dcf9740 and
+    # src/paddlefleet/transformer/transformer_config.py @ d045321053807ddaea2de00dc77e40e5d2039653):
+    #   config = GPTConfig(**HF-named fields)  # TransformerConfig takes HF names: hidden_size, num_attention_heads,
+    #       # intermediate_size, moe_intermediate_size, n_routed_experts, n_shared_experts, num_experts_per_tok,
+    #       # scoring_func, topk_method, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+    #       # rms_norm_eps, rope_theta, rope_scaling (a dict); plus multi_latent_attention=True,
+    #       # normalization="RMSNorm", gated_linear_unit=True, hidden_act=F.silu, moe_layer_freq = [0] * dense + [1] *
+    #       # moe (a 0/1 list per layer), position_embedding_type="yarn", params_dtype, tensor_model_parallel_size=1,
+    #       # parallel_output=False, use_accuracy_compatible (from the case), gpt_model_use_experimental_version
     #   layers = get_gpt_decoder_layers_spec(config, normalization="RMSNorm")
-    #   mtp = get_gpt_mtp_layers_spec(config, layers)          # [] with num_nextn_predict_layers = 0
-    #   spec = get_gpt_spec(config, layers, mtp, vocab_size, max_sequence_length, position_embedding_type="yarn",
-    #                       rotary_base=rope_theta, rope_scaling=True, tie_word_embeddings=False)
-    # with a TransformerConfig carrying multi_latent_attention=True, the MLA ranks, n_routed_experts,
-    # moe_layer_freq as a 0/1 list (first_k_dense_replace dense layers), use_accuracy_compatible, and
-    # gpt_model_use_experimental_version. Its parameter names (GPTModel.add_sequential_layer prefixes
-    # "model.layers.{i}", fused up_gate_proj, grouped experts) need their own [paddlefleet] section of the name map.
-    # Neither could be run or checked here (no GPU Paddle build, no paddlefleet), so a GPU run with paddlefleet
-    # present stops here rather than report numbers from an unverified construction.
+    #   spec = get_gpt_spec(config, layers, mtp_layers_spec=None, vocab_size, max_sequence_length,
+    #                       position_embedding_type="yarn", rotary_base=rope_theta, rope_scaling=...,
+    #                       parallel_output=False)
+    #   model = paddle.distributed.fleet.meta_parallel.build_spec_layer(spec, num_stages=1)
+    #   logits = model({"input_ids": ids, "position_ids": positions, "attention_mask": causal})
+    # What is missing is a [paddlefleet] section of the name map: GPTModel names its sublayers by position
+    # ("model.layers.{i}" through add_sequential_layer), fuses gate and up (up_gate_proj) and may group the experts;
+    # those names can only be listed from a built model, which needs a GPU build of paddle and paddlefleet. Until a
+    # run on such a machine lists them, a GPU request with paddlefleet present stops here rather than write tensors
+    # under names nobody checked.
     raise Unsupported("paddlefleet imports, but the PaddleFleet GPTModel path of paddle_model has not been run "
                       "anywhere yet (written from source only: see harness/runners/paddle_model.py); no verdict")
 
