@@ -13,7 +13,7 @@ REPORTS_DIR = Path(__file__).resolve().parents[2] / "reports"
 
 def new_run_dir(root: Path, label: str = "", prefix: str = "") -> tuple[str, Path]:
     """A fresh folder per run, ``<prefix><timestamp>[-<label>]-<suffix>``; existing runs are never touched."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60]
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label).replace("..", "__")[:60]
     with resources.boundary("reports folder", root):
         root.mkdir(parents=True, exist_ok=True)
         while True:
