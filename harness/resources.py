@@ -28,8 +28,9 @@ REASONS = {
     errno.ENAMETOOLONG: "name too long",
     errno.EIO: "input/output error",
 }
-# Share of the memory available now that the tensors of one run may claim (the runners load them again).
-MEMORY_SHARE = 0.5
+# A run whose tensors alone exceed the memory available now cannot succeed (the runners load them again, so
+# this refuses only the hopeless; a run near the limit may still fail, as a runner crash with its reason).
+MEMORY_SHARE = 1.0
 
 
 class StorageError(OSError):
@@ -89,8 +90,8 @@ def check_memory(need: int, what: str) -> None:
     available = available_memory()
     if available is not None and need > available * MEMORY_SHARE:
         raise ResourceError(f"{what} need {human_bytes(need)}, more than this machine can hold "
-                            f"({human_bytes(available)} of memory available now, of which a run may use "
-                            f"{MEMORY_SHARE:.0%}); use fewer tokens or smaller shapes")
+                            f"({human_bytes(available * MEMORY_SHARE)} of memory available now); "
+                            "use fewer tokens or smaller shapes")
 
 
 def human_bytes(count: int | float) -> str:

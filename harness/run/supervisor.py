@@ -2,7 +2,7 @@
 
 - ``register``/``unregister``: the runner processes (each the leader of its own process group) now running.
 - ``install`` (the command line does this, in the main thread): SIGINT, SIGTERM and SIGHUP stop every runner's
-  whole process group and every other descendant at once (SIGKILL), then raise ``Interrupted`` in the main
+  whole process group and every other process started since at once (SIGKILL), then raise ``Interrupted`` in the main
   thread, so the run ends at once with a report saying it was interrupted, and exit code 128 + the signal.
   It also makes the harness a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``): a process a runner
   starts in a session of its own (a daemon) is re-parented to the harness instead of init, so it stays findable.
@@ -26,9 +26,9 @@ from harness.run import launch
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler may run while the main thread holds it
 _live: dict[int, tuple[subprocess.Popen, bool]] = {}  # pid -> (process, keep across rounds)
-_state = {"installed": False, "interrupted": None, "previous_handlers": {}, "subreaper": None}
+_state = {"installed": False, "interrupted": None, "previous_handlers": {}, "subreaper": None, "before": set()}
 
 
 class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not caught by `except Exception`
@@ -70,7 +70,7 @@ def install() -> None:
     """Signal handlers and the subreaper, for a command-line run (main thread only; elsewhere nothing)."""
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return
-    _state["installed"], _state["interrupted"] = True, None
+    _state["installed"], _state["interrupted"], _state["before"] = True, None, snapshot()
     for signum in SIGNALS:
         _state["previous_handlers"][signum] = signal.signal(signum, _on_signal)
     _state["subreaper"] = _set_subreaper(True)
@@ -100,7 +100,7 @@ def _on_signal(signum, frame) -> None:
 
 def stop_all() -> list[int]:
     """SIGKILL every registered runner's process group and everything below it; under ``install`` also every
-    other descendant of the harness (a daemon re-parented to it, a runner started but not yet registered)."""
+    other descendant of the harness started since (a daemon re-parented to it, a runner not yet registered)."""
     with _lock:
         processes = [process for process, _ in _live.values()]
     victims: set[int] = set()
@@ -110,8 +110,8 @@ def stop_all() -> list[int]:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    if _state["installed"]:
-        victims |= launch.descendants(os.getpid())
+    if _state["installed"]:  # what was already running when the command started (a test's own) is spared
+        victims |= {pid for pid, _ in snapshot() - _state["before"]}
     killed = _kill(victims)
     _reap_adopted(victims)
     return killed
