@@ -4,6 +4,7 @@ README."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -85,24 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)
-    if args.gate_matrix:
-        return gate_matrix.run(args.case, device=args.device, tokens=args.tokens[0] if args.tokens else None,
-                               cases_dir=args.cases,
-                               checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons,
-                               timeout=args.timeout, weights_file=args.weights)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1 (got {args.repeat})")
-    common = dict(device=args.device, cases_dir=args.cases, checkpoints_dir=args.checkpoints, pythons=pythons,
-                  timeout=args.timeout, weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner,
-                  tp=args.tp, oracle=args.oracle, repeat=args.repeat, refeed_ops=args.refeed)
+    options = pipeline.CompareOptions(
+        device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
+        checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
+        weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
+        repeat=args.repeat, refeed_ops=args.refeed)
+    if args.gate_matrix:
+        return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
+                                                  runner=None, tp=None))
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
-        swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, reports_dir=args.reports,
-                                           **common)
+        swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, options)
         sweep.console(swept, sweep_dir)
         return swept["exit_code"]
-    result, run_dir = pipeline.compare_case(args.case, tokens=args.tokens[0] if args.tokens else None,
-                                            runners=pairs[0], reports_dir=args.reports, **common)
+    result, run_dir = pipeline.compare_case(args.case, replace(options, runners=pairs[0]))
     report.console(result, run_dir)
     return result.exit_code
 

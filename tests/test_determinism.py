@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from harness.commands.compare import compare_case
-from tests.test_orchestrate import CASES, fake_interpreter
+from harness.commands.compare import CompareOptions, compare_case
+from tests.support.cases import tiny_case, write_cases
+from tests.support.doubles import fake_interpreter
 
 # Writes valid outputs for the tiny case. `out` is 1.0 everywhere, except that the flaky double, from its
 # second run on, writes the next float above 1.0 into out[1, 2]: it agrees with the steady side at first.
@@ -48,14 +49,13 @@ def fake_runner(folder, name, flaky=False, exact=False):
 
 @pytest.fixture
 def env(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(CASES)
+    write_cases(tmp_path, tiny_case())
     return tmp_path
 
 
 def run(env, pythons, **options):
-    return compare_case("tiny", cases_dir=env / "cases", checkpoints_dir=env / "ck", reports_dir=env / "reports",
-                        pythons=pythons, timeout=120.0, **options)
+    return compare_case("tiny", CompareOptions(cases_dir=env / "cases", checkpoints_dir=env / "ck",
+                                               reports_dir=env / "reports", pythons=pythons, timeout=120.0, **options))
 
 
 def test_a_side_that_changes_its_bits_is_nondeterministic_even_if_its_first_run_agrees(env):

@@ -16,23 +16,11 @@ from safetensors.numpy import save_file
 
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors, tensor_sha256
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 from harness.run.protocol import cpu_isa_flags
+from tests.support.e2e import LINEAR_OPS, assert_counts_match_outputs, paddle_bf16_gemm_unavailable
 
 pytestmark = pytest.mark.e2e
-
-
-LINEAR_OPS = ("column_parallel_linear", "row_parallel_linear")
-
-
-def paddle_bf16_gemm_unavailable(case) -> bool:
-    """The linears' only CPU bf16 GEMM is oneDNN's (static graph), which needs AVX-512; the MLP block, the
-    attention scores and the routed experts run in dygraph, which has no CPU bf16 matmul on any CPU. RMSNorm,
-    SwiGLU, the embedding and the router (an fp32 GEMM) need no bf16 GEMM."""
-    if "paddle" not in case.runners or case.dtype != "bfloat16":
-        return False
-    dygraph_gemm = case.op in ("shared_expert_mlp", "attention_scores", "routed_experts")
-    return dygraph_gemm or (case.op in LINEAR_OPS and "avx512f" not in cpu_isa_flags())
 
 
 def e2e_tokens(case) -> int:
@@ -58,9 +46,9 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
     shipped = cpu_case.weights_from and (cpu_case.weights_from.file or cpu_case.weights_from.package)
     weights = hf_file_for(cpu_case, tmp_path) if cpu_case.weights_from and not shipped else None
     blocks = cpu_case.op_spec.stages is not None
-    result, run_dir = compare_case(cpu_case.name, tokens=e2e_tokens(cpu_case),
+    result, run_dir = compare_case(cpu_case.name, CompareOptions(tokens=e2e_tokens(cpu_case),
                                    checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
-                                   weights_file=weights, refeed_ops=blocks)
+                                   weights_file=weights, refeed_ops=blocks))
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
     assert result.verdict != "ERROR", f"{result.message}\n{tails}"
@@ -99,16 +87,6 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
         assert report["first_divergence"] == min(cpu_case.expect.differs, key=order.index)
     if blocks and result.verdict == "DIFF":
         assert_refeed_localizes(cpu_case, report)
-
-
-def assert_counts_match_outputs(report, a, b):
-    for tensor in report["tensors"]:
-        bits_a, bits_b = (x[tensor["name"]].view(f"u{x[tensor['name']].itemsize}") for x in (a, b))
-        differing = np.flatnonzero(bits_a != bits_b)
-        assert tensor["mismatches"] == differing.size, tensor["name"]
-        if differing.size:
-            first = np.unravel_index(differing[0], bits_a.shape)
-            assert tensor["first_mismatch"]["index"] == [int(i) for i in first]
 
 
 def assert_mismatches_where_the_flip_reaches(case, report, a, b):
@@ -159,7 +137,7 @@ def test_gate_matrix_runs_both_settings_through_different_paddle_paths(checkpoin
     """kimi_embedding: the gate switches Paddle between weight[ids] and F.embedding; both cells get a verdict."""
     from harness.commands import gate_matrix
 
-    code = gate_matrix.run("kimi_embedding", checkpoints_dir=checkpoints_dir, reports_dir=tmp_path)
+    code = gate_matrix.run("kimi_embedding", CompareOptions(checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))
     matrix = json.loads(next(tmp_path.glob("*-gate-matrix-*/matrix.json")).read_text())
     assert code == 0 and [c["use_accuracy_compatible"] for c in matrix["cells"]] == [True, False]
     paddle_paths = [c["implementations"][1] for c in matrix["cells"]]

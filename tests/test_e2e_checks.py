@@ -11,9 +11,9 @@ import pytest
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors
 from harness.case.tolerance import Tolerance
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.tolerance import judge
-from tests.test_e2e import paddle_bf16_gemm_unavailable
+from tests.support.e2e import paddle_bf16_gemm_unavailable
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +33,8 @@ def assert_oracle_counts_match_files(run_dir, report):
 
 def test_fp32_fc1_oracle_repeat_and_tolerance(checkpoints_dir, tmp_path):
     """kimi_shared_fc1_fp32 with its stated tolerance: one run covers the oracle, --repeat 2 and the policy."""
-    result, run_dir = compare_case("kimi_shared_fc1_fp32_tolerance", tokens=E2E_TOKENS,
-                                   checkpoints_dir=checkpoints_dir, reports_dir=tmp_path, repeat=2)
+    result, run_dir = compare_case("kimi_shared_fc1_fp32_tolerance", CompareOptions(tokens=E2E_TOKENS,
+                                   checkpoints_dir=checkpoints_dir, reports_dir=tmp_path, repeat=2))
     report = json.loads((run_dir / "report.json").read_text())
     assert result.verdict == "WITHIN_TOLERANCE" and result.exit_code == 0, result.message
     assert any(t.status == "DIFF" for t in result.tensors)  # a real difference, accepted by the policy
@@ -54,8 +54,8 @@ def test_bf16_fc1_oracle_and_repeat(checkpoints_dir, tmp_path):
     from harness.case.registry import Registry
 
     case = Registry.load().get("kimi_shared_fc1")
-    result, run_dir = compare_case(case.name, tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir,
-                                   reports_dir=tmp_path, repeat=2)
+    result, run_dir = compare_case(case.name, CompareOptions(tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir,
+                                   reports_dir=tmp_path, repeat=2))
     report = json.loads((run_dir / "report.json").read_text())
     assert result.verdict != "ERROR", result.message
     assert report["repeats"]["sides"]["a"]["consistent"]

@@ -7,16 +7,8 @@ import pytest
 from harness import cli
 from harness.case.registry import CaseError, Registry
 from harness.commands import sweep
-
-CASES = """
-[tiny]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 3
-tokens = 4
-shapes = { input_size = 64, output_size = 32 }
-"""
+from harness.commands.compare import CompareOptions
+from tests.support.cases import tiny_case, write_cases
 
 
 def test_tokens_accepts_one_count_or_a_list():
@@ -53,12 +45,12 @@ def test_sweep_exit_code_takes_the_worst_cell(codes, expected):
 
 @pytest.mark.e2e
 def test_sweep_over_tokens_and_both_torch_layouts(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(CASES)
+    write_cases(tmp_path, tiny_case(shapes={"input_size": 64, "output_size": 32}))
     lines = []
     report, sweep_dir = sweep.run_sweep(
-        "tiny", [1, 7], [("megatron", "torch"), ("megatron", "torch_nn")], reports_dir=tmp_path / "reports",
-        cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck", progress=lines.append, oracle=False)
+        "tiny", [1, 7], [("megatron", "torch"), ("megatron", "torch_nn")],
+        CompareOptions(reports_dir=tmp_path / "reports", cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
+                       oracle=False), progress=lines.append)
 
     assert [(c["pair"], c["tokens"]) for c in report["cells"]] == [
         ("megatron vs torch", 1), ("megatron vs torch", 7), ("megatron vs torch_nn", 1), ("megatron vs torch_nn", 7)]

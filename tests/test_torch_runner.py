@@ -11,15 +11,16 @@ import pytest
 
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors
-from harness.commands.compare import compare_case
-from tests.test_e2e import assert_counts_match_outputs
+from harness.commands.compare import CompareOptions, compare_case
+from tests.support.e2e import assert_counts_match_outputs
 
 pytestmark = pytest.mark.e2e
 
 
 def run(case, runners, checkpoints_dir, tmp_path):
-    result, run_dir = compare_case(case, tokens=E2E_TOKENS, runners=runners, checkpoints_dir=checkpoints_dir,
-                                   reports_dir=tmp_path, oracle=False)  # the runner pair is under test
+    result, run_dir = compare_case(case, CompareOptions(tokens=E2E_TOKENS, runners=runners,
+                                                        checkpoints_dir=checkpoints_dir, reports_dir=tmp_path,
+                                                        oracle=False))  # the runner pair is under test
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-1500:] for s in report["sides"])
     assert [s.status for s in result.sides] == ["ok", "ok"], f"{result.message}\n{tails}"

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors
-from harness.commands.compare import compare_case
+from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.result import EXIT_CODES
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.parametrize("runner", ["megatron", "paddle"])
 def test_tp2_versus_tp1_lists_the_tp_invariant_tensors(runner, checkpoints_dir, tmp_path):
-    result, run_dir = compare_case("kimi_shared_fc2_fp32_tp2", tokens=E2E_TOKENS, versus_tp=1, runner=runner,
-                                   checkpoints_dir=checkpoints_dir, reports_dir=tmp_path)
+    result, run_dir = compare_case("kimi_shared_fc2_fp32_tp2", CompareOptions(
+        tokens=E2E_TOKENS, versus_tp=1, runner=runner, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))
     report = json.loads((run_dir / "report.json").read_text())
     assert result.verdict in ("BITWISE_PASS", "DIFF"), f"{result.message}\n{report['sides'][0]['stderr_tail']}"
     assert result.exit_code == EXIT_CODES[result.verdict] and report["expectation"] == {}

@@ -1,10 +1,22 @@
-"""What each op reads and writes, in canonical names and layout, independent of any framework.
+"""The op records: what each op reads and writes, in canonical names and layout, independent of any framework.
 
-The checkpoint generator, the runners and the output validator all take shapes from here, so a
-new op is one entry in ``OPS`` plus one function in each runner's op table.
+One record per op (like PyTorch's OpInfo): its shape fields, inputs and outputs, the knobs it reads with their
+defaults, how tensor parallelism splits it, its stages (multi-op blocks), whether the truth oracle covers it, and
+the case family it belongs to. The case loader resolves every knob's default once, so the request a runner reads
+is complete; runners never decide a default.
 
 Canonical layout is Megatron's: a linear weight is ``[out, in]``; activations are ``[tokens, hidden]``
 (a runner may reshape to its framework's own convention and must reshape back).
+
+Adding an op:
+1. a record here (``Op(...)``, added to ``OPS``), with the knobs it reads;
+2. one function per runner, in the runner's table keyed by the record (``harness/runners/megatron_ops.py``
+   ``IMPLEMENTATIONS``, ``harness/runners/paddle_ops.py`` ``IMPLEMENTATIONS``); a runner without one answers
+   UNSUPPORTED;
+3. cases in ``cases/*.toml``: a reduced CPU case, a negative control (``perturb``) and a ``_full`` GPU twin
+   (``tests/test_catalogue.py`` checks every family has them);
+4. the oracle: set ``oracle`` to the formula it computes (``harness/runners/oracle.py`` ``FORMULAS``), or leave
+   it None (the oracle side then says UNSUPPORTED).
 """
 
 from __future__ import annotations
@@ -23,6 +35,32 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class Knob:
+    """A config setting an op reads; `default` is what the case gets when it does not say."""
+
+    types: tuple[type, ...]
+    default: object
+    doc: str
+    choices: tuple = ()
+
+
+KNOBS: dict[str, Knob] = {
+    "bias": Knob((bool,), False, "linear layers add a bias"),
+    "use_accuracy_compatible": Knob((bool, str), True, "PaddleFleet's accuracy gate (newer PaddleFleet also "
+                                    "accepts \"megatron\" / \"hf\")"),
+    "sequence_parallel": Knob((bool,), False, "Megatron's config.sequence_parallel: tokens split across the TP "
+                              "ranks around the parallel linears"),
+    "eps": Knob((float,), 1e-6, "RMSNorm epsilon"),
+    "per_token_scale": Knob((bool,), False, "SwiGLU multiplied by a per-token fp32 scale (MoE routing "
+                            "probabilities)"),
+    "deterministic_mode": Knob((bool,), False, "Megatron's embedding: weight[ids] instead of F.embedding"),
+    "topk_scaling_factor": Knob((float,), 2.827, "MoE router: probabilities scaled after top-k normalisation"),
+    "swiglu_impl": Knob((str,), "fused", "Megatron's SwiGLU: fused (hand-written backward) or eager",
+                        ("fused", "eager")),
+}
+
+
+@dataclass(frozen=True)
 class Stage:
     """One op inside a multi-op block, with its tensors named by the block's names (for re-feed)."""
 
@@ -34,18 +72,29 @@ class Stage:
     outputs: dict[str, str]  # the stage op's output name -> the block tensor it makes
 
 
-@dataclass(frozen=True)
-class OpSpec:
+@dataclass(frozen=True, eq=False)  # eq=False: records are compared and hashed by identity (runner tables key on them)
+class Op:
     name: str
+    family: str  # the case family; every family needs a CPU case, a negative control and a `_full` GPU twin
     shape_fields: tuple[str, ...]
     inputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     outputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     tp_split_field: str  # the shape field that tensor parallelism divides
+    knobs: tuple[str, ...] = ()  # names in KNOBS this op reads
     # Canonical dim each input and output is split on across tensor-parallel ranks, None where every rank
     # holds the whole tensor (replicated, or already all-reduced); the harness gathers shards with it.
     partition: Callable[[Mapping[str, object]], dict[str, int | None]] = lambda config: {}
     # Multi-op blocks: their ops in forward order, so re-feed can run each one from the other side's tensors.
     stages: Callable[[Mapping[str, int], Mapping[str, object]], list[Stage]] | None = None
+    oracle: str | None = None  # the truth oracle's formula for this op (harness.runners.oracle), None: no oracle
+    # Outputs that each tensor-parallel rank holds as a partial sum, all-reduced across ranks as Megatron does
+    # (a framework path without its own TP layers sums them itself).
+    reduced: tuple[str, ...] = ()
+
+    def resolve(self, config: Mapping[str, object]) -> dict[str, object]:
+        """The case's knobs completed with this op's defaults (knobs the op does not read are kept as given)."""
+        return {**{name: KNOBS[name].default for name in self.knobs}, **config}
+
 
 
 def _linear_inputs(shapes, tokens, config):
@@ -216,25 +265,53 @@ def _experts_outputs(shapes, tokens, config):
             TensorSpec("grad.fc1_weight", (e, 2 * f, h), "output"), TensorSpec("grad.input", (tokens, h), "output")]
 
 
-OPS: dict[str, OpSpec] = {
-    "column_parallel_linear": OpSpec(
-        "column_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "output_size",
-        _column_partition,
-    ),
-    "row_parallel_linear": OpSpec(
-        "row_parallel_linear", ("input_size", "output_size"), _linear_inputs, _linear_outputs, "input_size",
-        _row_partition,
-    ),
-    "rms_norm": OpSpec("rms_norm", ("hidden_size",), _rms_norm_inputs, _rms_norm_outputs, "hidden_size"),
-    "swiglu": OpSpec("swiglu", ("ffn_hidden_size",), _swiglu_inputs, _swiglu_outputs, "ffn_hidden_size"),
-    "embedding": OpSpec("embedding", ("vocab_size", "hidden_size"), _embedding_inputs, _embedding_outputs,
-                        "vocab_size"),
-    "moe_router": OpSpec("moe_router", ("hidden_size", "num_experts", "topk"), _router_inputs, _router_outputs,
-                         "num_experts"),
-    "attention_scores": OpSpec("attention_scores", ("num_heads", "head_dim"), _attention_inputs, _attention_outputs,
-                               "num_heads"),
-    "routed_experts": OpSpec("routed_experts", ("hidden_size", "ffn_hidden_size", "num_local_experts"),
-                             _experts_inputs, _experts_outputs, "ffn_hidden_size"),
-    "shared_expert_mlp": OpSpec("shared_expert_mlp", ("hidden_size", "ffn_hidden_size"), _mlp_inputs, _mlp_outputs,
-                                "ffn_hidden_size", stages=_mlp_stages),
-}
+def _up_projection_inputs(shapes, tokens, config):
+    rank, heads, dim = shapes["lora_rank"], shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("input", (tokens, rank), "input"), TensorSpec("weight", (heads * dim, rank), "weight"),
+            TensorSpec("grad_output", (tokens, heads, dim), "grad")]
+
+
+def _up_projection_outputs(shapes, tokens, config):
+    """out per head, as MLA attention views it: [tokens, heads, head_dim] (head-major rows of the weight)."""
+    rank, heads, dim = shapes["lora_rank"], shapes["num_heads"], shapes["head_dim"]
+    return [TensorSpec("out", (tokens, heads, dim), "output"), TensorSpec("grad.input", (tokens, rank), "output"),
+            TensorSpec("grad.weight", (heads * dim, rank), "output")]
+
+
+def _up_projection_partition(config):
+    """Column-parallel over heads: each rank holds whole heads (weight rows, out's head dim); the input grad is
+    all-reduced."""
+    return {"input": None, "weight": 0, "grad_output": 1, "out": 1, "grad.input": None, "grad.weight": 0}
+
+
+LINEAR_KNOBS = ("bias", "use_accuracy_compatible", "sequence_parallel")
+COLUMN_PARALLEL_LINEAR = Op("column_parallel_linear", "linear", ("input_size", "output_size"), _linear_inputs,
+                            _linear_outputs, "output_size", LINEAR_KNOBS, _column_partition, oracle="linear",
+                            reduced=("grad.input",))
+ROW_PARALLEL_LINEAR = Op("row_parallel_linear", "linear", ("input_size", "output_size"), _linear_inputs,
+                         _linear_outputs, "input_size", LINEAR_KNOBS, _row_partition, oracle="linear",
+                         reduced=("out",))
+RMS_NORM = Op("rms_norm", "norm", ("hidden_size",), _rms_norm_inputs, _rms_norm_outputs, "hidden_size",
+              ("eps", "use_accuracy_compatible"))
+SWIGLU = Op("swiglu", "activation", ("ffn_hidden_size",), _swiglu_inputs, _swiglu_outputs, "ffn_hidden_size",
+            ("per_token_scale", "swiglu_impl", "use_accuracy_compatible"))
+EMBEDDING = Op("embedding", "embedding", ("vocab_size", "hidden_size"), _embedding_inputs, _embedding_outputs,
+               "vocab_size", ("deterministic_mode", "use_accuracy_compatible"))
+MOE_ROUTER = Op("moe_router", "router", ("hidden_size", "num_experts", "topk"), _router_inputs, _router_outputs,
+                "num_experts", ("topk_scaling_factor", "use_accuracy_compatible"))
+ATTENTION_SCORES = Op("attention_scores", "attention", ("num_heads", "head_dim"), _attention_inputs,
+                      _attention_outputs, "num_heads", ("use_accuracy_compatible",))
+ROUTED_EXPERTS = Op("routed_experts", "experts", ("hidden_size", "ffn_hidden_size", "num_local_experts"),
+                    _experts_inputs, _experts_outputs, "ffn_hidden_size", ("use_accuracy_compatible",))
+SHARED_EXPERT_MLP = Op("shared_expert_mlp", "mlp_block", ("hidden_size", "ffn_hidden_size"), _mlp_inputs,
+                       _mlp_outputs, "ffn_hidden_size", ("swiglu_impl", "use_accuracy_compatible"),
+                       stages=_mlp_stages)
+# MLA's q/kv up-projections (q_b: q_lora -> heads x (nope + rope); kv_b: kv_lora -> heads x (nope + v)).
+MLA_UP_PROJECTION = Op("mla_up_projection", "mla_up_projection", ("lora_rank", "num_heads", "head_dim"),
+                       _up_projection_inputs, _up_projection_outputs, "num_heads", ("use_accuracy_compatible",),
+                       _up_projection_partition, oracle="linear", reduced=("grad.input",))
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, RMS_NORM, SWIGLU, EMBEDDING, MOE_ROUTER, ATTENTION_SCORES,
+    ROUTED_EXPERTS, SHARED_EXPERT_MLP, MLA_UP_PROJECTION,
+)}

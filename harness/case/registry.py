@@ -16,7 +16,7 @@ import tomllib
 
 from harness import paths
 from harness.case import tolerance as tolerance_policy
-from harness.case.ops import OPS, OpSpec
+from harness.case.ops import KNOBS, OPS, Op
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
@@ -35,19 +35,6 @@ DEFAULT_DISTRIBUTION = {
     "input": {"dist": "normal", "mean": 0.0, "std": 1.0},
     "grad": {"dist": "normal", "mean": 0.0, "std": 0.01},
 }
-CONFIG_KNOBS: dict[str, tuple[type, ...]] = {
-    "bias": (bool,),
-    # PaddleFleet's accuracy gate; newer PaddleFleet also accepts "megatron" / "hf".
-    "use_accuracy_compatible": (bool, str),
-    # Megatron's config.sequence_parallel: tokens split across the TP ranks around the parallel linears.
-    "sequence_parallel": (bool,),
-    "eps": (float,),  # RMSNorm epsilon
-    "per_token_scale": (bool,),  # SwiGLU multiplied by a per-token fp32 scale (MoE routing probabilities)
-    "deterministic_mode": (bool,),  # Megatron's embedding: weight[ids] instead of F.embedding
-    "topk_scaling_factor": (float,),  # MoE router: probabilities scaled after top-k normalisation
-    "swiglu_impl": (str,),  # Megatron's SwiGLU: "fused" (hand-written backward, the default) or "eager"
-}
-SWIGLU_IMPLS = ("fused", "eager")
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
     "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance",
@@ -108,15 +95,13 @@ class Case:
     tolerance: tolerance_policy.Tolerance | None = None  # None: bitwise
 
     @property
-    def op_spec(self) -> OpSpec:
+    def op_spec(self) -> Op:
         return OPS[self.op]
 
     def with_tokens(self, tokens: int) -> Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
-        if self.config.get("sequence_parallel") and tokens % self.tp:
-            raise CaseError(f"case {self.name!r}: tokens must be divisible by tp={self.tp} with sequence_parallel "
-                            f"(got {tokens!r})")
+        self.check_tp(self.tp, tokens)
         return replace(self, tokens=tokens)
 
     def with_runners(self, runners: tuple[str, str]) -> Case:
@@ -131,14 +116,15 @@ class Case:
         return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
 
     def with_tp(self, tp: int) -> Case:
-        split = self.shapes[self.op_spec.tp_split_field]
-        if tp not in TP_SIZES or split % tp:
-            raise CaseError(f"case {self.name!r}: tp must be one of {', '.join(map(str, TP_SIZES))} and divide "
-                            f"shapes.{self.op_spec.tp_split_field}={split} (got {tp!r})")
-        if self.config.get("sequence_parallel") and (tp == 1 or self.tokens % tp):
-            raise CaseError(f"case {self.name!r}: sequence_parallel needs tp > 1 dividing tokens={self.tokens} "
-                            f"(got tp={tp!r})")
+        self.check_tp(tp, self.tokens)
         return replace(self, tp=tp)
+
+    def check_tp(self, tp: int, tokens: int, config: dict | None = None) -> None:
+        """Raise CaseError when `tp` ranks cannot split this case at `tokens` (see `tp_problem`)."""
+        problem = tp_problem(self.op_spec, self.shapes, tokens, self.config if config is None else config, tp)
+        if problem:
+            field_name, why, value = problem
+            raise CaseError(f"{self.source}: case {self.name!r}: field {field_name!r}: {why} (got {value!r})")
 
     def input_specs(self):
         return self.op_spec.inputs(self.shapes, self.tokens, self.config)
@@ -267,19 +253,18 @@ def _build(name: str, path: Path, table: dict) -> Case:
     for key, value in shapes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise f.error(f"shapes.{key}", "must be a positive integer", value)
-    split = shapes[spec.tp_split_field]
-    if split % tp:
-        raise f.error(f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split)
 
     config = f.get("config", dict, {})
     for key, value in config.items():
-        if key not in CONFIG_KNOBS:
-            raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(CONFIG_KNOBS)}", value)
-        f.get(key, CONFIG_KNOBS[key], where=config, label=f"config.{key}")
-    if config.get("swiglu_impl", "fused") not in SWIGLU_IMPLS:
-        raise f.error("config.swiglu_impl", f"must be one of {', '.join(SWIGLU_IMPLS)}", config["swiglu_impl"])
+        knob = KNOBS.get(key)
+        if knob is None:
+            raise f.error(f"config.{key}", f"unknown knob; known: {', '.join(KNOBS)}", value)
+        f.get(key, knob.types, where=config, label=f"config.{key}")
+        if knob.choices and value not in knob.choices:
+            raise f.error(f"config.{key}", f"must be one of {', '.join(knob.choices)}", value)
+    config = spec.resolve(config)
 
-    _check_tensor_parallel(f, spec, tp, tokens, config)
+    _check_tensor_parallel(f, spec, shapes, tp, tokens, config)
     input_specs = spec.inputs(shapes, tokens, config)
     input_roles = {s.name: s.role for s in input_specs}
     tensors_table = f.get("tensors", dict, {})
@@ -310,7 +295,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
     outputs = [s.name for s in spec.outputs(shapes, tokens, config)]
     tolerance = tolerance_policy.parse(f, outputs)
     return Case(
-        name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str),
+        name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str, spec.family),
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config), tolerance is not None),
@@ -320,13 +305,26 @@ def _build(name: str, path: Path, table: dict) -> Case:
     )
 
 
-def _check_tensor_parallel(f: _Fields, spec: OpSpec, tp: int, tokens: int, config: dict) -> None:
+def tp_problem(spec: Op, shapes: dict, tokens: int, config: dict, tp: int) -> tuple[str, str, Any] | None:
+    """(field, why, value) when `tp` ranks cannot split the op: the one divisibility check, in one wording, for
+    case files, ``--tp``, ``--tokens`` and ``--versus-tp``."""
+    if tp not in TP_SIZES:
+        return "tp", f"must be one of {', '.join(map(str, TP_SIZES))}", tp
+    split = shapes[spec.tp_split_field]
+    if split % tp:
+        return f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split
     if config.get("sequence_parallel", False):
         if tp == 1:
-            raise f.error("config.sequence_parallel", "needs tp > 1 (Megatron refuses it without tensor parallelism)",
-                          True)
+            return "config.sequence_parallel", "needs tp > 1 (Megatron refuses it without tensor parallelism)", True
         if tokens % tp:
-            raise f.error("tokens", f"must be divisible by tp={tp} with sequence_parallel", tokens)
+            return "tokens", f"must be divisible by tp={tp} with sequence_parallel", tokens
+    return None
+
+
+def _check_tensor_parallel(f: _Fields, spec: Op, shapes: dict, tp: int, tokens: int, config: dict) -> None:
+    problem = tp_problem(spec, shapes, tokens, config, tp)
+    if problem:
+        raise f.error(*problem)
     if tp > 1:
         names = [s.name for s in (*spec.inputs({k: 1 for k in spec.shape_fields}, 1, config),
                                   *spec.outputs({k: 1 for k in spec.shape_fields}, 1, config))]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import platform
 import sys
-from dataclasses import asdict, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from harness import __version__
@@ -25,53 +26,77 @@ from harness.run import orchestrate, shards
 from harness.run.protocol import host_provenance
 
 
-def compare_case(name: str, *, device: str = "cpu", tokens: int | None = None, cases_dir: Path = CASES_DIR,
-                 checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR, reports_dir: Path = REPORTS_DIR,
-                 pythons: dict[str, str] | None = None, timeout: float = 1800.0,
-                 weights_file: str | None = None, runners: tuple[str, str] | None = None,
-                 versus_tp: int | None = None, runner: str | None = None, tp: int | None = None,
-                 oracle: bool = True, repeat: int = 1, config_overrides: dict | None = None,
-                 refeed_ops: bool = False) -> tuple[CaseResult, Path]:
-    """Compare the case's two runners (or `runners`, ``--runners A,B``) at its TP size (or `tp`); with
-    `versus_tp`, one runner (`runner`, default the case's first) at that TP size (side a) against itself at
-    `versus_tp` (side b), on the same checkpoint. `oracle`: also run the truth oracle and measure each side's
-    distance from it (skipped when a side already is the oracle); `repeat`: run each side that many times and
-    check it agrees with itself. `config_overrides`: knobs set over the case's (the gate matrix);
-    `refeed_ops`: for multi-op blocks, re-run each op on side b from side a's tensors."""
-    run_id, run_dir = new_run_dir(Path(reports_dir), name)
-    result = CaseResult(run_id=run_id, case_name=name, device=device, started_at=now(),
+@dataclass(frozen=True)
+class CompareOptions:
+    """Everything a comparison can be asked to do beyond the case itself; commands build one and `replace` fields.
+
+    `runners`: another pair than the case's (``--runners A,B``); `tp`: another TP size; `versus_tp`: one runner
+    (`runner`, default the case's first) at the case's TP size (side a) against itself at `versus_tp` (side b),
+    on the same checkpoint; `oracle`: also run the truth oracle and measure each side's distance from it (skipped
+    when a side already is the oracle); `repeat`: run each side that many times and check it agrees with itself;
+    `config_overrides`: knobs set over the case's (the gate matrix); `refeed_ops`: for multi-op blocks, re-run
+    each op on side b from side a's tensors; `pythons`: an interpreter per runner (``--python RUNNER=PATH``).
+    """
+
+    device: str = "cpu"
+    tokens: int | None = None
+    runners: tuple[str, str] | None = None
+    tp: int | None = None
+    versus_tp: int | None = None
+    runner: str | None = None
+    oracle: bool = True
+    repeat: int = 1
+    refeed_ops: bool = False
+    config_overrides: Mapping[str, object] = field(default_factory=dict)
+    weights_file: str | None = None
+    timeout: float = 1800.0
+    pythons: Mapping[str, str] = field(default_factory=dict)
+    cases_dir: Path = CASES_DIR
+    checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR
+    reports_dir: Path = REPORTS_DIR
+
+
+DEFAULT_OPTIONS = CompareOptions()
+
+
+def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[CaseResult, Path]:
+    """Compare the case's two runners as `options` say; the result and the run's own new folder."""
+    o = options
+    pythons = dict(o.pythons)
+    run_id, run_dir = new_run_dir(Path(o.reports_dir), name)
+    result = CaseResult(run_id=run_id, case_name=name, device=o.device, started_at=now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "node": platform.node()})
     try:
-        case = _load_case(name, cases_dir, tokens, device, runners)
-        case = case.with_tp(tp) if tp is not None else case
-        if config_overrides:
-            case = replace(case, config={**case.config, **config_overrides})
+        case = _load_case(name, o.cases_dir, o.tokens, o.device, o.runners)
+        case = case.with_tp(o.tp) if o.tp is not None else case
+        if o.config_overrides:
+            case = replace(case, config={**case.config, **o.config_overrides})
         tps = None
-        if versus_tp is not None:
-            case, tps = _versus_tp(case, versus_tp, runner or case.runners[0])
+        if o.versus_tp is not None:
+            case, tps = _versus_tp(case, o.versus_tp, o.runner or case.runners[0])
             result.comparison = {"kind": "tensor_parallel", "runner": case.runners[0], "tp_a": tps[0], "tp_b": tps[1]}
         result.case = describe_case(case)
-        checkpoint = checkpoints.prepare(case, Path(checkpoints_dir), weights_file)
+        checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
         pair = orchestrate.pair_sides(case, checkpoint, tps)
-        extra = [oracle_side(checkpoint)] if oracle and "oracle" not in case.runners else []
-        result.sides = orchestrate.run_sides(case, pair + extra, device, run_dir, pythons or {}, timeout)
+        extra = [oracle_side(checkpoint)] if o.oracle and "oracle" not in case.runners else []
+        result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
         first_round = list(result.sides)
-        for run in range(2, repeat + 1):
+        for run in range(2, o.repeat + 1):
             again = determinism.repeat_sides(first_round, pair, run)
-            result.sides += orchestrate.run_sides(case, again, device, run_dir, pythons or {}, timeout)
+            result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
         if all(side.status == "ok" for side in framework):
             result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
-            if refeed_ops:
-                result.refeed = refeed.run(case, checkpoint, framework, device, run_dir, pythons or {}, timeout)
+            if o.refeed_ops:
+                result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)
         result.versus_oracle = versus_oracle(case, framework, by_label.get(ORACLE_LABEL))
-        result.repeats = determinism.self_consistency(case, result.sides, repeat)
+        result.repeats = determinism.self_consistency(case, result.sides, o.repeat)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
@@ -96,10 +121,8 @@ def _versus_tp(case: Case, versus_tp: int, runner: str) -> tuple[Case, tuple[int
         raise CaseError(f"{where}: --versus-tp must be one of {', '.join(map(str, TP_SIZES))} (got {versus_tp!r})")
     if runner not in RUNNERS:
         raise CaseError(f"{where}: --runner must be one of {', '.join(RUNNERS)} (got {runner!r})")
-    split = case.shapes[case.op_spec.tp_split_field]
-    if split % versus_tp or (versus_tp > 1 and case.config.get("sequence_parallel") and case.tokens % versus_tp):
-        raise CaseError(f"{where}: --versus-tp {versus_tp} does not divide shapes.{case.op_spec.tp_split_field}="
-                        f"{split} (or the tokens, with sequence_parallel)")
+    # at TP=1 the runners get sequence_parallel off (harness.run.orchestrate), so only TP > 1 must split the tokens
+    case.check_tp(versus_tp, case.tokens, case.config if versus_tp > 1 else {})
     return replace(case, runners=(runner, runner), perturb=None), (case.tp, versus_tp)
 
 

@@ -9,6 +9,7 @@ Exit code: 2 if a cell is ERROR, else 0 (the matrix reports differences, it does
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -22,18 +23,18 @@ from harness.report.case_report import VERDICT_STYLE
 SETTINGS = (True, False)
 
 
-def run(name: str, *, reports_dir: Path = run_folder.REPORTS_DIR, **options) -> int:
+def run(name: str, options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS) -> int:
     cells = []
     for gate in SETTINGS:
-        result, run_dir = pipeline.compare_case(name, reports_dir=reports_dir,
-                                                config_overrides={"use_accuracy_compatible": gate}, **options)
+        result, run_dir = pipeline.compare_case(
+            name, replace(options, config_overrides={**options.config_overrides, "use_accuracy_compatible": gate}))
         runners = result.case.get("runners", ())
         cells.append({"use_accuracy_compatible": gate, "verdict": result.verdict, "message": result.message,
                       "sides": " vs ".join(runners), "first_divergence": result.first_divergence,
                       "differing": [t.name for t in result.tensors if t.status != "EQUAL"],
                       "implementations": [s.meta.get("implementation", "") for s in result.sides],
                       "report": str(run_dir / "report.md")})
-    _, matrix_dir = run_folder.new_run_dir(Path(reports_dir), f"{name}-gate-matrix")
+    _, matrix_dir = run_folder.new_run_dir(Path(options.reports_dir), f"{name}-gate-matrix")
     (matrix_dir / "matrix.json").write_text(json.dumps({"case": name, "cells": cells}, indent=2) + "\n")
     (matrix_dir / "matrix.md").write_text(markdown(name, cells))
     _console(name, cells, matrix_dir)

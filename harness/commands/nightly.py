@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -59,9 +60,10 @@ def main(args, pythons: dict[str, str]) -> int:
         print(f"error: --tokens must be a positive integer (got {args.tokens})", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        night, run_dir = run(device=args.device, tokens=args.tokens, cases_dir=args.cases, reports_dir=args.reports,
-                             checkpoints_dir=args.checkpoints, pythons=pythons, timeout=args.timeout,
-                             weights_file=args.weights, previous=args.previous)
+        options = pipeline.CompareOptions(device=args.device, tokens=args.tokens, cases_dir=args.cases,
+                                          reports_dir=args.reports, checkpoints_dir=args.checkpoints, pythons=pythons,
+                                          timeout=args.timeout, weights_file=args.weights)
+        night, run_dir = run(options, previous=args.previous)
     except NightlyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -72,8 +74,9 @@ def main(args, pythons: dict[str, str]) -> int:
     return night["exit_code"]
 
 
-def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, checkpoints_dir: Path,
-        pythons: dict[str, str], timeout: float, weights_file: str | None, previous: Path | None) -> tuple[dict, Path]:
+def run(options: pipeline.CompareOptions, previous: Path | None) -> tuple[dict, Path]:
+    """Every case of `options.device` (at `options.tokens` when given), each in its own folder under the night's."""
+    device, tokens, cases_dir, reports_dir = options.device, options.tokens, options.cases_dir, options.reports_dir
     try:
         cases = Registry.load(Path(cases_dir)).for_device(device)
     except ValueError as error:
@@ -89,8 +92,7 @@ def run(*, device: str, tokens: int | None, cases_dir: Path, reports_dir: Path, 
     with _Reporter(len(cases)) as progress:
         for case in cases:
             progress.start(case.name)
-            entry = _run_case(case, run_dir, device=device, tokens=tokens, cases_dir=cases_dir, pythons=pythons,
-                              checkpoints_dir=checkpoints_dir, timeout=timeout, weights_file=weights_file)
+            entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases"))
             entries.append(entry)
             progress.done(entry)
     night["cases"] = entries
@@ -144,17 +146,14 @@ def load_previous(path: Path) -> dict:
     return night
 
 
-def _run_case(case: Case, run_dir: Path, *, device, tokens, cases_dir, pythons, checkpoints_dir, timeout,
-              weights_file) -> dict:
+def _run_case(case: Case, run_dir: Path, options: pipeline.CompareOptions) -> dict:
     entry = {"case": case.name, "family": case.family, "expected": case.expect.verdict, "verdict": None,
              "exit_code": None, "problems": [], "wall_seconds": 0.0, "run_dir": None, "report": None, "result": None}
-    if case.weights_from and not (weights_file or case.weights_from.file):
+    if case.weights_from and not (options.weights_file or case.weights_from.file):
         return {**entry, "outcome": "skip", "message": "not run: takes its weights from a file (--weights FILE)"}
     start = time.perf_counter()
     try:
-        result, case_dir = pipeline.compare_case(
-            case.name, device=device, tokens=tokens, cases_dir=cases_dir, checkpoints_dir=checkpoints_dir,
-            reports_dir=run_dir / "cases", pythons=pythons, timeout=timeout, weights_file=weights_file)
+        result, case_dir = pipeline.compare_case(case.name, options)
     except Exception as error:  # one case's harness crash must not lose the rest of the night
         return {**entry, "outcome": "fail", "verdict": ERROR, "message": f"harness crashed: {error!r}",
                 "wall_seconds": round(time.perf_counter() - start, 3)}

@@ -13,6 +13,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -29,25 +30,25 @@ PROVENANCE_KEYS = ("implementation", "versions", "torch", "device", "gpu", "gpu_
                    "torch_blas", "torch_onednn", "determinism", "weight_layout")
 
 
-def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str, str] | None] = (None,), *,
-              reports_dir: Path = run_folder.REPORTS_DIR, progress: Callable[[str], None] | None = None,
-              **compare_kwargs) -> tuple[dict, Path]:
+def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str, str] | None] = (None,),
+              options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS, *,
+              progress: Callable[[str], None] | None = None) -> tuple[dict, Path]:
     """Run every (pair, tokens) cell; None is the case's own pair or token count. Returns the report and folder."""
     progress = progress or _print_progress
-    sweep_id, sweep_dir = run_folder.new_run_dir(Path(reports_dir), f"sweep-{name}")
+    sweep_id, sweep_dir = run_folder.new_run_dir(Path(options.reports_dir), f"sweep-{name}")
     started = run_folder.now()
     cells, total = [], len(tokens) * len(pairs)
     for pair in pairs:
         for count in tokens:
             clock = time.monotonic()
-            result, run_dir = pipeline.compare_case(name, tokens=count, runners=pair, reports_dir=sweep_dir,
-                                                    **compare_kwargs)
+            result, run_dir = pipeline.compare_case(name, replace(options, tokens=count, runners=pair,
+                                                                  reports_dir=sweep_dir))
             cells.append(_cell(result, run_dir, pair, count, time.monotonic() - clock))
             cell = cells[-1]
             progress(f"[{len(cells)}/{total}] {name} {cell['pair']} tokens={count}: {cell['verdict']} "
                      f"({cell['wall_seconds']:.1f} s) {_diff_summary(cell)}".rstrip())
     report = {"schema": SWEEP_SCHEMA, "kind": "sweep", "sweep_id": sweep_id, "case": name,
-              "device": compare_kwargs.get("device", "cpu"), "tokens": list(tokens),
+              "device": options.device, "tokens": list(tokens),
               "pairs": list(dict.fromkeys(cell["pair"] for cell in cells)),
               "tensors": list(dict.fromkeys(t for cell in cells for t in cell["tensors"])),
               "verdicts": dict(Counter(cell["verdict"] for cell in cells)), "exit_code": exit_code(cells),

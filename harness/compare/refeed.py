@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors.numpy import save_file
 
 from harness.case import checkpoints
+from harness.case.ops import OPS
 from harness.case.registry import Case
 from harness.compare.tensors import DIFF, EQUAL, compare_tensor
 from harness.run import orchestrate
@@ -37,7 +38,7 @@ def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict
         inputs = folder / "inputs.safetensors"
         save_file({name: available[source] for name, source in stage.inputs.items()}, str(inputs))
         stage_case = replace(case, name=f"{case.name}.{stage.name}", op=stage.op, shapes=dict(stage.shapes),
-                             config=dict(stage.config), perturb=None, weights_from=None)
+                             config=OPS[stage.op].resolve(stage.config), perturb=None, weights_from=None)
         side = orchestrate.run_side("b", side_b.runner, stage_case, inputs, device, folder / f"b-{side_b.runner}",
                                     pythons, timeout)
         entry = {"stage": stage.name, "op": stage.op, "status": side.status, "reason": side.reason,
@@ -47,14 +48,14 @@ def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict
             for name, block_name in stage.outputs.items():
                 local = compare_tensor(block_name, a_outputs[block_name], produced[name])
                 entry["tensors"].append(local.to_dict())
-                report["tensors"][block_name] = _attribution(full.get(block_name), local, stage.name)
+                report["tensors"][block_name] = attribution(full.get(block_name), local, stage.name)
         report["stages"].append(entry)
     made = [name for name, how in report["tensors"].items() if how.startswith("made")]
     report["first_local_divergence"] = next((name for name in _topological(case) if name in made), None)
     return report
 
 
-def _attribution(full, local, stage: str) -> str:
+def attribution(full, local, stage: str) -> str:
     if local.status == DIFF:
         return f"made by {stage} (differs when re-fed with side a's inputs)"
     if local.status == EQUAL and full is not None and full.status == DIFF:

@@ -4,7 +4,7 @@ Each runner runs in its own process group (so a timeout kills it and everything 
 its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, default: this one), and
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
 Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
-(``harness.launch``) and its rank files are gathered into the canonical ones (``harness.shards``).
+(``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def runner_env(device: str) -> dict[str, str]:
         for key, value in GPU_ENV.items():
             env.setdefault(key, value)
     else:
-        env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.kernels)
+        env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.run.kernels)
     return env
 
 
@@ -120,7 +120,8 @@ def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, fol
 
 
 def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -> dict:
-    config = case.config if tp > 1 else {k: v for k, v in case.config.items() if k != "sequence_parallel"}
+    config = case.config if tp > 1 or "sequence_parallel" not in case.config else {**case.config,
+                                                                                    "sequence_parallel": False}
     return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": tp,
             "tokens": case.tokens, "shapes": case.shapes, "config": config, "seed": case.seed,
             "checkpoint": str(checkpoint.resolve()), "output_dir": str(folder.resolve())}

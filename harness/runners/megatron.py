@@ -1,12 +1,12 @@
-"""Megatron-Core runner: tensor-parallel linears from ``megatron.core.tensor_parallel`` (other ops in
-``megatron_ops``), no Transformer Engine.
+"""Megatron-Core runner: sets up the process group and parallel state, loads this rank's inputs, and runs the
+op's implementation from ``megatron_ops.IMPLEMENTATIONS`` (Megatron-Core's own modules, no Transformer Engine).
 
 CPU: gloo process group, eager numerics (``TORCHDYNAMO_DISABLE=1``). GPU: NCCL, with the determinism settings
 of real alignment runs (``torch_env``). At TP=1 the layer computes forward ``x @ W.t()``, dgrad ``dy @ W`` and
 wgrad ``dy.t() @ x`` (``gradient_accumulation_fusion`` off, so no fp32 ``main_grad``). Inputs arrive in
 Megatron's own layout, so nothing is transposed.
 Tensor parallel: started by torchrun, one process per rank; each rank reads the full checkpoint, takes
-its shard (partition dims from ``harness.ops``) and writes its own shard of every output.
+its shard (partition dims from ``harness.case.ops``) and writes its own shard of every output.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from harness.case.ops import OPS as OP_SPECS  # noqa: E402
+from harness.case.ops import OPS  # noqa: E402
 from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
     Phases,
@@ -35,7 +35,7 @@ from harness.runners import megatron_ops, torch_env  # noqa: E402
 
 try:
     from megatron.core import __version__ as megatron_version
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
 except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Megatron-Core
     MEGATRON_IMPORT_ERROR = str(error)
@@ -47,7 +47,7 @@ def run(request: dict, phases: Phases) -> dict:
     if MEGATRON_IMPORT_ERROR:
         raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
     rank, world = rank_and_world()
-    sequence_parallel = bool(request["config"].get("sequence_parallel", False))
+    sequence_parallel = request["config"].get("sequence_parallel", False)  # linears only
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         determinism = torch_env.apply_determinism(device)
@@ -55,14 +55,17 @@ def run(request: dict, phases: Phases) -> dict:
         if sequence_parallel and device.type == "cpu":
             torch.cuda.current_device = lambda: "cpu"  # Megatron allocates gather buffers on the "current" GPU
         dtype = torch_env.DTYPES[request["dtype"]]
-        partition = OP_SPECS[request["op"]].partition(request["config"])
+        partition = OPS[request["op"]].partition(request["config"])
         tensors = torch_env.load_inputs(request["checkpoint"], device,
                                         take=lambda name, t: t[shard_index(t.shape, partition.get(name), rank, world)])
         config = ModelParallelConfig(
             tensor_model_parallel_size=world, sequence_parallel=sequence_parallel,
             use_cpu_initialization=device.type == "cpu", perform_initialization=False, params_dtype=dtype,
             gradient_accumulation_fusion=False)
-    outputs, implementation = OPS[request["op"]](request, tensors, config, device, phases)
+    implementation_of = megatron_ops.IMPLEMENTATIONS.get(OPS[request["op"]])
+    if implementation_of is None:
+        raise Unsupported(f"the Megatron-Core runner has no implementation of op {request['op']!r}")
+    outputs, implementation = implementation_of(request, tensors, config, device, phases)
     with phases("write"):
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
                   os.path.join(request["output_dir"], rank_file_name(OUTPUTS, rank, world)))
@@ -72,36 +75,6 @@ def run(request: dict, phases: Phases) -> dict:
             "implementation": implementation, "determinism": determinism, "tensor_parallel": world,
             "sequence_parallel": sequence_parallel, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
-
-
-def parallel_linear(request, tensors, config, device, phases):
-    """ColumnParallelLinear or RowParallelLinear on this rank's shards: out = x @ W.t() (+ b), then backward."""
-    bias = bool(request["config"].get("bias", False))
-    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
-    common = dict(config=config, init_method=torch.nn.init.zeros_, bias=bias, skip_bias_add=False)
-    if request["op"] == "column_parallel_linear":
-        layer = tensor_parallel.ColumnParallelLinear(n_in, n_out, gather_output=False, **common)
-    else:
-        layer = tensor_parallel.RowParallelLinear(n_in, n_out, input_is_parallel=True, **common)
-    layer = layer.to(device)
-    with torch.no_grad():
-        layer.weight.copy_(tensors["weight"])
-        if bias:
-            layer.bias.copy_(tensors["bias"])
-    x = tensors["input"].unsqueeze(1).requires_grad_()  # [tokens, batch=1, hidden]: Megatron's [s, b, h]
-    with phases("forward"):
-        out, _ = layer(x)
-        torch_env.synchronize(device)
-    with phases("backward"):
-        out.backward(tensors["grad_output"].unsqueeze(1))
-        torch_env.synchronize(device)
-    outputs = {"out": out.squeeze(1), "grad.input": x.grad.squeeze(1), "grad.weight": layer.weight.grad}
-    if bias:
-        outputs["grad.bias"] = layer.bias.grad
-    return outputs, f"megatron.core.tensor_parallel.{type(layer).__name__} (no Transformer Engine)"
-
-
-OPS = {"column_parallel_linear": parallel_linear, "row_parallel_linear": parallel_linear, **megatron_ops.OPS}
 
 
 def _init_process_group(device: torch.device) -> None:

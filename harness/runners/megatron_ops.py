@@ -1,4 +1,4 @@
-"""Megatron-Core ops beyond the linears: RMSNorm, SwiGLU, embedding and the shared-expert MLP block (no TE).
+"""Megatron-Core's implementation of every op, keyed by the op record (``IMPLEMENTATIONS``), no TE.
 
 Each function takes (request, tensors, config, device, phases) and returns (outputs, implementation) in
 canonical names and layout. The modules are Megatron-Core's own; the runner only feeds them and reads grads.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.case import ops
 from harness.runners import torch_env
 
 
@@ -36,12 +37,41 @@ def _run(phases, device, forward, backward):
     return out
 
 
+def parallel_linear(request, tensors, config, device, phases):
+    """ColumnParallelLinear or RowParallelLinear on this rank's shards: out = x @ W.t() (+ b), then backward."""
+    from megatron.core import tensor_parallel
+
+    bias = request["config"]["bias"]
+    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    common = dict(config=config, init_method=torch.nn.init.zeros_, bias=bias, skip_bias_add=False)
+    if request["op"] == "column_parallel_linear":
+        layer = tensor_parallel.ColumnParallelLinear(n_in, n_out, gather_output=False, **common)
+    else:
+        layer = tensor_parallel.RowParallelLinear(n_in, n_out, input_is_parallel=True, **common)
+    layer = layer.to(device)
+    with torch.no_grad():
+        layer.weight.copy_(tensors["weight"])
+        if bias:
+            layer.bias.copy_(tensors["bias"])
+    x = tensors["input"].unsqueeze(1).requires_grad_()  # [tokens, batch=1, hidden]: Megatron's [s, b, h]
+    with phases("forward"):
+        out, _ = layer(x)
+        torch_env.synchronize(device)
+    with phases("backward"):
+        out.backward(tensors["grad_output"].unsqueeze(1))
+        torch_env.synchronize(device)
+    outputs = {"out": out.squeeze(1), "grad.input": x.grad.squeeze(1), "grad.weight": layer.weight.grad}
+    if bias:
+        outputs["grad.bias"] = layer.bias.grad
+    return outputs, f"megatron.core.tensor_parallel.{type(layer).__name__} (no Transformer Engine)"
+
+
 def rms_norm(request, tensors, config, device, phases):
     """``WrappedTorchNorm`` with normalization="RMSNorm" (a ``torch.nn.RMSNorm``), weight in the params dtype
     as Megatron's mixed-precision wrapper leaves it."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    eps = float(request["config"].get("eps", 1e-6))
+    eps = request["config"]["eps"]
     tconfig = _transformer_config(request, config, normalization="RMSNorm", layernorm_epsilon=eps)
     norm = WrappedTorchNorm(tconfig, request["shapes"]["hidden_size"], eps=eps).to(device=device,
                                                                                   dtype=config.params_dtype)
@@ -57,7 +87,7 @@ def rms_norm(request, tensors, config, device, phases):
 def swiglu(request, tensors, config, device, phases):
     from megatron.core.fusions import fused_bias_swiglu as fused
 
-    impl = request["config"].get("swiglu_impl", "fused")
+    impl = request["config"]["swiglu_impl"]
     x = tensors["input"].requires_grad_()
     scale = tensors.get("per_token_scale")
     if scale is not None:  # MLP passes per_token_scale.unsqueeze(-1) to weighted_bias_swiglu_impl
@@ -89,7 +119,7 @@ def embedding(request, tensors, config, device, phases):
     """``VocabParallelEmbedding`` at TP=1: ``F.embedding``, or ``weight[ids]`` with config.deterministic_mode."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    deterministic = bool(request["config"].get("deterministic_mode", False))
+    deterministic = request["config"]["deterministic_mode"]
     config.deterministic_mode = deterministic
     vocab, hidden = request["shapes"]["vocab_size"], request["shapes"]["hidden_size"]
     layer = VocabParallelEmbedding(vocab, hidden, init_method=torch.nn.init.zeros_, config=config).to(device)
@@ -110,7 +140,7 @@ def shared_expert_mlp(request, tensors, config, device, phases):
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     ffn = request["shapes"]["ffn_hidden_size"]
-    fused = request["config"].get("swiglu_impl", "fused") == "fused"
+    fused = request["config"]["swiglu_impl"] == "fused"
     tconfig = _transformer_config(request, config, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                   bias_activation_fusion=fused, num_moe_experts=2,
                                   moe_shared_expert_intermediate_size=ffn, ffn_hidden_size=ffn)
@@ -161,7 +191,7 @@ def moe_router(request, tensors, config, device, phases):
     tconfig = _transformer_config(
         request, config, num_moe_experts=shapes["num_experts"], moe_router_topk=shapes["topk"],
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
-        moe_router_topk_scaling_factor=float(request["config"].get("topk_scaling_factor", 2.827)),
+        moe_router_topk_scaling_factor=request["config"]["topk_scaling_factor"],
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     router = TopKRouter(tconfig, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
     with torch.no_grad():
@@ -238,5 +268,28 @@ def routed_experts(request, tensors, config, device, phases):
             "weighted_bias_swiglu_impl, no TE")
 
 
-OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
-       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp, "routed_experts": routed_experts}
+def mla_up_projection(request, tensors, config, device, phases):
+    """MLA's q/kv up-projection as ``MLASelfAttention`` runs it: a ``ColumnParallelLinear`` (lora rank -> heads x
+    head dim, no bias, gather_output=False) whose output is viewed as [s, b, heads on this rank, head_dim]."""
+    from megatron.core import tensor_parallel
+
+    shapes = request["shapes"]
+    layer = tensor_parallel.ColumnParallelLinear(
+        shapes["lora_rank"], shapes["num_heads"] * shapes["head_dim"], config=config,
+        init_method=torch.nn.init.zeros_, bias=False, gather_output=False, skip_bias_add=False).to(device)
+    with torch.no_grad():
+        layer.weight.copy_(tensors["weight"])
+    x = tensors["input"].unsqueeze(1).requires_grad_()  # [s, b=1, lora rank]
+    dy = tensors["grad_output"].unsqueeze(1)  # [s, b=1, heads on this rank, head_dim]
+    out = _run(phases, device, lambda: layer(x)[0].view(*dy.shape), lambda out: out.backward(dy))
+    return ({"out": out.squeeze(1), "grad.input": x.grad.squeeze(1), "grad.weight": layer.weight.grad},
+            "megatron.core.tensor_parallel.ColumnParallelLinear viewed per head, as MLASelfAttention's "
+            "linear_q_up_proj / linear_kv_up_proj (no Transformer Engine)")
+
+
+IMPLEMENTATIONS = {
+    ops.COLUMN_PARALLEL_LINEAR: parallel_linear, ops.ROW_PARALLEL_LINEAR: parallel_linear, ops.RMS_NORM: rms_norm,
+    ops.SWIGLU: swiglu, ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
+    ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
+    ops.MLA_UP_PROJECTION: mla_up_projection,
+}

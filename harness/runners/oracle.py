@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from harness.case.ops import OPS
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -34,15 +35,17 @@ OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(n
 
 
 def run(request: dict, phases: Phases) -> dict:
-    op = OPS.get(request["op"])
-    if op is None:
-        raise Unsupported(f"no truth oracle for op {request['op']!r} yet (oracles exist for {', '.join(OPS)})")
+    record = OPS[request["op"]]
+    formula = FORMULAS.get(record.oracle)
+    if formula is None:
+        covered = sorted(name for name, op in OPS.items() if op.oracle in FORMULAS)
+        raise Unsupported(f"no truth oracle for op {request['op']!r} yet (oracles exist for {', '.join(covered)})")
     dtype = OUTPUT_DTYPES[request["dtype"]]
     with phases("setup"):
         tensors = {name: array.astype(np.float64) for name, array in load_file(request["checkpoint"]).items()}
     outputs, recomputed = {}, {}
     with phases("compute"):
-        for name, (left, right, shift, shape) in op(tensors, request).items():
+        for name, (left, right, shift, shape) in formula(tensors, request).items():
             outputs[name], recomputed[name] = correctly_rounded_product(left, right, shift, dtype)
             outputs[name] = outputs[name].reshape(shape)
     with phases("write"):
@@ -56,19 +59,23 @@ def run(request: dict, phases: Phases) -> dict:
 def linear(tensors: dict[str, np.ndarray], request: dict) -> dict:
     """out = x @ W.T (+ b); grad.input = dY @ W; grad.weight = dY.T @ x; grad.bias = sum of dY over tokens.
 
-    Each output as (left, right, added vector or None, shape): output = left @ right (+ added), exactly.
-    Tensor parallelism does not change the exact function, so both parallel linears share it.
+    Each output as (left, right, added vector or None, shape): output = left @ right (+ added), exactly, in the
+    shape of the tensor it pairs with (out: the upstream gradient's). Tensor parallelism does not change the exact
+    function, so every linear-shaped op (column- and row-parallel, per-head projections whose output is [tokens,
+    heads, head_dim]) shares it.
     """
-    x, w, dy = tensors["input"], tensors["weight"], tensors["grad_output"]
+    x, w, out_shape = tensors["input"], tensors["weight"], tensors["grad_output"].shape
+    dy = tensors["grad_output"].reshape(x.shape[0], w.shape[0])
     bias = tensors["bias"] if request["config"].get("bias", False) else None
-    outputs = {"out": (x, w.T, bias, (x.shape[0], w.shape[0])), "grad.input": (dy, w, None, x.shape),
+    outputs = {"out": (x, w.T, bias, out_shape), "grad.input": (dy, w, None, x.shape),
                "grad.weight": (dy.T, x, None, w.shape)}
     if bias is not None:
         outputs["grad.bias"] = (np.ones((1, dy.shape[0])), dy, None, bias.shape)
     return outputs
 
 
-OPS = {"column_parallel_linear": linear, "row_parallel_linear": linear}
+# The exact functions, by the name an op record gives in its `oracle` field.
+FORMULAS = {"linear": linear}
 
 
 def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.ndarray | None,

@@ -15,7 +15,7 @@ Outputs go back to canonical names and Megatron's ``[out, in]`` weight layout (a
 
 Tensor parallel (started by ``paddle.distributed.launch``): PaddleFleet's layers on its model-parallel group
 when importable; otherwise each rank runs the same ops on its split weights (partition dims from
-``harness.ops``) and the partial sums are all-reduced as Megatron does: column-parallel, the input grad;
+``harness.case.ops``) and the partial sums are all-reduced as Megatron does: column-parallel, the input grad;
 row-parallel, the output. The plain path has no sequence parallel and no row-parallel bias (said UNSUPPORTED).
 """
 
@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from harness.case.ops import OPS as OP_SPECS
+from harness.case.ops import OPS
 from harness.run.protocol import (
     OUTPUTS,
     Phases,
@@ -49,27 +49,25 @@ except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's
 def run(request: dict, phases: Phases) -> dict:
     if paddle is None:
         raise Unsupported(f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}")
-    gate = request["config"].get("use_accuracy_compatible", True)
+    gate = request["config"]["use_accuracy_compatible"]
     with phases("setup"):
         device = _select_device(request["device"])
         from safetensors.paddle import load_file
 
         rank, world = rank_and_world()
-        partition = OP_SPECS[request["op"]].partition(request["config"])
+        partition = OPS[request["op"]].partition(request["config"])
         tensors = {k: np.ascontiguousarray(v.numpy()[shard_index(v.shape, partition.get(k), rank, world)])
                    for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
     fleet = _paddlefleet() if device == "gpu" else None  # raises UNSUPPORTED on a GPU without it
     if world > 1 and fleet is None:
         _check_plain_tp(request)
         paddle.distributed.init_parallel_env()
-    if request["op"] in _other_ops():
-        outputs, implementation = _other_ops()[request["op"]](request, tensors, gate, phases, _kernel_guard)
-    elif fleet is not None:
-        outputs, implementation = _fleet_linear(request, tensors, gate, phases, world)
-    elif device == "cpu" and request["dtype"] == "bfloat16":
-        outputs, implementation = _static_onednn_linear(request, tensors, gate, phases)
-    else:
-        outputs, implementation = _dygraph_linear(request, tensors, gate, phases)
+    from harness.runners import paddle_ops  # after the import check: it imports paddle
+
+    implementation_of = paddle_ops.IMPLEMENTATIONS.get(OPS[request["op"]])
+    if implementation_of is None:
+        raise Unsupported(f"the Paddle runner has no implementation of op {request['op']!r}")
+    outputs, implementation = implementation_of(request, tensors, gate, phases, _kernel_guard)
     if world > 1 and fleet is None:
         with phases("all_reduce"):
             implementation += _all_reduce_partials(outputs, request, world)
@@ -84,153 +82,29 @@ def run(request: dict, phases: Phases) -> dict:
 
 
 def _check_plain_tp(request):
-    if request["config"].get("sequence_parallel", False):
+    if request["config"].get("sequence_parallel", False):  # linears only
         raise Unsupported("sequence_parallel: the plain-Paddle tensor-parallel path has no sequence parallel "
                           "(it comes with PaddleFleet's layers, which are not importable here)")
-    if request["op"] == "row_parallel_linear" and request["config"].get("bias", False):
+    if request["op"] == "row_parallel_linear" and request["config"]["bias"]:
         raise Unsupported("row-parallel bias at tp > 1: the plain-Paddle path does not add it after the reduce")
 
 
 def _all_reduce_partials(outputs, request, world) -> str:
     """Sum the per-rank partial results over the ranks, where Megatron's layers do the same all-reduce."""
-    name = "grad.input" if request["op"] == "column_parallel_linear" else "out"
-    partial = paddle.to_tensor(outputs[name], place=paddle.CPUPlace() if request["device"] == "cpu" else None)
-    paddle.distributed.all_reduce(partial)
-    outputs[name] = partial.numpy()
+    names = OPS[request["op"]].reduced
+    for name in names:
+        partial = paddle.to_tensor(outputs[name], place=paddle.CPUPlace() if request["device"] == "cpu" else None)
+        paddle.distributed.all_reduce(partial)
+        outputs[name] = partial.numpy()
     backend = "gloo" if request["device"] == "cpu" else "nccl"
-    return f"; TP={world}: split weights, {name} partial sums by paddle.distributed.all_reduce ({backend})"
-
-
-def _dygraph_linear(request, tensors, gate, phases):
-    x, w, b = _feeds(tensors, request)
-    x, w = paddle.to_tensor(x), paddle.to_tensor(w)
-    bias = paddle.to_tensor(b) if b is not None else None
-    for t in (x, w, bias):
-        if t is not None:
-            t.stop_gradient = False
-    linear, name = _linear_function(gate, request)
-    with phases("forward"):
-        out = _kernel_guard(lambda: linear(x, w, bias), name, request)
-        _synchronize(request)
-    with phases("backward"):
-        _kernel_guard(lambda: out.backward(paddle.to_tensor(tensors["grad_output"])), name + " backward", request)
-        _synchronize(request)
-    results = [out.numpy(), x.grad.numpy(), w.grad.numpy()] + ([bias.grad.numpy()] if bias is not None else [])
-    return _canonical(results), f"paddle dygraph {name} (plain Paddle ops following the gated path)"
-
-
-def _static_onednn_linear(request, tensors, gate, phases):
-    """The same ops in a static Program, run by oneDNN: Paddle's only CPU bf16 GEMM."""
-    x, w, b = _feeds(tensors, request)
-    paddle.enable_static()
-    paddle.set_flags({"FLAGS_use_onednn": True})
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    linear, name = _linear_function(gate, request)
-    with paddle.static.program_guard(main, startup):
-        xs = paddle.static.data("x", list(x.shape), "bfloat16")
-        ws = paddle.static.data("w", list(w.shape), "bfloat16")
-        dys = paddle.static.data("dy", list(tensors["grad_output"].shape), "bfloat16")
-        bs = paddle.static.data("b", list(b.shape), "bfloat16") if b is not None else None
-        wrt = [v for v in (xs, ws, bs) if v is not None]
-        for v in wrt:
-            v.stop_gradient = False
-        out = linear(xs, ws, bs)
-        grads = paddle.static.gradients([out], wrt, target_gradients=[dys])
-    feed = {"x": x, "w": w, "dy": tensors["grad_output"], **({"b": b} if b is not None else {})}
-    executor = paddle.static.Executor(paddle.CPUPlace())
-    with phases("forward+backward"):
-        results = _kernel_guard(lambda: executor.run(main, feed=feed, fetch_list=[out, *grads]),
-                                f"oneDNN bf16 {name} (static graph)", request)
-    paddle.disable_static()
-    return _canonical(results), f"paddle static graph + oneDNN, {name} (plain Paddle ops following the gated path)"
-
-
-def _fleet_linear(request, tensors, gate, phases, world):
-    """PaddleFleet's own module with the accuracy gate; weight is Paddle's [in, out] (this rank's shard at TP>1).
-    Written from its public API (GPU only; not run on this project's machines)."""
-    from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from paddlefleet.transformer.transformer_config import TransformerConfig
-
-    x, w, b = _feeds(tensors, request)
-    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
-    sequence_parallel = bool(request["config"].get("sequence_parallel", False))
-    # gradient_accumulation_fusion off: the wgrad is then general_gemm(x.t(), dy) into .grad, as on Megatron's side
-    # (with it on, PaddleFleet accumulates into a main_grad that only its DDP wrapper creates).
-    config = TransformerConfig(num_layers=1, hidden_size=n_in, num_attention_heads=1, params_dtype=paddle.bfloat16
-                               if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate,
-                               gradient_accumulation_fusion=False, tensor_model_parallel_size=world,
-                               sequence_parallel=sequence_parallel)
-    bias = b is not None
-    group = {"tp_group": _fleet_tp_group(world)} if world > 1 else {}
-    if request["op"] == "column_parallel_linear":
-        layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
-                                     gather_output=False, **group)
-    else:
-        layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
-                                  input_is_parallel=True, skip_bias_add=False, **group)
-    layer.weight.set_value(paddle.to_tensor(w))
-    if bias:
-        layer.bias.set_value(paddle.to_tensor(b))
-    xt = paddle.to_tensor(x).unsqueeze(1)  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
-    xt.stop_gradient = False
-    with phases("forward"):
-        out, _ = layer(xt)
-        _synchronize(request)
-    with phases("backward"):
-        out.backward(paddle.to_tensor(tensors["grad_output"]).unsqueeze(1))
-        _synchronize(request)
-    results = [out.squeeze(1).numpy(), xt.grad.squeeze(1).numpy(), layer.weight.grad.numpy()]
-    if bias:
-        results.append(layer.bias.grad.numpy())
-    return _canonical(results), f"paddlefleet.tensor_parallel.{type(layer).__name__} (use_accuracy_compatible={gate})"
-
-
-def _fleet_tp_group(world):
-    """Fleet's hybrid topology with every rank in one model-parallel (tensor-parallel) group."""
-    from paddle.distributed import fleet
-
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": world, "pp_degree": 1}
-    fleet.init(is_collective=True, strategy=strategy)
-    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
-
-
-def _linear_function(gate, request):
-    """The gated path calls F.linear; with the gate off PaddleFleet uses fused_linear (a GPU kernel)."""
-    if gate:
-        return (lambda x, w, b: paddle.nn.functional.linear(x, w, b)), "paddle.nn.functional.linear"
-    if request["device"] != "gpu":
-        raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
-    from paddle.incubate.nn.functional import fused_linear
-
-    return (lambda x, w, b: fused_linear(x, w, b)), "paddle.incubate.nn.functional.fused_linear"
-
-
-def _feeds(tensors, request):
-    """Inputs in Paddle's layout: the weight becomes [in, out] (a transpose: exact)."""
-    weight = np.ascontiguousarray(tensors["weight"].T)
-    return tensors["input"], weight, tensors.get("bias")
-
-
-def _canonical(results):
-    """Back to canonical names and layout: Paddle's weight grad is [in, out], Megatron's [out, in]."""
-    names = ["out", "grad.input", "grad.weight", "grad.bias"]
-    outputs = {name: np.asarray(r) for name, r in zip(names, results, strict=False)}
-    outputs["grad.weight"] = np.ascontiguousarray(outputs["grad.weight"].T)
-    return outputs
-
-
-def _other_ops():
-    from harness.runners import paddle_ops
-
-    return paddle_ops.OPS
+    return f"; TP={world}: split weights, {', '.join(names)} partial sums by paddle.distributed.all_reduce ({backend})"
 
 
 def _write(outputs, request, file_name):
     from safetensors.paddle import save_file
 
     dtypes = {"bfloat16": paddle.bfloat16, "float16": paddle.float16, "float32": paddle.float32, "int64": paddle.int64}
-    specs = OP_SPECS[request["op"]].outputs(request["shapes"], request["tokens"], request["config"])
+    specs = OPS[request["op"]].outputs(request["shapes"], request["tokens"], request["config"])
     expected = {spec.name: dtypes[spec.dtype or request["dtype"]] for spec in specs}
     tensors = {}
     for name, array in outputs.items():

@@ -1,4 +1,5 @@
-"""Paddle ops beyond the linears, following PaddleFleet's paths with the accuracy gate on and off.
+"""Paddle's implementation of every op (``IMPLEMENTATIONS``, keyed by the op record), following PaddleFleet's
+paths with the accuracy gate on and off.
 
 Plain Paddle ops (dygraph), written from PaddleFleet's public source and its documented gate behaviour:
 - gate on (``use_accuracy_compatible``): RMSNorm and SwiGLU (with or without a per-token scale) are FP32
@@ -16,6 +17,9 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+
+from harness.case import ops
+from harness.run.protocol import Unsupported, rank_and_world
 
 
 def _tensor(array, trainable=True):
@@ -39,6 +43,135 @@ def _synchronize(request):
         paddle.device.synchronize()
 
 
+def linear(request, tensors, gate, phases, guard):
+    """Column- or row-parallel linear: PaddleFleet's own module on a GPU (the runner has checked it imports), a
+    static oneDNN graph for bf16 on a CPU (dygraph has no CPU bf16 matmul), dygraph otherwise."""
+    if request["device"] == "gpu":
+        return _fleet_linear(request, tensors, gate, phases, rank_and_world()[1])
+    if request["dtype"] == "bfloat16":
+        return _static_onednn_linear(request, tensors, gate, phases, guard)
+    return _dygraph_linear(request, tensors, gate, phases, guard)
+
+
+def _dygraph_linear(request, tensors, gate, phases, guard):
+    x, w, b = _feeds(tensors, request)
+    x, w = paddle.to_tensor(x), paddle.to_tensor(w)
+    bias = paddle.to_tensor(b) if b is not None else None
+    for t in (x, w, bias):
+        if t is not None:
+            t.stop_gradient = False
+    linear, name = _linear_function(gate, request)
+    with phases("forward"):
+        out = guard(lambda: linear(x, w, bias), name, request)
+        _synchronize(request)
+    with phases("backward"):
+        guard(lambda: out.backward(paddle.to_tensor(tensors["grad_output"])), name + " backward", request)
+        _synchronize(request)
+    results = [out.numpy(), x.grad.numpy(), w.grad.numpy()] + ([bias.grad.numpy()] if bias is not None else [])
+    return _canonical(results), f"paddle dygraph {name} (plain Paddle ops following the gated path)"
+
+
+def _static_onednn_linear(request, tensors, gate, phases, guard):
+    """The same ops in a static Program, run by oneDNN: Paddle's only CPU bf16 GEMM."""
+    x, w, b = _feeds(tensors, request)
+    paddle.enable_static()
+    paddle.set_flags({"FLAGS_use_onednn": True})
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    linear, name = _linear_function(gate, request)
+    with paddle.static.program_guard(main, startup):
+        xs = paddle.static.data("x", list(x.shape), "bfloat16")
+        ws = paddle.static.data("w", list(w.shape), "bfloat16")
+        dys = paddle.static.data("dy", list(tensors["grad_output"].shape), "bfloat16")
+        bs = paddle.static.data("b", list(b.shape), "bfloat16") if b is not None else None
+        wrt = [v for v in (xs, ws, bs) if v is not None]
+        for v in wrt:
+            v.stop_gradient = False
+        out = linear(xs, ws, bs)
+        grads = paddle.static.gradients([out], wrt, target_gradients=[dys])
+    feed = {"x": x, "w": w, "dy": tensors["grad_output"], **({"b": b} if b is not None else {})}
+    executor = paddle.static.Executor(paddle.CPUPlace())
+    with phases("forward+backward"):
+        results = guard(lambda: executor.run(main, feed=feed, fetch_list=[out, *grads]),
+                                f"oneDNN bf16 {name} (static graph)", request)
+    paddle.disable_static()
+    return _canonical(results), f"paddle static graph + oneDNN, {name} (plain Paddle ops following the gated path)"
+
+
+def _fleet_linear(request, tensors, gate, phases, world):
+    """PaddleFleet's own module with the accuracy gate; weight is Paddle's [in, out] (this rank's shard at TP>1).
+    Written from its public API (GPU only; not run on this project's machines)."""
+    from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from paddlefleet.transformer.transformer_config import TransformerConfig
+
+    x, w, b = _feeds(tensors, request)
+    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    sequence_parallel = request["config"]["sequence_parallel"]
+    # gradient_accumulation_fusion off: the wgrad is then general_gemm(x.t(), dy) into .grad, as on Megatron's side
+    # (with it on, PaddleFleet accumulates into a main_grad that only its DDP wrapper creates).
+    config = TransformerConfig(num_layers=1, hidden_size=n_in, num_attention_heads=1, params_dtype=paddle.bfloat16
+                               if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate,
+                               gradient_accumulation_fusion=False, tensor_model_parallel_size=world,
+                               sequence_parallel=sequence_parallel)
+    bias = b is not None
+    group = {"tp_group": _fleet_tp_group(world)} if world > 1 else {}
+    if request["op"] == "column_parallel_linear":
+        layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
+                                     gather_output=False, **group)
+    else:
+        layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
+                                  input_is_parallel=True, skip_bias_add=False, **group)
+    layer.weight.set_value(paddle.to_tensor(w))
+    if bias:
+        layer.bias.set_value(paddle.to_tensor(b))
+    xt = paddle.to_tensor(x).unsqueeze(1)  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
+    xt.stop_gradient = False
+    with phases("forward"):
+        out, _ = layer(xt)
+        _synchronize(request)
+    with phases("backward"):
+        out.backward(paddle.to_tensor(tensors["grad_output"]).unsqueeze(1))
+        _synchronize(request)
+    results = [out.squeeze(1).numpy(), xt.grad.squeeze(1).numpy(), layer.weight.grad.numpy()]
+    if bias:
+        results.append(layer.bias.grad.numpy())
+    return _canonical(results), f"paddlefleet.tensor_parallel.{type(layer).__name__} (use_accuracy_compatible={gate})"
+
+
+def _fleet_tp_group(world):
+    """Fleet's hybrid topology with every rank in one model-parallel (tensor-parallel) group."""
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": world, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=strategy)
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
+def _linear_function(gate, request):
+    """The gated path calls F.linear; with the gate off PaddleFleet uses fused_linear (a GPU kernel)."""
+    if gate:
+        return (lambda x, w, b: paddle.nn.functional.linear(x, w, b)), "paddle.nn.functional.linear"
+    if request["device"] != "gpu":
+        raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
+    from paddle.incubate.nn.functional import fused_linear
+
+    return (lambda x, w, b: fused_linear(x, w, b)), "paddle.incubate.nn.functional.fused_linear"
+
+
+def _feeds(tensors, request):
+    """Inputs in Paddle's layout: the weight becomes [in, out] (a transpose: exact)."""
+    weight = np.ascontiguousarray(tensors["weight"].T)
+    return tensors["input"], weight, tensors.get("bias")
+
+
+def _canonical(results):
+    """Back to canonical names and layout: Paddle's weight grad is [in, out], Megatron's [out, in]."""
+    names = ["out", "grad.input", "grad.weight", "grad.bias"]
+    outputs = {name: np.asarray(r) for name, r in zip(names, results, strict=False)}
+    outputs["grad.weight"] = np.ascontiguousarray(outputs["grad.weight"].T)
+    return outputs
+
+
 def _rms_norm_island(x, weight, eps):
     x32 = x.astype("float32")
     normed = x32 * paddle.rsqrt(x32.pow(2).mean(axis=-1, keepdim=True) + eps)
@@ -46,7 +179,7 @@ def _rms_norm_island(x, weight, eps):
 
 
 def rms_norm(request, tensors, gate, phases, guard):
-    eps = float(request["config"].get("eps", 1e-6))
+    eps = request["config"]["eps"]
     x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
     if gate:
         def forward():
@@ -141,12 +274,10 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
 def moe_router(request, tensors, gate, phases, guard):
     """Gated router: an unfused fp32 GEMM for the logits, then sigmoid, bias for the choice only, top-k,
     normalisation over the k, scaling; grads by autograd in fp32. The gate-off path (fused gating) is not written."""
-    from harness.run.protocol import Unsupported
-
     if not gate:
         raise Unsupported("the gate-off router (PaddleFleet's fused gating GEMM) is not implemented in this runner")
     k = request["shapes"]["topk"]
-    scaling = float(request["config"].get("topk_scaling_factor", 2.827))
+    scaling = request["config"]["topk_scaling_factor"]
     x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
     bias = _tensor(tensors["expert_bias"], False)
 
@@ -194,8 +325,6 @@ def routed_experts(request, tensors, gate, phases, guard):
     split the permuted tokens by expert, F.linear -> FP32-island SwiGLU times the routing probability -> F.linear,
     concatenate. Gate off (the grouped/fused expert GEMM) is not written here."""
     from harness.case.ops import uneven_split
-    from harness.run.protocol import Unsupported
-
     if not gate:
         raise Unsupported("the gate-off routed experts (PaddleFleet's grouped expert GEMM) are not implemented here")
     experts = request["shapes"]["num_local_experts"]
@@ -221,11 +350,28 @@ def routed_experts(request, tensors, gate, phases, guard):
 
 def raise_if_cpu_gate_off(request):
     """Gate off, PaddleFleet's linears take fused_linear: a GPU kernel (as in the linear cases)."""
-    from harness.run.protocol import Unsupported
-
     if request["device"] != "gpu":
         raise Unsupported("use_accuracy_compatible=False takes PaddleFleet's fused_linear, which has no CPU kernel")
 
 
-OPS = {"rms_norm": rms_norm, "swiglu": swiglu, "embedding": embedding, "moe_router": moe_router,
-       "attention_scores": attention_scores, "shared_expert_mlp": shared_expert_mlp, "routed_experts": routed_experts}
+def mla_up_projection(request, tensors, gate, phases, guard):
+    """MLA's q/kv up-projection: PaddleFleet builds ``q_up_proj`` / ``kv_up_proj`` as its column-parallel linear and
+    views the output as [tokens, heads, head_dim] (src/paddlefleet/transformer/multi_latent_attention.py,
+    ``get_query_key_value_tensors``, PaddlePaddle/PaddleFleet@023ee66c6bd20101d946d14fef24588df4d515ac): the same
+    linear path as the linear ops, then the view."""
+    shapes, dy = request["shapes"], tensors["grad_output"]
+    as_linear = {**request, "shapes": {"input_size": shapes["lora_rank"],
+                                       "output_size": shapes["num_heads"] * shapes["head_dim"]},
+                 "config": {**request["config"], "bias": False, "sequence_parallel": False}}
+    outputs, implementation = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate,
+                                     phases, guard)
+    outputs["out"] = outputs["out"].reshape(dy.shape)
+    return outputs, implementation + ", output viewed as [tokens, heads, head_dim]"
+
+
+IMPLEMENTATIONS = {
+    ops.COLUMN_PARALLEL_LINEAR: linear, ops.ROW_PARALLEL_LINEAR: linear, ops.RMS_NORM: rms_norm, ops.SWIGLU: swiglu,
+    ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
+    ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
+    ops.MLA_UP_PROJECTION: mla_up_projection,
+}

@@ -24,6 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from harness.case import ops  # noqa: E402
+from harness.case.ops import OPS  # noqa: E402
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
 from harness.runners import torch_env  # noqa: E402
 
@@ -38,15 +40,17 @@ def runner(layout: str):
     """The `run` function of the runner for one weight layout ("tn" or "nn")."""
 
     def run(request: dict, phases: Phases) -> dict:
-        if request["op"] not in OPS:
-            raise Unsupported(f"the plain-PyTorch runner has no op {request['op']!r} (it has {', '.join(OPS)})")
+        implementation_of = IMPLEMENTATIONS.get(OPS[request["op"]])
+        if implementation_of is None:
+            covered = ", ".join(op.name for op in IMPLEMENTATIONS)
+            raise Unsupported(f"the plain-PyTorch runner has no op {request['op']!r} (it has {covered})")
         if request["tp"] != 1:
             raise Unsupported(f"the plain-PyTorch runner runs single-device ops only (tp=1), got tp={request['tp']}")
         with phases("setup"):
             device = torch_env.select_device(request["device"])
             determinism = torch_env.apply_determinism(device)
             tensors = torch_env.load_inputs(request["checkpoint"], device)
-        outputs = OPS[request["op"]](tensors, layout, device, phases)
+        outputs = implementation_of(tensors, layout, device, phases)
         with phases("write"):
             save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
                       os.path.join(request["output_dir"], OUTPUTS))
@@ -78,7 +82,7 @@ def linear(tensors: dict, layout: str, device: torch.device, phases: Phases) -> 
 
 
 # Column- and row-parallel linears are the same single-device math at TP=1.
-OPS = {"column_parallel_linear": linear, "row_parallel_linear": linear}
+IMPLEMENTATIONS = {ops.COLUMN_PARALLEL_LINEAR: linear, ops.ROW_PARALLEL_LINEAR: linear}
 
 
 if __name__ == "__main__":
