@@ -397,6 +397,21 @@ def test_full_disk_double_at_the_write_boundary(world):
     assert_ends(world, got, err, 2, "ERROR", "cannot write checkpoint", "no space left on device")
 
 
+def test_full_disk_while_writing_a_checkpoint_leaves_no_staging_folder(world, monkeypatch):
+    import errno
+
+    from harness.case import checkpoints
+    from harness.case.registry import Registry
+
+    def full_disk_double(tensors, filename):  # named double: safetensors' writer on a full disk
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(checkpoints, "save_file", full_disk_double)
+    with pytest.raises(resources.StorageError, match="cannot write checkpoint .*no space left on device"):
+        checkpoints.prepare(Registry.load(world.cases).get("tiny"), world.ck)
+    assert [p.name for p in world.ck.rglob("*")] == ["tiny"]  # the case folder, nothing half-written in it
+
+
 def test_storage_error_without_a_file_name_names_the_folder(tmp_path):
     import errno
 
@@ -503,3 +518,30 @@ def test_interrupt_outside_a_run_is_said_on_stderr(world, capsys, monkeypatch):
 
 def test_human_sizes():
     assert resources.human_bytes(3 * 1024**4) == "3.0 TiB" and math.isfinite(resources.available_memory() or 1)
+
+
+def test_ctrl_c_through_the_library_api_stops_runners_at_once(world):
+    """compare_case called as a library (no CLI handlers): a KeyboardInterrupt still stops the runners at once,
+    writes the report and is raised again as Interrupted, so a caller's loop stops too."""
+    import threading
+
+    from harness.commands.compare import CompareOptions, compare_case
+    from harness.run.supervisor import Interrupted
+
+    hang = interpreter(world.bin, "hang")
+    options = CompareOptions(cases_dir=world.cases, checkpoints_dir=world.ck, reports_dir=world.reports,
+                             pythons={"megatron": hang, "paddle": hang}, timeout=120.0, oracle=False)
+
+    def ctrl_c_once_both_run():
+        deadline = time.monotonic() + 60
+        while len(world.started()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal: Python's default handler raises KeyboardInterrupt
+
+    threading.Thread(target=ctrl_c_once_both_run, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(Interrupted) as stopped:
+        compare_case("tiny", options)
+    assert time.monotonic() - started < 60 and stopped.value.exit_code == 130
+    assert_ends(world, 130, "", 130, "ERROR", "interrupted by SIGINT")
+    assert stopped.value.report == world.reports_written()[-1].parent / "report.md"

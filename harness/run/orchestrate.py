@@ -109,7 +109,11 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
         # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's
         # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
         with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
-            return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
+            try:
+                return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
+            except BaseException:  # Ctrl-C, even without the CLI's handlers: stop the runners, do not wait on them
+                supervisor.stop_all()
+                raise
 
 
 def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
