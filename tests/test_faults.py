@@ -291,11 +291,19 @@ def _drop_key(path: Path, key: str) -> None:
     path.write_text(json.dumps(manifest))
 
 
+def _point_outside(path: Path) -> None:
+    manifest = json.loads(path.read_text())
+    manifest["perturbed"] = {"side": "b", "file": "../../../outside.safetensors", "tensors": {}}
+    path.write_text(json.dumps(manifest))
+
+
 CHECKPOINT_FAULTS = {  # how the checkpoint is damaged, and the words the report must say
     "manifest_without_tensors": (lambda c: _drop_key(c.folder / "manifest.json", "tensors"),
                                  ["manifest.json: key 'tensors' is missing"]),
     "manifest_without_digest": (lambda c: _drop_key(c.folder / "manifest.json", "digest"),
                                 ["manifest.json: key 'digest' is missing"]),
+    "manifest_points_outside": (lambda c: _point_outside(c.folder / "manifest.json"),
+                                ["checkpoint file name '../../../outside.safetensors' cannot become"]),
     "manifest_not_json": (lambda c: (c.folder / "manifest.json").write_text("{not json"), ["unreadable manifest"]),
     "inputs_deleted": (lambda c: c.path.unlink(), ["inputs.safetensors: not a readable safetensors file"]),
     "inputs_corrupted": (lambda c: c.path.write_bytes(c.path.read_bytes()[:-3] + b"\x00\x00\x01"),
@@ -425,10 +433,10 @@ def test_storage_error_without_a_file_name_names_the_folder(tmp_path):
 def test_harness_failure_is_error_with_a_report_not_exit_1(world, capsys, monkeypatch):
     from harness.commands import compare
 
-    def broken(case, sides):  # a named fault: the comparator itself fails
+    def broken(*args, **kwargs):  # a named fault: the comparator itself fails
         raise RuntimeError("injected comparator failure")
 
-    monkeypatch.setattr(compare, "_compare_outputs", broken)
+    monkeypatch.setattr(compare, "compare_dumps", broken)
     got, err = run_main(capsys, world.args("--no-oracle", *world.python(megatron="good", paddle="good")))
     found = assert_ends(world, got, err, 2, "ERROR", "harness failure: RuntimeError: injected comparator failure")
     assert "RuntimeError" in "".join(found["harness"]["traceback"])

@@ -88,7 +88,11 @@ def verify(folder: Path) -> dict:
     if manifest.get("perturbed"):
         files[manifest["perturbed"]["file"]] = manifest["perturbed"]["tensors"]
     for file_name, expected in files.items():
-        tensors = load_tensors(paths.child(Path(folder), file_name, "checkpoint file"))
+        try:
+            file = paths.child(Path(folder), file_name, "checkpoint file")
+        except paths.UnsafeName as error:
+            raise CheckpointError(f"{manifest_path}: {error}; delete {folder} to regenerate it") from None
+        tensors = load_tensors(file)
         if set(tensors) != set(expected):
             raise CheckpointError(f"{Path(folder) / file_name}: holds tensors {sorted(tensors)}, "
                                   f"manifest lists {sorted(expected)}")
