@@ -4,9 +4,9 @@ double.
 ``private_mounts(mounts, command)`` runs `command` in a private mount namespace (``unshare --mount``, as root or
 in a user namespace) with a small tmpfs on each folder: ``"full"`` (a few KiB: the disk fills up) or
 ``"ro"`` (read-only). Nothing outside that process sees the mounts, and they vanish with it.
-Where no mount namespace can be made, ``double_command`` runs the command with ``FullDiskDouble`` or
-``ReadOnlyDouble`` patched in at the harness's write boundary instead (every write under the folder raises
-ENOSPC or EROFS, as the kernel would).
+Where no mount namespace can be made (or ``FAULT_NO_MOUNTS=1``), ``double_command`` runs the command with
+``FullDiskDouble`` or ``ReadOnlyDouble`` patched in at the harness's write boundary instead (every write under
+the folder raises ENOSPC or EROFS, as the kernel would).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ OPTIONS = {"full": "size=8k,nr_inodes=64", "ro": "ro,size=64k"}
 
 @functools.cache
 def mount_namespace() -> list[str] | None:
-    """The unshare prefix that can mount a tmpfs here, or None."""
-    if not shutil.which("unshare"):
+    """The unshare prefix that can mount a tmpfs here, or None (always None with FAULT_NO_MOUNTS=1)."""
+    if os.environ.get("FAULT_NO_MOUNTS") == "1" or not shutil.which("unshare"):
         return None
     for prefix in (["unshare", "--mount", "--propagation", "private"],
                    ["unshare", "--map-root-user", "--mount", "--propagation", "private"]):
