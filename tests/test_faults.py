@@ -500,6 +500,8 @@ def test_signal_stops_every_runner_group_at_once(world, signum, code):
     name = signal.Signals(signum).name
     found = assert_ends(world, harness.returncode, err, code, "ERROR", f"interrupted by {name}")
     assert found["interrupted"] == signum and f"interrupted by {name}" in err
+    stopped = found["harness"]["interrupted"]["runners_stopped"]
+    assert len(stopped) == 2 and all("harness.runners." in line for line in stopped)
 
 
 def test_sigterm_stops_a_whole_sweep(world):

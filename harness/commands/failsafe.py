@@ -47,6 +47,7 @@ def record(result: CaseResult, error: BaseException) -> None:
         supervisor.stop_all()
         stop = _as_interrupted(error)
         result.interrupted, result.message = stop.signum, str(stop)
+        result.harness["interrupted"] = {"signal": stop.name, "runners_stopped": supervisor.take_stopped()}
     else:
         result.message = message(error)
         if not isinstance(error, EXPECTED + (OSError, MemoryError)):

@@ -28,7 +28,8 @@ PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 _lock = threading.RLock()  # re-entrant: a signal handler may run while the main thread holds it
 _live: dict[int, tuple[subprocess.Popen, bool]] = {}  # pid -> (process, keep across rounds)
-_state = {"installed": False, "interrupted": None, "previous_handlers": {}, "subreaper": None, "before": set()}
+_state = {"installed": False, "interrupted": None, "previous_handlers": {}, "subreaper": None, "before": set(),
+          "stopped": []}
 
 
 class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not caught by `except Exception`
@@ -66,11 +67,18 @@ def interrupted() -> int | None:
     return _state["interrupted"]
 
 
+def take_stopped() -> list[str]:
+    """The runner process groups stopped since the last call (by a signal, or an interrupted run)."""
+    stopped, _state["stopped"] = list(dict.fromkeys(_state["stopped"])), []
+    return stopped
+
+
 def install() -> None:
     """Signal handlers and the subreaper, for a command-line run (main thread only; elsewhere nothing)."""
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return
     _state["installed"], _state["interrupted"], _state["before"] = True, None, snapshot()
+    _state["stopped"] = []
     for signum in SIGNALS:
         _state["previous_handlers"][signum] = signal.signal(signum, _on_signal)
     _state["subreaper"] = _set_subreaper(True)
@@ -106,6 +114,8 @@ def stop_all() -> list[int]:
     victims: set[int] = set()
     for process in processes:
         victims |= launch.descendants(process.pid) | {process.pid}
+        args = process.args if isinstance(process.args, (list, tuple)) else [process.args]
+        _state["stopped"].append(f"process group {process.pid}: {' '.join(map(str, args))}"[:300])
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
