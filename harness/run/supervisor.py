@@ -8,7 +8,8 @@
   starts in a session of its own (a daemon) is re-parented to the harness instead of init, so it stays findable.
 - ``watch()`` around a round of runners: whatever the round started that still runs when it ends (a daemon, an
   orphaned grandchild) is killed and reaped. A process registered with ``keep=True`` (a worker meant to outlive
-  one round) is spared by ``watch`` but still stopped by a signal.
+  one round) is spared by ``watch`` but still stopped by a signal. Rounds run one at a time in a process, as every
+  command runs them; two rounds watched at once from two threads would each count the other's processes as left.
 """
 
 from __future__ import annotations
@@ -143,7 +144,19 @@ def watch() -> Iterator[None]:
 
 
 def sweep(before: set[tuple[int, str]]) -> list[int]:
-    """Kill (SIGKILL) and reap descendants that were not there `before` and are not kept workers."""
+    """Kill (SIGKILL) and reap descendants that were not there `before` and are not kept workers; a runner still
+    registered (its round ended early, e.g. a folder could not be written) is stopped, waited for and forgotten,
+    so its process group id is never signalled again once the system may have reused it."""
+    with _lock:
+        orphaned = [process for process, keep in _live.values() if not keep]
+    for process in orphaned:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+        unregister(process)
     with _lock:
         kept = {pid for pid, (_, keep) in _live.items() if keep}
     kept |= {pid for leader in kept for pid in launch.descendants(leader)}
