@@ -555,3 +555,27 @@ def test_ctrl_c_through_the_library_api_stops_runners_at_once(world):
     assert time.monotonic() - started < 60 and stopped.value.exit_code == 130
     assert_ends(world, 130, "", 130, "ERROR", "interrupted by SIGINT")
     assert stopped.value.report == world.reports_written()[-1].parent / "report.md"
+
+
+def test_disk_full_after_the_first_runner_started_stops_it(world, capsys, monkeypatch):
+    """The second side's folder cannot be written once side a already runs (a hanging double): ERROR naming the
+    folder, and side a's process group is stopped with the round, not left behind."""
+    import errno
+
+    from harness.run import orchestrate
+
+    real_request, calls = orchestrate._request, []
+
+    def full_disk_on_the_second_side(case, checkpoint, device, folder, tp):  # named double: ENOSPC, no file name
+        calls.append(folder)
+        if len(calls) == 2:
+            deadline = time.monotonic() + 60
+            while len(world.started()) < 2 and time.monotonic() < deadline:  # side a and its child are running
+                time.sleep(0.1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_request(case, checkpoint, device, folder, tp)
+
+    monkeypatch.setattr(orchestrate, "_request", full_disk_on_the_second_side)
+    got, err = run_main(capsys, world.args("--no-oracle", *world.python(megatron="hang", paddle="hang")))
+    assert_ends(world, got, err, 2, "ERROR", "cannot write runner folder", "b-paddle: no space left on device")
+    assert len(world.started()) == 2  # side a and its child ran, and are gone (assert_ends checked)
