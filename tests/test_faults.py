@@ -1,8 +1,8 @@
 """Fault injection: every fault ends in a clear verdict and exit code, with a report where one can be written,
 never with a Python traceback, never with a process left running, never with a file outside its folder.
 
-Faults come from named test doubles (``tests/doubles``): misbehaving runners through ``--python RUNNER=PATH``,
-a full or read-only file system (a private tmpfs where the machine allows a mount namespace, else a double at
+Faults come from named test doubles (``tests/support/fault_runners.py``, ``fault_storage.py``): misbehaving
+runners through ``--python RUNNER=PATH``, a full or read-only file system (a private tmpfs where the machine allows a mount namespace, else a double at
 the write boundary), and real signals sent to a real ``python -m harness compare``. Most runs go through the
 command line's ``main`` in this process (fast); signals, daemons and storage faults run it as a subprocess.
 """
@@ -25,8 +25,8 @@ from safetensors.numpy import save_file
 from harness import paths, resources
 from harness.cli import main
 from harness.commands import run_folder
-from tests.doubles import storage
-from tests.doubles.runners import interpreter
+from tests.support import fault_storage as storage
+from tests.support.fault_runners import interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = """

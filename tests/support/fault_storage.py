@@ -49,7 +49,7 @@ def private_mounts(mounts: dict[str, str], command: list[str]) -> list[str]:
 def double_command(mounts: dict[str, str], command: list[str]) -> list[str]:
     """`command` (``python -m harness ...``) with the doubles installed first, in the same interpreter."""
     assert command[1:3] == ["-m", "harness"], command
-    code = (f"import sys; from tests.doubles import storage; storage.install({mounts!r}); "
+    code = (f"import sys; from tests.support import fault_storage as storage; storage.install({mounts!r}); "
             f"from harness.cli import main; sys.argv = {['harness', *command[3:]]!r}; raise SystemExit(main())")
     return [command[0], "-c", code]
 

@@ -1,6 +1,6 @@
 """Named misbehaving runners (test doubles). Each is started through the harness's own ``--python RUNNER=PATH``
 mechanism: ``interpreter(folder, behaviour)`` writes an executable that the harness runs as
-``PATH -m harness.runners.<runner> --request REQUEST``; it runs ``python -m tests.doubles.runners BEHAVIOUR ...``
+``PATH -m harness.runners.<runner> --request REQUEST``; it runs ``python -m tests.support.fault_runners BEHAVIOUR ...``
 instead, which does what its name says. Every process a double starts (itself, its children, a daemon) appends
 its pid to the file named by ``FAULT_PIDS``, so a test can check that none is left.
 
@@ -34,7 +34,7 @@ def interpreter(folder: Path, behaviour: str) -> str:
     """An executable standing in for a runner's interpreter that behaves as `behaviour`."""
     assert behaviour in BEHAVIOURS, behaviour
     path = Path(folder) / f"fake_{behaviour}_python"
-    path.write_text(f'#!/bin/sh\nexec {sys.executable} -m tests.doubles.runners {behaviour} "$@"\n')
+    path.write_text(f'#!/bin/sh\nexec {sys.executable} -m tests.support.fault_runners {behaviour} "$@"\n')
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
 
