@@ -3,8 +3,9 @@ never with a Python traceback, never with a process left running, never with a f
 
 Faults come from named test doubles (``tests/support/fault_runners.py``, ``fault_storage.py``): misbehaving
 runners through ``--python RUNNER=PATH``, a full or read-only file system (a private tmpfs where the machine
-allows a mount namespace, else a double at the write boundary), and real signals sent to a real ``python -m harness compare``. Most runs go through the
-command line's ``main`` in this process (fast); signals, daemons and storage faults run it as a subprocess.
+allows a mount namespace, else a double at the write boundary), and real signals sent to a real
+``python -m harness compare``. Most runs go through the command line's ``main`` in this process (fast); signals,
+daemons and storage faults run it as a subprocess.
 """
 
 from __future__ import annotations
