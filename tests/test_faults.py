@@ -580,3 +580,12 @@ def test_disk_full_after_the_first_runner_started_stops_it(world, capsys, monkey
     got, err = run_main(capsys, world.args("--no-oracle", *world.python(megatron="hang", paddle="hang")))
     assert_ends(world, got, err, 2, "ERROR", "cannot write runner folder", "b-paddle: no space left on device")
     assert len(world.started()) == 2  # side a and its child ran, and are gone (assert_ends checked)
+
+
+@pytest.mark.parametrize("field, value", [("timeout", float("nan")), ("timeout", -1), ("repeat", 0)])
+def test_options_record_refuses_nonsense_when_built(field, value):
+    """A library caller gets the same up-front refusal as the command line (here: the options record itself)."""
+    from harness.commands.compare import CompareOptions
+
+    with pytest.raises(ValueError, match=f"CompareOptions.{field}"):
+        CompareOptions(**{field: value})

@@ -6,6 +6,7 @@ ends with a report in its own new folder and an ERROR verdict that says why.
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 from collections.abc import Mapping
@@ -54,6 +55,13 @@ class CompareOptions:
     cases_dir: Path = CASES_DIR
     checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR
     reports_dir: Path = REPORTS_DIR
+
+    def __post_init__(self):
+        """Refuse options that make no sense before anything starts (a library caller gets the CLI's checks)."""
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"CompareOptions.timeout must be a positive number of seconds (got {self.timeout!r})")
+        if not (isinstance(self.repeat, int) and self.repeat >= 1):
+            raise ValueError(f"CompareOptions.repeat must be an integer of at least 1 (got {self.repeat!r})")
 
 
 DEFAULT_OPTIONS = CompareOptions()
