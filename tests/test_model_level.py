@@ -97,8 +97,13 @@ def test_name_map_rules_for_hf():
     assert names.rule("modules", "model.layers.1.mlp.experts.5").kind == "not_captured"
     assert names.rule("modules", "model.layers.0.self_attn.core_attention").sources == (
         "model.layers.0.self_attn.o_proj",)
-    for framework in ("megatron", "paddle"):  # sections the other runners' authors fill
-        assert models.NameMap.load("deepseek_v3", framework).framework == framework
+    paddle = models.NameMap.load("deepseek_v3", "paddle")
+    assert paddle.rule("grads", "model.layers.1.mlp.experts.3.gate_up_proj.weight").kind == "transpose_cat0"
+    assert paddle.float64_floor("grad.lm_head.weight", 1e-10) == 1e-6
+    megatron = models.NameMap.load("deepseek_v3", "megatron")  # its own format: floors only
+    assert megatron.own_format and megatron.float64_floor("loss", 1e-10) >= 1e-10
+    with pytest.raises(models.ModelConfigError, match="format of its own"):
+        megatron.rule("grads", "lm_head.weight")
 
 
 def test_checkpoint_holds_hf_names_labels_norms_and_the_fp32_bias(case):

@@ -148,6 +148,8 @@ def apply_rule(rule: Rule, sources: list[torch.Tensor]) -> torch.Tensor:
         return sources[0][rule.index]
     if rule.kind == "cat0":
         return torch.cat(sources, dim=0)
+    if rule.kind == "transpose_cat0":
+        return torch.cat([s.transpose(-1, -2) for s in sources], dim=0)
     if rule.kind == "cat_last":
         return torch.cat(sources, dim=-1)
     raise ValueError(f"rule {rule.kind!r} does not apply to gradients")

@@ -14,6 +14,7 @@ from typing import Any
 
 import tomllib
 
+from harness import paths
 from harness.case import models
 from harness.case import tolerance as tolerance_policy
 from harness.case.ops import KNOBS, MODEL_OPS, OPS, Op, resolve_dtype
@@ -26,8 +27,9 @@ TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
 # oracle: the exact result, framework-free (harness.runners.oracle).
-# *_model: whole-model runners (op causal_lm, docs/model-contract.md): Megatron-Core GPTModel, HF transformers
-# DeepseekV3ForCausalLM (torch), Paddle's DeepseekV3.
+# megatron_model: a whole Megatron-Core GPTModel (MLA + MoE, local spec) for op causal_lm (docs/model-contract.md).
+# hf_model: HF transformers' DeepseekV3ForCausalLM (torch) for op causal_lm; also the float64 truth of model cases.
+# paddle_model: PaddleFormers' DeepseekV3ForCausalLM (CPU) / PaddleFleet's GPTModel (GPU) for op causal_lm.
 RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model", "hf_model", "paddle_model")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
@@ -152,9 +154,15 @@ class Registry:
                 document = tomllib.loads(path.read_text())
             except tomllib.TOMLDecodeError as error:
                 raise CaseError(f"{path}: malformed TOML: {error}") from None
+            except (OSError, UnicodeDecodeError) as error:
+                raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
             for name, table in document.items():
                 if not isinstance(table, dict):
                     raise CaseError(f"{path}: top-level key {name!r} must be a case table (got {table!r})")
+                try:
+                    paths.check(name, "case")  # it names the case's checkpoint folder and run folders
+                except paths.UnsafeName as error:
+                    raise CaseError(f"{path}: {error}") from None
                 if name in raw:
                     raise CaseError(f"{path}: case {name!r} is already defined in {raw[name][0]}")
                 raw[name] = (path, table)

@@ -88,8 +88,8 @@ def moe_layers(config: dict) -> list[int]:
 # --- name maps ----------------------------------------------------------------------------------------------------
 
 SECTIONS = ("checkpoint", "grads", "modules", "float64")
-KINDS = ("same", "cat0", "cat_last", "slice", "stack_cat0", "stack", "transpose", "input_of", "output_of",
-         "not_captured")
+KINDS = ("same", "cat0", "cat_last", "slice", "stack_cat0", "stack", "transpose", "transpose_cat0", "input_of",
+         "output_of", "not_captured")
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,7 @@ class NameMap:
     framework: str
     tables: dict[str, dict[str, dict]] = field(default_factory=dict)  # section -> pattern -> raw rule
     notes: dict[str, str] = field(default_factory=dict)
+    own_format: bool = False  # the section has a format of its own (read by its runner); only [.float64] here
 
     @classmethod
     def load(cls, family: str, framework: str, path: Path | None = None) -> NameMap:
@@ -121,6 +122,8 @@ class NameMap:
         if framework not in document:
             raise ModelConfigError(f"{path}: no section [{framework}] (sections: {', '.join(document)})")
         section = document[framework]
+        if "parameters" in section:  # a format of its own ([megatron]): only its float64 floors are read here
+            return cls(family, framework, {"float64": section.get("float64", {})}, own_format=True)
         tables = {}
         for name in SECTIONS:
             table = section.get(name, {})
@@ -134,6 +137,9 @@ class NameMap:
 
     def rule(self, section: str, name: str, config: dict | None = None) -> Rule:
         """The rule for a concrete target `name` (a pattern that matches it, placeholders filled in), else same."""
+        if self.own_format:
+            raise ModelConfigError(f"[{self.framework}] of the {self.family} name map has a format of its own, read "
+                                   "by its runner; NameMap reads only its float64 floors")
         for pattern, raw in self.tables.get(section, {}).items():
             match = _pattern(pattern).fullmatch(name)
             if match is None:
