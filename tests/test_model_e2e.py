@@ -84,7 +84,9 @@ def test_float64_semantic_check(pair, tmp_path, checkpoints_dir):
         pytest.skip(f"runner {', '.join(missing)} is not in this tree yet")
     result, run_dir, report, tails = _run("kimi_k2_2layer_float64", tmp_path, checkpoints_dir, runners=pair,
                                           oracle=False)
-    semantic = report["model"].get("semantic")
+    if result.verdict == "UNSUPPORTED":  # a runner that cannot run this model in float64 here says why
+        pytest.skip(result.message)
+    semantic = (report.get("model") or {}).get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
     assert result.verdict in ("BITWISE_PASS", "WITHIN_TOLERANCE") and result.exit_code == 0, result.message
