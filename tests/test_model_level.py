@@ -246,3 +246,12 @@ def test_float64_yarn_tables_are_hfs_formula():
     attention = hf.DeepseekV3Attention(config, 0)
     mscale = 0.1 * math.log(32) + 1
     assert attention.scaling == pytest.approx((32 + 16) ** -0.5 * mscale * mscale, rel=1e-15)
+
+
+def test_semantic_check_takes_signed_zeros_as_agreement_and_reads_floors(case):
+    zeros = compare_tensor("grad.model.layers.1.mlp.experts.3.down_proj.weight", np.array([-0.0, 0.0]),
+                           np.array([0.0, 0.0]))
+    assert zeros.status == DIFF and model.semantic_check(case, [zeros], ("hf_model", "hf_model"))["ok"]
+    rope = _comparison("module.model.layers.0.self_attn.core_attention", [1.0, 2.0], [1.0, 2.0 * (1 + 2e-9)])
+    assert not model.semantic_check(case, [rope], ("hf_model", "hf_model"))["ok"]
+    assert model.semantic_check(case, [rope], ("megatron_model", "hf_model"))["ok"]  # its stated float32 floor

@@ -133,8 +133,9 @@ def semantic_check(case: Case, tensors: list[TensorComparison], runners: tuple[s
     rows, first = [], None
     for t in tensors:
         limit = max([agreement] + [m.float64_floor(t.name, agreement) for m in maps if m])
-        if t.status == EQUAL:
-            relative = 0.0
+        if t.status == EQUAL or (t.status == DIFF and t.elements and not t.dtype.startswith("int") and
+                                 t.max_abs_error == 0 and not t.nan_mismatches and not t.nan_payload_diffs):
+            relative = 0.0  # equal, or only +0 against -0 (numerically equal)
         elif t.status != DIFF or t.dtype.startswith("int") or not t.elements:
             relative = float("inf")
         else:
