@@ -199,7 +199,8 @@ def test_summary_counts_and_first_divergence_as_a_module_path(case):
     by_name["grad.model.layers.1.mlp.experts.3.gate_up_proj.weight"].status = DIFF
     summary = model.summarise(case, tensors, {"module.model.layers.1.mlp.experts.0": "fused",
                                               "module.model.layers.1.mlp.experts.1": "fused"})
-    assert summary["gradients"] == {"total": 794, "bitwise_pass": 793, "compared": 794}
+    assert summary["gradients"] == {"total": 794, "bitwise_pass": 793, "compared": 794,
+                                    "bitwise_pass_of_idle_experts": 0}
     assert summary["module_outputs"]["bitwise_pass"] == summary["module_outputs"]["compared"] - 1
     assert summary["first_divergence_module"] == "model.layers.1.mlp.shared_experts"
     assert summary["first_gradient_divergence"] == "grad.model.layers.1.mlp.experts.3.gate_up_proj.weight"

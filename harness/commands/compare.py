@@ -119,7 +119,7 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
                                                 result.tolerance)
         result.message += tp_notes(result)
         if is_model and result.tensors:
-            result.model = model.summarise(case, result.tensors, skipped)
+            result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
             if case.dtype == "float64":
                 _semantic_verdict(result, case)
         if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract

@@ -53,7 +53,7 @@ def compare_outputs(case: Case, sides: list[SideResult]) -> tuple[list[TensorCom
         if all(present) or not spec.optional:
             both.append(spec.name)
         elif not any(present):
-            whys = [(side, lookup(side.meta.get("not_captured", {}), spec.name)) for side in sides]
+            whys = [(side, _not_captured(side, spec.name)) for side in sides]
             blind = {why: [f"{side.label} ({side.runner})" for side, w in whys if w == why]
                      for _, why in whys if why is not None}
             skipped[spec.name] = ("; ".join(f"not captured by side {' and '.join(who)}: {why}"
@@ -61,7 +61,7 @@ def compare_outputs(case: Case, sides: list[SideResult]) -> tuple[list[TensorCom
                                   or "written by neither side: the expert got no tokens")
         else:
             writer, other = (sides[0], sides[1]) if present[0] else (sides[1], sides[0])
-            why = lookup(other.meta.get("not_captured", {}), spec.name)
+            why = _not_captured(other, spec.name)
             if why is not None:
                 skipped[spec.name] = f"side {other.label} ({other.runner}) does not capture it: {why}"
             else:
@@ -73,6 +73,13 @@ def compare_outputs(case: Case, sides: list[SideResult]) -> tuple[list[TensorCom
     by_name.update({name: TensorComparison(name, DIFF, note=note) for name, note in alone.items()})
     order = [s.name for s in case.output_specs() if s.name in by_name]
     return [by_name[name] for name in order], memory, skipped
+
+
+def _not_captured(side: SideResult, name: str) -> str | None:
+    """Why `side` did not capture output `name` (its meta.json `not_captured`, keyed by the output name, a pattern
+    of it, or the module path without "module."), None when it says nothing."""
+    table = side.meta.get("not_captured", {})
+    return lookup(table, name) or lookup(table, name.removeprefix("module."))
 
 
 def load_keys(path) -> list[str]:
@@ -160,7 +167,25 @@ def module_path(name: str) -> str:
     return {"logits": "lm_head", "loss": "loss"}.get(name, name)
 
 
-def summarise(case: Case, tensors: list[TensorComparison], skipped: dict) -> dict:
+def idle_experts(case: Case, sides: list[SideResult]) -> dict[str, list[int]]:
+    """Per MoE layer, the routed experts no token went to on either side (their gradients are zero on both)."""
+    from safetensors import safe_open
+    idle = {}
+    experts = case.config["model"]["n_routed_experts"]
+    for spec in case.output_specs():
+        if not spec.name.endswith(".mlp.gate.topk_indices"):
+            continue
+        used: set[int] = set()
+        for side in sides:
+            with safe_open(str(side.outputs), framework="numpy") as handle:
+                if spec.name in handle.keys():
+                    used |= {int(e) for e in np.unique(handle.get_tensor(spec.name))}
+        layer = spec.name[len("module."):-len(".mlp.gate.topk_indices")]
+        idle[layer] = [e for e in range(experts) if e not in used]
+    return idle
+
+
+def summarise(case: Case, tensors: list[TensorComparison], skipped: dict, idle: dict | None = None) -> dict:
     specs = case.output_specs()
     grads = [s.name for s in specs if s.name.startswith("grad.")]
     status = {t.name: t.status for t in tensors}
@@ -169,8 +194,12 @@ def summarise(case: Case, tensors: list[TensorComparison], skipped: dict) -> dic
     modules_equal = sum(1 for t in modules if t.status == EQUAL)
     first = next((t.name for t in tensors if t.status != EQUAL), None)
     first_grad = next((t.name for t in tensors if t.status != EQUAL and t.name.startswith("grad.")), None)
+    idle_names = {f"grad.{layer}.mlp.experts.{e}.{w}.weight" for layer, es in (idle or {}).items() for e in es
+                  for w in ("gate_up_proj", "down_proj")}
     return {
-        "gradients": {"total": len(grads), "bitwise_pass": grads_equal, "compared": sum(n in status for n in grads)},
+        "gradients": {"total": len(grads), "bitwise_pass": grads_equal, "compared": sum(n in status for n in grads),
+                      "bitwise_pass_of_idle_experts": sum(1 for n in idle_names if status.get(n) == EQUAL)},
+        "idle_experts": {layer: len(es) for layer, es in (idle or {}).items()},
         "module_outputs": {"compared": len(modules), "bitwise_pass": modules_equal, "not_compared": len(skipped)},
         "logits": status.get("logits"), "loss": status.get("loss"),
         "first_divergence": first, "first_divergence_module": module_path(first) if first else None,

@@ -12,7 +12,10 @@ def items(data: dict) -> list[str]:
     if not summary:
         return []
     g, m = summary["gradients"], summary["module_outputs"]
-    lines = [f"**{g['bitwise_pass']} of {g['total']} canonical gradients BITWISE_PASS**; "
+    idle = sum(summary.get("idle_experts", {}).values())
+    of_idle = (f" ({g['bitwise_pass_of_idle_experts']} of them of the {idle} routed experts no token went to: zero on "
+               "both sides)" if idle else "")
+    lines = [f"**{g['bitwise_pass']} of {g['total']} canonical gradients BITWISE_PASS**{of_idle}; "
              f"**{m['bitwise_pass']} of {m['compared']} module outputs compared BITWISE_PASS** "
              f"({m['not_compared']} not compared); logits {summary['logits']}, loss {summary['loss']}"]
     if summary["first_divergence"]:
