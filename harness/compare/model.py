@@ -22,7 +22,6 @@ import re
 
 import numpy as np
 
-from harness.case.checkpoints import load_tensors
 from harness.case.models import NameMap, lookup
 from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
@@ -94,22 +93,25 @@ def versus_truth(case: Case, pair: list[SideResult], truth: SideResult | None) -
         return {}
     if truth.status != "ok":
         return {"status": truth.status, "reason": truth.reason, "sides": {}, "closer": {}}
-    exact = load_tensors(truth.outputs)
+    from safetensors import safe_open
     sides = {}
-    for side in pair:
-        if side.status != "ok":
-            continue
-        outputs = load_tensors(side.outputs)
-        comparisons = []
-        for spec in case.output_specs():
-            if spec.name not in outputs or spec.name not in exact:
+    with safe_open(str(truth.outputs), framework="numpy") as exact:  # one tensor at a time: a _full model is large
+        truth_names = set(exact.keys())
+        for side in pair:
+            if side.status != "ok":
                 continue
-            value = exact[spec.name]
-            if value.dtype.kind == "f":
-                value = round_once(value.astype(np.float64), np.dtype(_numpy_dtype(resolve_dtype(spec.dtype,
-                                                                                                  case.dtype))))
-            comparisons.append(compare_tensor(spec.name, outputs[spec.name], value))
-        sides[side.label] = {"runner": side.runner, "tensors": [c.to_dict() for c in comparisons]}
+            comparisons = []
+            with safe_open(str(side.outputs), framework="numpy") as outputs:
+                names = set(outputs.keys())
+                for spec in case.output_specs():
+                    if spec.name not in names or spec.name not in truth_names:
+                        continue
+                    value = exact.get_tensor(spec.name)
+                    if value.dtype.kind == "f":
+                        dtype = np.dtype(_numpy_dtype(resolve_dtype(spec.dtype, case.dtype)))
+                        value = round_once(value.astype(np.float64), dtype)
+                    comparisons.append(compare_tensor(spec.name, outputs.get_tensor(spec.name), value))
+            sides[side.label] = {"runner": side.runner, "tensors": [c.to_dict() for c in comparisons]}
     common = _common_names(sides)
     for side in sides.values():
         side["tensors"] = [t for t in side["tensors"] if t["name"] in common]
