@@ -1,10 +1,10 @@
 """Registry loading and validation: every error names the file, the case, the field and the value."""
 
-import textwrap
 
 import pytest
 
 from harness.case.registry import CaseError, Registry
+from tests.support.cases import registry_from
 
 GOOD = """
 [fc1]
@@ -21,10 +21,6 @@ dtype = "float32"
 tensors.weight = { std = 0.5 }
 """
 
-
-def registry_from(tmp_path, text):
-    (tmp_path / "family.toml").write_text(textwrap.dedent(text))
-    return Registry.load(tmp_path)
 
 
 def test_the_shipped_registry_loads_with_the_kimi_cases():

@@ -1,7 +1,6 @@
 """The Kimi-K2 catalogue's own logic, without frameworks: op specs and block stages, integer and fp32 tensors,
 first divergence, re-feed attribution, the gate-matrix table. Runs in well under a second."""
 
-import textwrap
 
 import numpy as np
 import pytest
@@ -10,9 +9,10 @@ from harness.case.checkpoints import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
 from harness.commands.gate_matrix import markdown as matrix_markdown
-from harness.compare.refeed import _attribution
+from harness.compare.refeed import attribution
 from harness.compare.result import first_divergence
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
+from tests.support.cases import tiny_case
 
 SHAPES = {"hidden_size": 64, "ffn_hidden_size": 16}
 
@@ -64,15 +64,8 @@ def test_integer_ids_and_fp32_scales_are_generated_in_their_own_dtypes():
     assert scale.dtype == np.float32 and scale.shape == (16,)
 
 
-CASE = """
-[emb]
-family = "embedding"
-op = "embedding"
-dtype = "bfloat16"
-seed = 1
-tokens = 8
-shapes = { vocab_size = 32, hidden_size = 8 }
-"""
+CASE = tiny_case("emb", family="embedding", op="embedding", dtype="bfloat16", seed=1, tokens=8,
+                 shapes={"vocab_size": 32, "hidden_size": 8})
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -84,7 +77,7 @@ shapes = { vocab_size = 32, hidden_size = 8 }
     ("config = { eps = 1 }", "config.eps"),
 ])
 def test_bad_catalogue_fields_name_the_field(tmp_path, extra, field):
-    (tmp_path / "bad.toml").write_text(textwrap.dedent(CASE) + extra + "\n")
+    (tmp_path / "bad.toml").write_text(CASE + extra + "\n")
     with pytest.raises(CaseError, match=f"bad.toml: case 'emb': field '{field}'"):
         Registry.load(tmp_path)
 
@@ -106,9 +99,9 @@ def test_first_divergence_is_the_first_unequal_output_in_list_order():
 
 
 def test_refeed_attribution_tells_made_from_carried():
-    assert _attribution(TensorComparison("x", DIFF), TensorComparison("x", DIFF), "fc2").startswith("made by fc2")
-    assert _attribution(TensorComparison("x", DIFF), TensorComparison("x", EQUAL), "fc1").startswith("carried in")
-    assert _attribution(TensorComparison("x", EQUAL), TensorComparison("x", EQUAL), "fc1") == "equal"
+    assert attribution(TensorComparison("x", DIFF), TensorComparison("x", DIFF), "fc2").startswith("made by fc2")
+    assert attribution(TensorComparison("x", DIFF), TensorComparison("x", EQUAL), "fc1").startswith("carried in")
+    assert attribution(TensorComparison("x", EQUAL), TensorComparison("x", EQUAL), "fc1") == "equal"
 
 
 def test_gate_matrix_table_has_one_row_per_setting_with_the_reason():

@@ -10,31 +10,19 @@ from safetensors.numpy import save_file
 from harness.case import checkpoints
 from harness.case.checkpoints import CheckpointError
 from harness.case.registry import Registry
+from tests.support.cases import tiny_case, write_cases
 
-REGISTRY_TEXT = """
-[fc1]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "bfloat16"
-seed = 7
-tokens = 4
-shapes = { input_size = 6, output_size = 8 }
-
-[fc1_flip]
-base = "fc1"
-perturb = { side = "b", tensor = "weight", index = [2, 3], bit = 6 }
-
-[fc1_hf]
-base = "fc1"
-weights_from.tensors.weight = ["layers.1.gate_proj.weight", "layers.1.up_proj.weight"]
-"""
+REGISTRY_TABLES = (
+    tiny_case("fc1", dtype="bfloat16", seed=7, shapes={"input_size": 6, "output_size": 8}),
+    tiny_case("fc1_flip", base="fc1", perturb={"side": "b", "tensor": "weight", "index": [2, 3], "bit": 6}),
+    tiny_case("fc1_hf", base="fc1",
+              weights_from={"tensors": {"weight": ["layers.1.gate_proj.weight", "layers.1.up_proj.weight"]}}),
+)
 
 
 @pytest.fixture
 def registry(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "t.toml").write_text(REGISTRY_TEXT)
-    return Registry.load(tmp_path / "cases")
+    return Registry.load(write_cases(tmp_path, *REGISTRY_TABLES))
 
 
 def test_generation_is_deterministic_and_reused(registry, tmp_path):

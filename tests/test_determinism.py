@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from harness.commands.compare import CompareOptions, compare_case
-from tests.test_orchestrate import CASES, fake_interpreter
+from tests.support.cases import tiny_case, write_cases
+from tests.support.doubles import fake_interpreter
 
 # Writes valid outputs for the tiny case. `out` is 1.0 everywhere, except that the flaky double, from its
 # second run on, writes the next float above 1.0 into out[1, 2]: it agrees with the steady side at first.
@@ -48,8 +49,7 @@ def fake_runner(folder, name, flaky=False, exact=False):
 
 @pytest.fixture
 def env(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(CASES)
+    write_cases(tmp_path, tiny_case())
     return tmp_path
 
 

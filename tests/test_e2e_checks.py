@@ -13,7 +13,7 @@ from harness.case.checkpoints import load_tensors
 from harness.case.tolerance import Tolerance
 from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.tolerance import judge
-from tests.test_e2e import paddle_bf16_gemm_unavailable
+from tests.support.e2e import paddle_bf16_gemm_unavailable
 
 pytestmark = pytest.mark.e2e
 

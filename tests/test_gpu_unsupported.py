@@ -12,26 +12,14 @@ import pytest
 import torch
 
 from harness.commands.compare import CompareOptions, compare_case
+from tests.support.cases import tiny_case, write_cases
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(torch.cuda.is_available(), reason="tests a machine without a CUDA device")]
 
-CASES = """
-[tiny]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "bfloat16"
-seed = 3
-tokens = 4
-shapes = { input_size = 8, output_size = 4 }
-devices = ["cpu", "gpu"]
-"""
-
-
 @pytest.fixture
 def env(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(CASES)
+    write_cases(tmp_path, tiny_case(dtype="bfloat16", devices=["cpu", "gpu"]))
     return tmp_path
 
 

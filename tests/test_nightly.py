@@ -15,28 +15,16 @@ from harness.cli import main
 from harness.commands import nightly
 from harness.commands.compare import CompareOptions
 from harness.compare.result import CaseResult
+from tests.support.cases import tiny_case, write_cases
 
-TINY_CASES = """
-[tiny_flipped]
-description = "Megatron vs Megatron with bit 6 of input[3, 5] flipped on side b, yet expected bitwise equal"
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 7
-tokens = 8
-shapes = { input_size = 64, output_size = 32 }
-runners = ["megatron", "megatron"]
-devices = ["cpu"]
-perturb = { side = "b", tensor = "input", index = [3, 5], bit = 6 }
-
-[tiny_needs_weights]
-base = "tiny_flipped"
-weights_from.tensors.weight = ["model.w"]
-
-[tiny_gpu_only]
-base = "tiny_flipped"
-devices = ["gpu"]
-"""
+TINY_CASES = (
+    tiny_case("tiny_flipped", description="Megatron vs Megatron with bit 6 of input[3, 5] flipped on side b, yet "
+              "expected bitwise equal", seed=7, tokens=8, shapes={"input_size": 64, "output_size": 32},
+              runners=["megatron", "megatron"], devices=["cpu"],
+              perturb={"side": "b", "tensor": "input", "index": [3, 5], "bit": 6}),
+    tiny_case("tiny_needs_weights", base="tiny_flipped", weights_from={"tensors": {"weight": ["model.w"]}}),
+    tiny_case("tiny_gpu_only", base="tiny_flipped", devices=["gpu"]),
+)
 
 
 def planted_night(run_id, device="cpu", cases=()):
@@ -73,8 +61,7 @@ def test_a_bad_previous_report_or_registry_is_named_and_nothing_runs(tmp_path, c
     reports = ["--reports", str(tmp_path / "reports")]
     assert main(["--cases", str(tmp_path), "nightly", *reports]) == nightly.EXIT_BAD_INPUT
     assert f"{tmp_path}: no case files" in capsys.readouterr().err
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(TINY_CASES)
+    write_cases(tmp_path, *TINY_CASES)
     code = main(["--cases", str(tmp_path / "cases"), "nightly", "--previous", str(case_report), *reports])
     assert code == nightly.EXIT_BAD_INPUT
     err = capsys.readouterr().err
@@ -88,8 +75,7 @@ def test_a_harness_crash_in_one_case_fails_that_case_and_keeps_the_night(tmp_pat
 
     monkeypatch.setattr(nightly.pipeline, "compare_case", fake_compare_case)
     monkeypatch.setenv("CI", "true")
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(TINY_CASES)
+    write_cases(tmp_path, *TINY_CASES)
     night, run_dir = nightly.run(CompareOptions(device="cpu", tokens=None, cases_dir=tmp_path / "cases",
                                  reports_dir=tmp_path / "reports", checkpoints_dir=tmp_path / "ckpt", pythons={},
                                  timeout=10, weights_file=None), previous=None)
@@ -102,8 +88,7 @@ def test_a_harness_crash_in_one_case_fails_that_case_and_keeps_the_night(tmp_pat
 
 @pytest.mark.e2e
 def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints_dir):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(TINY_CASES)
+    write_cases(tmp_path, *TINY_CASES)
     previous = write_night(tmp_path / "planted", planted_night("nightly-planted", cases=[
         {"case": "tiny_flipped", "outcome": "pass", "verdict": "BITWISE_PASS", "message": "",
          "result": {"tensors": [{"name": "out", "status": "EQUAL", "mismatches": 0, "max_ulp": 0}], "sides": []}},

@@ -6,36 +6,18 @@ to test the harness's own handling, and never produce a reported verdict of a re
 
 import json
 import os
-import stat
-import textwrap
 import time
 
 import pytest
 
 from harness.commands.compare import CompareOptions, compare_case
-
-CASES = """
-[tiny]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 3
-tokens = 4
-shapes = { input_size = 8, output_size = 4 }
-"""
-
-
-def fake_interpreter(folder, name, body):
-    path = folder / name
-    path.write_text(textwrap.dedent(body))
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return str(path)
+from tests.support.cases import tiny_case, write_cases
+from tests.support.doubles import alive, fake_interpreter
 
 
 @pytest.fixture
 def env(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(CASES)
+    write_cases(tmp_path, tiny_case())
     return tmp_path
 
 
@@ -76,20 +58,6 @@ def test_hanging_runner_is_killed_with_its_children(env):
     assert (run_dir / "report.json").exists()
 
 
-def alive(pid, wait=5.0):
-    """True if `pid` still runs after `wait` seconds (a zombie awaiting its reaper counts as dead)."""
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return False
-        if state == "Z":
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_runner_writing_wrong_shapes_is_bad_output(env):
     bad = fake_interpreter(env, "fake_bad_output_python", """\
         #!/usr/bin/env python3
@@ -118,10 +86,10 @@ def test_runs_never_overwrite_each_other(env):
 
 
 @pytest.mark.parametrize("name, cases_text, expected", [
-    ("nope", CASES, "unknown case 'nope'"),
-    ("tiny", CASES.replace('dtype = "float32"', 'dtype = "float8"'), "field 'dtype'"),
-    ("tiny", CASES + "[broken\n", "malformed TOML"),
-    ("tiny", CASES.replace("tokens = 4", "tokens = 4\ntp = 8"), "'shapes.output_size': must be divisible by tp=8"),
+    ("nope", tiny_case(), "unknown case 'nope'"),
+    ("tiny", tiny_case(dtype="float8"), "field 'dtype'"),
+    ("tiny", tiny_case() + "[broken\n", "malformed TOML"),
+    ("tiny", tiny_case(tp=8), "'shapes.output_size': must be divisible by tp=8"),
 ])
 def test_bad_input_ends_with_a_report_and_exit_2(env, name, cases_text, expected):
     (env / "cases" / "tiny.toml").write_text(cases_text)

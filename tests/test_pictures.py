@@ -1,4 +1,4 @@
-"""The mismatch map tells the three kinds of GEMM difference apart (see tests/gemm_patterns.py).
+"""The mismatch map tells the three kinds of GEMM difference apart (see tests/support/gemm_patterns.py).
 
 Checked on the map's numbers (what the picture draws), and the PNGs are written and readable. To look at
 them: `python -m pytest tests/test_pictures.py --basetemp=/tmp/pictures` and open /tmp/pictures/*/*.png.
@@ -9,7 +9,7 @@ import pytest
 
 from harness.compare.tensors import compare_tensor
 from harness.report import pictures
-from tests import gemm_patterns as g
+from tests.support import gemm_patterns as g
 
 
 @pytest.fixture(scope="module")

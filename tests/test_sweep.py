@@ -8,16 +8,7 @@ from harness import cli
 from harness.case.registry import CaseError, Registry
 from harness.commands import sweep
 from harness.commands.compare import CompareOptions
-
-CASES = """
-[tiny]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 3
-tokens = 4
-shapes = { input_size = 64, output_size = 32 }
-"""
+from tests.support.cases import tiny_case, write_cases
 
 
 def test_tokens_accepts_one_count_or_a_list():
@@ -54,8 +45,7 @@ def test_sweep_exit_code_takes_the_worst_cell(codes, expected):
 
 @pytest.mark.e2e
 def test_sweep_over_tokens_and_both_torch_layouts(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tiny.toml").write_text(CASES)
+    write_cases(tmp_path, tiny_case(shapes={"input_size": 64, "output_size": 32}))
     lines = []
     report, sweep_dir = sweep.run_sweep(
         "tiny", [1, 7], [("megatron", "torch"), ("megatron", "torch_nn")],

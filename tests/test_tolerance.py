@@ -5,30 +5,23 @@ import textwrap
 import numpy as np
 import pytest
 
-from harness.case.registry import CaseError, Expectation, Registry
+from harness.case.registry import CaseError, Expectation
 from harness.case.tolerance import Tolerance
 from harness.compare.result import CaseResult, check_expectation, decide
 from harness.compare.tensors import compare_tensor
 from harness.compare.tolerance import judge
+from tests.support.cases import registry_from, tiny_case
 
-CASE = """
-[fc1]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 1
-tokens = 8
-shapes = { input_size = 32, output_size = 16 }
-"""
+CASE = tiny_case("fc1", seed=1, tokens=8, shapes={"input_size": 32, "output_size": 16})
 
 
-def registry_from(tmp_path, extra):
-    (tmp_path / "family.toml").write_text(textwrap.dedent(CASE + extra))
-    return Registry.load(tmp_path)
+def fc1_with(tmp_path, extra):
+    """The registry of case fc1 with `extra` TOML lines added to its table."""
+    return registry_from(tmp_path, CASE + textwrap.dedent(extra))
 
 
 def test_shared_limits_and_per_tensor_overrides_merge(tmp_path):
-    case = registry_from(tmp_path, """
+    case = fc1_with(tmp_path, """
         [loose]
         base = "fc1"
         tolerance.max_ulp_at_scale = 16   # dotted keys: TOML forbids adding to an inline table
@@ -38,7 +31,7 @@ def test_shared_limits_and_per_tensor_overrides_merge(tmp_path):
     assert case.tolerance.for_tensor("out") == {"max_ulp_at_scale": 16, "max_mismatch_share": 0.5}
     assert case.tolerance.for_tensor("grad.weight") == {"max_ulp_at_scale": 16, "max_mismatch_share": 1, "max_ulp": 4}
     assert case.expect.verdict == "WITHIN_TOLERANCE"  # stating a tolerance means accepting it
-    assert registry_from(tmp_path, "").get("fc1").tolerance is None  # bitwise by default
+    assert fc1_with(tmp_path, "").get("fc1").tolerance is None  # bitwise by default
 
 
 @pytest.mark.parametrize("table, field, value", [
@@ -56,7 +49,7 @@ def test_shared_limits_and_per_tensor_overrides_merge(tmp_path):
 ])
 def test_bad_tolerance_fields_are_named(tmp_path, table, field, value):
     with pytest.raises(CaseError) as error:
-        registry_from(tmp_path, f'\n[bad]\nbase = "fc1"\n{table}\n')
+        fc1_with(tmp_path, f'\n[bad]\nbase = "fc1"\n{table}\n')
     message = str(error.value)
     assert str(tmp_path / "family.toml") in message and "'bad'" in message
     assert f"field '{field}'" in message and value in message, message

@@ -12,7 +12,7 @@ import pytest
 from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors
 from harness.commands.compare import CompareOptions, compare_case
-from tests.test_e2e import assert_counts_match_outputs
+from tests.support.e2e import assert_counts_match_outputs
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,7 @@
 
 The real launchers run (torchrun on side a, paddle.distributed.launch on side b, both at once); only the ranks
 are test doubles: ``fake_rank_python`` is the real interpreter with the runner module swapped for
-``tests.fake_rank_runner``.
+``tests.support.fake_rank_runner``.
 """
 
 import json
@@ -13,29 +13,17 @@ import time
 import pytest
 
 from harness.commands.compare import CompareOptions, compare_case
-from tests.test_orchestrate import alive, fake_interpreter
-
-CASE = """
-[tiny_tp2]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 3
-tokens = 4
-tp = 2
-shapes = { input_size = 8, output_size = 4 }
-runners = ["megatron", "paddle"]
-"""
+from tests.support.cases import tiny_case, write_cases
+from tests.support.doubles import alive, fake_interpreter
 
 
 @pytest.fixture
 def fake_rank_python(tmp_path):
-    (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "tp.toml").write_text(CASE)
+    write_cases(tmp_path, tiny_case("tiny_tp2", tp=2, runners=["megatron", "paddle"]))
     return fake_interpreter(tmp_path, "fake_rank_python", f"""\
         #!{sys.executable}
         import os, sys
-        args = ["tests.fake_rank_runner" if a.startswith("harness.runners.") else a for a in sys.argv[1:]]
+        args = ["tests.support.fake_rank_runner" if a.startswith("harness.runners.") else a for a in sys.argv[1:]]
         os.execv({sys.executable!r}, [{sys.executable!r}, *args])
         """)
 

@@ -13,7 +13,7 @@ from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
 from harness.run.protocol import rank_file_name, shard_index
 from harness.run.shards import GatherError, gather, inconsistent
-from tests.test_cases import registry_from
+from tests.support.cases import registry_from
 
 
 @pytest.mark.parametrize("op", sorted(name for name, spec in OPS.items() if spec.partition({})))  # ops with TP
@@ -100,7 +100,7 @@ def test_tp_and_tokens_overrides_are_checked(tmp_path):
     text = CASE.replace("tp = 2", "tp = 2\nconfig = { sequence_parallel = true }").replace("tokens = 6", "tokens = 8")
     case = registry_from(tmp_path, text).get("fc1")
     assert case.with_tp(4).tp == 4
-    with pytest.raises(CaseError, match="tp must be one of"):
+    with pytest.raises(CaseError, match=r"field 'shapes.output_size': must be divisible by tp=8 \(got 4\)"):
         case.with_tp(8)  # does not divide output_size=4
     with pytest.raises(CaseError, match="divisible by tp=2"):
         case.with_tokens(7)

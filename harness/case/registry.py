@@ -100,9 +100,7 @@ class Case:
     def with_tokens(self, tokens: int) -> Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
-        if self.config.get("sequence_parallel") and tokens % self.tp:
-            raise CaseError(f"case {self.name!r}: tokens must be divisible by tp={self.tp} with sequence_parallel "
-                            f"(got {tokens!r})")
+        self.check_tp(self.tp, tokens)
         return replace(self, tokens=tokens)
 
     def with_runners(self, runners: tuple[str, str]) -> Case:
@@ -117,14 +115,15 @@ class Case:
         return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
 
     def with_tp(self, tp: int) -> Case:
-        split = self.shapes[self.op_spec.tp_split_field]
-        if tp not in TP_SIZES or split % tp:
-            raise CaseError(f"case {self.name!r}: tp must be one of {', '.join(map(str, TP_SIZES))} and divide "
-                            f"shapes.{self.op_spec.tp_split_field}={split} (got {tp!r})")
-        if self.config.get("sequence_parallel") and (tp == 1 or self.tokens % tp):
-            raise CaseError(f"case {self.name!r}: sequence_parallel needs tp > 1 dividing tokens={self.tokens} "
-                            f"(got tp={tp!r})")
+        self.check_tp(tp, self.tokens)
         return replace(self, tp=tp)
+
+    def check_tp(self, tp: int, tokens: int, config: dict | None = None) -> None:
+        """Raise CaseError when `tp` ranks cannot split this case at `tokens` (see `tp_problem`)."""
+        problem = tp_problem(self.op_spec, self.shapes, tokens, self.config if config is None else config, tp)
+        if problem:
+            field_name, why, value = problem
+            raise CaseError(f"{self.source}: case {self.name!r}: field {field_name!r}: {why} (got {value!r})")
 
     def input_specs(self):
         return self.op_spec.inputs(self.shapes, self.tokens, self.config)
@@ -247,9 +246,6 @@ def _build(name: str, path: Path, table: dict) -> Case:
     for key, value in shapes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise f.error(f"shapes.{key}", "must be a positive integer", value)
-    split = shapes[spec.tp_split_field]
-    if split % tp:
-        raise f.error(f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split)
 
     config = f.get("config", dict, {})
     for key, value in config.items():
@@ -261,7 +257,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
             raise f.error(f"config.{key}", f"must be one of {', '.join(knob.choices)}", value)
     config = spec.resolve(config)
 
-    _check_tensor_parallel(f, spec, tp, tokens, config)
+    _check_tensor_parallel(f, spec, shapes, tp, tokens, config)
     input_specs = spec.inputs(shapes, tokens, config)
     input_roles = {s.name: s.role for s in input_specs}
     tensors_table = f.get("tensors", dict, {})
@@ -302,13 +298,26 @@ def _build(name: str, path: Path, table: dict) -> Case:
     )
 
 
-def _check_tensor_parallel(f: _Fields, spec: Op, tp: int, tokens: int, config: dict) -> None:
+def tp_problem(spec: Op, shapes: dict, tokens: int, config: dict, tp: int) -> tuple[str, str, Any] | None:
+    """(field, why, value) when `tp` ranks cannot split the op: the one divisibility check, in one wording, for
+    case files, ``--tp``, ``--tokens`` and ``--versus-tp``."""
+    if tp not in TP_SIZES:
+        return "tp", f"must be one of {', '.join(map(str, TP_SIZES))}", tp
+    split = shapes[spec.tp_split_field]
+    if split % tp:
+        return f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split
     if config.get("sequence_parallel", False):
         if tp == 1:
-            raise f.error("config.sequence_parallel", "needs tp > 1 (Megatron refuses it without tensor parallelism)",
-                          True)
+            return "config.sequence_parallel", "needs tp > 1 (Megatron refuses it without tensor parallelism)", True
         if tokens % tp:
-            raise f.error("tokens", f"must be divisible by tp={tp} with sequence_parallel", tokens)
+            return "tokens", f"must be divisible by tp={tp} with sequence_parallel", tokens
+    return None
+
+
+def _check_tensor_parallel(f: _Fields, spec: Op, shapes: dict, tp: int, tokens: int, config: dict) -> None:
+    problem = tp_problem(spec, shapes, tokens, config, tp)
+    if problem:
+        raise f.error(*problem)
     if tp > 1:
         names = [s.name for s in (*spec.inputs({k: 1 for k in spec.shape_fields}, 1, config),
                                   *spec.outputs({k: 1 for k in spec.shape_fields}, 1, config))]

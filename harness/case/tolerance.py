@@ -34,7 +34,7 @@ class Tolerance:
 
 
 def parse(f, outputs: list[str]) -> Tolerance | None:
-    """The case's `tolerance` table, validated; `f` is the case's field reader (harness.cases._Fields)."""
+    """The case's `tolerance` table, validated; `f` is the case's field reader (harness.case.registry._Fields)."""
     table = f.get("tolerance", dict, None)
     if table is None:
         return None

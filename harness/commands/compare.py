@@ -122,10 +122,8 @@ def _versus_tp(case: Case, versus_tp: int, runner: str) -> tuple[Case, tuple[int
         raise CaseError(f"{where}: --versus-tp must be one of {', '.join(map(str, TP_SIZES))} (got {versus_tp!r})")
     if runner not in RUNNERS:
         raise CaseError(f"{where}: --runner must be one of {', '.join(RUNNERS)} (got {runner!r})")
-    split = case.shapes[case.op_spec.tp_split_field]
-    if split % versus_tp or (versus_tp > 1 and case.config.get("sequence_parallel") and case.tokens % versus_tp):
-        raise CaseError(f"{where}: --versus-tp {versus_tp} does not divide shapes.{case.op_spec.tp_split_field}="
-                        f"{split} (or the tokens, with sequence_parallel)")
+    # at TP=1 the runners get sequence_parallel off (harness.run.orchestrate), so only TP > 1 must split the tokens
+    case.check_tp(versus_tp, case.tokens, case.config if versus_tp > 1 else {})
     return replace(case, runners=(runner, runner), perturb=None), (case.tp, versus_tp)
 
 

@@ -48,14 +48,14 @@ def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict
             for name, block_name in stage.outputs.items():
                 local = compare_tensor(block_name, a_outputs[block_name], produced[name])
                 entry["tensors"].append(local.to_dict())
-                report["tensors"][block_name] = _attribution(full.get(block_name), local, stage.name)
+                report["tensors"][block_name] = attribution(full.get(block_name), local, stage.name)
         report["stages"].append(entry)
     made = [name for name, how in report["tensors"].items() if how.startswith("made")]
     report["first_local_divergence"] = next((name for name in _topological(case) if name in made), None)
     return report
 
 
-def _attribution(full, local, stage: str) -> str:
+def attribution(full, local, stage: str) -> str:
     if local.status == DIFF:
         return f"made by {stage} (differs when re-fed with side a's inputs)"
     if local.status == EQUAL and full is not None and full.status == DIFF:

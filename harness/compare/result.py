@@ -28,8 +28,8 @@ class CaseResult:
     expectation: dict = field(default_factory=dict)
     comparison: dict = field(default_factory=dict)  # set when one runner is compared with itself at another TP size
     versus_oracle: dict = field(default_factory=dict)  # harness.versus_oracle
-    repeats: dict = field(default_factory=dict)  # harness.determinism, with --repeat N > 1
-    tolerance: dict = field(default_factory=dict)  # harness.tolerance.judge, when the case states a policy
+    repeats: dict = field(default_factory=dict)  # harness.compare.determinism, with --repeat N > 1
+    tolerance: dict = field(default_factory=dict)  # harness.compare.tolerance.judge, when the case states a policy
     harness: dict = field(default_factory=dict)
     first_divergence: str | None = None  # first differing output in the op's topological order
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)

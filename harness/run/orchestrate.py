@@ -4,7 +4,7 @@ Each runner runs in its own process group (so a timeout kills it and everything 
 its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, default: this one), and
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
 Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
-(``harness.launch``) and its rank files are gathered into the canonical ones (``harness.shards``).
+(``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def runner_env(device: str) -> dict[str, str]:
         for key, value in GPU_ENV.items():
             env.setdefault(key, value)
     else:
-        env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.kernels)
+        env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.run.kernels)
     return env
 
 

@@ -6,7 +6,7 @@ of real alignment runs (``torch_env``). At TP=1 the layer computes forward ``x @
 wgrad ``dy.t() @ x`` (``gradient_accumulation_fusion`` off, so no fp32 ``main_grad``). Inputs arrive in
 Megatron's own layout, so nothing is transposed.
 Tensor parallel: started by torchrun, one process per rank; each rank reads the full checkpoint, takes
-its shard (partition dims from ``harness.ops``) and writes its own shard of every output.
+its shard (partition dims from ``harness.case.ops``) and writes its own shard of every output.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Outputs go back to canonical names and Megatron's ``[out, in]`` weight layout (a
 
 Tensor parallel (started by ``paddle.distributed.launch``): PaddleFleet's layers on its model-parallel group
 when importable; otherwise each rank runs the same ops on its split weights (partition dims from
-``harness.ops``) and the partial sums are all-reduced as Megatron does: column-parallel, the input grad;
+``harness.case.ops``) and the partial sums are all-reduced as Megatron does: column-parallel, the input grad;
 row-parallel, the output. The plain path has no sequence parallel and no row-parallel bias (said UNSUPPORTED).
 """
 

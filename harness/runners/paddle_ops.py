@@ -445,7 +445,8 @@ def yarn_rope(request, tensors, gate, phases, guard):
         return q_out, k_out.expand([-1, n, -1])
 
     def backward(outs):
-        paddle.autograd.backward(list(outs), [_tensor(tensors["grad_query"], False), _tensor(tensors["grad_key"], False)])
+        grads = [_tensor(tensors["grad_query"], False), _tensor(tensors["grad_key"], False)]
+        paddle.autograd.backward(list(outs), grads)
 
     q_out, _ = _run(request, phases, guard, "YaRN rope (cos/sin fp32, rotate in the input dtype)", forward, backward)
     return ({"intermediate.freqs": captured["intermediate.freqs"], "out.query": q_out.numpy(),
@@ -541,7 +542,8 @@ def lm_head_loss(request, tensors, gate, phases, guard):
         return paddle.sum(token_loss.cast(paddle.float32).reshape([-1]) * lossmask) / lossmask.sum()
 
     loss = _run(request, phases, guard, "F.linear -> CrossEntropyLoss(fp32)", forward, lambda o: o.backward())
-    return ({**captured, "loss": loss.reshape([1]).numpy(), "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
+    return ({**captured, "loss": loss.reshape([1]).numpy(), "grad.input": x.grad.numpy(),
+             "grad.weight": w.grad.numpy()},
             "paddle dygraph F.linear(x, weight.T) -> CrossEntropyLoss(reduction='none') on fp32 logits, "
             f"sum(loss * mask) / mask.sum(), as GPTLMHead + LanguageLoss (use_accuracy_compatible={gate})")
 

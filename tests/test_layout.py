@@ -1,0 +1,55 @@
+"""The package tree follows the pipeline: no module imports a module of a later stage.
+
+case (registry, op records, checkpoints) -> run (orchestration, launchers) -> runners (subprocess side) ->
+compare -> report -> commands -> cli. `bits` is a shared utility every stage may use.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "harness"
+STAGES = {"bits": 0, "case": 1, "run": 2, "runners": 3, "capture": 3, "compare": 4, "report": 5, "commands": 6,
+          "cli": 7, "__main__": 7, "__init__": 0}
+
+
+def stage_of(module: str) -> str:
+    """`harness.compare.tensors` -> "compare"; `harness` -> "__init__"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "harness":
+            modules.add(node.module)
+            if node.module == "harness":  # from harness import bits, __version__
+                modules.update(f"harness.{alias.name}" for alias in node.names if alias.name != "__version__")
+        elif isinstance(node, ast.Import):
+            modules.update(a.name for a in node.names if a.name.split(".")[0] == "harness")
+    return modules
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_sits_in_a_known_stage():
+    unknown = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in MODULES} - set(STAGES)
+    assert not unknown, f"folders or modules outside the stages: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_later_stage(path):
+    own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    later = {m for m in imported_modules(path) if STAGES[stage_of(m)] > STAGES[own]}
+    assert not later, f"{path.relative_to(PACKAGE)} ({own}) imports later stages: {sorted(later)}"
+
+
+def test_the_check_sees_a_backward_import(tmp_path):
+    """Negative control: a compare module that imports the report stage is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from harness.report import case_report\nfrom harness import bits\n")
+    found = imported_modules(bad)
+    assert {m for m in found if STAGES[stage_of(m)] > STAGES["compare"]} == {"harness.report"}
