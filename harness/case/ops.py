@@ -308,10 +308,13 @@ def _rope_inputs(shapes, tokens, config):
 
 
 def _rope_outputs(shapes, tokens, config):
-    """The YaRN table (fp32 angles position x inv_freq, before cos/sin), the rotated q_pe and k_pe (k_pe before its
+    """The YaRN table (fp32 angles position x inv_freq), its cos and sin times mscale cast to the input dtype (the
+    modules' own get_cached_cos_sin: what the rotation multiplies by), the rotated q_pe and k_pe (k_pe before its
     expand to heads), then their grads (k_pe's summed over the heads by the expand's backward)."""
     n, d = shapes["num_heads"], shapes["rope_dim"]
     return [TensorSpec("intermediate.freqs", (tokens, d), "output", "float32"),
+            TensorSpec("intermediate.cos", (tokens, d), "output"),
+            TensorSpec("intermediate.sin", (tokens, d), "output"),
             TensorSpec("out.query", (tokens, n, d), "output"), TensorSpec("out.key", (tokens, d), "output"),
             TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, d), "output")]
 

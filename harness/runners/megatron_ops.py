@@ -335,7 +335,9 @@ def yarn_rope(request, tensors, config, device, phases):
         torch.autograd.backward(outs, [tensors["grad_query"].unsqueeze(1), tensors["grad_key"].unsqueeze(1)])
 
     q_out, _ = _run(phases, device, forward, backward)
-    return ({"intermediate.freqs": captured["intermediate.freqs"], "out.query": q_out.squeeze(1),
+    cos, sin = rope.get_cached_cos_sin(t, dtype=q.dtype)  # the fused path's tables: (cos(emb) * mscale).to(dtype)
+    return ({"intermediate.freqs": captured["intermediate.freqs"], "intermediate.cos": cos.reshape(t, d),
+             "intermediate.sin": sin.reshape(t, d), "out.query": q_out.squeeze(1),
              "out.key": captured["out.key"], "grad.query": q.grad.squeeze(1), "grad.key": k.grad.view(t, d)},
             "megatron.core YarnRotaryEmbedding + rope_utils.apply_rotary_pos_emb (unfused bshd, MLA de-interleave, "
             f"mscale {captured['mscale']}), k_pe expanded to {n} heads as MLASelfAttention{shim}")

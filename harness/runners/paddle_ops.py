@@ -449,7 +449,11 @@ def yarn_rope(request, tensors, gate, phases, guard):
         paddle.autograd.backward(list(outs), grads)
 
     q_out, _ = _run(request, phases, guard, "YaRN rope (cos/sin fp32, rotate in the input dtype)", forward, backward)
-    return ({"intermediate.freqs": captured["intermediate.freqs"], "out.query": q_out.numpy(),
+    # YarnRotaryEmbedding._set_cos_sin_cache / get_cached_cos_sin: (emb.cos() * mscale).to(dtype), as the rotation uses
+    freqs = paddle.to_tensor(captured["intermediate.freqs"])
+    cos, sin = ((f(freqs) * captured["mscale"]).astype(q.dtype).numpy() for f in (paddle.cos, paddle.sin))
+    return ({"intermediate.freqs": captured["intermediate.freqs"], "intermediate.cos": cos, "intermediate.sin": sin,
+             "out.query": q_out.numpy(),
              "out.key": captured["out.key"], "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
             f"paddle dygraph, PaddleFleet's YarnRotaryEmbedding + _apply_rotary_pos_emb_bshd (MLA de-interleave, "
             f"mscale {captured['mscale']}), k_pe expanded to {n} heads (use_accuracy_compatible={gate})")
