@@ -287,11 +287,17 @@ def mla_up_projection(request, tensors, config, device, phases):
             "linear_q_up_proj / linear_kv_up_proj (no Transformer Engine)")
 
 
+# Module-level patches an implementation applied in this process; the runner writes them to meta.json ("shims").
+SHIMS: list[str] = []
+
+
 def _cpu_current_device(device):
     """Megatron asks torch.cuda.current_device() for buffers it means to put on "the GPU" (YaRN's inv_freq,
     the global memory buffer attention's QK^T writes into): on a CPU-only run that must name the CPU."""
     if device.type == "cpu":
         torch.cuda.current_device = lambda: "cpu"
+        SHIMS.append("CPU only: torch.cuda.current_device() returns 'cpu' (YarnRotaryEmbedding moves inv_freq to "
+                     "it; DotProductAttention's global memory buffer is allocated on it)")
         return "; CPU shim: torch.cuda.current_device() -> 'cpu'"
     return ""
 
