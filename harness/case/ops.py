@@ -21,6 +21,7 @@ Adding an op:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +36,10 @@ def resolve_dtype(spec_dtype: str | None, case_dtype: str) -> str:
     if spec_dtype == FLOAT32_OR_WIDER:
         return "float64" if case_dtype == "float64" else "float32"
     return spec_dtype
+
+# MLA's softmax scale with YaRN (MLASelfAttention: mscale = 0.1 * mscale_all_dim * ln(factor) + 1, scale = mscale^2 /
+# sqrt(qk_nope + qk_rope)), at Kimi-K2's factor 32, mscale_all_dim 1, head dim 192.
+KIMI_SOFTMAX_SCALE = (0.1 * 1.0 * math.log(32.0) + 1.0) ** 2 / math.sqrt(192)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,16 @@ KNOBS: dict[str, Knob] = {
                         ("fused", "eager")),
     "model": Knob((dict,), {}, "model cases: the model's config in HF DeepseekV3Config key names, `family` naming "
                   "its defaults and name map (harness/case/models/); every default resolved when the case loads"),
+    # YaRN rotary embedding (Kimi-K2's rope_scaling: type yarn)
+    "rotary_base": Knob((float,), 50000.0, "RoPE theta (Kimi-K2: 50000)"),
+    "rotary_scaling_factor": Knob((float,), 32.0, "YaRN factor (Kimi-K2: 32)"),
+    "original_max_position_embeddings": Knob((int,), 4096, "YaRN original context length (Kimi-K2: 4096)"),
+    "beta_fast": Knob((float,), 1.0, "YaRN beta_fast (Kimi-K2: 1)"),
+    "beta_slow": Knob((float,), 1.0, "YaRN beta_slow (Kimi-K2: 1)"),
+    "mscale": Knob((float,), 1.0, "YaRN mscale (Kimi-K2: 1)"),
+    "mscale_all_dim": Knob((float,), 1.0, "YaRN mscale_all_dim (Kimi-K2: 1)"),
+    "softmax_scale": Knob((float,), KIMI_SOFTMAX_SCALE, "core attention's QK^T scale (Kimi-K2's MLA: "
+                          "yarn_mscale(32, 1)^2 / sqrt(192))"),
 }
 
 
@@ -305,6 +320,85 @@ def _up_projection_partition(config):
     return {"input": None, "weight": 0, "grad_output": 1, "out": 1, "grad.input": None, "grad.weight": 0}
 
 
+def _rope_inputs(shapes, tokens, config):
+    """MLA's rope parts: q_pe per head, k_pe shared by every head (it comes from kv_down_proj), and the upstream
+    grads of q_pe and of k_pe after its expand to every head."""
+    n, d = shapes["num_heads"], shapes["rope_dim"]
+    return [TensorSpec("query", (tokens, n, d), "input"), TensorSpec("key", (tokens, d), "input"),
+            TensorSpec("grad_query", (tokens, n, d), "grad"), TensorSpec("grad_key", (tokens, n, d), "grad")]
+
+
+def _rope_outputs(shapes, tokens, config):
+    """The YaRN table (fp32 angles position x inv_freq), its cos and sin times mscale cast to the input dtype (the
+    modules' own get_cached_cos_sin: what the rotation multiplies by), the rotated q_pe and k_pe (k_pe before its
+    expand to heads), then their grads (k_pe's summed over the heads by the expand's backward)."""
+    n, d = shapes["num_heads"], shapes["rope_dim"]
+    return [TensorSpec("intermediate.freqs", (tokens, d), "output", "float32"),
+            TensorSpec("intermediate.cos", (tokens, d), "output"),
+            TensorSpec("intermediate.sin", (tokens, d), "output"),
+            TensorSpec("out.query", (tokens, n, d), "output"), TensorSpec("out.key", (tokens, d), "output"),
+            TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, d), "output")]
+
+
+def _core_attention_inputs(shapes, tokens, config):
+    n, d, dv = shapes["num_heads"], shapes["head_dim"], shapes["v_head_dim"]
+    return [TensorSpec("query", (tokens, n, d), "input"), TensorSpec("key", (tokens, n, d), "input"),
+            TensorSpec("value", (tokens, n, dv), "input"), TensorSpec("grad_output", (tokens, n, dv), "grad")]
+
+
+def _core_attention_outputs(shapes, tokens, config):
+    """Causal probabilities (softmax output), context, then backward in autograd's order: the probabilities' grad
+    and the value grad (from the context bmm), then query and key grads (through the softmax and QK^T)."""
+    n, d, dv = shapes["num_heads"], shapes["head_dim"], shapes["v_head_dim"]
+    return [TensorSpec("intermediate.probs", (n, tokens, tokens), "output"),
+            TensorSpec("out", (tokens, n, dv), "output"),
+            TensorSpec("intermediate.grad_probs", (n, tokens, tokens), "output"),
+            TensorSpec("grad.value", (tokens, n, dv), "output"),
+            TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, n, d), "output")]
+
+
+def _core_attention_partition(config):
+    """Heads split across ranks; no communication inside core attention."""
+    return {"query": 1, "key": 1, "value": 1, "grad_output": 1, "intermediate.probs": 0, "out": 1,
+            "intermediate.grad_probs": 0, "grad.value": 1, "grad.query": 1, "grad.key": 1}
+
+
+def combine_routing(tokens: int, experts: int, topk: int) -> list[list[int]]:
+    """Each token's top-k experts (distinct, unsorted as a router leaves them), spread so experts get unequal
+    token counts; both runners build the routing map and the expert-major permutation from this."""
+    return [[(token * 5 + 3 * j + (token * j) % 2) % experts for j in range(topk)] if topk * 3 < experts
+            else [(token + j) % experts for j in range(topk)] for token in range(tokens)]
+
+
+def _combine_inputs(shapes, tokens, config):
+    """The routed experts' outputs in expert-major (permuted) order, already weighted by the routing probability
+    (both gated paths apply it inside the experts' SwiGLU), and the shared expert's output."""
+    h, k = shapes["hidden_size"], shapes["topk"]
+    return [TensorSpec("expert_output", (tokens * k, h), "input"), TensorSpec("shared_output", (tokens, h), "input"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _combine_outputs(shapes, tokens, config):
+    h, k = shapes["hidden_size"], shapes["topk"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.expert_output", (tokens * k, h), "output"),
+            TensorSpec("grad.shared_output", (tokens, h), "output")]
+
+
+def _lm_head_inputs(shapes, tokens, config):
+    h, v = shapes["hidden_size"], shapes["vocab_size"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("weight", (v, h), "weight"),
+            TensorSpec("labels", (tokens,), "ids", "int64", high=v)]
+
+
+def _lm_head_outputs(shapes, tokens, config):
+    """Logits, per-token cross entropy (fp32), the mean loss, then backward from the loss (seed 1.0)."""
+    h, v = shapes["hidden_size"], shapes["vocab_size"]
+    return [TensorSpec("intermediate.logits", (tokens, v), "output"),
+            TensorSpec("out", (tokens,), "output", "float32"), TensorSpec("loss", (1,), "output", "float32"),
+            TensorSpec("intermediate.grad_logits", (tokens, v), "output"),
+            TensorSpec("grad.input", (tokens, h), "output"), TensorSpec("grad.weight", (v, h), "output")]
+
+
 LINEAR_KNOBS = ("bias", "use_accuracy_compatible", "sequence_parallel")
 COLUMN_PARALLEL_LINEAR = Op("column_parallel_linear", "linear", ("input_size", "output_size"), _linear_inputs,
                             _linear_outputs, "output_size", LINEAR_KNOBS, _column_partition, oracle="linear",
@@ -332,9 +426,26 @@ MLA_UP_PROJECTION = Op("mla_up_projection", "mla_up_projection", ("lora_rank", "
                        _up_projection_inputs, _up_projection_outputs, "num_heads", ("use_accuracy_compatible",),
                        _up_projection_partition, oracle="linear", reduced=("grad.input",))
 
+YARN_KNOBS = ("rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+              "mscale", "mscale_all_dim", "use_accuracy_compatible")
+# YaRN rotary embedding on MLA's rope parts (q_pe, k_pe: 64 of the 192 query/key dims). No oracle: cos and sin are
+# not sums of products, and both frameworks round the table to the input dtype before using it.
+YARN_ROPE = Op("yarn_rope", "rope", ("num_heads", "rope_dim"), _rope_inputs, _rope_outputs, "num_heads", YARN_KNOBS)
+# Core attention end to end: QK^T * scale, causal mask, fp32 softmax, probabilities x V. No oracle (softmax).
+CORE_ATTENTION = Op("core_attention", "core_attention", ("num_heads", "head_dim", "v_head_dim"),
+                    _core_attention_inputs, _core_attention_outputs, "num_heads",
+                    ("softmax_scale", "use_accuracy_compatible"), _core_attention_partition)
+# MoE combine: unpermute (sum of each token's k routed outputs) plus the shared expert's output.
+MOE_COMBINE = Op("moe_combine", "moe_combine", ("hidden_size", "num_experts", "topk"), _combine_inputs,
+                 _combine_outputs, "hidden_size", ("use_accuracy_compatible",), oracle="moe_combine")
+# Output layer (vocab-parallel logits) and the language-model loss (mean cross entropy). The oracle covers the
+# logits only (the loss is not a sum of products).
+LM_HEAD_LOSS = Op("lm_head_loss", "lm_head", ("hidden_size", "vocab_size"), _lm_head_inputs, _lm_head_outputs,
+                  "vocab_size", ("use_accuracy_compatible",), oracle="lm_head")
+
 OPS: dict[str, Op] = {op.name: op for op in (
     COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, RMS_NORM, SWIGLU, EMBEDDING, MOE_ROUTER, ATTENTION_SCORES,
-    ROUTED_EXPERTS, SHARED_EXPERT_MLP, MLA_UP_PROJECTION,
+    ROUTED_EXPERTS, SHARED_EXPERT_MLP, MLA_UP_PROJECTION, YARN_ROPE, CORE_ATTENTION, MOE_COMBINE, LM_HEAD_LOSS,
 )}
 
 
