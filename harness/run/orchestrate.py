@@ -95,7 +95,11 @@ def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None =
 
 def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
               pythons: dict[str, str], timeout: float) -> list[SideResult]:
-    """Run the sides concurrently; never raises for a runner's failure. The timeout covers the whole group."""
+    """Run the sides concurrently on a CPU, one after another on a GPU (each side gets the whole device's memory: a
+    model's float64 truth beside two bf16 sides does not fit one GPU); never raises for a runner's failure. The
+    timeout covers the whole group (on a GPU: each side)."""
+    if device == "gpu" and len(sides) > 1:
+        return [result for side in sides for result in run_sides(case, [side], device, run_dir, pythons, timeout)]
     with supervisor.watch():  # whatever the runners started and left behind is killed and reaped afterwards
         started = []
         for side in sides:
