@@ -13,8 +13,8 @@ from rich.table import Table
 from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
-from harness.commands import compare as pipeline
 from harness.commands import baseline, gate_matrix, nightly, publish, run_folder, sweep
+from harness.commands import compare as pipeline
 from harness.compare.result import EXIT_CODES
 from harness.report import case_report as report
 

@@ -146,7 +146,8 @@ def test_green_after_update_then_one_flipped_bit_turns_exactly_that_case_red(ben
     assert "differs from the baseline: verdict BITWISE_PASS → DIFF" in problems
     assert "differs from the baseline: grad.weight: new difference (1 mismatches, max ULP 1)" in problems
     suite = ET.parse(run_dir / "junit.xml").getroot().find("testsuite")
-    failed = [(c.get("name"), c.find("failure").text) for c in suite.findall("testcase") if c.find("failure") is not None]
+    failed = [(c.get("name"), c.find("failure").text) for c in suite.findall("testcase")
+              if c.find("failure") is not None]
     assert len(failed) == 1 and failed[0][0] == "agrees" and "grad.weight: new difference" in failed[0][1]
     markdown = (run_dir / "report.md").read_text()
     assert "### Changed against the baseline (fail): 1" in markdown
@@ -172,7 +173,8 @@ def test_fixed_and_new_cases_pass_and_are_listed_and_update_prints_the_diff(benc
 
     code, out, _ = bench.update(capsys, run_dir, "--dry-run")
     assert code == 0 and "dry run: nothing written" in out
-    assert "~ known_diff: changed\n    verdict DIFF → BITWISE_PASS\n    out: now bitwise equal (baseline: 3 mismatches" in out
+    assert ("~ known_diff: changed\n    verdict DIFF → BITWISE_PASS\n"
+            "    out: now bitwise equal (baseline: 3 mismatches") in out
     assert "+ newcomer: added: DIFF (expected BITWISE_PASS): out 1 mismatches, max ULP 1" in out
     assert "2 case(s) unchanged; 4 in the baseline" in out
 
