@@ -4,7 +4,9 @@
 ``report.json`` (schema-versioned, every case's full result embedded), ``report.md``, ``report.html`` and
 ``junit.xml``. A case passes when it did what it expects (exit code 0), is skipped when a framework lacks a
 kernel or package here (UNSUPPORTED) or it needs a weights file nobody gave, and fails otherwise; the night
-exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one.
+exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one. Where
+``baselines/`` holds the known verdicts of this platform, a case is judged against them instead
+(``harness.compare.baseline``): a known difference passes, a change fails, a fix or a new case is news.
 """
 
 from __future__ import annotations
