@@ -8,10 +8,10 @@ import pytest
 from harness.case.checkpoints import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
-from harness.commands.gate_matrix import markdown as matrix_markdown
 from harness.compare.refeed import attribution
 from harness.compare.result import first_divergence
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
+from harness.report.gate_matrix_report import markdown as matrix_markdown
 from tests.support.cases import tiny_case
 
 SHAPES = {"hidden_size": 64, "ffn_hidden_size": 16}

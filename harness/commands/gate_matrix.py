@@ -1,8 +1,9 @@
 """The accuracy-gate matrix: one case run with PaddleFleet's ``use_accuracy_compatible`` on and off.
 
 The gate changes only the Paddle side, so each cell is "Paddle with the gate on/off against side a". Each cell
-is an ordinary run with its own report folder; the matrix (matrix.md, matrix.json) lands in a folder of its
-own that links them. A cell whose path has no kernel on this device says UNSUPPORTED and names the kernel.
+is an ordinary run with its own report folder; the matrix (matrix.json; matrix.md and matrix.html, rendered by
+``harness.report.gate_matrix_report``) lands in a folder of its own that links them. A cell whose path has no
+kernel on this device says UNSUPPORTED and names the kernel.
 Exit code: 2 if a cell is ERROR, else 0 (the matrix reports differences, it does not judge them).
 """
 
@@ -12,13 +13,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from harness.commands import compare as pipeline
 from harness.commands import run_folder
 from harness.compare.result import ERROR, EXIT_CODES
-from harness.report.case_report import VERDICT_STYLE
+from harness.report import gate_matrix_report
 
 SETTINGS = (True, False)
 
@@ -36,35 +34,6 @@ def run(name: str, options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS) 
                       "report": str(run_dir / "report.md")})
     _, matrix_dir = run_folder.new_run_dir(Path(options.reports_dir), f"{name}-gate-matrix")
     (matrix_dir / "matrix.json").write_text(json.dumps({"case": name, "cells": cells}, indent=2) + "\n")
-    (matrix_dir / "matrix.md").write_text(markdown(name, cells))
-    _console(name, cells, matrix_dir)
+    gate_matrix_report.write(name, cells, matrix_dir)
+    gate_matrix_report.console(name, cells, matrix_dir)
     return EXIT_CODES[ERROR] if any(c["verdict"] == ERROR for c in cells) else 0
-
-
-def markdown(name: str, cells: list[dict]) -> str:
-    lines = [f"# Accuracy-gate matrix: {name}", "",
-             "| use_accuracy_compatible | sides | verdict | first divergence | why / differing tensors "
-             "| implementations | report |", "|---|---|---|---|---|---|---|"]
-    for c in cells:
-        why = ", ".join(c["differing"]) if c["verdict"] == "DIFF" else c["message"]
-        lines.append(f"| {'on' if c['use_accuracy_compatible'] else 'off'} | {c['sides']} | **{c['verdict']}** | "
-                     f"{c['first_divergence'] or ''} | {_cell(why)} | {_cell(' / '.join(c['implementations']))} "
-                     f"| `{c['report']}` |")
-    return "\n".join(lines) + "\n"
-
-
-def _console(name: str, cells: list[dict], matrix_dir: Path) -> None:
-    table = Table(title=f"accuracy-gate matrix: {name}")
-    for column in ("gate", "sides", "verdict", "first divergence", "why"):
-        table.add_column(column)
-    for c in cells:
-        why = ", ".join(c["differing"]) if c["verdict"] == "DIFF" else c["message"]
-        table.add_row("on" if c["use_accuracy_compatible"] else "off", c["sides"],
-                      f"[{VERDICT_STYLE[c['verdict']]}]{c['verdict']}[/]", c["first_divergence"] or "", why[:160])
-    out = Console(width=None if Console().is_terminal else 160)
-    out.print(table)
-    out.print(f"matrix: {matrix_dir / 'matrix.md'}")
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")

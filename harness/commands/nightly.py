@@ -123,8 +123,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None,
 
 def write(night: dict, run_dir: Path) -> None:
     (run_dir / "report.json").write_text(json.dumps(night, indent=2, default=str) + "\n")
-    (run_dir / "report.md").write_text(nightly_report.markdown(night))
-    (run_dir / "report.html").write_text(nightly_report.html(night))
+    nightly_report.write(night, run_dir)
     junit.write(night, run_dir / "junit.xml")
 
 

@@ -3,7 +3,8 @@
 On a GPU the GEMM library picks kernels by shape and operand layout, so the same math can change bits at some
 token counts and not at others; the matrix shows where. Each cell is an ordinary run
 (``pipeline.compare_case``) with its own full report, in its own folder inside the sweep's folder; the sweep's
-``report.json`` and ``report.md`` hold the matrix, each cell's verdict and statistics, and the provenance.
+``report.json``, ``report.md`` and ``report.html`` hold the matrix, each cell's verdict and statistics, and
+the provenance (rendered by ``harness.report.sweep_report``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from harness.commands import compare as pipeline
 from harness.commands import run_folder
 from harness.compare.result import EXIT_CODES, CaseResult
+from harness.report import sweep_report
+from harness.report.sweep_report import console  # noqa: F401  (the CLI prints a sweep with sweep.console)
 
 SWEEP_SCHEMA = 1
 # Provenance keys worth repeating in the sweep report (each cell's report.json has all of them).
@@ -55,7 +55,7 @@ def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str
               "argv": sys.argv, "started_at": started, "finished_at": run_folder.now(),
               "provenance": _provenance(cells), "cells": cells}
     (sweep_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (sweep_dir / "report.md").write_text(markdown(report))
+    sweep_report.write(report, sweep_dir)
     return report, sweep_dir
 
 
@@ -92,56 +92,6 @@ def _provenance(cells: list[dict]) -> dict:
 def _diff_summary(cell: dict) -> str:
     differing = [f"{name} {t['mismatches']}" for name, t in cell["tensors"].items() if t["status"] != "EQUAL"]
     return ("differ: " + ", ".join(differing)) if differing else ""
-
-
-def _matrix_cell(tensor: dict | None) -> str:
-    if tensor is None:
-        return "—"
-    if tensor["status"] == "EQUAL":
-        return "="
-    if tensor["status"] == "DIFF":
-        return f"{tensor['mismatches']} ({tensor['mismatch_share']:.2%}, max {tensor['max_ulp']} ULP)"
-    return tensor["status"]
-
-
-def markdown(report: dict) -> str:
-    counts = ", ".join(f"{verdict} {n}" for verdict, n in sorted(report["verdicts"].items()))
-    lines = [f"# Sweep: {report['case']} on {report['device']}", "",
-             f"- sweep: `{report['sweep_id']}`, {report['started_at']} to {report['finished_at']}",
-             f"- command: `{' '.join(report['argv'])}`",
-             f"- cells: {len(report['cells'])} ({counts}); exit code {report['exit_code']}",
-             "- a matrix cell: `=` bitwise equal; `N (share, max U ULP)`: N elements differ; `—`: no comparison "
-             "(see the notes). Side a against side b; each cell's full report is `<run>/report.md`."]
-    for pair in report["pairs"]:
-        cells = [cell for cell in report["cells"] if cell["pair"] == pair]
-        lines += ["", f"## {pair}", "", "| tokens | verdict | " + " | ".join(report["tensors"]) + " | wall s | run |",
-                  "|---:|---|" + "---:|" * len(report["tensors"]) + "---:|---|"]
-        for cell in cells:
-            row = [_matrix_cell(cell["tensors"].get(name)) for name in report["tensors"]]
-            lines.append(f"| {cell['tokens']} | {cell['verdict']} | " + " | ".join(row)
-                         + f" | {cell['wall_seconds']} | `{cell['run_dir']}` |")
-        notes = [cell for cell in cells if cell["verdict"] in ("ERROR", "UNSUPPORTED") or not cell["expectation_met"]]
-        if notes:
-            lines += [""] + [f"- tokens {cell['tokens']}: {cell['verdict']}: {cell['message']}" for cell in notes]
-    if report["provenance"]:
-        lines += ["", "## Provenance (first cell of each runner)", "", "```json",
-                  json.dumps(report["provenance"], indent=2, sort_keys=True, default=str), "```"]
-    return "\n".join(lines) + "\n"
-
-
-def console(report: dict, sweep_dir: Path, out: Console | None = None) -> None:
-    out = out or Console(width=None if Console().is_terminal else 160)
-    for pair in report["pairs"]:
-        table = Table(title=f"{report['case']} on {report['device']}: {pair}")
-        for column in ("tokens", "verdict", *report["tensors"]):
-            table.add_column(column, justify="right" if column != "verdict" else "left")
-        for cell in (c for c in report["cells"] if c["pair"] == pair):
-            table.add_row(str(cell["tokens"]), cell["verdict"],
-                          *[_matrix_cell(cell["tensors"].get(name)) for name in report["tensors"]],
-                          style="green" if cell["verdict"] == "BITWISE_PASS" else "red")
-        out.print(table)
-    out.print(f"sweep report: {sweep_dir / 'report.md'}  (exit code {report['exit_code']})")
-
 
 
 def _print_progress(line: str) -> None:

@@ -66,22 +66,3 @@ def attribution(full, local, stage: str) -> str:
 def _topological(case: Case) -> list[str]:
     return [spec.name for spec in case.output_specs()]
 
-
-def markdown(refeed: dict) -> list[str]:
-    """Report section: one row per block tensor, in topological order of the stages."""
-    if not refeed:
-        return []
-    lines = ["", "## Re-feed (each op re-run on side b from side a's tensors)", ""]
-    if "error" in refeed:
-        return lines + [f"- {refeed['error']}"]
-    lines += [f"- runner `{refeed['runner']}` fed from {refeed['fed_from']}; first tensor made locally: "
-              f"**{refeed['first_local_divergence'] or 'none'}**", "",
-              "| stage | op | status | tensor | re-fed mismatches | max ULP | attribution |",
-              "|---|---|---|---|---:|---:|---|"]
-    for stage in refeed["stages"]:
-        if not stage["tensors"]:
-            lines.append(f"| {stage['stage']} | {stage['op']} | {stage['status']}: {stage['reason']} | | | | |")
-        for t in stage["tensors"]:
-            lines.append(f"| {stage['stage']} | {stage['op']} | {stage['status']} | {t['name']} | {t['mismatches']} "
-                         f"| {t['max_ulp']} | {refeed['tensors'].get(t['name'], '')} |")
-    return lines

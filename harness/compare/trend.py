@@ -60,7 +60,7 @@ def changed(trend: dict) -> bool:
 
 
 def blocks(trend: dict) -> list[tuple]:
-    """The trend section as document blocks (see ``harness.report.blocks``)."""
+    """The trend section as document blocks (plain tuples: see ``harness.report.blocks``)."""
     if trend.get("previous") is None:
         return [("h", 2, "What changed"),
                 ("p", "No previous nightly report to compare with: this night is the baseline.")]

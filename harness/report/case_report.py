@@ -1,5 +1,10 @@
-"""Renderers over one ``CaseResult``: report.json (machine), report.md and report.html (people), pictures
-of differing tensors, a rich console table."""
+"""One run's reports, all from one ``CaseResult``: report.json (machine); report.md and report.html (people),
+both rendered from the same blocks so they say the same thing; pictures of differing tensors; a rich
+console summary.
+
+The people's report is ``SECTIONS`` in order; each section is ``f(data, figures) -> list of blocks``, where
+`data` is ``CaseResult.to_dict()`` (what report.json holds) and `figures` maps a tensor to its pictures.
+"""
 
 from __future__ import annotations
 
@@ -10,119 +15,49 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness.compare import refeed
 from harness.compare.result import CaseResult
-from harness.report import html as report_html
-from harness.report import pictures
-from harness.report import sections as report_sections
+from harness.report import blocks as doc
+from harness.report import (
+    check_sections,
+    pictures,
+    provenance_section,
+    refeed_section,
+    summary_section,
+    tensor_sections,
+)
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
                  "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}
+SECTIONS = (summary_section.blocks, tensor_sections.runners, tensor_sections.tensors, refeed_section.blocks,
+            check_sections.versus_oracle, check_sections.tolerance, check_sections.determinism,
+            provenance_section.provenance, provenance_section.stderr_tails)
 
 
 def write(result: CaseResult, run_dir: Path) -> None:
     figures = pictures.render(result.tensors, run_dir / "pictures")
-    (run_dir / "report.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
-    (run_dir / "report.md").write_text(markdown(result, figures))
-    report_html.write(result, run_dir, figures)
+    data = result.to_dict()
+    (run_dir / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    document = blocks(data, figures)
+    (run_dir / "report.md").write_text(doc.markdown(document))
+    (run_dir / "report.html").write_text(doc.html(document, _title(data), base=run_dir))
+
+
+def blocks(data: dict, figures: dict[str, dict[str, str]] | None = None) -> list[tuple]:
+    """The whole people's report of one run, built once."""
+    return [block for section in SECTIONS for block in section(data, figures or {})]
 
 
 def markdown(result: CaseResult, figures: dict[str, dict[str, str]] | None = None) -> str:
+    return doc.markdown(blocks(result.to_dict(), figures))
+
+
+def html(result: CaseResult, run_dir: Path | None = None, figures: dict[str, dict[str, str]] | None = None) -> str:
     data = result.to_dict()
-    lines = [f"# {result.case_name}: {result.verdict}", "",
-             f"- run: `{result.run_id}` on `{result.device}`, {result.started_at} to {result.finished_at}",
-             f"- verdict: **{result.verdict}** (exit code {result.exit_code}): {result.message}"]
-    if result.first_divergence:
-        lines.append(f"- first divergence (outputs in topological order): `{result.first_divergence}`")
-    expectation = data["expectation"]
-    if expectation.get("stated"):
-        met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
-        lines.append(f"- expected: {expectation['verdict']}; {met}")
-    lines += _tensor_parallel_lines(data)
-    case = data["case"]
-    if case:
-        lines.append(f"- runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
-        lines.append(f"- case: `{case['op']}` {case['dtype']} tp={case['tp']} tokens={case['tokens']} "
-                     f"shapes={case['shapes']} config={case['config']} (from `{case['source']}`)")
-    if data["harness"].get("inputs"):
-        lines.append(f"- inputs: `{data['harness']['inputs']}`")
-    if data["checkpoint"]:
-        lines.append(f"- checkpoint: `{data['checkpoint']['folder']}`")
-        if data["checkpoint"].get("perturbed"):
-            p = data["checkpoint"]["perturbed"]
-            lines.append(f"- negative control: side {p['side']} reads `{p['tensor']}` with bit {p['bit']} of "
-                         f"element {p['index']} flipped")
-    if result.sides:
-        lines += ["", "## Runners", "",
-                  "| side | runner | status | implementation | oneDNN kernels run | versions | wall s |",
-                  "|---|---|---|---|---|---|---|"]
-        for side in data["sides"]:
-            meta = side["meta"]
-            versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
-            status = side["status"] + (f": {side['reason']}" if side["reason"] else "")
-            implementation = _cell(meta.get("implementation", ""))
-            kernels = "<br>".join(meta.get("onednn_kernels", [])) or "none"
-            lines.append(f"| {side['label']} | {side['runner']} | {_cell(status)} | {implementation} "
-                         f"| {_cell(kernels)} | {_cell(versions)} | {side['wall_seconds']} |")
-    if result.tensors:
-        lines += ["", "## Tensors (side a against side b)", "",
-                  "| tensor | status | dtype | shape | mismatches | share | max ULP | p99 ULP | sign flips | "
-                  "max abs err | max rel err | max err in ULPs at scale | ±0 diffs | NaN diffs | first mismatch |",
-                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for t in data["tensors"]:
-            first = t["first_mismatch"]
-            where = f"{first['index']}: {first['a_bits']} vs {first['b_bits']}" if first else ""
-            lines.append(
-                f"| {t['name']} | {t['status']} | {t['dtype']} | {t['shape']} | {t['mismatches']} | "
-                f"{t['mismatch_share']:.4%} | {t['max_ulp']} | {t['p99_ulp']} | {t['sign_flips']} | "
-                f"{t['max_abs_error']:.3g} | {t['max_rel_error']:.3g} | {t['max_error_in_scale_ulps']:.3g} | "
-                f"{t['signed_zero_diffs']} | {t['nan_payload_diffs'] + t['nan_mismatches']} | {where} |")
-        histograms = [(t["name"], t["ulp_histogram"]) for t in data["tensors"] if t["ulp_histogram"]]
-        if histograms:
-            lines += ["", "### ULP distance histograms (mismatching elements)", ""]
-            lines += [f"- `{name}`: " + ", ".join(f"{k} ULP: {v}" for k, v in h.items()) for name, h in histograms]
-        if figures:
-            lines += ["", "### Where the mismatches sit (pictures; all of it inline in report.html)", ""]
-            for name, files in figures.items():
-                lines += [f"- `{name}`: [map]({files['map']}) · [ULP histogram]({files['ulp']})", "",
-                          f"  ![{name} map]({files['map']})", ""]
-
-    lines += refeed.markdown(result.refeed)
-    lines += report_sections.markdown(data)
-    if result.sides:
-        lines += ["", "## Provenance", ""]
-        for side in data["sides"]:
-            meta = {k: v for k, v in side["meta"].items() if k not in ("versions", "implementation")}
-            lines += [f"### side {side['label']}: {side['runner']} (`{side['python']}`)", "", "```json",
-                      json.dumps(meta, indent=2, sort_keys=True, default=str), "```", ""]
-        for side in data["sides"]:
-            if side["status"] != "ok" and side["stderr_tail"]:
-                lines += [f"### stderr tail of side {side['label']} ({side['runner']})", "", "```",
-                          side["stderr_tail"].rstrip(), "```", ""]
-    return "\n".join(lines).rstrip() + "\n"
+    return doc.html(blocks(data, figures), _title(data), base=run_dir)
 
 
-def _tensor_parallel_lines(data: dict) -> list[str]:
-    """How the sides were launched and gathered, and, for a TP=N vs TP=M run, which tensors are TP-invariant."""
-    lines = []
-    c = data["comparison"]
-    if c:
-        lines.append(f"- comparison: {c['runner']} at TP={c['tp_a']} (side a) against {c['runner']} at "
-                     f"TP={c['tp_b']} (side b); no case expectation applies")
-        if "tp_invariant" in c:
-            lines.append(f"- TP-invariant (bitwise equal): {', '.join(c['tp_invariant']) or 'none'}; "
-                         f"not TP-invariant: {', '.join(c['not_tp_invariant']) or 'none'}")
-    for side in data["sides"]:
-        launch, gather = side["meta"].get("launch"), side["meta"].get("gather", {})
-        if not launch:
-            continue
-        parts = [f"{name}: " + (f"split on dim {g['split_dim']}" if "split_dim" in g else
-                                "replicated, identical on every rank" if g["identical_across_ranks"] else
-                                f"replicated, DIFFERS between ranks (mismatches vs rank 0: {g['mismatches_vs_rank0']})")
-                 for name, g in gather.items()]
-        lines.append(f"- side {side['label']} launched by {launch['launcher']} with {launch['tp']} ranks at "
-                     f"{launch.get('master', '')}" + (f"; gathered: {'; '.join(parts)}" if parts else ""))
-    return lines
+def _title(data: dict) -> str:
+    return f"{data['case_name']}: {data['verdict']}"
 
 
 def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> None:
@@ -142,7 +77,7 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         implementation = side.meta.get("implementation", "")
         out.print(escape(f"side {side.label}: {side.runner} [{side.status}] {implementation} "
                          f"({side.wall_seconds:.1f} s){': ' + side.reason if side.reason else ''}"))
-    for line in report_sections.console_lines(result.to_dict()):
+    for line in check_sections.console_lines(result.to_dict()):
         out.print(line, highlight=False)
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
     if result.first_divergence:
@@ -156,6 +91,3 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         out.print(f"expected {result.expectation['verdict']}: {met}")
     out.print(f"report: {run_dir / 'report.md'}  (exit code {result.exit_code})")
 
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.compare import trend
 from harness.report import baseline_section
 from harness.report import blocks as doc
@@ -40,12 +42,22 @@ def blocks(night: dict) -> list[tuple]:
     return out
 
 
+def write(night: dict, run_dir: Path) -> None:
+    document = blocks(night)
+    (run_dir / "report.md").write_text(doc.markdown(document))
+    (run_dir / "report.html").write_text(doc.html(document, _title(night), base=run_dir))
+
+
 def markdown(night: dict) -> str:
     return doc.markdown(blocks(night))
 
 
 def html(night: dict) -> str:
-    return doc.html(blocks(night), f"Bitwise nightly {night['run_id']}")
+    return doc.html(blocks(night), _title(night))
+
+
+def _title(night: dict) -> str:
+    return f"Bitwise nightly {night['run_id']}"
 
 
 def _row(c: dict) -> list[str]:
