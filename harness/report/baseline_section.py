@@ -3,6 +3,8 @@ in the night's report.json under ``baseline``."""
 
 from __future__ import annotations
 
+from harness.report import blocks as doc
+
 TITLES = (("changed", "Changed against the baseline (fail)"), ("fixed", "Fixed (now meets its expectation)"),
           ("new", "New (no baseline record: not failed)"),
           ("expected", "Meets its expectation; numbers moved since the baseline"))
@@ -11,32 +13,32 @@ TITLES = (("changed", "Changed against the baseline (fail)"), ("fixed", "Fixed (
 def blocks(section: dict | None) -> list[tuple]:
     if not section:
         return []
-    out: list[tuple] = [("h", 2, "Known verdicts (baseline)")]
+    out: list[tuple] = [doc.h(2, "Known verdicts (baseline)")]
     if section["status"] == "none":
-        out.append(("p", f"No baseline for this platform (fingerprint `{section['fingerprint_id']}`) in "
+        out.append(doc.p(f"No baseline for this platform (fingerprint `{section['fingerprint_id']}`) in "
                          f"`{section['directory']}`: every case is judged by its own expectation. Record one with "
                          f"`python -m harness baseline update --from <this run>` (it would be "
                          f"`{section['suggested_file']}`)."))
         nearest = section.get("nearest")
         if nearest:
-            out += [("p", f"Nearest baseline: `{nearest['file']}`; the fingerprint fields that differ:"),
-                    ("table", ["field", "baseline", "tonight"],
+            out += [doc.p(f"Nearest baseline: `{nearest['file']}`; the fingerprint fields that differ:"),
+                    doc.table(["field", "baseline", "tonight"],
                      [[f"`{d['field']}`", _code(d["baseline"]), _code(d["tonight"])] for d in nearest["differences"]])]
         return out
     counts = section["counts"]
     recorded = section.get("recorded_from") or {}
-    out.append(("p", f"Against `{section['file']}` (recorded from `{recorded.get('run_id')}`, tokens "
+    out.append(doc.p(f"Against `{section['file']}` (recorded from `{recorded.get('run_id')}`, tokens "
                      f"{recorded.get('tokens') or 'each case’s own'}): " + ", ".join(
                          f"{counts[s]} {s}" for s in ("match", "changed", "fixed", "new", "expected", "not run")
                          if counts.get(s)) + "."))
     for status, title in TITLES:
         cases = [c for c in section["cases"] if c["status"] == status]
         if cases:
-            out += [("h", 3, f"{title}: {len(cases)}"),
-                    ("ul", [f"`{c['case']}` {c['baseline_verdict'] or '—'} → **{c['verdict']}**"
+            out += [doc.h(3, f"{title}: {len(cases)}"),
+                    doc.ul([f"`{c['case']}` {c['baseline_verdict'] or '—'} → **{c['verdict']}**"
                             + (f": {'; '.join(c['changes'])}" if c["changes"] else "") for c in cases])]
     if section.get("not_in_night"):
-        out.append(("p", "In the baseline, not in this night: " + ", ".join(f"`{n}`" for n in section["not_in_night"])
+        out.append(doc.p("In the baseline, not in this night: " + ", ".join(f"`{n}`" for n in section["not_in_night"])
                     + "."))
     return out
 
