@@ -269,6 +269,8 @@ def test_what_matches_means():
         "grad.weight: new difference (1 mismatches, max ULP 1)"]
     assert judged(entry("BITWISE_PASS", 0, "pass", ()))[:2] == ("fixed", "pass")
     assert judged(entry("ERROR", 2, "fail", ())) == ("changed", "fail", ["verdict DIFF → ERROR"])
+    crashed = {"case": "c", "verdict": "ERROR", "exit_code": 2, "outcome": "fail", "result": None}  # harness crash
+    assert judged(crashed) == ("changed", "fail", ["verdict DIFF → ERROR"])
     assert judged(entry(tokens=60))[:2] == ("new", "pass")
     assert judged(entry(tokens=60))[2][0].startswith("definition changed (tokens: 16 → 60)")
     assert judged(entry(), None)[:2] == ("new", "pass")
@@ -301,7 +303,7 @@ def test_real_megatron_night_is_green_the_second_time(tmp_path, monkeypatch, cap
     assert set(stored["cases"]["tiny_flipped"]["differing"]) == {"out", "grad.weight"}
     capsys.readouterr()
     assert main(args) == 0
-    assert "3 match" not in capsys.readouterr().out  # one case: "1 match"
+    assert f"baseline {written}: 1 match" in capsys.readouterr().out
     (second,) = sorted((tmp_path / "reports").glob("nightly-*"))[1:]
     night = json.loads((second / "report.json").read_text())
     assert night["cases"][0]["baseline"] == "match" and night["exit_code"] == 0

@@ -179,11 +179,11 @@ def judge_case(entry: dict, known: dict | None) -> dict:
         return {"status": "not run", "outcome": own, "changes": []}
     if known is None:
         return {"status": "new", "outcome": _known(own, now), "changes": ["no baseline record of this case"]}
+    if now["verdict"] == ERROR_VERDICT:  # never known, whatever else changed (a crash may not even load the case)
+        return {"status": "changed", "outcome": "fail", "changes": [f"verdict {known['verdict']} → ERROR"]}
     if known["definition"] != now["definition"]:
         return {"status": "new", "outcome": _known(own, now), "changes": compare_records(known, now)[:1]}
     changes = compare_records(known, now)
-    if now["verdict"] == ERROR_VERDICT:
-        return {"status": "changed", "outcome": "fail", "changes": changes}
     if not changes:
         return {"status": "match", "outcome": _known(own, now), "changes": []}
     if now["expectation_met"]:
