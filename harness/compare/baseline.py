@@ -199,8 +199,8 @@ def judge(night: dict, baselines: list[dict], source: str = "") -> dict:
     """
     print_ = fingerprint(night)
     ident = fingerprint_id(print_)
-    section = {"directory": source, "fingerprint_id": ident, "fingerprint": print_, "file": None,
-               "suggested_file": file_name(print_), "cases": []}
+    section = {"directory": source, "run_id": night.get("run_id"), "fingerprint_id": ident, "fingerprint": print_,
+               "file": None, "suggested_file": file_name(print_), "cases": []}
     baseline = next((b for b in baselines if b["fingerprint"] == print_), None)
     if baseline is None:
         section["status"] = "none"

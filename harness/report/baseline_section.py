@@ -3,6 +3,8 @@ in the night's report.json under ``baseline``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.report import blocks as doc
 
 TITLES = (("changed", "Changed against the baseline (fail)"), ("fixed", "Fixed (now meets its expectation)"),
@@ -15,20 +17,22 @@ def blocks(section: dict | None) -> list[tuple]:
         return []
     out: list[tuple] = [doc.h(2, "Known verdicts (baseline)")]
     if section["status"] == "none":
+        run = section.get("run_id") or "<this run>"
         out.append(doc.p(f"No baseline for this platform (fingerprint `{section['fingerprint_id']}`) in "
                          f"`{section['directory']}`: every case is judged by its own expectation. Record one with "
-                         f"`python -m harness baseline update --from <this run>` (it would be "
+                         f"`python -m harness baseline update --from reports/{run}` (it would be "
                          f"`{section['suggested_file']}`)."))
         nearest = section.get("nearest")
         if nearest:
-            out += [doc.p(f"Nearest baseline: `{nearest['file']}`; the fingerprint fields that differ:"),
+            out += [doc.p(f"Nearest baseline: `{_short_path(nearest['file'])}`; the fingerprint fields that differ:"),
                     doc.table(["field", "baseline", "tonight"],
                      [[f"`{d['field']}`", _code(d["baseline"]), _code(d["tonight"])] for d in nearest["differences"]])]
         return out
     counts = section["counts"]
     recorded = section.get("recorded_from") or {}
-    out.append(doc.p(f"Against `{section['file']}` (recorded from `{recorded.get('run_id')}`, tokens "
-                     f"{recorded.get('tokens') or 'each case’s own'}): " + ", ".join(
+    tokens = recorded.get("tokens") or "each case's own"
+    out.append(doc.p(f"Against `{_short_path(section['file'])}` (recorded from `{recorded.get('run_id')}`, tokens "
+                     f"{tokens}): " + ", ".join(
                          f"{counts[s]} {s}" for s in ("match", "changed", "fixed", "new", "expected", "not run")
                          if counts.get(s)) + "."))
     for status, title in TITLES:
@@ -41,6 +45,12 @@ def blocks(section: dict | None) -> list[tuple]:
         out.append(doc.p("In the baseline, not in this night: " + ", ".join(f"`{n}`" for n in section["not_in_night"])
                     + "."))
     return out
+
+
+def _short_path(file: str) -> str:
+    """``baselines/<name>.json``: the folder and the file, not where the checkout lives."""
+    path = Path(file)
+    return f"{path.parent.name}/{path.name}"
 
 
 def _code(value) -> str:
