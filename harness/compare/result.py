@@ -33,11 +33,15 @@ class CaseResult:
     harness: dict = field(default_factory=dict)
     first_divergence: str | None = None  # first differing output in the op's topological order
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
+    model: dict = field(default_factory=dict)  # model cases: harness.compare.model.summarise (+ "semantic")
     started_at: str = ""
     finished_at: str = ""
+    interrupted: int | None = None  # the signal that stopped the run (its exit code is 128 + it)
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted:
+            return 128 + self.interrupted
         if self.verdict == ERROR:
             return EXIT_CODES[ERROR]
         if not self.expectation:  # nothing was expected (e.g. a diff of two dumps): the verdict decides
@@ -55,7 +59,8 @@ class CaseResult:
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
             "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
-            "first_divergence": self.first_divergence, "refeed": self.refeed,
+            "first_divergence": self.first_divergence, "refeed": self.refeed, "interrupted": self.interrupted,
+            "model": self.model,
         }
 
 
@@ -66,8 +71,8 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
     `unstable` names the sides that disagreed with themselves across --repeat runs: then no cross-framework
     verdict is given, since equal or different bits could be luck. `tolerance` is the case policy's judgement.
     """
-    for side in sides:
-        if side.status == "error":
+    for side in sides:  # the oracle only measures: its failure is reported in its own section, never here
+        if side.status == "error" and side.label != ORACLE_LABEL:
             return ERROR, f"runner {side.label} ({side.runner}) failed: {side.reason}"
     differing = [t.name for t in tensors if t.status == DIFF]
     if unstable:
@@ -81,14 +86,21 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
     if broken:
         return ERROR, "; ".join(f"{t.name}: {t.status} ({t.note})" for t in broken)
     if differing and tolerance and tolerance["within"]:
-        return WITHIN_TOLERANCE, (f"{len(differing)} of {len(tensors)} tensors differ ({', '.join(differing)}), "
+        return WITHIN_TOLERANCE, (f"{len(differing)} of {len(tensors)} tensors differ ({_names(differing)}), "
                                   "all within the case's tolerance")
     if differing:
         beyond = [f"{t['name']}: {'; '.join(t['problems'])}" for t in (tolerance or {}).get("tensors", [])
                   if t["problems"]]
-        return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
+        return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {_names(differing)}"
                               + (f"; beyond the case's tolerance: {' | '.join(beyond)}" if beyond else ""))
     return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
+
+
+def _names(names: list[str], shown: int = 12) -> str:
+    """The first names in topological order, then how many more: a model's 800 tensors stay one readable line (the
+    report's tables list them all)."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def first_divergence(tensors: list[TensorComparison]) -> str | None:

@@ -15,13 +15,15 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from harness import paths, resources
 from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
+from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
-from harness.run import launch, shards
+from harness.run import launch, shards, supervisor
 from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
@@ -82,6 +84,7 @@ class SideSpec(NamedTuple):
     inputs: Path
     tp: int
     folder: str  # its folder under the run directory
+    dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None) -> list[SideSpec]:
@@ -92,21 +95,32 @@ def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None =
 
 def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
               pythons: dict[str, str], timeout: float) -> list[SideResult]:
-    """Run the sides concurrently; never raises for a runner's failure. The timeout covers the whole group."""
-    started = []
-    for side in sides:
-        folder = run_dir / side.folder
-        folder.mkdir(parents=True)
-        request = _request(case, side.inputs, device, folder, side.tp)
-        label, runner, tp = side.label, side.runner, side.tp
-        (folder / "request.json").write_text(json.dumps(request, indent=2))
-        python = runner_python(runner, pythons)
-        started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))
-    deadline = time.monotonic() + timeout
-    # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's descendants
-    # are watched from the start (a rank re-parented while we waited on another side would be missed).
-    with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
-        return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
+    """Run the sides concurrently on a CPU, one after another on a GPU (each side gets the whole device's memory: a
+    model's float64 truth beside two bf16 sides does not fit one GPU); never raises for a runner's failure. The
+    timeout covers the whole group (on a GPU: each side)."""
+    if device == "gpu" and len(sides) > 1:
+        return [result for side in sides for result in run_sides(case, [side], device, run_dir, pythons, timeout)]
+    with supervisor.watch():  # whatever the runners started and left behind is killed and reaped afterwards
+        started = []
+        for side in sides:
+            folder = paths.child(run_dir, side.folder, "runner folder")
+            side_case = replace(case, dtype=side.dtype) if side.dtype else case  # the float64 truth of a model
+            with resources.boundary("runner folder", folder):
+                folder.mkdir(parents=True)
+                request = _request(side_case, side.inputs, device, folder, side.tp)
+                (folder / "request.json").write_text(json.dumps(request, indent=2))
+            label, runner, tp = side.label, side.runner, side.tp
+            python = runner_python(runner, pythons)
+            started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp), side_case))
+        deadline = time.monotonic() + timeout
+        # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's
+        # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
+        with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
+            try:
+                return list(waiters.map(lambda s: _finish(*s[:6], deadline, timeout, s[6]), started))
+            except BaseException:  # Ctrl-C, even without the CLI's handlers: stop the runners, do not wait on them
+                supervisor.stop_all()
+                raise
 
 
 def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
@@ -126,11 +140,14 @@ def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -
 
 def _start(runner: str, python: str, folder: Path, device: str, tp: int):
     command, launched = launch.command(runner, python, folder / "request.json", tp, folder)
-    (folder / "command.txt").write_text(" ".join(command) + "\n")
-    with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
+    with resources.boundary("runner folder", folder):
+        (folder / "command.txt").write_text(" ".join(command) + "\n")
+        out, err = open(folder / "stdout.log", "wb"), open(folder / "stderr.log", "wb")
+    with out, err:
         try:
             process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                                        env=runner_env(device), start_new_session=True)
+            supervisor.register(process)
         except OSError as error:  # e.g. the configured interpreter does not exist
             err.write(f"cannot start {command[0]}: {error}\n".encode())
             process = None
@@ -150,6 +167,7 @@ def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case
             side.reason = f"timed out after {timeout:g} s; its process group was killed"
             side.reason += f", with all {tp} ranks" if tp > 1 else ""
         launch_info["leftovers_killed"] = launch.kill_leftovers(seen)
+        supervisor.unregister(process)
     side.wall_seconds = time.monotonic() - start
     side.stderr_tail = _tail(folder / "stderr.log")
     side.meta = _read_meta(folder) if tp == 1 else shards.merge_metas(folder, tp, launch_info)
@@ -191,11 +209,20 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
         tensors = load_tensors(side.outputs)
     except CheckpointError as error:
         return str(error)
-    for spec in case.output_specs():
+    specs = case.output_specs()
+    if side.runner == "oracle" and side.label == "oracle":  # the third side: its formula may cover only some outputs
+        specs = [spec for spec in specs if spec.name in tensors]
+        if not specs:
+            return f"{side.outputs} holds none of the op's outputs (has {sorted(tensors)})"
+    for spec in specs:
         if spec.name not in tensors:
-            return f"{side.outputs} lacks tensor {spec.name!r} (has {sorted(tensors)})"
-        array, dtype = tensors[spec.name], spec.dtype or case.dtype
-        if tuple(array.shape) != spec.shape or array.dtype.name != dtype:
+            if spec.optional:
+                continue
+            return f"{side.outputs} lacks tensor {spec.name!r} (has {len(tensors)} tensors)"
+        array, dtype = tensors[spec.name], resolve_dtype(spec.dtype, case.dtype)
+        shape_ok = len(array.shape) == len(spec.shape) and all(
+            want in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True))
+        if not shape_ok or array.dtype.name != dtype:
             return (f"{side.outputs}: tensor {spec.name!r} is {array.dtype.name}{list(array.shape)}, "
                     f"expected {dtype}{list(spec.shape)}")
     return ""
