@@ -1,5 +1,5 @@
-"""Command line: ``python -m harness list | compare CASE | diff A B | nightly | publish DIR``; exit codes: see
-README."""
+"""Command line: ``python -m harness list | compare CASE | diff A B | nightly | publish DIR | baseline update``;
+exit codes: see README."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from rich.table import Table
 from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
+from harness.commands import baseline, failsafe, gate_matrix, nightly, nightly_shards, publish, run_folder, sweep
 from harness.commands import compare as pipeline
-from harness.commands import failsafe, gate_matrix, nightly, nightly_shards, publish, run_folder, sweep
 from harness.compare.result import EXIT_CODES
 from harness.report import case_report as report
 
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     nightly.add_parser(commands)
     nightly_shards.add_parser(commands)
     publish.add_parser(commands)
+    baseline.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return _list(args.cases)
     if args.command == "publish":
         return publish.main(args)
+    if args.command == "baseline":
+        return baseline.main(args)
     if args.command == "diff":
         return _diff(args)
     if args.command == "nightly-merge":

@@ -4,7 +4,9 @@
 ``report.json`` (schema-versioned, every case's full result embedded), ``report.md``, ``report.html`` and
 ``junit.xml``. A case passes when it did what it expects (exit code 0), is skipped when a framework lacks a
 kernel or package here (UNSUPPORTED) or it needs a weights file nobody gave, and fails otherwise; the night
-exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one.
+exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one. Where
+``baselines/`` holds the known verdicts of this platform, a case is judged against them instead
+(``harness.compare.baseline``): a known difference passes, a change fails, a fix or a new case is news.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
 from harness.commands import failsafe, nightly_shards, run_folder
-from harness.compare import trend
+from harness.compare import baseline, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
-from harness.report import junit, nightly_report
+from harness.report import baseline_section, junit, nightly_report
 from harness.run import placement
 from harness.run.protocol import host_provenance
 
@@ -55,6 +57,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly_shards.add_arguments(parser)
+    parser.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR,
+                        help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
+                        help="judge every case by its own expectation only")
 
 
 def main(args, pythons: dict[str, str]) -> int:
@@ -65,21 +71,25 @@ def main(args, pythons: dict[str, str]) -> int:
         options = pipeline.CompareOptions(device=args.device, tokens=args.tokens, cases_dir=args.cases,
                                           reports_dir=args.reports, checkpoints_dir=args.checkpoints, pythons=pythons,
                                           timeout=args.timeout, weights_file=args.weights)
-        night, run_dir = run(options, previous=args.previous, workers=args.workers, shard=args.shard)
+        night, run_dir = run(options, previous=args.previous, workers=args.workers, shard=args.shard,
+                             baselines_dir=args.baselines)
     except NightlyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     s = night["summary"]
     print(f"nightly {night['run_id']}: {s['failed']} failed, {s['passed']} passed, {s['skipped']} skipped; "
           f"report: {run_dir / 'report.md'} (exit code {night['exit_code']})")
+    if "baseline" in night:
+        print(baseline_section.line(night["baseline"]))
     _github_output(run_dir, night["exit_code"])
     return night["exit_code"]
 
 
 def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 1,
-        shard: tuple[int, int] | None = None) -> tuple[dict, Path]:
+        shard: tuple[int, int] | None = None, baselines_dir: Path | None = None) -> tuple[dict, Path]:
     """Every case of `options.device` (at `options.tokens` when given), each in its own folder under the night's;
-    or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time."""
+    or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time; judged
+    against the platform's baseline in `baselines_dir` when there is one (harness.compare.baseline)."""
     device, tokens, cases_dir, reports_dir = options.device, options.tokens, options.cases_dir, options.reports_dir
     try:
         cases = Registry.load(Path(cases_dir)).for_device(device)
@@ -88,6 +98,10 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
     positions = {case.name: index for index, case in enumerate(cases)}
     cases = nightly_shards.select(cases, shard)
     previous_night = load_previous(previous) if previous else find_previous(Path(reports_dir), device)
+    try:
+        known = baseline.load_all(baselines_dir)
+    except baseline.BaselineError as error:
+        raise NightlyError(str(error)) from None
     run_id, run_dir = new_nightly_dir(Path(reports_dir))
     night = {"schema": NIGHTLY_SCHEMA, "kind": "nightly", "run_id": run_id, "device": device, "tokens": tokens,
              "cases_dir": str(cases_dir), "started_at": run_folder.now(), "finished_at": "",
@@ -107,6 +121,8 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
                                       on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries
     night["finished_at"] = run_folder.now()
+    if baselines_dir is not None:
+        night["baseline"] = baseline.apply(night, known, str(baselines_dir))
     counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
     night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
                         "skipped": counts["skip"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.compare import trend
+from harness.report import baseline_section
 from harness.report import blocks as doc
 
 OUTCOME_MARK = {"pass": "✅ pass", "fail": "❌ FAIL", "skip": "⏭️ skip"}
@@ -21,6 +22,7 @@ def blocks(night: dict) -> list[tuple]:
               f"exit code {night['exit_code']}."),
     ]
     out += trend.blocks(night["trend"])
+    out += baseline_section.blocks(night.get("baseline"))
     out += [("h", 2, "Cases"),
             ("table", ["case", "outcome", "verdict", "expected", "differing tensors", "max ULP", "wall s", "why"],
              [_row(c) for c in night["cases"]])]
