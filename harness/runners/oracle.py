@@ -154,4 +154,7 @@ def _blas_name() -> str:
 
 
 if __name__ == "__main__":
-    serve("oracle", run)
+    serve("oracle", run, lambda device: {"framework": "numpy", "importable": True, "versions": {"numpy": np.__version__},
+                                         "ops": {name: {"would_run": f"oracle formula {op.oracle!r}"} if op.oracle in
+                                                 FORMULAS else {"would_run": None, "reason": f"no truth oracle for "
+                                                                f"op {name!r}"} for name, op in OPS.items()}})
