@@ -1,4 +1,4 @@
-"""Command line: ``python -m harness list | compare CASE | diff A B | nightly | publish DIR``; exit codes: see
+"""Command line: ``python -m harness list | compare CASE | diff A B | doctor | nightly | publish DIR``; exit codes: see
 README."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.commands import compare as pipeline
-from harness.commands import gate_matrix, nightly, publish, run_folder, sweep
+from harness.commands import doctor, gate_matrix, nightly, publish, run_folder, sweep
 from harness.compare.result import EXIT_CODES
 from harness.report import case_report as report
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
     publish.add_parser(commands)
+    doctor.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)
+    if args.command == "doctor":
+        return doctor.main(args, pythons)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1 (got {args.repeat})")
     options = pipeline.CompareOptions(

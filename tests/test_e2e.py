@@ -134,10 +134,12 @@ def assert_weights_came_from_the_package(case, report):
 
 
 def test_gate_matrix_runs_both_settings_through_different_paddle_paths(checkpoints_dir, tmp_path):
-    """kimi_embedding: the gate switches Paddle between weight[ids] and F.embedding; both cells get a verdict."""
+    """kimi_embedding at the recipe's level: the gate switches Paddle between weight[ids] and F.embedding; both cells
+    get a verdict. (On a CPU `auto` would take PaddleFormers' level, which has no accuracy gate.)"""
     from harness.commands import gate_matrix
 
-    code = gate_matrix.run("kimi_embedding", CompareOptions(checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))
+    code = gate_matrix.run("kimi_embedding", CompareOptions(checkpoints_dir=checkpoints_dir, reports_dir=tmp_path,
+                                                            config_overrides={"paddle_impl": "recipe"}))
     matrix = json.loads(next(tmp_path.glob("*-gate-matrix-*/matrix.json")).read_text())
     assert code == 0 and [c["use_accuracy_compatible"] for c in matrix["cells"]] == [True, False]
     paddle_paths = [c["implementations"][1] for c in matrix["cells"]]

@@ -24,7 +24,7 @@ from harness import __version__
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
-from harness.commands import run_folder
+from harness.commands import doctor, run_folder
 from harness.compare import trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import junit, nightly_report
@@ -87,6 +87,10 @@ def run(options: pipeline.CompareOptions, previous: Path | None) -> tuple[dict, 
              "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                          "host": host_provenance(), "node": platform.node()},
              "previous_report": previous_night.get("_path") if previous_night else None}
+    # What each runner would run here, asked before the cases (doctor.json): the night's verdicts are about it.
+    (run_dir / "doctor.json").write_text(json.dumps(doctor.run(device, dict(options.pythons)), indent=2,
+                                                    default=str) + "\n")
+    night["doctor"] = "doctor.json"
     entries = []
     with _Reporter(len(cases)) as progress:
         for case in cases:
