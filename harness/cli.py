@@ -12,6 +12,7 @@ from rich.table import Table
 
 from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
+from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.commands import compare as pipeline
 from harness.commands import doctor, gate_matrix, nightly, publish, run_folder, sweep
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                               "(error made locally vs carried in)")
     compare.add_argument("--gate-matrix", action="store_true",
                          help="run with use_accuracy_compatible on and off and report both against side a")
+    compare.add_argument("--paddle-impl", choices=KNOBS["paddle_impl"].choices,
+                         help="the Paddle side's implementation level for this run (sets config.paddle_impl): auto, "
+                              "paddlefleet, paddleformers or recipe; `python -m harness doctor` lists what exists here")
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
-        repeat=args.repeat, refeed_ops=args.refeed)
+        repeat=args.repeat, refeed_ops=args.refeed,
+        config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
                                                   runner=None, tp=None))

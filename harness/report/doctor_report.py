@@ -56,7 +56,8 @@ def _ops(doctor: dict) -> list[str]:
 def _cell(answer: dict, op: str, dtype: str) -> str:
     if not answer.get("ok"):
         return "runner not usable"
-    entry = (answer.get("ops") or {}).get(op)
+    table = answer.get("ops") or {}
+    entry = table.get(op, table.get(op.split("+")[0]))  # a variant (swiglu+per_token_scale) of a runner's op
     if entry is None:
         return "-"
     if dtype in entry:  # per dtype (the Paddle side)
