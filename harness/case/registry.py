@@ -25,7 +25,8 @@ TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
 # oracle: the exact result, framework-free (harness.runners.oracle).
-RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle")
+# megatron_model: a whole Megatron-Core GPTModel (MLA + MoE, local spec) for op causal_lm (docs/model-contract.md).
+RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
 DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}, "randint": {"high"}}
