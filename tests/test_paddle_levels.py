@@ -28,7 +28,8 @@ def loader(**levels):
 
 
 def request(op="rms_norm", impl="auto"):
-    return {"op": op, "device": "cpu", "dtype": "float32", "tp": 1, "config": ops.OPS[op].resolve({"paddle_impl": impl})}
+    return {"op": op, "device": "cpu", "dtype": "float32", "tp": 1,
+            "config": ops.OPS[op].resolve({"paddle_impl": impl})}
 
 
 def test_every_op_defaults_to_auto():
@@ -50,7 +51,8 @@ def test_auto_falls_to_the_recipe_when_a_level_has_no_implementation_or_does_not
     choice = paddle_levels.choose(request(), load)
     assert choice.level == "recipe"
     assert "does not import" in choice.reasons["paddlefleet"] and "no paddlefleet" in choice.reasons["paddlefleet"]
-    assert "no PaddleFormers' module (not PaddleFleet) implementation of op 'rms_norm'" in choice.reasons["paddleformers"]
+    expected = "no PaddleFormers' module (not PaddleFleet) implementation of op 'rms_norm'"
+    assert expected in choice.reasons["paddleformers"]
     assert paddle_levels.LABELS["recipe"] == "reference recipe, not PaddleFleet"
 
 

@@ -1,4 +1,5 @@
-"""``python -m harness doctor [--device cpu|gpu] [--python RUNNER=PATH] [--json FILE]``: what each runner would run here.
+"""``python -m harness doctor [--device cpu|gpu] [--python RUNNER=PATH] [--json FILE]``: what each runner would
+run here.
 
 Each runner is asked in its own subprocess, with its own interpreter and the environment a comparison gives it
 (``python -m harness.runners.<name> --probe --device D``, harness.run.protocol): the answer is what that

@@ -23,7 +23,8 @@ def markdown(doctor: dict) -> str:
         if answer.get("kernels"):
             present = {d: [k for k, v in answer["kernels"].items() if v.get(d) == "ok"] for d in DTYPES}
             absent = [k for k, v in answer["kernels"].items() if v.get("bfloat16") != "ok"]
-            lines.append(f"  - bf16 kernels that exist on {doctor['device']}: {', '.join(present['bfloat16']) or 'none'}"
+            lines.append(f"  - bf16 kernels that exist on {doctor['device']}: "
+                         f"{', '.join(present['bfloat16']) or 'none'}"
                          f"; missing: {', '.join(absent) or 'none'}")
     lines += ["", "## What would run, op by op", ""]
     ops = _ops(doctor)

@@ -32,7 +32,6 @@ import sys
 import numpy as np
 
 from harness.case.ops import OPS
-from harness.runners import paddle_levels
 from harness.run.protocol import (
     OUTPUTS,
     Phases,
@@ -43,6 +42,7 @@ from harness.run.protocol import (
     serve,
     shard_index,
 )
+from harness.runners import paddle_levels
 
 try:
     import paddle

@@ -8,7 +8,8 @@ snapshot cannot be fetched), file by file at the commit read, named beside each 
 - RMSNorm: ``src/paddlefleet/transformer/paddle_norm.py`` ``WrappedPaddleNorm`` -> ``RMSNorm``
   (@0534a45160925fcef9a133986ce3655f04cc997e: ``fused_rms_norm_ext(x, weight, eps)[0].astype(weight.dtype)``);
 - SwiGLU (with and without per-token scale) and the shared-expert block: ``src/paddlefleet/transformer/mlp.py``
-  ``MLP`` / ``MLPSublayersSpec`` (@05da5a93356cb6d7a9ea875f33c9d4a77634a6ef): with ``FLAGS_use_accuracy_compatible_kernel=1``
+  ``MLP`` / ``MLPSublayersSpec`` (@05da5a93356cb6d7a9ea875f33c9d4a77634a6ef): with
+  ``FLAGS_use_accuracy_compatible_kernel=1``
   (read from the environment when the module is imported) ``_accuracy_compatible_swiglu`` then
   ``(act * scale.unsqueeze(-1)).to(dtype)``; otherwise ``bias_swiglu_impl`` / ``weighted_bias_swiglu_impl``
   (``src/paddlefleet/fusions/fused_bias_swiglu.py``);
@@ -19,7 +20,8 @@ snapshot cannot be fetched), file by file at the commit read, named beside each 
   ``FusedScaleMaskSoftmax`` from ``src/paddlefleet/fusions/fused_softmax.py`` @3ca20b50f66310b722b2b507d54830b82da1c950
   with ``attention_mask_func`` and the causal mask it makes itself). In bf16 the module's own forward calls the
   fused ``scaled_dot_product_attention``, which exposes no probabilities; this level runs the unfused core;
-- MoE router: ``src/paddlefleet/transformer/moe/moe_router.py`` ``TopKRouter`` (@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e:
+- MoE router: ``src/paddlefleet/transformer/moe/moe_router.py`` ``TopKRouter``
+  (@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e:
   ``gate_detach_matmul`` -> ``FusedGateDetachMatmul`` with ``use_accuracy_compatible``, sigmoid, ``noaux_tc`` top-k on
   scores + ``e_score_correction_bias``, fp64 sum for the normalisation under the gate, x ``routed_scaling_factor``;
   ``forward`` returns ``(None, top_gate, top_idx, probs, mask, None, l_aux, l_zloss)``);
@@ -148,7 +150,8 @@ def linear(request, tensors, gate, phases, guard):
     x = _tensor(tensors["input"][:, None])  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
     out = _run(request, phases, lambda: layer(x)[0],
                lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
-    outputs = {"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(), "grad.weight": _t(layer.weight.grad.numpy())}
+    outputs = {"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
+               "grad.weight": _t(layer.weight.grad.numpy())}
     if bias:
         outputs["grad.bias"] = layer.bias.grad.numpy()
     return outputs, _name(f"paddlefleet.tensor_parallel.{type(layer).__name__}", gate)

@@ -1,7 +1,8 @@
 """Level 2 of the Paddle side: PaddleFormers' own modules (``IMPLEMENTATIONS``, keyed by the op record).
 
 Written against the installed ``paddleformers`` 1.2.0 (PyPI): ``paddleformers/transformers/deepseek_v3/modeling.py``
-(Kimi-K2's architecture: ``DeepseekV3TopkRouter``, ``DeepseekV3MoE``, ``DeepseekV3Model._prepare_decoder_attention_mask``,
+(Kimi-K2's architecture: ``DeepseekV3TopkRouter``, ``DeepseekV3MoE``,
+``DeepseekV3Model._prepare_decoder_attention_mask``,
 the attention's q/kv up-projections) and the shared modules it is built from: ``paddleformers/nn/norm.py``
 (``RMSNorm``), ``nn/mlp.py`` (``MLP``, the shared and routed experts), ``nn/linear.py`` (``Linear.create``: a plain
 ``paddle.nn.Linear`` at TP=1), ``nn/embedding.py`` (``Embedding.create``: ``paddle.nn.Embedding`` at TP=1) and
@@ -90,8 +91,7 @@ def unavailable(request: dict) -> str | None:
 
 
 def _modules():
-    from paddleformers.transformers.deepseek_v3 import DeepseekV3Config
-    from paddleformers.transformers.deepseek_v3 import modeling
+    from paddleformers.transformers.deepseek_v3 import DeepseekV3Config, modeling
 
     return DeepseekV3Config, modeling
 
@@ -340,7 +340,8 @@ def routed_experts(request, tensors, gate, phases, guard):
     out = _run(request, phases, guard, "paddleformers DeepseekV3MoE.moe",
                lambda: moe.moe(x, owner, probs.unsqueeze(-1)),
                lambda o: o.backward(_grad(tensors, "grad_output")))
-    return ({"out": out.numpy(), "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in moe.experts]),
+    return ({"out": out.numpy(),
+             "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in moe.experts]),
              "grad.probs": probs.grad.numpy(), "grad.fc1_weight": np.stack([_fc1_grad(m) for m in moe.experts]),
              "grad.input": x.grad.numpy()},
             _name(f"paddleformers DeepseekV3MoE.moe over DeepseekV3MLP experts (routing weight applied after "
