@@ -82,12 +82,11 @@ def unavailable(request: dict) -> str | None:
         return "tp > 1: PaddleFormers' tensor-parallel layers (fleet's hybrid topology) are not written at this level"
     if request["device"] == "gpu" and not paddle.is_compiled_with_cuda():
         return f"paddle {paddle.__version__} is a CPU build"
-    problem = _import_problem()
-    if problem:
-        return problem
-    if request["device"] == "cpu":  # a GPU build has every kernel these modules use
-        return paddle_kernels.missing(KERNELS.get(op, ()), request["dtype"], "cpu")
-    return None
+    if request["device"] == "cpu":  # a GPU build has every kernel these modules use; checked before the slow import
+        missing = paddle_kernels.missing(KERNELS.get(op, ()), request["dtype"], "cpu")
+        if missing:
+            return missing
+    return _import_problem()
 
 
 def _modules():
