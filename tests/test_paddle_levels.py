@@ -102,3 +102,14 @@ def test_every_level_table_covers_the_catalogue_ops_it_claims_and_cites_its_sour
                   "language_model_embedding.py", "multi_latent_attention.py", "tensor_parallel/layers.py"):
         assert cited in fleet, cited
     assert fleet.count("@") >= 7  # a commit beside each file
+
+
+def test_the_nightly_table_names_each_cases_paddle_level():
+    from harness.report.nightly_report import paddle_level
+
+    ran = {"sides": [{"label": "a", "runner": "megatron", "meta": {}},
+                     {"label": "b", "runner": "paddle", "meta": {"paddle_level": "paddleformers"}}]}
+    pinned = {"sides": [{"label": "b", "runner": "paddle", "meta": {
+        "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which is unavailable"}}]}
+    assert paddle_level(ran) == "paddleformers" and paddle_level(pinned) == "pinned paddlefleet"
+    assert paddle_level(None) == "—"
