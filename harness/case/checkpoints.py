@@ -8,10 +8,13 @@ a mismatch is an error: the harness never regenerates over a file someone may ha
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import shutil
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from harness import paths, resources
 from harness.bits import format_of
 from harness.case.registry import Case
 
@@ -54,12 +58,17 @@ class Checkpoint:
 
 def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None = None) -> Checkpoint:
     """Return the verified checkpoint of `case`, creating it on first use."""
+    check_memory(case)
     imported = _import_weights(case, weights_file) if case.weights_from else {}
     recipe = _recipe(case, imported)
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(root) / case.name / digest
+    try:
+        folder = paths.child(paths.child(Path(root), case.name, "case"), digest, "checkpoint")
+    except paths.UnsafeName as error:
+        raise CheckpointError(f"{error}; the checkpoint must stay inside {root}") from None
     if not (folder / MANIFEST).exists():
-        _write(case, folder, recipe, digest, imported)
+        with resources.boundary("checkpoint", folder):
+            _write(case, folder, recipe, digest, imported)
     manifest = verify(folder)
     if manifest.get("digest") != digest:
         raise CheckpointError(f"{folder / MANIFEST}: field 'digest' is {manifest.get('digest')!r}, "
@@ -74,11 +83,16 @@ def verify(folder: Path) -> dict:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{manifest_path}: unreadable manifest: {error}") from None
+    _check_manifest(manifest, manifest_path)
     files = {INPUTS: manifest["tensors"]}
     if manifest.get("perturbed"):
         files[manifest["perturbed"]["file"]] = manifest["perturbed"]["tensors"]
     for file_name, expected in files.items():
-        tensors = load_tensors(Path(folder) / file_name)
+        try:
+            file = paths.child(Path(folder), file_name, "checkpoint file")
+        except paths.UnsafeName as error:
+            raise CheckpointError(f"{manifest_path}: {error}; delete {folder} to regenerate it") from None
+        tensors = load_tensors(file)
         if set(tensors) != set(expected):
             raise CheckpointError(f"{Path(folder) / file_name}: holds tensors {sorted(tensors)}, "
                                   f"manifest lists {sorted(expected)}")
@@ -90,6 +104,43 @@ def verify(folder: Path) -> dict:
                     f"{manifest_path} says {entry['sha256'][:16]}...: the file was changed or corrupted. "
                     f"Delete {folder} to regenerate it.")
     return manifest
+
+
+MANIFEST_KEYS = {"digest": str, "generator_version": int, "tensors": dict}
+
+
+def _check_manifest(manifest, path: Path) -> None:
+    """Every key the harness reads, of the right type: a hand-edited manifest fails here, naming the key."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: manifest must be a JSON object (got {type(manifest).__name__})")
+    for key, kind in MANIFEST_KEYS.items():
+        if not isinstance(manifest.get(key), kind):
+            problem = "is missing" if key not in manifest else f"must be {kind.__name__} (got {manifest[key]!r:.60})"
+            raise CheckpointError(f"{path}: key {key!r} {problem}; delete {path.parent} to regenerate it")
+    entries = [manifest["tensors"]]
+    perturbed = manifest.get("perturbed")
+    if perturbed is not None:
+        if not (isinstance(perturbed, dict) and isinstance(perturbed.get("file"), str)
+                and isinstance(perturbed.get("tensors"), dict) and isinstance(perturbed.get("side"), str)):
+            raise CheckpointError(f"{path}: key 'perturbed' must hold 'side', 'file' and 'tensors'; "
+                                  f"delete {path.parent} to regenerate it")
+        entries.append(perturbed["tensors"])
+    for tensors in entries:
+        for name, entry in tensors.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+                raise CheckpointError(f"{path}: tensor {name!r} has no 'sha256'; delete {path.parent} to "
+                                      "regenerate it")
+
+
+def check_memory(case: Case) -> None:
+    """Refuse, with the size it would need, a case whose tensors cannot fit in memory (before making any)."""
+    specs = [*case.input_specs(), *case.output_specs()]
+    need = sum(math.prod(spec.shape) * _itemsize(spec.dtype or case.dtype) for spec in specs)
+    resources.check_memory(need, f"case {case.name!r} at tokens={case.tokens}: its input and output tensors")
+
+
+def _itemsize(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4}.get(dtype, 8)
 
 
 def load_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -150,20 +201,41 @@ def _write(case: Case, folder: Path, recipe: dict, digest: str, imported: dict) 
     }
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=folder.parent))
-    save_file(tensors, str(staging / INPUTS))
-    if case.perturb:
-        perturbed = _flip_bit(tensors, case.perturb)
-        file_name = f"inputs.{case.perturb.side}.safetensors"
-        save_file(perturbed, str(staging / file_name))
-        manifest["perturbed"] = {**vars(case.perturb), "index": list(case.perturb.index), "file": file_name,
-                                 "tensors": _describe(perturbed)}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    try:
+        _save(tensors, staging / INPUTS)
+        if case.perturb:
+            perturbed = _flip_bit(tensors, case.perturb)
+            file_name = f"inputs.{case.perturb.side}.safetensors"
+            _save(perturbed, staging / file_name)
+            manifest["perturbed"] = {**vars(case.perturb), "index": list(case.perturb.index), "file": file_name,
+                                     "tensors": _describe(perturbed)}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    except BaseException:  # a full disk or a signal: leave no half-written staging folder behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         os.rename(staging, folder)  # atomic: a concurrent writer of the same digest wins, we reuse its files
     except OSError:
         for leftover in staging.iterdir():
             leftover.unlink()
         staging.rmdir()
+
+
+def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """safetensors' writer reports a full disk as its own error type: give it back as the OSError it is."""
+    try:
+        save_file(tensors, str(path))
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001 - SafetensorError carries the OS's message only as text
+        raise OSError(_errno_in(str(error)), f"{error}", str(path)) from None
+
+
+def _errno_in(text: str) -> int:
+    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        if os.strerror(code).lower() in text.lower():
+            return code
+    return errno.EIO
 
 
 def _describe(tensors: dict[str, np.ndarray]) -> dict:
@@ -192,6 +264,16 @@ def _import_weights(case: Case, weights_file: str | None) -> dict[str, tuple[np.
         raise CheckpointError(f"case {case.name!r}: weights file {path} does not exist")
     shapes = {s.name: s.shape for s in case.input_specs()}
     dtype = format_of(case.dtype).float_dtype
+    try:
+        return _read_weights(case, spec, path, shapes, dtype)
+    except (CheckpointError, MemoryError):
+        raise
+    except Exception as error:  # noqa: BLE001 - safetensors raises several unrelated types for a bad file
+        raise CheckpointError(f"case {case.name!r}: weights file {path} is not a readable safetensors file: "
+                              f"{type(error).__name__}: {error}") from None
+
+
+def _read_weights(case: Case, spec, path: Path, shapes: dict, dtype) -> dict[str, tuple[np.ndarray, dict]]:
     imported = {}
     with safe_open(str(path), framework="numpy") as handle:
         available = set(handle.keys())

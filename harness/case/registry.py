@@ -14,6 +14,7 @@ from typing import Any
 
 import tomllib
 
+from harness import paths
 from harness.case import tolerance as tolerance_policy
 from harness.case.ops import KNOBS, OPS, Op
 
@@ -26,7 +27,8 @@ DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
 # oracle: the exact result, framework-free (harness.runners.oracle).
 # megatron_model: a whole Megatron-Core GPTModel (MLA + MoE, local spec) for op causal_lm (docs/model-contract.md).
-RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model")
+# paddle_model: PaddleFormers' DeepseekV3ForCausalLM (CPU) / PaddleFleet's GPTModel (GPU) for op causal_lm.
+RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model", "paddle_model")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
 DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}, "randint": {"high"}}
@@ -150,9 +152,15 @@ class Registry:
                 document = tomllib.loads(path.read_text())
             except tomllib.TOMLDecodeError as error:
                 raise CaseError(f"{path}: malformed TOML: {error}") from None
+            except (OSError, UnicodeDecodeError) as error:
+                raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
             for name, table in document.items():
                 if not isinstance(table, dict):
                     raise CaseError(f"{path}: top-level key {name!r} must be a case table (got {table!r})")
+                try:
+                    paths.check(name, "case")  # it names the case's checkpoint folder and run folders
+                except paths.UnsafeName as error:
+                    raise CaseError(f"{path}: {error}") from None
                 if name in raw:
                     raise CaseError(f"{path}: case {name!r} is already defined in {raw[name][0]}")
                 raw[name] = (path, table)

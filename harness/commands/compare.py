@@ -6,6 +6,7 @@ ends with a report in its own new folder and an ERROR verdict that says why.
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 from collections.abc import Mapping
@@ -14,12 +15,12 @@ from pathlib import Path
 
 from harness import __version__
 from harness.case import checkpoints
-from harness.case.checkpoints import CheckpointError
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
+from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
 from harness.compare import determinism, refeed, tolerance
-from harness.compare.dumps import Dump, DumpError, compare_dumps
-from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
+from harness.compare.dumps import Dump, compare_dumps
+from harness.compare.result import ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
 from harness.report import case_report as report
 from harness.run import orchestrate, shards
@@ -54,6 +55,13 @@ class CompareOptions:
     cases_dir: Path = CASES_DIR
     checkpoints_dir: Path = checkpoints.CHECKPOINTS_DIR
     reports_dir: Path = REPORTS_DIR
+
+    def __post_init__(self):
+        """Refuse options that make no sense before anything starts (a library caller gets the CLI's checks)."""
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"CompareOptions.timeout must be a positive number of seconds (got {self.timeout!r})")
+        if not (isinstance(self.repeat, int) and self.repeat >= 1):
+            raise ValueError(f"CompareOptions.repeat must be an integer of at least 1 (got {self.repeat!r})")
 
 
 DEFAULT_OPTIONS = CompareOptions()
@@ -103,10 +111,9 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         result.message += tp_notes(result)
         if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
-    except (CaseError, CheckpointError, DumpError) as error:
-        result.verdict, result.message = ERROR, str(error)
-    result.finished_at = now()
-    report.write(result, run_dir)
+    except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
+        failsafe.record(result, error)
+    failsafe.finish(result, run_dir, report.write)
     return result, run_dir
 
 

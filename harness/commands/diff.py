@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from harness import __version__
-from harness.commands import run_folder
-from harness.compare.dumps import Dump, DumpError, compare_dumps
-from harness.compare.result import ERROR, CaseResult, decide
+from harness.commands import failsafe, run_folder
+from harness.compare.dumps import Dump, compare_dumps
+from harness.compare.result import CaseResult, decide
 from harness.report import case_report as report
 from harness.run.protocol import host_provenance
 
@@ -33,8 +33,7 @@ def diff_dumps(a: Path, b: Path, *, name_map: dict[str, str] | None = None, layo
         result.tensors, result.harness["comparator_memory"] = compare_dumps(
             Dump.open(a), Dump.open(b), name_map, layouts, dtype_hints)
         result.verdict, result.message = decide([], result.tensors)
-    except DumpError as error:
-        result.verdict, result.message = ERROR, str(error)
-    result.finished_at = run_folder.now()
-    report.write(result, run_dir)
+    except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
+        failsafe.record(result, error)
+    failsafe.finish(result, run_dir, report.write)
     return result, run_dir

@@ -24,7 +24,7 @@ from harness import __version__
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
-from harness.commands import doctor, run_folder
+from harness.commands import doctor, failsafe, run_folder
 from harness.compare import trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import junit, nightly_report
@@ -48,7 +48,8 @@ def add_parser(commands) -> None:
                              "for this device under --reports)")
     parser.add_argument("--python", action="append", default=[], metavar="RUNNER=PATH",
                         help="interpreter for a runner (or set HARNESS_PYTHON_<RUNNER>)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per runner before it is killed")
+    parser.add_argument("--timeout", type=failsafe.seconds, default=1800.0,
+                        help="seconds per runner before it is killed")
     parser.add_argument("--weights", help="safetensors file for cases that import their weights")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)

@@ -6,20 +6,26 @@ import secrets
 import time
 from pathlib import Path
 
+from harness import paths, resources
+
 REPORTS_DIR = Path(__file__).resolve().parents[2] / "reports"
 
 
 def new_run_dir(root: Path, label: str = "", prefix: str = "") -> tuple[str, Path]:
     """A fresh folder per run, ``<prefix><timestamp>[-<label>]-<suffix>``; existing runs are never touched."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60]
-    root.mkdir(parents=True, exist_ok=True)
-    while True:
-        run_id = "-".join(filter(None, (f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}", safe, secrets.token_hex(3))))
-        try:
-            (root / run_id).mkdir()
-            return run_id, root / run_id
-        except FileExistsError:
-            continue
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label).replace("..", "__")[:60]
+    with resources.boundary("reports folder", root):
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            run_id = "-".join(filter(None, (f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}", safe,
+                                            secrets.token_hex(3))))
+            try:
+                (paths.child(root, run_id, "run id")).mkdir()
+                return run_id, root / run_id
+            except FileExistsError:
+                if not root.is_dir():
+                    raise
+                continue
 
 
 def now() -> str:

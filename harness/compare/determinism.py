@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from harness.case.checkpoints import load_tensors
 from harness.case.registry import Case
+from harness.compare.result import ORACLE_LABEL
 from harness.compare.tensors import DIFF, compare_tensor
 from harness.run.orchestrate import SideResult, SideSpec
 
 
 def repeat_sides(first_round: list[SideResult], sides: list[SideSpec], run: int) -> list[SideSpec]:
     """Run number `run` of every side whose first run succeeded; none after a crash (the verdict is ERROR)."""
-    if any(s.status == "error" for s in first_round):
+    if any(s.status == "error" and s.label != ORACLE_LABEL for s in first_round):
         return []
     succeeded = {s.label for s in first_round if s.status == "ok"}
     return [side._replace(label=f"{side.label}.{run}", folder=f"{side.label}.{run}-{side.folder.split('-', 1)[1]}")

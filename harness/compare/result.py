@@ -35,9 +35,12 @@ class CaseResult:
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
     started_at: str = ""
     finished_at: str = ""
+    interrupted: int | None = None  # the signal that stopped the run (its exit code is 128 + it)
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted:
+            return 128 + self.interrupted
         if self.verdict == ERROR:
             return EXIT_CODES[ERROR]
         if not self.expectation:  # nothing was expected (e.g. a diff of two dumps): the verdict decides
@@ -55,7 +58,7 @@ class CaseResult:
             "sides": [s.to_dict() for s in self.sides], "tensors": [t.to_dict() for t in self.tensors],
             "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
-            "first_divergence": self.first_divergence, "refeed": self.refeed,
+            "first_divergence": self.first_divergence, "refeed": self.refeed, "interrupted": self.interrupted,
         }
 
 
@@ -66,8 +69,8 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
     `unstable` names the sides that disagreed with themselves across --repeat runs: then no cross-framework
     verdict is given, since equal or different bits could be luck. `tolerance` is the case policy's judgement.
     """
-    for side in sides:
-        if side.status == "error":
+    for side in sides:  # the oracle only measures: its failure is reported in its own section, never here
+        if side.status == "error" and side.label != ORACLE_LABEL:
             return ERROR, f"runner {side.label} ({side.runner}) failed: {side.reason}"
     differing = [t.name for t in tensors if t.status == DIFF]
     if unstable:

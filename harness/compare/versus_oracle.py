@@ -24,16 +24,20 @@ def versus_oracle(case: Case, pair: list[SideResult], oracle: SideResult | None)
         return {}
     if oracle.status != "ok":
         return {"status": oracle.status, "reason": oracle.reason, "sides": {}, "closer": {}}
-    truth = load_tensors(oracle.outputs)
-    sides = {}
-    for side in pair:
-        if side.status != "ok":
-            continue
-        outputs = load_tensors(side.outputs)
-        comparisons = [compare_tensor(spec.name, outputs.get(spec.name), truth.get(spec.name))
-                       for spec in case.output_specs()]
-        sides[side.label] = {"runner": side.runner, "tensors": [c.to_dict() for c in comparisons]}
-    return {"status": "ok", "reason": "", "sides": sides, "closer": _closer(sides)}
+    try:  # whatever goes wrong here belongs to the oracle section; the verdict stays the frameworks'
+        truth = load_tensors(oracle.outputs)
+        sides = {}
+        for side in pair:
+            if side.status != "ok":
+                continue
+            outputs = load_tensors(side.outputs)
+            comparisons = [compare_tensor(spec.name, outputs.get(spec.name), truth.get(spec.name))
+                           for spec in case.output_specs()]
+            sides[side.label] = {"runner": side.runner, "tensors": [c.to_dict() for c in comparisons]}
+        return {"status": "ok", "reason": "", "sides": sides, "closer": _closer(sides)}
+    except Exception as error:  # noqa: BLE001 - an oracle failure must never become the run's verdict
+        return {"status": "error", "reason": f"oracle comparison failed: {type(error).__name__}: {error}",
+                "sides": {}, "closer": {}}
 
 
 def _closer(sides: dict) -> dict[str, str]:

@@ -10,7 +10,6 @@ few cells are touched, each is ringed in red, since one cell may be smaller than
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from harness import paths  # noqa: E402
 from harness.compare.tensors import TensorComparison  # noqa: E402
 
 RING_CELLS = 400  # at most this many touched cells get a ring drawn around them
@@ -34,7 +34,7 @@ def render(tensors: list[TensorComparison], folder: Path) -> dict[str, dict[str,
         if tensor.mismatch_map is None:
             continue
         folder.mkdir(parents=True, exist_ok=True)
-        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", tensor.name)
+        stem = paths.file_stem(tensor.name)  # a dump's tensor name may hold '/' or '..': never leaves the folder
         files = {"map": f"{stem}.map.png", "ulp": f"{stem}.ulp.png"}
         mismatch_map_png(tensor, folder / files["map"])
         ulp_histogram_png(tensor, folder / files["ulp"])

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from harness import paths, resources
 from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
 from harness.case.registry import Case
-from harness.run import launch, shards
+from harness.run import launch, shards, supervisor
 from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
@@ -93,20 +94,26 @@ def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None =
 def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
               pythons: dict[str, str], timeout: float) -> list[SideResult]:
     """Run the sides concurrently; never raises for a runner's failure. The timeout covers the whole group."""
-    started = []
-    for side in sides:
-        folder = run_dir / side.folder
-        folder.mkdir(parents=True)
-        request = _request(case, side.inputs, device, folder, side.tp)
-        label, runner, tp = side.label, side.runner, side.tp
-        (folder / "request.json").write_text(json.dumps(request, indent=2))
-        python = runner_python(runner, pythons)
-        started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))
-    deadline = time.monotonic() + timeout
-    # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's descendants
-    # are watched from the start (a rank re-parented while we waited on another side would be missed).
-    with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
-        return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
+    with supervisor.watch():  # whatever the runners started and left behind is killed and reaped afterwards
+        started = []
+        for side in sides:
+            folder = paths.child(run_dir, side.folder, "runner folder")
+            with resources.boundary("runner folder", folder):
+                folder.mkdir(parents=True)
+                request = _request(case, side.inputs, device, folder, side.tp)
+                (folder / "request.json").write_text(json.dumps(request, indent=2))
+            label, runner, tp = side.label, side.runner, side.tp
+            python = runner_python(runner, pythons)
+            started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp)))
+        deadline = time.monotonic() + timeout
+        # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's
+        # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
+        with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
+            try:
+                return list(waiters.map(lambda s: _finish(*s, deadline, timeout, case), started))
+            except BaseException:  # Ctrl-C, even without the CLI's handlers: stop the runners, do not wait on them
+                supervisor.stop_all()
+                raise
 
 
 def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
@@ -126,11 +133,14 @@ def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -
 
 def _start(runner: str, python: str, folder: Path, device: str, tp: int):
     command, launched = launch.command(runner, python, folder / "request.json", tp, folder)
-    (folder / "command.txt").write_text(" ".join(command) + "\n")
-    with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
+    with resources.boundary("runner folder", folder):
+        (folder / "command.txt").write_text(" ".join(command) + "\n")
+        out, err = open(folder / "stdout.log", "wb"), open(folder / "stderr.log", "wb")
+    with out, err:
         try:
             process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                                        env=runner_env(device), start_new_session=True)
+            supervisor.register(process)
         except OSError as error:  # e.g. the configured interpreter does not exist
             err.write(f"cannot start {command[0]}: {error}\n".encode())
             process = None
@@ -150,6 +160,7 @@ def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case
             side.reason = f"timed out after {timeout:g} s; its process group was killed"
             side.reason += f", with all {tp} ranks" if tp > 1 else ""
         launch_info["leftovers_killed"] = launch.kill_leftovers(seen)
+        supervisor.unregister(process)
     side.wall_seconds = time.monotonic() - start
     side.stderr_tail = _tail(folder / "stderr.log")
     side.meta = _read_meta(folder) if tp == 1 else shards.merge_metas(folder, tp, launch_info)

@@ -14,6 +14,9 @@ forward and backward run in dygraph. Fused paths are used where the config turns
 the device; on a CPU ``fuse_rms_norm`` is off (``fused_rms_norm_ext`` is GPU-only) and ``fuse_swiglu`` keeps its
 default (off). PaddleFormers has no accuracy gate: ``use_accuracy_compatible`` is not read at this level.
 
+PaddleFormers imports only with ``paddlefleet_ops``; where the real (GPU-only) package is missing the stand-in of
+``harness.runners.paddlefleet_ops_shim`` (the whole-model runner's) is installed: it changes no computation.
+
 Ops PaddleFormers has no module for say so through ``unavailable`` (SwiGLU times a per-token scale: its MoE
 multiplies the routing weight in after ``down_proj``). Tensor parallelism (tp > 1) is not written at this level.
 """
@@ -29,7 +32,7 @@ import numpy as np
 import paddle
 
 from harness.case import ops
-from harness.runners import paddle_kernels, paddleformers_shim
+from harness.runners import paddle_kernels, paddlefleet_ops_shim
 
 LABEL = "PaddleFormers"
 SOURCE = "paddleformers 1.2.0: transformers/deepseek_v3/modeling.py, nn/{norm,mlp,linear,embedding}.py, " \
@@ -52,7 +55,7 @@ def _import_problem() -> str | None:
         importlib.import_module("paddleformers")
     except Exception as error:  # noqa: BLE001 - any import failure makes the level unavailable, with its reason
         return f"paddleformers is not importable by {sys.executable}: {type(error).__name__}: {error}"
-    shim = paddleformers_shim.install()
+    shim = "stand-in" if paddlefleet_ops_shim.install() else "real"
     try:
         importlib.import_module("paddleformers.transformers.deepseek_v3.modeling")
     except Exception as error:  # noqa: BLE001
@@ -66,8 +69,9 @@ def versions() -> dict:
         return {}
     import paddleformers
 
+    stand_in = not paddlefleet_ops_shim.real_package_present()
     return {"paddleformers": getattr(paddleformers, "__version__", "unknown"),
-            "paddlefleet_ops": paddleformers_shim.install()}
+            "paddlefleet_ops": "harness stand-in (harness.runners.paddlefleet_ops_shim)" if stand_in else "real"}
 
 
 def unavailable(request: dict) -> str | None:

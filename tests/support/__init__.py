@@ -1,2 +1,3 @@
-"""What the tests share: tiny case files (`cases`), test doubles named as such (`doubles`, `fake_rank_runner`),
-and checks the end-to-end tests make on real runs (`e2e`). Test modules import from here, never from each other."""
+"""What the tests share: tiny case files (`cases`), test doubles named as such (`doubles`, `fake_rank_runner`,
+`fault_runners`, `fault_storage`), checks the end-to-end tests make on real runs (`e2e`), and the DeepSeek-V3
+model helpers. Test modules import from here, never from each other."""
