@@ -17,7 +17,7 @@ def markdown(doctor: dict) -> str:
         versions = answer.get("versions") or {}
         if versions:
             lines.append("  - versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-        for key in ("torch_cpu_capability", "gpu", "compiled_with_cuda", "paddle_onednn", "device_problem"):
+        for key in ("torch_cpu_capability", "gpu", "compiled_with_cuda", "paddle_onednn", "device_problem", "note"):
             if key in answer:
                 lines.append(f"  - {key}: {answer[key]}")
         if answer.get("kernels"):
