@@ -113,6 +113,9 @@ def probe(device: str) -> dict:
         answer["ops"][key] = {dtype: paddle_levels.survey({"op": name, "device": device, "dtype": dtype, "tp": 1,
                                                            "config": OPS[name].resolve(config)})
                               for dtype in ("bfloat16", "float32")}
+        if "device_problem" in answer:  # nothing runs on this device, whatever the levels say
+            for survey in answer["ops"][key].values():
+                survey.update(would_run=None, label=f"UNSUPPORTED: {answer['device_problem']}")
     return answer
 
 
