@@ -113,3 +113,15 @@ def test_the_nightly_table_names_each_cases_paddle_level():
         "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which is unavailable"}}]}
     assert paddle_level(ran) == "paddleformers" and paddle_level(pinned) == "pinned paddlefleet"
     assert paddle_level(None) == "—"
+
+
+@pytest.mark.e2e
+def test_pinning_paddlefleet_on_this_cpu_is_unsupported_with_the_reason(tmp_path):
+    from harness.commands.compare import CompareOptions, compare_case
+
+    result, run_dir = compare_case("kimi_rmsnorm", CompareOptions(
+        runners=("paddle", "paddle"), oracle=False, tokens=4, config_overrides={"paddle_impl": "paddlefleet"},
+        checkpoints_dir=tmp_path / "ckpt", reports_dir=tmp_path / "reports"))
+    assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
+    assert "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module" in result.message
+    assert "PaddleFleet runs on a GPU only" in result.message and "paddlefleet is not importable" in result.message
