@@ -18,7 +18,12 @@ from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors, tensor_sha256
 from harness.commands.compare import CompareOptions, compare_case
 from harness.run.protocol import cpu_isa_flags
-from tests.support.e2e import LINEAR_OPS, assert_counts_match_outputs, paddle_bf16_gemm_unavailable
+from tests.support.e2e import (
+    LINEAR_OPS,
+    PADDLE_CPU_BF16_MISSING,
+    assert_counts_match_outputs,
+    paddle_bf16_gemm_unavailable,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +66,8 @@ def test_case_end_to_end(cpu_case, checkpoints_dir, tmp_path):
 
     if paddle_bf16_gemm_unavailable(cpu_case):
         assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
-        assert "matmul" in result.message, result.message
+        assert f"`{PADDLE_CPU_BF16_MISSING.get(cpu_case.op, 'matmul')}`" in result.message or (
+            cpu_case.op in LINEAR_OPS and "matmul" in result.message), result.message
         assert cpu_case.op not in LINEAR_OPS or "avx512" in result.message, result.message
         return
     if cpu_case.expect.stated:

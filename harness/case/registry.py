@@ -15,20 +15,22 @@ from typing import Any
 import tomllib
 
 from harness import paths
+from harness.case import models
 from harness.case import tolerance as tolerance_policy
-from harness.case.ops import KNOBS, OPS, Op
+from harness.case.ops import KNOBS, MODEL_OPS, OPS, Op, resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
-WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32}
+WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
 DTYPES = tuple(WIDTHS)
 TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
 # oracle: the exact result, framework-free (harness.runners.oracle).
 # megatron_model: a whole Megatron-Core GPTModel (MLA + MoE, local spec) for op causal_lm (docs/model-contract.md).
+# hf_model: HF transformers' DeepseekV3ForCausalLM (torch) for op causal_lm; also the float64 truth of model cases.
 # paddle_model: PaddleFormers' DeepseekV3ForCausalLM (CPU) / PaddleFleet's GPTModel (GPU) for op causal_lm.
-RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model", "paddle_model")
+RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model", "hf_model", "paddle_model")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")
 DISTRIBUTIONS = {"normal": {"mean", "std"}, "uniform": {"low", "high"}, "randint": {"high"}}
@@ -249,7 +251,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if tokens <= 0:
         raise f.error("tokens", "must be > 0", tokens)
 
-    shapes = f.get("shapes", dict)
+    shapes = f.get("shapes", dict, {} if not spec.shape_fields else ...)
     if set(shapes) != set(spec.shape_fields):
         raise f.error("shapes", f"op {op} needs exactly {', '.join(spec.shape_fields)}", shapes)
     for key, value in shapes.items():
@@ -264,6 +266,15 @@ def _build(name: str, path: Path, table: dict) -> Case:
         f.get(key, knob.types, where=config, label=f"config.{key}")
         if knob.choices and value not in knob.choices:
             raise f.error(f"config.{key}", f"must be one of {', '.join(knob.choices)}", value)
+    if ("model" in config) != (op in MODEL_OPS):
+        raise f.error("config.model", f"is required for op {op} and only for model ops ({', '.join(MODEL_OPS)})",
+                      config.get("model"))
+    if op in MODEL_OPS:
+        given = config["model"]
+        try:
+            config = {**config, "model": models.resolve_config(given.get("family", "deepseek_v3"), given)}
+        except models.ModelConfigError as error:
+            raise f.error("config.model", str(error), given) from None
     config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, shapes, tp, tokens, config)
@@ -276,7 +287,12 @@ def _build(name: str, path: Path, table: dict) -> Case:
         given = tensors_table.get(tensor_name, {})
         if not isinstance(given, dict):
             raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
-        default = {"dist": "randint", "high": input_spec.high} if role == "ids" else DEFAULT_DISTRIBUTION[role]
+        if role == "labels":  # derived from the ids (checkpoints.generate), no distribution of its own
+            if tensor_name in tensors_table:
+                raise f.error(f"tensors.{tensor_name}", "is derived from the ids (next token), not drawn", given)
+            continue
+        default = ({"dist": "randint", "high": input_spec.high} if role == "ids"
+                   else input_spec.default_dist or DEFAULT_DISTRIBUTION[role])
         merged = {**default, **given}
         if (merged["dist"] == "randint") != (role == "ids") or (
                 role == "ids" and not 0 < _number(merged.get("high")) <= input_spec.high):
@@ -300,9 +316,11 @@ def _build(name: str, path: Path, table: dict) -> Case:
         name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str, spec.family),
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
-        expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config), tolerance is not None),
+        # a float64 model case is judged by the semantic check (harness.compare.model), a tolerance of its own
+        expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config),
+                            tolerance is not None or (op in MODEL_OPS and dtype == "float64")),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
-                              {s.name: WIDTHS.get(s.dtype or dtype, 0) for s in input_specs}),
+                              {s.name: WIDTHS.get(resolve_dtype(s.dtype, dtype), 0) for s in input_specs}),
         weights_from=_weight_import(f, input_roles), tolerance=tolerance,
     )
 
@@ -312,6 +330,8 @@ def tp_problem(spec: Op, shapes: dict, tokens: int, config: dict, tp: int) -> tu
     case files, ``--tp``, ``--tokens`` and ``--versus-tp``."""
     if tp not in TP_SIZES:
         return "tp", f"must be one of {', '.join(map(str, TP_SIZES))}", tp
+    if spec.tp_split_field is None:  # a whole model: one device
+        return ("tp", f"op {spec.name} runs at tp=1 only", tp) if tp != 1 else None
     split = shapes[spec.tp_split_field]
     if split % tp:
         return f"shapes.{spec.tp_split_field}", f"must be divisible by tp={tp}", split
@@ -388,8 +408,8 @@ def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, widths: dic
     if side not in ("a", "b"):
         raise f.error("perturb.side", "must be 'a' or 'b'", side)
     tensor = f.get("tensor", str, where=table, label="perturb.tensor")
-    if tensor not in input_roles or input_roles[tensor] == "ids":
-        floats = [n for n, r in input_roles.items() if r != "ids"]
+    if tensor not in input_roles or input_roles[tensor] in ("ids", "labels"):
+        floats = [n for n, r in input_roles.items() if r not in ("ids", "labels")]
         raise f.error("perturb.tensor", f"no such floating-point input; inputs: {', '.join(floats)}", tensor)
     index = tuple(f.get("index", list, where=table, label="perturb.index"))
     shape = input_shapes[tensor]

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from harness import __version__
 from harness.case import checkpoints
+from harness.case.ops import MODEL_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
-from harness.compare import determinism, refeed, tolerance
+from harness.compare import determinism, model, refeed, tolerance
 from harness.compare.dumps import Dump, compare_dumps
-from harness.compare.result import ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
+from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
 from harness.report import case_report as report
 from harness.run import orchestrate, shards
@@ -90,7 +91,10 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
         pair = orchestrate.pair_sides(case, checkpoint, tps)
-        extra = [oracle_side(checkpoint)] if o.oracle and "oracle" not in case.runners else []
+        is_model = case.op in MODEL_OPS
+        truth = model.truth_side(checkpoint) if is_model and case.dtype != "float64" else None
+        extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
+            oracle_side(checkpoint)]
         result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
         first_round = list(result.sides)
         for run in range(2, o.repeat + 1):
@@ -98,23 +102,52 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
+        skipped = {}
         if all(side.status == "ok" for side in framework):
-            result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
+            if is_model:
+                result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(case, framework)
+            else:
+                result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
             if o.refeed_ops:
                 result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)
-        result.versus_oracle = versus_oracle(case, framework, by_label.get(ORACLE_LABEL))
+        result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
+                                                                                    by_label.get(ORACLE_LABEL))
         result.repeats = determinism.self_consistency(case, result.sides, o.repeat)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
         result.message += tp_notes(result)
+        if is_model and result.tensors:
+            result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
+            if case.dtype == "float64":
+                _semantic_verdict(result, case)
         if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
     failsafe.finish(result, run_dir, report.write)
     return result, run_dir
+
+
+def _semantic_verdict(result: CaseResult, case: Case) -> None:
+    """In float64 the sides must agree to ~1e-10 (model.semantic_check): beyond it is a mapping error (ERROR), within
+    it the rounding differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF."""
+    check = model.semantic_check(case, result.tensors, case.runners)
+    result.model["semantic"] = check
+    if result.verdict not in ("DIFF", "BITWISE_PASS"):
+        return
+    if not check["ok"]:
+        beyond = check["tensors_beyond"][0]
+        result.verdict = ERROR
+        result.message = (f"float64 semantic check failed: mapping error at {check['first_mismatch']} (module "
+                          f"{check['first_module']}): relative error {beyond['relative_error']:.3g} > "
+                          f"{beyond['limit']:.0e}; {len(check['tensors_beyond'])} tensor(s) beyond (first 20 listed)")
+    elif result.verdict == "DIFF":
+        result.verdict = "WITHIN_TOLERANCE"
+        result.message = (f"float64 semantic check passed: all {check['checked']} tensors agree to relative error "
+                          f"{check['max_relative_error']:.3g} <= {check['agreement']:.0e} (bits differ: "
+                          f"{result.message})")
 
 
 def describe_case(case: Case) -> dict:

@@ -33,6 +33,7 @@ class CaseResult:
     harness: dict = field(default_factory=dict)
     first_divergence: str | None = None  # first differing output in the op's topological order
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
+    model: dict = field(default_factory=dict)  # model cases: harness.compare.model.summarise (+ "semantic")
     started_at: str = ""
     finished_at: str = ""
     interrupted: int | None = None  # the signal that stopped the run (its exit code is 128 + it)
@@ -59,6 +60,7 @@ class CaseResult:
             "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
             "first_divergence": self.first_divergence, "refeed": self.refeed, "interrupted": self.interrupted,
+            "model": self.model,
         }
 
 
@@ -84,14 +86,21 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
     if broken:
         return ERROR, "; ".join(f"{t.name}: {t.status} ({t.note})" for t in broken)
     if differing and tolerance and tolerance["within"]:
-        return WITHIN_TOLERANCE, (f"{len(differing)} of {len(tensors)} tensors differ ({', '.join(differing)}), "
+        return WITHIN_TOLERANCE, (f"{len(differing)} of {len(tensors)} tensors differ ({_names(differing)}), "
                                   "all within the case's tolerance")
     if differing:
         beyond = [f"{t['name']}: {'; '.join(t['problems'])}" for t in (tolerance or {}).get("tensors", [])
                   if t["problems"]]
-        return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {', '.join(differing)}"
+        return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {_names(differing)}"
                               + (f"; beyond the case's tolerance: {' | '.join(beyond)}" if beyond else ""))
     return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
+
+
+def _names(names: list[str], shown: int = 12) -> str:
+    """The first names in topological order, then how many more: a model's 800 tensors stay one readable line (the
+    report's tables list them all)."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def first_divergence(tensors: list[TensorComparison]) -> str | None:

@@ -15,10 +15,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from harness.compare import model as model_level
 from harness.compare.result import CaseResult
 from harness.report import blocks as doc
 from harness.report import (
     check_sections,
+    model_section,
     pictures,
     provenance_section,
     refeed_section,
@@ -28,13 +30,20 @@ from harness.report import (
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
                  "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}
-SECTIONS = (summary_section.blocks, tensor_sections.runners, tensor_sections.tensors, refeed_section.blocks,
+SECTIONS = (summary_section.blocks, model_section.blocks, tensor_sections.runners, tensor_sections.tensors,
+            refeed_section.blocks,
             check_sections.versus_oracle, check_sections.tolerance, check_sections.determinism,
             provenance_section.provenance, provenance_section.stderr_tails)
 
 
+MODEL_PICTURES = 6  # a model case: pictures of its first differing tensors only (hundreds can differ)
+
+
 def write(result: CaseResult, run_dir: Path) -> None:
-    figures = pictures.render(result.tensors, run_dir / "pictures")
+    tensors = result.tensors
+    if result.model:
+        tensors = [t for t in tensors if t.mismatch_map is not None][:MODEL_PICTURES]
+    figures = pictures.render(tensors, run_dir / "pictures")
     data = result.to_dict()
     (run_dir / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     document = blocks(data, figures)
@@ -67,10 +76,11 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     for column in ("tensor", "status", "mismatches", "share", "max ULP", "p99 ULP", "sign flips",
                    "max abs err", "ULPs at scale"):
         table.add_column(column, justify="left" if column in ("tensor", "status") else "right")
-    for t in result.tensors:
-        table.add_row(t.name, t.status, str(t.mismatches), f"{t.mismatch_share:.4%}", str(t.max_ulp),
-                      str(t.p99_ulp), str(t.sign_flips), f"{t.max_abs_error:.3g}", f"{t.max_error_in_scale_ulps:.3g}",
-                      style="green" if t.status == "EQUAL" else "red")
+    rows = [t.to_dict() for t in result.tensors]
+    for t in model_level.group_rows(rows) if result.model else rows:  # a model: one row per expert family
+        table.add_row(t["name"], t["status"], str(t["mismatches"]), f"{t['mismatch_share']:.4%}", str(t["max_ulp"]),
+                      str(t["p99_ulp"]), str(t["sign_flips"]), f"{t['max_abs_error']:.3g}",
+                      f"{t['max_error_in_scale_ulps']:.3g}", style="green" if t["status"] == "EQUAL" else "red")
     if result.tensors:
         out.print(table)
     for side in result.sides:
@@ -82,6 +92,8 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
     if result.first_divergence:
         out.print(f"first divergence: {result.first_divergence}")
+    for line in model_section.items(result.to_dict()):
+        out.print(escape(line.replace("**", "").replace("`", "")), highlight=False)
     if result.refeed.get("stages"):
         out.print(f"re-feed: first tensor made locally: {result.refeed['first_local_divergence'] or 'none'}")
         for name, how in result.refeed["tensors"].items():

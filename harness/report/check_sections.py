@@ -15,19 +15,42 @@ def versus_oracle(data: dict, figures: dict) -> list[tuple]:
     if oracle["status"] != "ok":
         return out + [p(f"No oracle result ({oracle['status']}): {oracle['reason']}")]
     rows = []
-    names = [t["name"] for side in oracle["sides"].values() for t in side["tensors"]]
+    side_rows = {label: _rows(data, side["tensors"]) for label, side in oracle["sides"].items()}
+    closer_of = _family_closer(oracle["closer"]) if data.get("model") else oracle["closer"]
+    names = [t["name"] for tensors in side_rows.values() for t in tensors]
     for name in dict.fromkeys(names):
         for label, side in oracle["sides"].items():
-            t = next(t for t in side["tensors"] if t["name"] == name)
-            closer = oracle["closer"].get(name, "")
+            t = next(t for t in side_rows[label] if t["name"] == name)
+            closer = closer_of.get(name, "")
             rows.append([name, f"{label} ({side['runner']})", t["mismatches"], f"{t['mismatch_share']:.4%}",
                          t["max_ulp"], _histogram(t["ulp_histogram"]), f"{t['max_abs_error']:.3g}",
                          f"{t['max_error_in_scale_ulps']:.3g}", "closer" if label == closer else ""])
+    truth = oracle.get("truth") or ("the exact result (float64 accumulation from the same input bits, rounded once; "
+                                    "see `harness/runners/oracle.py`)")
     return out + [
-        p("Each side against the exact result (float64 accumulation from the same input bits, rounded once; "
-          "see `harness/runners/oracle.py`). Closer: fewer differing elements, then the smaller max abs error."),
+        p(f"Each side against {truth}. Closer: fewer differing elements, then the smaller max abs error."),
         table(["tensor", "side", "mismatches", "share", "max ULP", "ULP histogram", "max abs err",
                "max err in ULPs at scale", "closer"], rows, "llrrrlrrl")]
+
+
+def _rows(data: dict, tensors: list[dict]) -> list[dict]:
+    from harness.compare.model import group_rows
+    return group_rows(tensors) if data.get("model") else tensors
+
+
+def _family_closer(closer: dict) -> dict:
+    """Per expert family (one folded row), the side closer on more of its members."""
+    from harness.compare.model import family
+    votes: dict[str, dict[str, int]] = {}
+    for name, label in closer.items():
+        key = family(name)
+        if key is not None:
+            votes.setdefault(key, {}).setdefault(label, 0)
+            votes[key][label] += 1
+    folded = {k: v for k, v in closer.items() if family(k) is None}
+    for key, count in votes.items():
+        folded[f"{key} ({sum(count.values())} tensors)"] = max(count, key=count.get)
+    return folded
 
 
 def tolerance(data: dict, figures: dict) -> list[tuple]:
@@ -78,7 +101,14 @@ def console_lines(data: dict) -> list[str]:
     """One line per tensor: who is closer to the oracle; one per unstable side; the tolerance outcome."""
     lines = []
     oracle = data.get("versus_oracle") or {}
-    if oracle.get("status") == "ok":
+    if oracle.get("status") == "ok" and data.get("model"):  # hundreds of tensors: counts only
+        for label, side in oracle["sides"].items():
+            equal = sum(1 for t in side["tensors"] if t["status"] == "EQUAL")
+            lines.append(f"side {label} ({side['runner']}) vs the float64 truth: {equal} of {len(side['tensors'])} "
+                         "tensors equal to the truth rounded once")
+        votes = list(oracle["closer"].values())
+        lines.append("closer to the truth: " + ", ".join(f"{v} on {votes.count(v)}" for v in sorted(set(votes))))
+    elif oracle.get("status") == "ok":
         for label, side in oracle["sides"].items():
             counts = ", ".join(f"{t['name']} {t['mismatches']} (max {t['max_ulp']} ULP)" for t in side["tensors"])
             lines.append(f"side {label} ({side['runner']}) vs oracle, differing elements: {counts}")

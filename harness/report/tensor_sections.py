@@ -26,7 +26,7 @@ def tensors(data: dict, figures: dict) -> list[tuple]:
     if not data["tensors"]:
         return []
     rows = []
-    for t in data["tensors"]:
+    for t in _rows(data, data["tensors"]):
         first = t["first_mismatch"]
         where = f"{first['index']}: {first['a_bits']} vs {first['b_bits']}" if first else t.get("note", "")
         rows.append([t["name"], t["status"], t["dtype"], t["shape"], t["mismatches"], f"{t['mismatch_share']:.4%}",
@@ -37,12 +37,18 @@ def tensors(data: dict, figures: dict) -> list[tuple]:
            table(["tensor", "status", "dtype", "shape", "mismatches", "share", "max ULP", "p99 ULP", "sign flips",
                   "max abs err", "max rel err", "max err in ULPs at scale", "±0 diffs", "NaN diffs",
                   "first mismatch"], rows, "llllrrrrrrrrrrl")]
-    histograms = [(t["name"], t["ulp_histogram"]) for t in data["tensors"] if t["ulp_histogram"]]
+    histograms = [(t["name"], t["ulp_histogram"]) for t in _rows(data, data["tensors"]) if t["ulp_histogram"]]
     if histograms:
         out += [h(3, "ULP distance histograms (mismatching elements)"),
                 ul([f"`{name}`: " + ", ".join(f"{k} ULP: {v}" for k, v in histogram.items())
                     for name, histogram in histograms])]
     return out + pictures(data, figures)
+
+
+def _rows(data: dict, tensors: list[dict]) -> list[dict]:
+    """A model case's per-expert tensors folded into one row per expert family (harness.compare.model)."""
+    from harness.compare.model import group_rows
+    return group_rows(tensors) if data.get("model") else tensors
 
 
 def pictures(data: dict, figures: dict) -> list[tuple]:

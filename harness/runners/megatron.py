@@ -74,6 +74,7 @@ def run(request: dict, phases: Phases) -> dict:
     return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()},
             "implementation": implementation, "determinism": determinism, "tensor_parallel": world,
             "sequence_parallel": sequence_parallel, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
+            "shims": megatron_ops.SHIMS,
             **torch_env.provenance(device)}
 
 

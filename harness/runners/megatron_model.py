@@ -119,6 +119,7 @@ def te_importable() -> bool:
 
 def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
     """HF ``DeepseekV3Config`` keys -> (``MLATransformerConfig``, knobs: every setting chosen and why)."""
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     def need(condition, why):
@@ -175,6 +176,8 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
         "apply_rope_fusion": "False: unfused MLA RoPE (_apply_rotary_pos_emb_bshd, de-interleaving HF's rope dims)",
         "cross_entropy_loss_fusion": "False: tensor_parallel.vocab_parallel_cross_entropy (fp32 logits)",
         "hidden_dropout / attention_dropout": "0.0",
+        "attention_backend": "local: the local spec's DotProductAttention (with the default 'auto', GPTModel asserts "
+                             "on the NVTE_FLASH_ATTN=0 / NVTE_FUSED_ATTN=0 the harness sets on a GPU)",
         "share_embeddings_and_output_weights": "False",
         "deterministic_mode": "False (F.embedding)",
         "params_dtype": f"{dtype}: GPTModel cast with .to(dtype) as Float16Module does for bf16 (norm weights "
@@ -187,6 +190,7 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
         qk_pos_emb_head_dim=model["qk_rope_head_dim"], v_head_dim=model["v_head_dim"],
         rotary_base=float(model.get("rope_theta", 10000.0)), **yarn,
         normalization="RMSNorm", layernorm_epsilon=float(model["rms_norm_eps"]), qk_layernorm=True,
+        attention_backend=AttnBackend.local,
         add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         bias_activation_fusion=True, masked_softmax_fusion=False, attention_softmax_in_fp32=True,
         apply_rope_fusion=False, cross_entropy_loss_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,

@@ -287,9 +287,185 @@ def mla_up_projection(request, tensors, config, device, phases):
             "linear_q_up_proj / linear_kv_up_proj (no Transformer Engine)")
 
 
+# Module-level patches an implementation applied in this process; the runner writes them to meta.json ("shims").
+SHIMS: list[str] = []
+
+
+def _cpu_current_device(device):
+    """Megatron asks torch.cuda.current_device() for buffers it means to put on "the GPU" (YaRN's inv_freq,
+    the global memory buffer attention's QK^T writes into): on a CPU-only run that must name the CPU."""
+    if device.type == "cpu":
+        torch.cuda.current_device = lambda: "cpu"
+        SHIMS.append("CPU only: torch.cuda.current_device() returns 'cpu' (YarnRotaryEmbedding moves inv_freq to "
+                     "it; DotProductAttention's global memory buffer is allocated on it)")
+        return "; CPU shim: torch.cuda.current_device() -> 'cpu'"
+    return ""
+
+
+def yarn_rope(request, tensors, config, device, phases):
+    """MLA's rope path: ``YarnRotaryEmbedding`` (Kimi-K2's settings from the knobs) makes the fp32 angle table and
+    its concentration factor (mscale); ``apply_rotary_pos_emb`` (unfused bshd path, MLA's de-interleave of each
+    head's rope dims) rotates q_pe [s, b, heads, 64] and k_pe [s, b, 1, 64]; k_pe is then expanded to every head as
+    ``MLASelfAttention`` does, so its grad is the expand's sum over heads."""
+    import inspect
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    shim = _cpu_current_device(device)
+    c, n, d = request["config"], request["shapes"]["num_heads"], request["shapes"]["rope_dim"]
+    rope = YarnRotaryEmbedding(d, rotary_base=c["rotary_base"], scaling_factor=c["rotary_scaling_factor"],
+                               original_max_position_embeddings=c["original_max_position_embeddings"],
+                               beta_fast=c["beta_fast"], beta_slow=c["beta_slow"], mscale=c["mscale"],
+                               mscale_all_dim=c["mscale_all_dim"], use_cpu_initialization=device.type == "cpu")
+    tconfig = _transformer_config(request, config, multi_latent_attention=True, apply_rope_fusion=False,
+                                  rotary_interleaved=False)
+    # 0.16.1 reads config.multi_latent_attention; 0.19 takes mla_rotary_interleaved=True from MLASelfAttention.
+    mla = {"mla_rotary_interleaved": True} if "mla_rotary_interleaved" in inspect.signature(
+        apply_rotary_pos_emb).parameters else {}
+    t = tensors["query"].shape[0]
+    q = tensors["query"].unsqueeze(1).requires_grad_()  # [s, b=1, heads, 64]
+    k = tensors["key"].view(t, 1, 1, d).requires_grad_()  # [s, b=1, 1, 64]
+    captured = {}
+
+    def forward():
+        freqs, mscale = rope(t)
+        freqs = freqs[0:t]  # [s, 1, 1, 64], fp32
+        captured["intermediate.freqs"], captured["mscale"] = freqs.view(t, d), mscale
+        q_out = apply_rotary_pos_emb(q, freqs, config=tconfig, mscale=mscale, **mla)
+        k_out = apply_rotary_pos_emb(k, freqs, config=tconfig, mscale=mscale, **mla)
+        captured["out.key"] = k_out.view(t, d)
+        return q_out, k_out.expand(-1, -1, n, -1)
+
+    def backward(outs):
+        torch.autograd.backward(outs, [tensors["grad_query"].unsqueeze(1), tensors["grad_key"].unsqueeze(1)])
+
+    q_out, _ = _run(phases, device, forward, backward)
+    cos, sin = rope.get_cached_cos_sin(t, dtype=q.dtype)  # the fused path's tables: (cos(emb) * mscale).to(dtype)
+    return ({"intermediate.freqs": captured["intermediate.freqs"], "intermediate.cos": cos.reshape(t, d),
+             "intermediate.sin": sin.reshape(t, d), "out.query": q_out.squeeze(1),
+             "out.key": captured["out.key"], "grad.query": q.grad.squeeze(1), "grad.key": k.grad.view(t, d)},
+            "megatron.core YarnRotaryEmbedding + rope_utils.apply_rotary_pos_emb (unfused bshd, MLA de-interleave, "
+            f"mscale {captured['mscale']}), k_pe expanded to {n} heads as MLASelfAttention{shim}")
+
+
+def core_attention(request, tensors, config, device, phases):
+    """Megatron's local ``DotProductAttention`` (no TE) as MLA would run it: QK^T by ``baddbmm`` with the softmax
+    scale as alpha, ``FusedScaleMaskSoftmax`` (unfused path, fp32 softmax, masked_fill -10000, cast back), dropout
+    p=0 under the RNG tracker's fork, probabilities x V by ``bmm``. kv_channels is the v head dim (128): the module
+    uses it only for the output view, so q/k keep their own 192. The causal mask is explicit
+    (``get_default_causal_mask`` hard-codes CUDA); the RNG tracker is the inference (no-op) one."""
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shim = _cpu_current_device(device)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    shapes = request["shapes"]
+    n, dv = shapes["num_heads"] * config.tensor_model_parallel_size, shapes["v_head_dim"]
+    tconfig = TransformerConfig(
+        num_layers=1, hidden_size=n * dv, num_attention_heads=n, kv_channels=dv,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        use_cpu_initialization=config.use_cpu_initialization, perform_initialization=False,
+        params_dtype=config.params_dtype, bf16=config.params_dtype == torch.bfloat16, attention_dropout=0.0,
+        masked_softmax_fusion=False, attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
+        gradient_accumulation_fusion=False, add_bias_linear=False)
+    scale = request["config"]["softmax_scale"]
+    attention = DotProductAttention(tconfig, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self", softmax_scale=scale).to(device)
+    t = tensors["query"].shape[0]
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1).view(1, 1, t, t)
+    q, k, v = (tensors[name].unsqueeze(1).requires_grad_() for name in ("query", "key", "value"))  # [s, b=1, n, d]
+    captured = {}
+
+    def keep_probs(module, args, output):
+        captured["intermediate.probs"] = output.detach().clone().squeeze(0)
+
+        def hook(grad):
+            captured["intermediate.grad_probs"] = grad.squeeze(0)
+        output.register_hook(hook)
+
+    attention.scale_mask_softmax.register_forward_hook(keep_probs)
+    heads = tensors["query"].shape[1]
+    out = _run(phases, device, lambda: attention(q, k, v, mask),
+               lambda o: o.backward(tensors["grad_output"].reshape(t, 1, heads * dv)))
+    return ({**captured, "out": out.view(t, heads, dv), "grad.value": v.grad.squeeze(1),
+             "grad.query": q.grad.squeeze(1), "grad.key": k.grad.squeeze(1)},
+            "megatron.core.transformer.dot_product_attention.DotProductAttention (local, no TE): baddbmm "
+            f"alpha={scale!r}, FusedScaleMaskSoftmax unfused fp32, bmm; explicit causal mask{shim}")
+
+
+def moe_combine(request, tensors, config, device, phases):
+    """The MoE layer's combine: the token dispatcher's ``unpermute`` (moe_utils; no probs: they were applied in
+    the experts) sums each token's routed outputs into a zero tensor in the experts' dtype (``index_add_`` under
+    deterministic algorithms, else ``scatter_add_``), in expert-major order; then ``MoELayer`` adds the shared
+    expert's output (``output + shared_expert_output``). The permutation is Megatron's own ``permute``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from harness.case.ops import combine_routing
+
+    shapes, t = request["shapes"], tensors["shared_output"].shape[0]
+    routing_map = torch.zeros(t, shapes["num_experts"], dtype=torch.bool, device=device)
+    for token, experts in enumerate(combine_routing(t, shapes["num_experts"], shapes["topk"])):
+        routing_map[token, experts] = True
+    sorted_indices = moe_utils.permute(torch.zeros(t, 1, device=device), routing_map,
+                                       num_out_tokens=t * shapes["topk"])[2]
+    routed, shared = tensors["expert_output"].requires_grad_(), tensors["shared_output"].requires_grad_()
+
+    def forward():
+        output = moe_utils.unpermute(routed, sorted_indices, restore_shape=torch.Size(shared.shape),
+                                     routing_map=routing_map)
+        return output + shared
+
+    out = _run(phases, device, forward, lambda o: o.backward(tensors["grad_output"]))
+    accumulate = "index_add_" if torch.are_deterministic_algorithms_enabled() else "scatter_add_"
+    return ({"out": out, "grad.expert_output": routed.grad, "grad.shared_output": shared.grad},
+            f"megatron.core.transformer.moe.moe_utils.unpermute (no probs, {accumulate} in {routed.dtype}, "
+            "expert-major order) + shared expert output, as MoELayer")
+
+
+def lm_head_loss(request, tensors, config, device, phases):
+    """GPT's output layer (``ColumnParallelLinear``, no bias, parallel output) and
+    ``tensor_parallel.vocab_parallel_cross_entropy`` (logits upcast to fp32 inside; its backward returns fp32,
+    cast to the logits' dtype by autograd), then the training loop's mean: sum(loss x loss_mask) / tokens."""
+    from megatron.core import tensor_parallel
+
+    shapes = request["shapes"]
+    layer = tensor_parallel.ColumnParallelLinear(
+        shapes["hidden_size"], shapes["vocab_size"], config=config, init_method=torch.nn.init.zeros_, bias=False,
+        gather_output=False, skip_bias_add=False).to(device)
+    with torch.no_grad():
+        layer.weight.copy_(tensors["weight"])
+    x = tensors["input"].unsqueeze(1).requires_grad_()  # [s, b=1, h]
+    labels = tensors["labels"].unsqueeze(1)  # [s, b=1]
+    captured = {}
+
+    def forward():
+        logits, _ = layer(x)
+        # clones: with fp32 logits the cross entropy's .float() is the same tensor, which it then shifts and
+        # exponentiates in place (and its backward returns that buffer as the grad)
+        captured["intermediate.logits"] = logits.detach().squeeze(1).clone()
+
+        def hook(grad):
+            captured["intermediate.grad_logits"] = grad.squeeze(1).clone()
+        logits.register_hook(hook)
+        token_loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        captured["out"] = token_loss.detach().squeeze(1)
+        loss_mask = torch.ones(labels.numel(), dtype=torch.float32, device=device)
+        return torch.sum(token_loss.view(-1).float() * loss_mask) / loss_mask.sum()
+
+    loss = _run(phases, device, forward, lambda o: o.backward())
+    return ({**captured, "loss": loss.detach().view(1), "grad.input": x.grad.squeeze(1),
+             "grad.weight": layer.weight.grad},
+            "megatron.core.tensor_parallel.ColumnParallelLinear (output layer) + vocab_parallel_cross_entropy, "
+            "loss = sum(token_loss * mask) / mask.sum()")
+
+
 IMPLEMENTATIONS = {
     ops.COLUMN_PARALLEL_LINEAR: parallel_linear, ops.ROW_PARALLEL_LINEAR: parallel_linear, ops.RMS_NORM: rms_norm,
     ops.SWIGLU: swiglu, ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
     ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
-    ops.MLA_UP_PROJECTION: mla_up_projection,
+    ops.MLA_UP_PROJECTION: mla_up_projection, ops.YARN_ROPE: yarn_rope, ops.CORE_ATTENTION: core_attention,
+    ops.MOE_COMBINE: moe_combine, ops.LM_HEAD_LOSS: lm_head_loss,
 }

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from harness.case.ops import OPS
+from harness.case.ops import OPS, combine_routing
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -53,7 +53,7 @@ def run(request: dict, phases: Phases) -> dict:
     return {"framework": "oracle",
             "implementation": f"numpy float64 products and sums, correctly rounded once to {dtype.name}",
             "versions": {"numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__}, "blas": _blas_name(),
-            "elements_recomputed_exactly": recomputed}
+            "outputs": sorted(outputs), "elements_recomputed_exactly": recomputed}
 
 
 def linear(tensors: dict[str, np.ndarray], request: dict) -> dict:
@@ -74,8 +74,30 @@ def linear(tensors: dict[str, np.ndarray], request: dict) -> dict:
     return outputs
 
 
-# The exact functions, by the name an op record gives in its `oracle` field.
-FORMULAS = {"linear": linear}
+def moe_combine(tensors: dict[str, np.ndarray], request: dict) -> dict:
+    """out[t] = the sum of token t's routed rows + its shared row: a 0/1 selection matrix times the routed rows
+    (expert-major, as both frameworks permute) stacked on the shared ones. The grads are copies of dY: none here."""
+    routed, shared = tensors["expert_output"], tensors["shared_output"]
+    tokens, experts = shared.shape[0], request["shapes"]["num_experts"]
+    routing = np.zeros((tokens, experts), dtype=bool)
+    for token, chosen in enumerate(combine_routing(tokens, experts, request["shapes"]["topk"])):
+        routing[token, chosen] = True
+    token_of_row = np.nonzero(routing.T)[1]  # expert-major, tokens ascending within an expert
+    select = np.zeros((tokens, routed.shape[0] + tokens))
+    select[token_of_row, np.arange(routed.shape[0])] = 1.0
+    select[np.arange(tokens), routed.shape[0] + np.arange(tokens)] = 1.0
+    return {"out": (select, np.concatenate([routed, shared]), None, shared.shape)}
+
+
+def lm_head(tensors: dict[str, np.ndarray], request: dict) -> dict:
+    """The logits x @ W.T only: the cross entropy (exp, log) is not a sum of products."""
+    x, w = tensors["input"], tensors["weight"]
+    return {"intermediate.logits": (x, w.T, None, (x.shape[0], w.shape[0]))}
+
+
+# The exact functions, by the name an op record gives in its `oracle` field. A formula may cover only some of an
+# op's outputs; the report compares those.
+FORMULAS = {"linear": linear, "moe_combine": moe_combine, "lm_head": lm_head}
 
 
 def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.ndarray | None,

@@ -15,6 +15,8 @@ outputs are in canonical names and Megatron's layout.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -318,6 +320,187 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     return outputs, implementation + ", output viewed as [tokens, heads, head_dim]"
 
 
+# PaddleFleet sources these ops follow (PaddlePaddle/PaddleFleet, read with the project's search tool):
+FLEET_MLA = "src/paddlefleet/transformer/multi_latent_attention.py@023ee66c6bd20101d946d14fef24588df4d515ac"
+FLEET_YARN = ("src/paddlefleet/models/common/embeddings/yarn_rotary_pos_embedding.py"
+              "@2bb472d25dbbb6692b29a0ac078a6c16d4c3b7c1")
+FLEET_ROPE = "src/paddlefleet/models/common/embeddings/rope_utils.py@0341e9a6e420416138bfe624038e2239ce2cb51b"
+FLEET_ATTENTION = "src/paddlefleet/transformer/dot_product_attention.py@00a9f175a76aa0dc93c445746a3c90efa5566069"
+FLEET_MOE_LAYER = "src/paddlefleet/transformer/moe/moe_layer.py@0059136f0036f4278a0e45f48951d2b7c6c6e203"
+FLEET_MOE_UTILS = "src/paddlefleet/transformer/moe/moe_utils.py@01bc6d25b5b1d0e6315f53817f3b72207947e932"
+FLEET_LM_HEAD = "src/paddlefleet/models/gpt/lm_head.py@04cb7f3de0b5ef5cb811bf832c3146d1196a221f"
+FLEET_LOSS = "src/paddlefleet/models/common/language_loss/language_loss.py@00c72d67cc08c97ac2fb9f806120c71d14018216"
+
+
+def _yarn_mscale(scale, mscale):
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_table(config, dim, tokens):
+    """PaddleFleet's ``YarnRotaryEmbedding.forward`` (FLEET_YARN): inv_freq blended between extrapolation and
+    interpolation by the linear ramp over [low, high], angles = outer(positions, inv_freq), duplicated; fp32."""
+    base, factor = config["rotary_base"], config["rotary_scaling_factor"]
+    inv_freq_extra = 1.0 / (base ** (paddle.arange(0, dim, 2).astype(paddle.float32) / dim))
+    inv_freq_inter = 1.0 / (factor * base ** (paddle.arange(0, dim, 2).astype(paddle.float32) / dim))
+
+    def correction_dim(rotations):
+        return (dim * math.log(config["original_max_position_embeddings"] / (rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low = max(math.floor(correction_dim(config["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(config["beta_slow"])), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = paddle.clip((paddle.arange(dim // 2).astype(paddle.float32) - low) / (high - low), 0, 1)
+    inv_freq_mask = 1.0 - ramp.astype(paddle.float32)
+    inv_freq = inv_freq_inter * (1 - inv_freq_mask) + inv_freq_extra * inv_freq_mask
+    seq = paddle.arange(tokens).astype(inv_freq_extra.dtype) + 0
+    freqs = paddle.outer(seq, inv_freq)
+    mscale = float(_yarn_mscale(factor, config["mscale"]) / _yarn_mscale(factor, config["mscale_all_dim"]))
+    return paddle.concat((freqs, freqs), axis=-1), mscale
+
+
+def _rotate(t, freqs, mscale):
+    """PaddleFleet's ``_apply_rotary_pos_emb_bshd`` (FLEET_ROPE), unfused, MLA de-interleave, not high precision."""
+    rot_dim = freqs.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t = paddle.concat((t[..., 0::2], t[..., 1::2]), axis=-1)
+    cos_ = (paddle.cos(freqs) * mscale).astype(t.dtype)
+    sin_ = (paddle.sin(freqs) * mscale).astype(t.dtype)
+    x1, x2 = paddle.chunk(t, 2, axis=-1)
+    rotated = paddle.concat((-x2, x1), axis=-1)
+    t = (t * cos_) + (rotated * sin_)
+    return paddle.concat((t, t_pass), axis=-1)
+
+
+def yarn_rope(request, tensors, gate, phases, guard):
+    """MLA's rope path as PaddleFleet's ``MLASelfAttention.get_query_key_value_tensors`` runs it without rope fusion
+    (FLEET_MLA): the YaRN table from ``YarnRotaryEmbedding`` (FLEET_YARN), ``apply_rotary_pos_emb`` on q_pe
+    [tokens, heads, 64] and on k_pe [tokens, 1, 64] (FLEET_ROPE: cos/sin in fp32 times mscale, cast to the input
+    dtype, t * cos + rotate_half(t) * sin in the input dtype), then k_pe expanded to every head. The gate does not
+    change this path (``high_precision_rope`` is a separate option, off)."""
+    n, d = request["shapes"]["num_heads"], request["shapes"]["rope_dim"]
+    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    t = tensors["query"].shape[0]
+    captured = {}
+
+    def forward():
+        freqs, mscale = _yarn_table(request["config"], d, t)
+        captured["intermediate.freqs"], captured["mscale"] = freqs.numpy(), mscale
+        freqs = freqs.unsqueeze(1)  # [s, 1, 64]
+        q_out = _rotate(q, freqs, mscale)
+        k_out = _rotate(k.unsqueeze(-2), freqs, mscale)
+        captured["out.key"] = k_out.reshape([t, d]).numpy()
+        return q_out, k_out.expand([-1, n, -1])
+
+    def backward(outs):
+        grads = [_tensor(tensors["grad_query"], False), _tensor(tensors["grad_key"], False)]
+        paddle.autograd.backward(list(outs), grads)
+
+    q_out, _ = _run(request, phases, guard, "YaRN rope (cos/sin fp32, rotate in the input dtype)", forward, backward)
+    # YarnRotaryEmbedding._set_cos_sin_cache / get_cached_cos_sin: (emb.cos() * mscale).to(dtype), as the rotation uses
+    freqs = paddle.to_tensor(captured["intermediate.freqs"])
+    cos, sin = ((f(freqs) * captured["mscale"]).astype(q.dtype).numpy() for f in (paddle.cos, paddle.sin))
+    return ({"intermediate.freqs": captured["intermediate.freqs"], "intermediate.cos": cos, "intermediate.sin": sin,
+             "out.query": q_out.numpy(),
+             "out.key": captured["out.key"], "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
+            f"paddle dygraph, PaddleFleet's YarnRotaryEmbedding + _apply_rotary_pos_emb_bshd (MLA de-interleave, "
+            f"mscale {captured['mscale']}), k_pe expanded to {n} heads (use_accuracy_compatible={gate})")
+
+
+def core_attention(request, tensors, gate, phases, guard):
+    """PaddleFleet's ``DotProductAttention`` explicit path (FLEET_ATTENTION; it takes it for fp32 inputs, its bf16
+    branch calls scaled_dot_product_attention / flashmask): [b, s, n, d] -> baddbmm(beta 0, alpha = softmax
+    scale), causal masked softmax in fp32 (masked_fill -10000, as Megatron's attention_mask_func) cast back, bmm with
+    V, back to [b, s, n, dv]. The gate does not change this module at that commit."""
+    scale = request["config"]["softmax_scale"]
+    q, k, v = _tensor(tensors["query"]), _tensor(tensors["key"]), _tensor(tensors["value"])
+    t, n, dv = tensors["value"].shape
+    mask = paddle.to_tensor(np.triu(np.ones((t, t), dtype=bool), 1))
+    captured = {}
+
+    def forward():
+        query = q.unsqueeze(0).transpose([0, 2, 1, 3]).reshape([n, t, -1])
+        key = k.unsqueeze(0).transpose([0, 2, 3, 1]).reshape([n, -1, t])
+        scores = paddle.baddbmm(paddle.empty([n, t, t], q.dtype), query, key, beta=0.0, alpha=scale)
+        masked = paddle.where(mask, paddle.full_like(scores, -10000.0, "float32"), scores.astype("float32"))
+        probs = F.softmax(masked, axis=-1).astype(scores.dtype)
+        captured["intermediate.probs"] = probs.numpy()
+
+        def hook(grad):
+            captured["intermediate.grad_probs"] = grad.numpy()
+        probs.register_hook(hook)
+        value = v.unsqueeze(0).transpose([0, 2, 1, 3]).reshape([n, t, -1])
+        context = paddle.bmm(probs, value).reshape([1, n, t, dv]).transpose([0, 2, 1, 3])
+        return context.reshape([t, n, dv])
+
+    name = "baddbmm * scale, where(causal, -10000), FP32 softmax cast back, bmm"
+    out = _run(request, phases, guard, name, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({**captured, "out": out.numpy(), "grad.value": v.grad.numpy(), "grad.query": q.grad.numpy(),
+             "grad.key": k.grad.numpy()},
+            f"paddle dygraph {name}, as PaddleFleet's DotProductAttention explicit path, alpha={scale!r} "
+            f"(use_accuracy_compatible={gate})")
+
+
+def moe_combine(request, tensors, gate, phases, guard):
+    """PaddleFleet's MoE combine with expert parallelism (FLEET_MOE_LAYER ``custom_forward``: under the gate the
+    routing probability is the experts' per_token_scale, so the combine gets weighted outputs): the permutation of
+    ``moe_utils.permute`` (FLEET_MOE_UTILS: masked_select of token ids by the transposed routing map, expert-major),
+    ``unpermute`` = zeros in the tokens' dtype then ``scatter_(index, updates, overwrite=False)``, then
+    ``output + shared_output`` (``MoELayer.forward``)."""
+    from harness.case.ops import combine_routing
+
+    shapes = request["shapes"]
+    t, experts = tensors["shared_output"].shape[0], shapes["num_experts"]
+    routing = np.zeros((t, experts), dtype=bool)
+    for token, chosen in enumerate(combine_routing(t, experts, shapes["topk"])):
+        routing[token, chosen] = True
+    routing_map = paddle.to_tensor(routing)
+    sorted_indices = paddle.arange(t).unsqueeze(0).expand([experts, -1]).masked_select(routing_map.T.contiguous())
+    routed, shared = _tensor(tensors["expert_output"]), _tensor(tensors["shared_output"])
+
+    def forward():
+        output = paddle.zeros(shared.shape, dtype=routed.dtype)
+        output = paddle.scatter(output, sorted_indices, routed, overwrite=False)
+        return output + shared
+
+    out = _run(request, phases, guard, "scatter (overwrite=False) + add", forward,
+               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.expert_output": routed.grad.numpy(), "grad.shared_output": shared.grad.numpy()},
+            "paddle dygraph, PaddleFleet's moe_utils.unpermute (zeros, scatter overwrite=False in the tokens' dtype, "
+            f"expert-major order) + shared expert output, as MoELayer (use_accuracy_compatible={gate})")
+
+
+def lm_head_loss(request, tensors, gate, phases, guard):
+    """PaddleFleet's ``GPTLMHead`` (FLEET_LM_HEAD: weight [vocab, hidden], forward through its column-parallel
+    linear with ``weight.T``: F.linear under the gate) and ``LanguageLoss`` at TP=1 (FLEET_LOSS:
+    ``CrossEntropyLoss(reduction="none")`` on ``logits.cast("float32")``, then sum(loss x lossmask) / lossmask.sum()).
+    Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
+    if not gate:
+        raise_if_cpu_gate_off(request)
+    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
+    labels = _tensor(tensors["labels"], False)
+    captured = {}
+
+    def forward():
+        logits = F.linear(x, w.T)
+        captured["intermediate.logits"] = logits.numpy()
+
+        def hook(grad):
+            captured["intermediate.grad_logits"] = grad.numpy()
+        logits.register_hook(hook)
+        token_loss = paddle.nn.CrossEntropyLoss(reduction="none")(logits.cast("float32"), labels)
+        captured["out"] = token_loss.reshape([-1]).numpy()
+        lossmask = (labels != -100).reshape([-1]).cast(paddle.float32)
+        return paddle.sum(token_loss.cast(paddle.float32).reshape([-1]) * lossmask) / lossmask.sum()
+
+    loss = _run(request, phases, guard, "F.linear -> CrossEntropyLoss(fp32)", forward, lambda o: o.backward())
+    return ({**captured, "loss": loss.reshape([1]).numpy(), "grad.input": x.grad.numpy(),
+             "grad.weight": w.grad.numpy()},
+            "paddle dygraph F.linear(x, weight.T) -> CrossEntropyLoss(reduction='none') on fp32 logits, "
+            f"sum(loss * mask) / mask.sum(), as GPTLMHead + LanguageLoss (use_accuracy_compatible={gate})")
+
+
 def unavailable(request):
     """The recipe runs wherever Paddle does; a kernel missing on the device is found when it runs (UNSUPPORTED)."""
     return None
@@ -327,5 +510,6 @@ IMPLEMENTATIONS = {
     ops.COLUMN_PARALLEL_LINEAR: linear, ops.ROW_PARALLEL_LINEAR: linear, ops.RMS_NORM: rms_norm, ops.SWIGLU: swiglu,
     ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
     ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
-    ops.MLA_UP_PROJECTION: mla_up_projection,
+    ops.MLA_UP_PROJECTION: mla_up_projection, ops.YARN_ROPE: yarn_rope, ops.CORE_ATTENTION: core_attention,
+    ops.MOE_COMBINE: moe_combine, ops.LM_HEAD_LOSS: lm_head_loss,
 }

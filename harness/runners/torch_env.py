@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from harness.run.protocol import Unsupported
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 # torch refuses deterministic cuBLAS calls without a fixed workspace; the harness sets the same value (GPU_ENV).
 CUBLAS_WORKSPACE = ":4096:8"
 

@@ -1,0 +1,172 @@
+"""Capture a torch model's module outputs and parameter gradients, in canonical names, into one safetensors file.
+
+Wrap it around your own training step::
+
+    from harness.capture.torch import capture
+    from harness.case.models import NameMap
+
+    with capture(model, "step.safetensors", name_map=NameMap.load("deepseek_v3", "hf")) as cap:
+        logits = model(input_ids).logits
+        loss = loss_fn(logits, labels)
+        loss.backward()
+        cap.record("loss", loss)        # any extra tensor, under the name you give it
+        cap.record("logits", logits[0])
+
+Interface (``harness.capture.paddle`` has the same):
+
+- ``capture(model, path, *, name_map=None, modules=None, grads=None, batch_dim=0)``: a context manager giving a
+  ``Capture``. ``path``: the safetensors file written when the block ends without an exception (None: write
+  nothing, read ``cap.tensors``). ``name_map``: a ``harness.case.models.NameMap`` (its ``modules`` and ``grads``
+  tables say how canonical names are made from the framework's); None: canonical names are the framework's own.
+  ``modules``: canonical module paths to capture (None: every submodule under its own name; [] none).
+  ``grads``: canonical parameter names whose gradients to write (None: every parameter under its own name).
+  ``batch_dim``: the batch dimension of module outputs, dropped when its size is 1 (HF: 0; Megatron: 1).
+- Written names: ``module.<canonical module path>`` (the module's output, or what its name-map rule says: the
+  input of another module, outputs concatenated on the last dim), ``grad.<canonical parameter name>`` (``.grad``
+  after backward, through the rule: same, cat0, a slice of a fused tensor, transpose), and what ``record`` got.
+- ``cap.record(name, tensor)``; after the block ``cap.tensors`` (name -> tensor, on the CPU), ``cap.not_captured``
+  (name -> why: a rule says it cannot be observed here, or the module never ran), ``cap.zero_grads`` (parameters
+  whose ``.grad`` was None, written as zeros: e.g. an expert that got no token).
+
+Nothing is recomputed: a module output is the tensor the forward produced (detached, cloned at once so in-place
+updates later cannot change it); a gradient is the tensor autograd left in ``.grad``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from safetensors.torch import save_file
+
+from harness.case.models import NameMap, Rule
+
+
+class Capture:
+    def __init__(self, model: torch.nn.Module, name_map: NameMap | None, batch_dim: int | None):
+        self.model, self.name_map, self.batch_dim = model, name_map, batch_dim
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.not_captured: dict[str, str] = {}
+        self.zero_grads: list[str] = []
+        self._seen: dict[str, dict[str, torch.Tensor]] = {}  # framework module path -> {"input"/"output": tensor}
+        self._hooked: set[tuple[str, bool]] = set()
+        self._handles: list = []
+        self._module_rules: dict[str, Rule] = {}
+
+    def record(self, name: str, tensor: torch.Tensor) -> None:
+        self.tensors[name] = tensor.detach().clone()
+
+    # --- modules ---
+    def watch(self, modules: list[str] | None) -> None:
+        named = dict(self.model.named_modules())
+        canonical = modules if modules is not None else [n for n in named if n]
+        for name in canonical:
+            rule = self.name_map.rule("modules", name) if self.name_map else Rule("same", (name,))
+            self._module_rules[name] = rule
+            if rule.kind == "not_captured":
+                self.not_captured["module." + name] = rule.why
+                continue
+            for source in rule.sources:
+                if source not in named:
+                    self.not_captured["module." + name] = f"the model has no module {source!r}"
+                    break
+                self._hook(source, named[source], want_input=rule.kind == "input_of")
+
+    def _hook(self, path: str, module: torch.nn.Module, want_input: bool) -> None:
+        if (path, want_input) in self._hooked:
+            return
+        self._hooked.add((path, want_input))
+        self._seen.setdefault(path, {})
+        if want_input:
+            def pre(mod, args, path=path):
+                self._store(path, "input", args[0])
+            self._handles.append(module.register_forward_pre_hook(pre))
+        else:
+            def post(mod, args, output, path=path):
+                self._store(path, "output", output[0] if isinstance(output, tuple) else output)
+            self._handles.append(module.register_forward_hook(post))
+
+    def _store(self, path: str, what: str, tensor: torch.Tensor) -> None:
+        if what in self._seen[path]:
+            self._seen[path]["_repeated"] = True
+        self._seen[path][what] = tensor.detach().clone()
+
+    def _module_tensor(self, name: str, rule: Rule) -> torch.Tensor | None:
+        what = "input" if rule.kind == "input_of" else "output"
+        parts = []
+        for source in rule.sources:
+            seen = self._seen.get(source, {})
+            if seen.get("_repeated"):
+                self.not_captured["module." + name] = f"module {source!r} ran more than once in the step"
+                return None
+            if what not in seen:
+                self.not_captured["module." + name] = f"module {source!r} did not run"
+                return None
+            parts.append(self._drop_batch(seen[what]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def _drop_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.batch_dim is not None and tensor.dim() > 1 and tensor.shape[self.batch_dim] == 1:
+            return tensor.squeeze(self.batch_dim)
+        return tensor
+
+    # --- gradients ---
+    def grads(self, names: list[str] | None) -> None:
+        params = dict(self.model.named_parameters())
+        for name in names if names is not None else list(params):
+            rule = self.name_map.rule("grads", name) if self.name_map else Rule("same", (name,))
+            sources = []
+            for source in rule.sources:
+                if source not in params:
+                    raise KeyError(f"gradient {name!r}: the model has no parameter {source!r} (rule {rule.kind})")
+                grad = params[source].grad
+                if grad is None:
+                    self.zero_grads.append(source)
+                    grad = torch.zeros_like(params[source])
+                sources.append(grad.detach())
+            self.tensors["grad." + name] = apply_rule(rule, sources).clone()
+
+    def finish(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for name, rule in self._module_rules.items():
+            if rule.kind == "not_captured":
+                continue
+            tensor = self._module_tensor(name, rule)
+            if tensor is not None:
+                self.tensors["module." + name] = tensor
+
+
+def apply_rule(rule: Rule, sources: list[torch.Tensor]) -> torch.Tensor:
+    """A canonical tensor from the framework tensors its rule names (exact: only copies, never arithmetic)."""
+    if rule.kind == "same":
+        return sources[0]
+    if rule.kind == "transpose":
+        return sources[0].transpose(-1, -2)
+    if rule.kind == "slice":
+        return sources[0][rule.index]
+    if rule.kind == "cat0":
+        return torch.cat(sources, dim=0)
+    if rule.kind == "transpose_cat0":
+        return torch.cat([s.transpose(-1, -2) for s in sources], dim=0)
+    if rule.kind == "cat_last":
+        return torch.cat(sources, dim=-1)
+    raise ValueError(f"rule {rule.kind!r} does not apply to gradients")
+
+
+@contextmanager
+def capture(model: torch.nn.Module, path, *, name_map: NameMap | None = None, modules: list[str] | None = None,
+            grads: list[str] | None = None, batch_dim: int | None = 0):
+    cap = Capture(model, name_map, batch_dim)
+    cap.watch(modules)
+    try:
+        yield cap
+    except BaseException:
+        cap.finish()
+        raise
+    cap.finish()
+    cap.grads(grads)
+    cap.tensors = {k: v.detach().to("cpu").contiguous() for k, v in cap.tensors.items()}
+    if path is not None:
+        save_file(cap.tensors, str(path))

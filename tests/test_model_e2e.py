@@ -1,0 +1,104 @@
+"""The model level end to end on the CPU: real HF transformers DeepseekV3ForCausalLM (hf_model), the 2-layer
+Kimi-K2 with 384 experts, 16 tokens (E2E_TOKENS), float32 and float64 only (a CPU without AVX-512 has a slow scalar
+bf16 GEMM in torch). Few on purpose: each side imports torch + transformers and runs the whole model.
+
+- The negative control: one bit of one routed expert's weight flipped on side b changes exactly that expert's
+  output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
+  with it, and everything upstream; the first divergence names the MoE block (HF cannot observe the expert itself).
+- The float64 semantic check, parametrized over the pair of runners: every pair must agree to about 1e-10 in
+  float64. A runner module that does not exist yet is skipped with its name (adding a pair is one line).
+- A planted difference in float64 (a mapping error stand-in) is an ERROR naming the first tensor, never a DIFF.
+"""
+
+import importlib.util
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from conftest import E2E_TOKENS
+from harness.case.checkpoints import load_tensors
+from harness.case.registry import Perturbation, Registry
+from harness.commands.compare import CompareOptions, compare_case
+
+pytestmark = pytest.mark.e2e
+
+SEMANTIC_PAIRS = [
+    ("hf_model", "hf_model"),
+    ("megatron_model", "hf_model"),
+    ("paddle_model", "hf_model"),
+]
+
+
+def _runner_exists(name: str) -> bool:
+    return importlib.util.find_spec(f"harness.runners.{name}") is not None
+
+
+def _run(name, tmp_path, checkpoints_dir, **kwargs):
+    result, run_dir = compare_case(name, CompareOptions(tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir,
+                                                        reports_dir=tmp_path / "reports", **kwargs))
+    report = json.loads((run_dir / "report.json").read_text())
+    tails = "\n".join(s["stderr_tail"][-2000:] for s in report["sides"] if s["status"] != "ok")
+    return result, run_dir, report, tails
+
+
+def test_negative_control_changes_exactly_the_expert_and_what_depends_on_it(tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("kimi_k2_2layer_control_hf", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
+    expert, layer = 58, 1
+    a = load_tensors(run_dir / "a-hf_model" / "outputs.safetensors")
+    topk = a[f"module.model.layers.{layer}.mlp.gate.topk_indices"]
+    tokens = sorted({int(t) for t in np.nonzero((topk == expert).any(axis=1))[0]})
+    assert tokens, "the planted expert must get tokens at this token count"
+    sharing = {int(e) for e in topk[tokens].ravel()}  # experts that see a token the planted expert sees
+    differing = {t["name"] for t in report["tensors"] if t["status"] != "EQUAL"}
+    expected = {f"module.model.layers.{layer}.mlp", f"module.model.layers.{layer}", "module.model.norm", "logits",
+                "loss"}
+    for spec in Registry.load().get("kimi_k2_2layer_control_hf").with_tokens(E2E_TOKENS).output_specs():
+        name = spec.name
+        if not name.startswith("grad."):
+            continue
+        if ".mlp.experts." in name:
+            if int(name.split(".mlp.experts.")[1].split(".")[0]) in sharing:
+                expected.add(name)
+        else:
+            expected.add(name)  # upstream of the MoE block, or downstream layers the changed tokens reach
+    assert differing == expected, (sorted(differing - expected), sorted(expected - differing))
+    # only the rows of the tokens routed to the planted expert change in the logits
+    b = load_tensors(run_dir / "b-hf_model" / "outputs.safetensors")
+    rows = sorted({int(r) for r in np.nonzero((a["logits"] != b["logits"]).any(axis=1))[0]})
+    assert rows == tokens
+    assert report["model"]["first_divergence_module"] == f"model.layers.{layer}.mlp"
+    assert report["model"]["gradients"]["bitwise_pass"] == 794 - len(expected & {n for n in expected
+                                                                               if n.startswith("grad.")})
+    markdown = (run_dir / "report.md").read_text()
+    assert "canonical gradients BITWISE_PASS" in markdown and "experts.*.gate_up_proj.weight (384 tensors)" in markdown
+    assert "module.model.layers.1.mlp.experts.* (384)" in markdown  # not compared: HF fuses its experts
+
+
+@pytest.mark.parametrize("pair", SEMANTIC_PAIRS, ids=["-vs-".join(p) for p in SEMANTIC_PAIRS])
+def test_float64_semantic_check(pair, tmp_path, checkpoints_dir):
+    missing = [r for r in pair if not _runner_exists(r)]
+    if missing:
+        pytest.skip(f"runner {', '.join(missing)} is not in this tree yet")
+    result, run_dir, report, tails = _run("kimi_k2_2layer_float64", tmp_path, checkpoints_dir, runners=pair,
+                                          oracle=False)
+    if result.verdict == "UNSUPPORTED":  # a runner that cannot run this model in float64 here says why
+        pytest.skip(result.message)
+    semantic = (report.get("model") or {}).get("semantic")
+    assert semantic, (result.verdict, result.message, tails)
+    assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
+    assert result.verdict in ("BITWISE_PASS", "WITHIN_TOLERANCE") and result.exit_code == 0, result.message
+    assert report["model"]["gradients"]["compared"] == 794
+
+
+def test_float64_disagreement_is_a_mapping_error_naming_the_first_tensor(tmp_path, checkpoints_dir, monkeypatch):
+    registry = Registry.load()
+    planted = replace(registry.get("kimi_k2_2layer_float64"), runners=("hf_model", "hf_model"),
+                      perturb=Perturbation("b", "model.layers.0.self_attn.kv_b_proj.weight", (5, 3), 50))
+    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
+    result, run_dir, report, tails = _run("kimi_k2_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.kv_b_proj" in \
+        result.message, (result.message, tails)
+    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.kv_b_proj"
