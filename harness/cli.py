@@ -1,5 +1,5 @@
-"""Command line: ``python -m harness list | compare CASE | diff A B | nightly | publish DIR | baseline update``;
-exit codes: see README."""
+"""Command line: ``python -m harness list | compare CASE | diff A B | doctor | nightly | nightly-merge | publish DIR
+| baseline update``; exit codes: see README."""
 
 from __future__ import annotations
 
@@ -12,8 +12,19 @@ from rich.table import Table
 
 from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
+from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
-from harness.commands import baseline, failsafe, gate_matrix, nightly, nightly_shards, publish, run_folder, sweep
+from harness.commands import (
+    baseline,
+    doctor,
+    failsafe,
+    gate_matrix,
+    nightly,
+    nightly_shards,
+    publish,
+    run_folder,
+    sweep,
+)
 from harness.commands import compare as pipeline
 from harness.compare.result import EXIT_CODES
 from harness.report import case_report as report
@@ -56,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                               "(error made locally vs carried in)")
     compare.add_argument("--gate-matrix", action="store_true",
                          help="run with use_accuracy_compatible on and off and report both against side a")
+    compare.add_argument("--paddle-impl", choices=KNOBS["paddle_impl"].choices,
+                         help="the Paddle side's implementation level for this run (sets config.paddle_impl): auto, "
+                              "paddlefleet, paddleformers or recipe; `python -m harness doctor` lists what exists here")
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
     nightly_shards.add_parser(commands)
     publish.add_parser(commands)
     baseline.add_parser(commands)
+    doctor.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -92,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)
+    if args.command == "doctor":
+        return doctor.main(args, pythons)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1 (got {args.repeat})")
     options = pipeline.CompareOptions(
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
-        repeat=args.repeat, refeed_ops=args.refeed)
+        repeat=args.repeat, refeed_ops=args.refeed,
+        config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
                                                   runner=None, tp=None))

@@ -12,7 +12,9 @@ Adding an op:
 1. a record here (``Op(...)``, added to ``OPS``), with the knobs it reads;
 2. one function per runner, in the runner's table keyed by the record (``harness/runners/megatron_ops.py``
    ``IMPLEMENTATIONS``, ``harness/runners/paddle_ops.py`` ``IMPLEMENTATIONS``); a runner without one answers
-   UNSUPPORTED;
+   UNSUPPORTED. The Paddle side has three levels (``harness/runners/paddle_levels.py``): PaddleFleet's module
+   (``paddle_fleet.py``), PaddleFormers' module (``paddle_formers.py``) and the recipe (``paddle_ops.py``); an op
+   missing from a level's table makes that level unavailable for it (the doctor says so);
 3. cases in ``cases/*.toml``: a reduced CPU case, a negative control (``perturb``) and a ``_full`` GPU twin
    (``tests/test_catalogue.py`` checks every family has them);
 4. the oracle: set ``oracle`` to the formula it computes (``harness/runners/oracle.py`` ``FORMULAS``), or leave
@@ -81,6 +83,10 @@ KNOBS: dict[str, Knob] = {
     "topk_scaling_factor": Knob((float,), 2.827, "MoE router: probabilities scaled after top-k normalisation"),
     "swiglu_impl": Knob((str,), "fused", "Megatron's SwiGLU: fused (hand-written backward) or eager",
                         ("fused", "eager")),
+    "paddle_impl": Knob((str,), "auto", "which Paddle implementation runs: auto (the highest level available "
+                        "here), paddlefleet (PaddleFleet's own module), paddleformers (PaddleFormers' module), "
+                        "recipe (plain Paddle ops, not PaddleFleet)", ("auto", "paddlefleet", "paddleformers",
+                                                                       "recipe")),
     "model": Knob((dict,), {}, "model cases: the model's config in HF DeepseekV3Config key names, `family` naming "
                   "its defaults and name map (harness/case/models/); every default resolved when the case loads"),
     # YaRN rotary embedding (Kimi-K2's rope_scaling: type yarn)
@@ -94,6 +100,8 @@ KNOBS: dict[str, Knob] = {
     "softmax_scale": Knob((float,), KIMI_SOFTMAX_SCALE, "core attention's QK^T scale (Kimi-K2's MLA: "
                           "yarn_mscale(32, 1)^2 / sqrt(192))"),
 }
+# Knobs every op reads (the Paddle runner's implementation level), resolved for every case.
+COMMON_KNOBS = ("paddle_impl",)
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class Op:
 
     def resolve(self, config: Mapping[str, object]) -> dict[str, object]:
         """The case's knobs completed with this op's defaults (knobs the op does not read are kept as given)."""
-        return {**{name: KNOBS[name].default for name in self.knobs}, **config}
+        return {**{name: KNOBS[name].default for name in (*self.knobs, *COMMON_KNOBS)}, **config}
 
 
 
@@ -234,8 +242,8 @@ def _mlp_outputs(shapes, tokens, config):
 
 def _mlp_stages(shapes, config):
     h, f = shapes["hidden_size"], shapes["ffn_hidden_size"]
-    linear = {k: v for k, v in config.items() if k == "use_accuracy_compatible"}
-    act = {k: v for k, v in config.items() if k in ("use_accuracy_compatible", "swiglu_impl")}
+    linear = {k: v for k, v in config.items() if k in ("use_accuracy_compatible", *COMMON_KNOBS)}
+    act = {k: v for k, v in config.items() if k in ("use_accuracy_compatible", "swiglu_impl", *COMMON_KNOBS)}
     return [
         Stage("fc1", "column_parallel_linear", {"input_size": h, "output_size": 2 * f}, linear,
               {"input": "input", "weight": "fc1_weight", "grad_output": "intermediate.grad_fc1_out"},

@@ -26,7 +26,7 @@ from harness import __version__
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
-from harness.commands import failsafe, nightly_shards, run_folder
+from harness.commands import doctor, failsafe, nightly_shards, run_folder
 from harness.compare import baseline, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import baseline_section, junit, nightly_report
@@ -109,6 +109,10 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
                          "host": host_provenance(), "node": platform.node()},
              "previous_report": previous_night.get("_path") if previous_night else None,
              "workers": workers, "shard": nightly_shards.describe(shard, cases)}
+    # What each runner would run here, asked before the cases (doctor.json): the night's verdicts are about it.
+    (run_dir / "doctor.json").write_text(json.dumps(doctor.run(device, dict(options.pythons)), indent=2,
+                                                    default=str) + "\n")
+    night["doctor"] = "doctor.json"
     with _Reporter(len(cases)) as progress:
         def one(case: Case) -> dict:
             progress.start(case.name)

@@ -24,7 +24,8 @@ def blocks(night: dict) -> list[tuple]:
     out += trend.blocks(night["trend"])
     out += baseline_section.blocks(night.get("baseline"))
     out += [("h", 2, "Cases"),
-            ("table", ["case", "outcome", "verdict", "expected", "differing tensors", "max ULP", "wall s", "why"],
+            ("table", ["case", "outcome", "verdict", "expected", "paddle level", "differing tensors", "max ULP",
+                       "wall s", "why"],
              [_row(c) for c in night["cases"]])]
     failures = [c for c in night["cases"] if c["outcome"] == "fail"]
     if failures:
@@ -67,7 +68,21 @@ def _row(c: dict) -> list[str]:
     max_ulp = max((t["max_ulp"] for t in tensors), default=None)
     why = "; ".join(c["problems"]) if c["outcome"] == "fail" and c["problems"] else c["message"]
     return [f"`{c['case']}`", OUTCOME_MARK[c["outcome"]], c["verdict"] or "—", c["expected"] or "—",
-            names or "—", "—" if max_ulp is None else str(max_ulp), f"{c['wall_seconds']:.1f}", _short(why)]
+            paddle_level(c.get("result")), names or "—", "—" if max_ulp is None else str(max_ulp),
+            f"{c['wall_seconds']:.1f}", _short(why)]
+
+
+def paddle_level(result: dict | None) -> str:
+    """Which Paddle implementation level the case's Paddle side ran (PaddleFleet, PaddleFormers, recipe), or "—"."""
+    levels = []
+    for side in (result or {}).get("sides", []):
+        meta = side.get("meta") or {}
+        if side.get("runner") == "paddle" and side.get("label") in ("a", "b"):
+            level = meta.get("paddle_level") or ("pinned " + meta["unsupported"].split("'")[1]
+                                                 if "config.paddle_impl" in meta.get("unsupported", "") else None)
+            if level and level not in levels:
+                levels.append(level)
+    return ", ".join(levels) or "—"
 
 
 def _stderr_tail(c: dict) -> str:

@@ -70,14 +70,24 @@ class Phases:
             self.seconds[name] = round(time.perf_counter() - start, 6)
 
 
-def serve(runner: str, run: Callable[[dict, Phases], dict]) -> None:
+def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str], dict] | None = None) -> None:
     """Read the request named on the command line, call `run`, write meta.json, exit with the contract's code.
 
-    `run(request, phases)` writes the outputs file and returns the framework's provenance.
+    `run(request, phases)` writes the outputs file and returns the framework's provenance. With ``--probe`` the
+    runner computes nothing: it prints one JSON object (``probe_answer``) saying what this interpreter has and which
+    implementation each op would get on ``--device`` (the doctor's question), and exits 0.
     """
     parser = argparse.ArgumentParser(prog=f"python -m harness.runners.{runner}")
-    parser.add_argument("--request", required=True, type=Path)
-    request = json.loads(parser.parse_args().request.read_text())
+    parser.add_argument("--request", type=Path)
+    parser.add_argument("--probe", action="store_true", help="answer what would run here as JSON; compute nothing")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="the device --probe asks about")
+    args = parser.parse_args()
+    if args.probe:
+        print(json.dumps(probe_answer(runner, args.device, probe), default=str))
+        sys.exit(0)
+    if args.request is None:
+        parser.error("--request FILE is required (or --probe)")
+    request = json.loads(args.request.read_text())
     output_dir = Path(request["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     phases = Phases()
@@ -94,6 +104,29 @@ def serve(runner: str, run: Callable[[dict, Phases], dict]) -> None:
     meta["phases"] = phases.seconds
     (output_dir / rank_file_name(META, rank, world)).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
     sys.exit(code)
+
+
+def probe_answer(runner: str, device: str, probe: Callable[[str], dict] | None) -> dict:
+    """The probe's answer: the interpreter and host, plus what the runner's own `probe(device)` says."""
+    answer = {"runner": runner, "device": device, "python": sys.version.split()[0], "executable": sys.executable,
+              "host": host_provenance(), "env": env_flags()}
+    if probe is None:
+        answer["note"] = "this runner answers no more than its interpreter and host"
+        return answer
+    try:
+        answer.update(probe(device))
+    except Exception as error:  # noqa: BLE001 - a probe that fails is an answer too
+        answer["probe_error"] = f"{type(error).__name__}: {error}"
+    return answer
+
+
+def op_table(table: dict, runner: str) -> dict:
+    """Per op of the catalogue: the function of a runner's ``IMPLEMENTATIONS`` table that would run, or why none."""
+    from harness.case.ops import OPS
+
+    return {name: {"would_run": f"{table[op].__module__}.{table[op].__name__}"} if op in table else
+            {"would_run": None, "reason": f"the {runner} runner has no implementation of op {name!r}"}
+            for name, op in OPS.items()}
 
 
 def host_provenance() -> dict:

@@ -8,8 +8,9 @@
   starts in a session of its own (a daemon) is re-parented to the harness instead of init, so it stays findable.
 - ``watch()`` around a round of runners: whatever the round started that still runs when it ends (a daemon, an
   orphaned grandchild) is killed and reaped. A process registered with ``keep=True`` (a worker meant to outlive
-  one round) is spared by ``watch`` but still stopped by a signal. Rounds run one at a time in a process, as every
-  command runs them; two rounds watched at once from two threads would each count the other's processes as left.
+  one round) is spared by ``watch`` but still stopped by a signal. Rounds may run at once in several threads
+  (``nightly --workers``): a round owns the runners registered from its own thread, and its sweep spares every
+  runner another round still has registered, with that runner's descendants.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 _lock = threading.RLock()  # re-entrant: a signal handler may run while the main thread holds it
 _live: dict[int, tuple[subprocess.Popen, bool]] = {}  # pid -> (process, keep across rounds)
+_round = threading.local()  # .processes: the runners registered by the round this thread is watching
 _state = {"installed": False, "interrupted": None, "previous_handlers": {}, "subreaper": None, "before": set(),
           "stopped": []}
 
@@ -56,6 +58,8 @@ class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not ca
 def register(process: subprocess.Popen, keep: bool = False) -> None:
     with _lock:
         _live[process.pid] = (process, keep)
+    if getattr(_round, "processes", None) is not None:
+        _round.processes.append(process)
 
 
 def unregister(process: subprocess.Popen) -> None:
@@ -137,18 +141,21 @@ def snapshot() -> set[tuple[int, str]]:
 def watch() -> Iterator[None]:
     """Around one round of runners: afterwards, kill and reap every descendant the round left behind."""
     before = snapshot()
+    outer, _round.processes = getattr(_round, "processes", None), []
     try:
         yield
     finally:
-        sweep(before)
+        mine, _round.processes = _round.processes, outer
+        sweep(before, mine)
 
 
-def sweep(before: set[tuple[int, str]]) -> list[int]:
-    """Kill (SIGKILL) and reap descendants that were not there `before` and are not kept workers; a runner still
-    registered (its round ended early, e.g. a folder could not be written) is stopped, waited for and forgotten,
-    so its process group id is never signalled again once the system may have reused it."""
+def sweep(before: set[tuple[int, str]], mine: list[subprocess.Popen]) -> list[int]:
+    """Kill (SIGKILL) and reap descendants that were not there `before`, are not kept workers and belong to no
+    other round still running; a runner of this round (`mine`) still registered (its round ended early, e.g. a
+    folder could not be written) is stopped, waited for and forgotten, so its process group id is never signalled
+    again once the system may have reused it."""
     with _lock:
-        orphaned = [process for process, keep in _live.values() if not keep]
+        orphaned = [process for process in mine if process.pid in _live and not _live[process.pid][1]]
     for process in orphaned:
         if process.poll() is None:
             try:
@@ -158,7 +165,7 @@ def sweep(before: set[tuple[int, str]]) -> list[int]:
             process.wait()
         unregister(process)
     with _lock:
-        kept = {pid for pid, (_, keep) in _live.items() if keep}
+        kept = set(_live)  # kept workers, and the runners of rounds other threads are still watching
     kept |= {pid for leader in kept for pid in launch.descendants(leader)}
     leftovers = {pid for pid, started in _identified(launch.descendants(os.getpid())) - before
                  if pid not in kept}

@@ -104,5 +104,23 @@ def _te_version() -> dict:
         return {}
 
 
+def probe(device: str) -> dict:
+    """What would run here (``--probe``): versions, torch's CPU capability or the GPU, and each op's function."""
+    from harness.run.protocol import op_table
+
+    answer = {"framework": "megatron-core", "versions": {"torch": torch.__version__},
+              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        answer["gpu"] = torch.cuda.get_device_name(0)
+    if MEGATRON_IMPORT_ERROR:
+        return {**answer, "importable": False,
+                "reason": f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}"}
+    answer["versions"]["megatron-core"] = megatron_version
+    if device == "gpu" and not torch.cuda.is_available():
+        answer["device_problem"] = f"torch {torch.__version__} sees no GPU"
+    return {**answer, "importable": True, "ops": op_table(megatron_ops.IMPLEMENTATIONS, "megatron")}
+
+
 if __name__ == "__main__":
-    serve("megatron", run)
+    serve("megatron", run, probe)

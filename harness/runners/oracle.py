@@ -139,5 +139,12 @@ def _blas_name() -> str:
         return "unknown"
 
 
+def probe(device: str) -> dict:
+    """What would run here (``--probe``): numpy, and each op's formula or that it has none."""
+    return {"framework": "numpy", "importable": True, "versions": {"numpy": np.__version__},
+            "ops": {name: {"would_run": f"oracle formula {op.oracle!r}"} if op.oracle in FORMULAS else
+                    {"would_run": None, "reason": f"no truth oracle for op {name!r}"} for name, op in OPS.items()}}
+
+
 if __name__ == "__main__":
-    serve("oracle", run)
+    serve("oracle", run, probe)

@@ -1,20 +1,24 @@
-"""Paddle runner: PaddleFleet's gated linears when ``paddlefleet`` imports, else plain Paddle ops that follow
-the gated path (bf16, TP=1: ``paddle.nn.functional.linear`` on Paddle's ``[in, out]`` weight).
+"""Paddle runner: the Paddle side of every op, at the highest implementation level available here.
 
-Which implementation ran is written to ``meta.json``; a verdict is only about that implementation.
-- GPU: dygraph, PaddleFleet's ``ColumnParallelLinear`` / ``RowParallelLinear`` with ``use_accuracy_compatible``
-  on a single card (no fleet initialisation). It needs a CUDA build of paddle (paddlepaddle-gpu >= 3.3) that sees
-  a GPU, and ``paddlefleet``; where any of them is missing the request is UNSUPPORTED and says which, because a
-  GPU verdict is meant to be about PaddleFleet's module. TF32 is kept off with ``NVIDIA_TF32_OVERRIDE=0`` (read by
-  cuBLAS itself); ``FLAGS_use_accuracy_compatible_kernel=1`` comes from the harness (orchestrate.GPU_ENV).
-- CPU, bf16: Paddle's dygraph has no CPU bf16 matmul kernel, so the same ops are built in a static
-  Program and run by oneDNN. oneDNN's bf16 matmul needs AVX-512; on a CPU without it the request is
-  UNSUPPORTED, with the kernel and the CPU's ISA named.
+Levels (``harness.runners.paddle_levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet's own module
+with the case's ``use_accuracy_compatible`` (``paddle_fleet.py``; GPU, where ``paddlefleet`` imports);
+2. PaddleFormers' module (``paddle_formers.py``; DeepseekV3 and its shared modules, non-fused where the fused kernel
+does not exist on the device); 3. the reference recipe, plain Paddle ops following PaddleFleet's gated path, not
+PaddleFleet (``paddle_ops.py``). ``meta.json`` records the level that ran, why each higher one was passed over, and
+the implementation (prefixed with the level's label, which the report shows); a verdict is only about that
+implementation. ``python -m harness.runners.paddle --probe --device cpu|gpu`` answers, computing nothing, what would
+run here (``python -m harness doctor`` asks it).
+- GPU: dygraph on a CUDA build of paddle (paddlepaddle-gpu >= 3.3) that sees a GPU, else UNSUPPORTED saying which.
+  TF32 is kept off with ``NVIDIA_TF32_OVERRIDE=0`` (read by cuBLAS itself); ``FLAGS_use_accuracy_compatible_kernel=1``
+  comes from the harness (orchestrate.GPU_ENV).
+- CPU, bf16: Paddle's dygraph has no CPU bf16 matmul kernel; the recipe builds its linears in a static Program run by
+  oneDNN (needs AVX-512; without it UNSUPPORTED, with the kernel and the CPU's ISA named). PaddleFormers' level is
+  unavailable where a kernel its module needs is missing in the case's dtype (``paddle_kernels``).
 - CPU, fp32: dygraph.
 Outputs go back to canonical names and Megatron's ``[out, in]`` weight layout (a transpose: exact).
 
-Tensor parallel (started by ``paddle.distributed.launch``): PaddleFleet's layers on its model-parallel group
-when importable; otherwise each rank runs the same ops on its split weights (partition dims from
+Tensor parallel (started by ``paddle.distributed.launch``): PaddleFleet's layers on its model-parallel group at the
+PaddleFleet level; otherwise each rank runs the recipe on its split weights (partition dims from
 ``harness.case.ops``) and the partial sums are all-reduced as Megatron does: column-parallel, the input grad;
 row-parallel, the output. The plain path has no sequence parallel and no row-parallel bias (said UNSUPPORTED).
 """
@@ -38,6 +42,7 @@ from harness.run.protocol import (
     serve,
     shard_index,
 )
+from harness.runners import paddle_levels
 
 try:
     import paddle
@@ -58,27 +63,60 @@ def run(request: dict, phases: Phases) -> dict:
         partition = OPS[request["op"]].partition(request["config"])
         tensors = {k: np.ascontiguousarray(v.numpy()[shard_index(v.shape, partition.get(k), rank, world)])
                    for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
-    fleet = _paddlefleet() if device == "gpu" else None  # raises UNSUPPORTED on a GPU without it
-    if world > 1 and fleet is None:
+    with phases("choose_level"):
+        choice = paddle_levels.choose(request)  # UNSUPPORTED when the pinned level, or every level, is unavailable
+    own_tp = choice.level == "paddlefleet"  # PaddleFleet's layers run on fleet's model-parallel group themselves
+    if world > 1 and not own_tp:
         _check_plain_tp(request)
         paddle.distributed.init_parallel_env()
-    from harness.runners import paddle_ops  # after the import check: it imports paddle
-
-    implementation_of = paddle_ops.IMPLEMENTATIONS.get(OPS[request["op"]])
-    if implementation_of is None:
-        raise Unsupported(f"the Paddle runner has no implementation of op {request['op']!r}")
-    outputs, implementation = implementation_of(request, tensors, gate, phases, _kernel_guard)
-    if world > 1 and fleet is None:
+    outputs, implementation = choice.implementation(request, tensors, gate, phases, _kernel_guard)
+    if world > 1 and not own_tp:
         with phases("all_reduce"):
             implementation += _all_reduce_partials(outputs, request, world)
     with phases("write"):
         _write(outputs, request, rank_file_name(OUTPUTS, rank, world))
-    return {"framework": "paddle", "implementation": implementation, "tensor_parallel": world,
-            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
-                         **({"paddlefleet": getattr(fleet, "__version__", "unknown")} if fleet else {})},
+    level_versions = getattr(paddle_levels.import_level(choice.level), "versions", dict)()
+    return {"framework": "paddle", "implementation": f"[{paddle_levels.LABELS[choice.level]}] {implementation}",
+            "tensor_parallel": world, **choice.meta(),
+            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit, **level_versions},
             "paddlefleet_importable": importlib.util.find_spec("paddlefleet") is not None,
             "use_accuracy_compatible": gate, **_device_provenance(device),
             **({"tf32": f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']}"} if device == "gpu" else {})}
+
+
+def probe(device: str) -> dict:
+    """What this environment would run, computing nothing: versions, device, kernels, and per op and dtype the level
+    that would run with each level's reason (``python -m harness.runners.paddle --probe``; the doctor asks it)."""
+    if paddle is None:
+        return {"framework": "paddle", "importable": False,
+                "reason": f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}"}
+    answer = {"framework": "paddle", "importable": True, "versions": {"paddlepaddle": paddle.__version__,
+                                                                      "paddle_commit": paddle.version.commit},
+              "compiled_with_cuda": paddle.is_compiled_with_cuda()}
+    try:
+        _select_device(device)
+    except Unsupported as reason:
+        answer["device_problem"] = str(reason)
+    else:
+        answer.update(_device_provenance(device))
+        from harness.runners import paddle_kernels
+
+        answer["kernels"] = paddle_kernels.table(device)
+    for level in paddle_levels.LEVELS:
+        try:
+            answer["versions"].update(getattr(paddle_levels.import_level(level), "versions", dict)())
+        except Exception as error:  # noqa: BLE001 - reported per op below as the level's reason
+            answer.setdefault("level_import_errors", {})[level] = repr(error)
+    answer["ops"] = {}
+    variants = [(name, name, {}) for name in OPS] + [("swiglu+per_token_scale", "swiglu", {"per_token_scale": True})]
+    for key, name, config in variants:
+        answer["ops"][key] = {dtype: paddle_levels.survey({"op": name, "device": device, "dtype": dtype, "tp": 1,
+                                                           "config": OPS[name].resolve(config)})
+                              for dtype in ("bfloat16", "float32")}
+        if "device_problem" in answer:  # nothing runs on this device, whatever the levels say
+            for survey in answer["ops"][key].values():
+                survey.update(would_run=None, label=f"UNSUPPORTED: {answer['device_problem']}")
+    return answer
 
 
 def _check_plain_tp(request):
@@ -151,17 +189,6 @@ def _select_device(name: str) -> str:
     return name
 
 
-def _paddlefleet():
-    """PaddleFleet, required on a GPU: the GPU verdict is about its gated module, not about hand-written ops."""
-    try:
-        import paddlefleet
-    except ImportError as error:
-        raise Unsupported(f"paddlefleet is not importable by {sys.executable} ({error}): on a GPU the Paddle side "
-                          "is PaddleFleet's gated ColumnParallelLinear/RowParallelLinear; install paddlefleet and "
-                          "paddlefleet-ops (Paddle's package index) next to paddlepaddle-gpu >= 3.3") from None
-    return paddlefleet
-
-
 def _device_provenance(device: str) -> dict:
     info = {"paddle_with_mkl": getattr(paddle.version, "with_mkl", None), "paddle_onednn": _onednn_version()}
     if device == "gpu":
@@ -179,4 +206,4 @@ def _onednn_version() -> str | None:
 
 
 if __name__ == "__main__":
-    serve("paddle", run)
+    serve("paddle", run, probe)

@@ -1,5 +1,6 @@
-"""Paddle's implementation of every op (``IMPLEMENTATIONS``, keyed by the op record), following PaddleFleet's
-paths with the accuracy gate on and off.
+"""The reference recipe, the Paddle side's lowest level (``IMPLEMENTATIONS``, keyed by the op record): plain Paddle
+ops following PaddleFleet's paths with the accuracy gate on and off; not PaddleFleet's module (that level is
+``paddle_fleet.py``, PaddleFormers' is ``paddle_formers.py``; ``paddle_levels.py`` picks).
 
 Plain Paddle ops (dygraph), written from PaddleFleet's public source and its documented gate behaviour:
 - gate on (``use_accuracy_compatible``): RMSNorm and SwiGLU (with or without a per-token scale) are FP32
@@ -21,7 +22,7 @@ import paddle
 import paddle.nn.functional as F
 
 from harness.case import ops
-from harness.run.protocol import Unsupported, rank_and_world
+from harness.run.protocol import Unsupported
 
 
 def _tensor(array, trainable=True):
@@ -46,11 +47,9 @@ def _synchronize(request):
 
 
 def linear(request, tensors, gate, phases, guard):
-    """Column- or row-parallel linear: PaddleFleet's own module on a GPU (the runner has checked it imports), a
-    static oneDNN graph for bf16 on a CPU (dygraph has no CPU bf16 matmul), dygraph otherwise."""
-    if request["device"] == "gpu":
-        return _fleet_linear(request, tensors, gate, phases, rank_and_world()[1])
-    if request["dtype"] == "bfloat16":
+    """Column- or row-parallel linear: a static oneDNN graph for bf16 on a CPU (dygraph has no CPU bf16 matmul),
+    dygraph otherwise (PaddleFleet's own module is the level above: harness/runners/paddle_fleet.py)."""
+    if request["device"] == "cpu" and request["dtype"] == "bfloat16":
         return _static_onednn_linear(request, tensors, gate, phases, guard)
     return _dygraph_linear(request, tensors, gate, phases, guard)
 
@@ -97,56 +96,6 @@ def _static_onednn_linear(request, tensors, gate, phases, guard):
                                 f"oneDNN bf16 {name} (static graph)", request)
     paddle.disable_static()
     return _canonical(results), f"paddle static graph + oneDNN, {name} (plain Paddle ops following the gated path)"
-
-
-def _fleet_linear(request, tensors, gate, phases, world):
-    """PaddleFleet's own module with the accuracy gate; weight is Paddle's [in, out] (this rank's shard at TP>1).
-    Written from its public API (GPU only; not run on this project's machines)."""
-    from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from paddlefleet.transformer.transformer_config import TransformerConfig
-
-    x, w, b = _feeds(tensors, request)
-    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
-    sequence_parallel = request["config"]["sequence_parallel"]
-    # gradient_accumulation_fusion off: the wgrad is then general_gemm(x.t(), dy) into .grad, as on Megatron's side
-    # (with it on, PaddleFleet accumulates into a main_grad that only its DDP wrapper creates).
-    config = TransformerConfig(num_layers=1, hidden_size=n_in, num_attention_heads=1, params_dtype=paddle.bfloat16
-                               if request["dtype"] == "bfloat16" else paddle.float32, use_accuracy_compatible=gate,
-                               gradient_accumulation_fusion=False, tensor_model_parallel_size=world,
-                               sequence_parallel=sequence_parallel)
-    bias = b is not None
-    group = {"tp_group": _fleet_tp_group(world)} if world > 1 else {}
-    if request["op"] == "column_parallel_linear":
-        layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
-                                     gather_output=False, **group)
-    else:
-        layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
-                                  input_is_parallel=True, skip_bias_add=False, **group)
-    layer.weight.set_value(paddle.to_tensor(w))
-    if bias:
-        layer.bias.set_value(paddle.to_tensor(b))
-    xt = paddle.to_tensor(x).unsqueeze(1)  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
-    xt.stop_gradient = False
-    with phases("forward"):
-        out, _ = layer(xt)
-        _synchronize(request)
-    with phases("backward"):
-        out.backward(paddle.to_tensor(tensors["grad_output"]).unsqueeze(1))
-        _synchronize(request)
-    results = [out.squeeze(1).numpy(), xt.grad.squeeze(1).numpy(), layer.weight.grad.numpy()]
-    if bias:
-        results.append(layer.bias.grad.numpy())
-    return _canonical(results), f"paddlefleet.tensor_parallel.{type(layer).__name__} (use_accuracy_compatible={gate})"
-
-
-def _fleet_tp_group(world):
-    """Fleet's hybrid topology with every rank in one model-parallel (tensor-parallel) group."""
-    from paddle.distributed import fleet
-
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": world, "pp_degree": 1}
-    fleet.init(is_collective=True, strategy=strategy)
-    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
 
 
 def _linear_function(gate, request):
@@ -550,6 +499,11 @@ def lm_head_loss(request, tensors, gate, phases, guard):
              "grad.weight": w.grad.numpy()},
             "paddle dygraph F.linear(x, weight.T) -> CrossEntropyLoss(reduction='none') on fp32 logits, "
             f"sum(loss * mask) / mask.sum(), as GPTLMHead + LanguageLoss (use_accuracy_compatible={gate})")
+
+
+def unavailable(request):
+    """The recipe runs wherever Paddle does; a kernel missing on the device is found when it runs (UNSUPPORTED)."""
+    return None
 
 
 IMPLEMENTATIONS = {

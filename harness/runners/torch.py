@@ -85,5 +85,14 @@ def linear(tensors: dict, layout: str, device: torch.device, phases: Phases) -> 
 IMPLEMENTATIONS = {ops.COLUMN_PARALLEL_LINEAR: linear, ops.ROW_PARALLEL_LINEAR: linear}
 
 
+def probe(device: str) -> dict:
+    """What would run here (``--probe``): torch's version and CPU capability, and each op's function."""
+    from harness.run.protocol import op_table
+
+    return {"framework": "torch", "versions": {"torch": torch.__version__}, "importable": True,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cuda_available": torch.cuda.is_available(), "ops": op_table(IMPLEMENTATIONS, "torch")}
+
+
 if __name__ == "__main__":
-    serve("torch", runner("tn"))
+    serve("torch", runner("tn"), probe)

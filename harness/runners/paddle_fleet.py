@@ -1,0 +1,386 @@
+"""Level 1 of the Paddle side: PaddleFleet's own modules with the case's ``use_accuracy_compatible``
+(``IMPLEMENTATIONS``, keyed by the op record). GPU only, where ``paddlefleet`` imports.
+
+Written against PaddleFleet's public source (PaddlePaddle/PaddleFleet, read through the project's code index; its
+snapshot cannot be fetched), file by file at the commit read, named beside each function:
+- linears: ``src/paddlefleet/tensor_parallel/layers.py`` ``ColumnParallelLinear`` / ``RowParallelLinear``
+  (@023ee66c6bd20101d946d14fef24588df4d515ac, the API in /work/shared/platform-notes.md);
+- RMSNorm: ``src/paddlefleet/transformer/paddle_norm.py`` ``WrappedPaddleNorm`` -> ``RMSNorm``
+  (@0534a45160925fcef9a133986ce3655f04cc997e: ``fused_rms_norm_ext(x, weight, eps)[0].astype(weight.dtype)``);
+- SwiGLU (with and without per-token scale) and the shared-expert block: ``src/paddlefleet/transformer/mlp.py``
+  ``MLP`` / ``MLPSublayersSpec`` (@05da5a93356cb6d7a9ea875f33c9d4a77634a6ef): with
+  ``FLAGS_use_accuracy_compatible_kernel=1``
+  (read from the environment when the module is imported) ``_accuracy_compatible_swiglu`` then
+  ``(act * scale.unsqueeze(-1)).to(dtype)``; otherwise ``bias_swiglu_impl`` / ``weighted_bias_swiglu_impl``
+  (``src/paddlefleet/fusions/fused_bias_swiglu.py``);
+- embedding: ``tensor_parallel.VocabParallelEmbedding`` as ``src/paddlefleet/models/common/embeddings/
+  language_model_embedding.py`` builds it (@0c97629616ff4c58eb42c4e654ee7450e7aafce2);
+- attention scores: ``src/paddlefleet/transformer/dot_product_attention.py`` ``DotProductAttention`` unfused core
+  (@00a9f175a76aa0dc93c445746a3c90efa5566069: ``paddle.baddbmm(buffer, q, k, beta=0, alpha=softmax_scale)`` then
+  ``FusedScaleMaskSoftmax`` from ``src/paddlefleet/fusions/fused_softmax.py`` @3ca20b50f66310b722b2b507d54830b82da1c950
+  with ``attention_mask_func`` and the causal mask it makes itself). In bf16 the module's own forward calls the
+  fused ``scaled_dot_product_attention``, which exposes no probabilities; this level runs the unfused core;
+- MoE router: ``src/paddlefleet/transformer/moe/moe_router.py`` ``TopKRouter``
+  (@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e:
+  ``gate_detach_matmul`` -> ``FusedGateDetachMatmul`` with ``use_accuracy_compatible``, sigmoid, ``noaux_tc`` top-k on
+  scores + ``e_score_correction_bias``, fp64 sum for the normalisation under the gate, x ``routed_scaling_factor``;
+  ``forward`` returns ``(None, top_gate, top_idx, probs, mask, None, l_aux, l_zloss)``);
+- routed experts: each local expert is ``mlp.MLP(..., is_expert=True)`` called with ``per_token_scale`` (the routing
+  probability), tokens split by ``ops.uneven_split`` (``moe_expert.py`` itself was not read);
+- MLA up-projections: ``q_up_proj`` / ``kv_up_proj`` are its ColumnParallelLinear, output viewed per head
+  (``src/paddlefleet/transformer/multi_latent_attention.py`` @023ee66c6bd20101d946d14fef24588df4d515ac).
+None of it has run on this project's machines (no Paddle 3.x GPU build or PaddleFleet can be installed here); on them
+``unavailable`` answers why, and the side is UNSUPPORTED.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from functools import cache
+
+import numpy as np
+import paddle
+
+from harness.case import ops
+from harness.run.protocol import rank_and_world
+
+LABEL = "PaddleFleet"
+GATE_FLAG = "FLAGS_use_accuracy_compatible_kernel"
+
+
+@cache
+def _import_problem() -> str | None:
+    try:
+        importlib.import_module("paddlefleet")
+    except Exception as error:  # noqa: BLE001 - any import failure makes the level unavailable, with its reason
+        return (f"paddlefleet is not importable by {sys.executable} ({type(error).__name__}: {error}); PaddleFleet "
+                "and paddlefleet-ops come from Paddle's own package index, next to paddlepaddle-gpu >= 3.3")
+    return None
+
+
+def versions() -> dict:
+    if _import_problem():
+        return {}
+    import paddlefleet
+
+    return {"paddlefleet": getattr(paddlefleet, "__version__", "unknown")}
+
+
+def unavailable(request: dict) -> str | None:
+    """Why PaddleFleet's module cannot run this request here, or None."""
+    reasons = []
+    if request["device"] != "gpu":
+        reasons.append("PaddleFleet runs on a GPU only (its modules call CUDA kernels: fused_rms_norm_ext, swiglu, "
+                       "fused_linear, flash attention); this is a CPU run")
+    elif not paddle.is_compiled_with_cuda():
+        reasons.append(f"paddle {paddle.__version__} at {paddle.__file__} is a CPU build")
+    problem = _import_problem()
+    if problem:
+        reasons.append(problem)
+    return "; ".join(reasons) or None
+
+
+def _gate_env(gate) -> None:
+    """mlp.py reads the gate from the environment into ``_ACCURACY_COMPATIBLE_KERNEL`` when it is imported, and its
+    forward reads that global at call time: set both to the case's gate (the harness's GPU environment sets the flag
+    to 1 for the whole process)."""
+    os.environ[GATE_FLAG] = "1" if gate else "0"
+    from paddlefleet.transformer import mlp
+
+    mlp._ACCURACY_COMPATIBLE_KERNEL = bool(gate)
+
+
+def _config(request, gate, **fields):
+    from paddlefleet.transformer.transformer_config import TransformerConfig
+
+    dtype = {"bfloat16": paddle.bfloat16, "float16": paddle.float16}.get(request["dtype"], paddle.float32)
+    fields.setdefault("num_attention_heads", 1)
+    return TransformerConfig(num_layers=1, params_dtype=dtype, use_accuracy_compatible=gate,
+                             gradient_accumulation_fusion=False, bf16=request["dtype"] == "bfloat16",
+                             fp16=request["dtype"] == "float16", tensor_model_parallel_size=rank_and_world()[1],
+                             **fields)
+
+
+def _tensor(array, trainable=True):
+    tensor = paddle.to_tensor(array)
+    tensor.stop_gradient = not trainable
+    return tensor
+
+
+def _set(parameter, array):
+    parameter.set_value(paddle.to_tensor(np.ascontiguousarray(array)).astype(parameter.dtype))
+
+
+def _t(x):
+    return np.ascontiguousarray(np.asarray(x).T)
+
+
+def _run(request, phases, forward, backward):
+    with phases("forward"):
+        out = forward()
+        paddle.device.synchronize()
+    with phases("backward"):
+        backward(out)
+        paddle.device.synchronize()
+    return out
+
+
+def _name(text, gate):
+    return f"{text} (use_accuracy_compatible={gate}; PaddleFleet {versions().get('paddlefleet')})"
+
+
+def linear(request, tensors, gate, phases, guard):
+    """ColumnParallelLinear / RowParallelLinear (tensor_parallel/layers.py), input [s, b=1, h], weight [in, out]
+    (this rank's shard at TP > 1, on fleet's model-parallel group)."""
+    from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    world = rank_and_world()[1]
+    n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
+    bias = "bias" in tensors
+    # gradient_accumulation_fusion off: the wgrad is general_gemm(x.t(), dy) into .grad, as on Megatron's side
+    config = _config(request, gate, hidden_size=n_in, sequence_parallel=request["config"]["sequence_parallel"])
+    group = {"tp_group": _tp_group(world)} if world > 1 else {}
+    if request["op"] == "column_parallel_linear":
+        layer = ColumnParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
+                                     gather_output=False, **group)
+    else:
+        layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
+                                  input_is_parallel=True, skip_bias_add=False, **group)
+    _set(layer.weight, _t(tensors["weight"]))
+    if bias:
+        _set(layer.bias, tensors["bias"])
+    x = _tensor(tensors["input"][:, None])  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
+    out = _run(request, phases, lambda: layer(x)[0],
+               lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
+    outputs = {"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
+               "grad.weight": _t(layer.weight.grad.numpy())}
+    if bias:
+        outputs["grad.bias"] = layer.bias.grad.numpy()
+    return outputs, _name(f"paddlefleet.tensor_parallel.{type(layer).__name__}", gate)
+
+
+def _tp_group(world):
+    """Fleet's hybrid topology with every rank in one model-parallel (tensor-parallel) group."""
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": world, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=strategy)
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
+def rms_norm(request, tensors, gate, phases, guard):
+    """WrappedPaddleNorm(config, hidden, eps) -> paddle_norm.RMSNorm: fused_rms_norm_ext, cast to the weight dtype."""
+    from paddlefleet.transformer.paddle_norm import WrappedPaddleNorm
+
+    h = request["shapes"]["hidden_size"]
+    config = _config(request, gate, hidden_size=h, normalization="RMSNorm")
+    before = paddle.get_default_dtype()
+    paddle.set_default_dtype(request["dtype"])  # RMSNorm creates its weight in the default dtype
+    try:
+        norm = WrappedPaddleNorm(config, h, request["config"]["eps"])
+    finally:
+        paddle.set_default_dtype(before)
+    _set(norm.weight, tensors["weight"])
+    x = _tensor(tensors["input"][:, None])
+    out = _run(request, phases, lambda: norm(x), lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
+    return ({"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(), "grad.weight": norm.weight.grad.numpy()},
+            _name("paddlefleet.transformer.paddle_norm.RMSNorm (fused_rms_norm_ext)", gate))
+
+
+def _activation(gate, x, scale):
+    """MLP.forward's activation, as its branches pick it with no bias and hidden_act = F.silu, gated linear unit."""
+    from paddlefleet.transformer import mlp
+
+    if mlp._ACCURACY_COMPATIBLE_KERNEL:
+        out = mlp._accuracy_compatible_swiglu(x)
+        return out if scale is None else (out * scale.unsqueeze(-1)).to(out.dtype), "_accuracy_compatible_swiglu"
+    if scale is None:
+        return mlp.bias_swiglu_impl(x, None, fp8_input_store=False, cpu_offload_input=False,
+                                    clamp_value=None), "bias_swiglu_impl"
+    return mlp.weighted_bias_swiglu_impl(x, None, scale.unsqueeze(-1), False, None), "weighted_bias_swiglu_impl"
+
+
+def swiglu(request, tensors, gate, phases, guard):
+    """The SwiGLU of mlp.MLP.forward (with per_token_scale when the case has one)."""
+    _gate_env(gate)
+    x = _tensor(tensors["input"])
+    scale = _tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
+    used = []
+
+    def forward():
+        out, name = _activation(gate, x, scale)
+        used.append(name)
+        return out
+
+    out = _run(request, phases, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    outputs = {"out": out.numpy(), "grad.input": x.grad.numpy()}
+    if scale is not None:
+        outputs["grad.per_token_scale"] = scale.grad.numpy()
+    return outputs, _name(f"paddlefleet.transformer.mlp {used[0]}" + (" * per_token_scale" if scale is not None
+                                                                       else ""), gate)
+
+
+def embedding(request, tensors, gate, phases, guard):
+    """tensor_parallel.VocabParallelEmbedding as LanguageModelEmbedding builds embed_tokens."""
+    from paddlefleet import tensor_parallel
+
+    v, h = request["shapes"]["vocab_size"], request["shapes"]["hidden_size"]
+    config = _config(request, gate, hidden_size=h)
+    layer = tensor_parallel.VocabParallelEmbedding(num_embeddings=v, embedding_dim=h, init_method=lambda t: t,
+                                                   reduce_scatter_embeddings=False, config=config)
+    _set(layer.weight, tensors["weight"])
+    ids = _tensor(tensors["ids"][None], False)
+    out = _run(request, phases, lambda: layer(ids), lambda o: o.backward(_tensor(tensors["grad_output"][None], False)))
+    return ({"out": out[0].numpy(), "grad.weight": layer.weight.grad.numpy()},
+            _name("paddlefleet.tensor_parallel.VocabParallelEmbedding", gate))
+
+
+def attention_scores(request, tensors, gate, phases, guard):
+    """DotProductAttention's unfused core: baddbmm(alpha = 1/sqrt(d)) then FusedScaleMaskSoftmax (causal, fp32)."""
+    from paddlefleet.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from paddlefleet.transformer.enums import AttnMaskType
+    from paddlefleet.transformer.utils import attention_mask_func
+
+    n, d = request["shapes"]["num_heads"], request["shapes"]["head_dim"]
+    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    t = tensors["query"].shape[0]
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=request["dtype"] == "float16",
+                                    input_in_bf16=request["dtype"] == "bfloat16", attn_mask_type=AttnMaskType.causal,
+                                    scaled_masked_softmax_fusion=False, mask_func=attention_mask_func,
+                                    softmax_in_fp32=True, scale=None)
+    captured = {}
+
+    def forward():
+        query = q.transpose([1, 0, 2])  # [b * np, sq, hn] with b = 1
+        key = k.transpose([1, 2, 0])  # [b * np, hn, sk]
+        buffer = paddle.empty([n, t, t], dtype=query.dtype)
+        scores = paddle.baddbmm(buffer, query, key, beta=0.0, alpha=1.0 / d ** 0.5)
+        captured["intermediate.scores"] = scores.numpy()
+        return softmax(scores.reshape([1, n, t, t]), None)[0]
+
+    out = _run(request, phases, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
+            _name("paddlefleet DotProductAttention core: paddle.baddbmm + fusions.FusedScaleMaskSoftmax (causal, "
+                  "softmax in fp32)", gate))
+
+
+def moe_router(request, tensors, gate, phases, guard):
+    """moe_router.TopKRouter (noaux_tc, sigmoid, expert bias, norm_topk_prob, routed_scaling_factor; no aux/z loss)."""
+    from paddlefleet.transformer.moe.moe_router import TopKRouter
+
+    h, e, k = (request["shapes"][n] for n in ("hidden_size", "num_experts", "topk"))
+    config = _config(request, gate, hidden_size=h, n_routed_experts=e, num_experts_per_tok=k, topk_method="noaux_tc",
+                     scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1,
+                     routed_scaling_factor=request["config"]["topk_scaling_factor"], router_aux_loss_coef=0.0,
+                     router_z_loss_coef=0.0, init_method=lambda t: t)
+    router = TopKRouter(config)
+    _set(router.weight, tensors["weight"])  # [experts, hidden]: params dtype under the gate, fp32 otherwise
+    router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))
+    x = _tensor(tensors["input"][None])
+
+    def forward():
+        result = router(x)
+        return result[3], result[2]  # probs [tokens, experts], top_idx [tokens, k]
+
+    probs, chosen = _run(request, phases, forward, lambda o: o[0].backward(_tensor(tensors["grad_probs"], False)))
+    dtype = paddle.to_tensor(tensors["weight"]).dtype
+    return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
+             "grad.input": x.grad[0].numpy(), "grad.weight": router.weight.grad.astype(dtype).numpy()},
+            _name("paddlefleet.transformer.moe.moe_router.TopKRouter (noaux_tc, sigmoid, gate_detach_matmul)", gate))
+
+
+def _mlp(request, gate, h, f, is_expert):
+    from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from paddlefleet.transformer.mlp import MLP, MLPSublayersSpec
+
+    config = _config(request, gate, hidden_size=h, gated_linear_unit=True, hidden_act=paddle.nn.functional.silu,
+                     use_bias=False, bias_activation_fusion=not gate, init_method=lambda t: t,
+                     output_layer_init_method=lambda t: t)
+    spec = MLPSublayersSpec(up_gate_proj=ColumnParallelLinear, down_proj=RowParallelLinear)
+    return MLP(config, spec, is_expert=is_expert, intermediate_size=f)
+
+
+def shared_expert_mlp(request, tensors, gate, phases, guard):
+    """mlp.MLP (up_gate_proj ColumnParallelLinear, SwiGLU, down_proj RowParallelLinear); intermediates captured by
+    wrapping the activation function the forward calls."""
+    _gate_env(gate)
+    from paddlefleet.transformer import mlp as fleet_mlp
+
+    h, f = request["shapes"]["hidden_size"], request["shapes"]["ffn_hidden_size"]
+    block = _mlp(request, gate, h, f, is_expert=False)
+    _set(block.up_gate_proj.weight, _t(tensors["fc1_weight"]))
+    _set(block.down_proj.weight, _t(tensors["fc2_weight"]))
+    captured = {}
+
+    def keep(name, tensor):
+        captured[name] = tensor[:, 0].numpy()
+        tensor.register_hook(lambda grad: captured.__setitem__("intermediate.grad_" + name[13:], grad[:, 0].numpy()))
+
+    def capturing(function):
+        def wrapped(x, *args, **kwargs):
+            keep("intermediate.fc1_out", x)
+            out = function(x, *args, **kwargs)
+            keep("intermediate.act_out", out)
+            return out
+        return wrapped
+
+    originals = {n: getattr(fleet_mlp, n) for n in ("_accuracy_compatible_swiglu", "bias_swiglu_impl")}
+    for name, function in originals.items():
+        setattr(fleet_mlp, name, capturing(function))
+    x = _tensor(tensors["input"][:, None])
+    try:
+        out = _run(request, phases, lambda: block(x)[0],
+                   lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
+    finally:
+        for name, function in originals.items():
+            setattr(fleet_mlp, name, function)
+    outputs = {**captured, "out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
+               "grad.fc1_weight": _t(block.up_gate_proj.weight.grad.numpy()),
+               "grad.fc2_weight": _t(block.down_proj.weight.grad.numpy())}
+    return outputs, _name("paddlefleet.transformer.mlp.MLP (ColumnParallelLinear -> SwiGLU -> RowParallelLinear)", gate)
+
+
+def routed_experts(request, tensors, gate, phases, guard):
+    """One mlp.MLP(is_expert=True) per local expert, each called with per_token_scale = its tokens' probabilities."""
+    _gate_env(gate)
+    h, f, e = (request["shapes"][n] for n in ("hidden_size", "ffn_hidden_size", "num_local_experts"))
+    experts = [_mlp(request, gate, h, f, is_expert=True) for _ in range(e)]
+    for i, expert in enumerate(experts):
+        _set(expert.up_gate_proj.weight, _t(tensors["fc1_weight"][i]))
+        _set(expert.down_proj.weight, _t(tensors["fc2_weight"][i]))
+    counts = ops.uneven_split(tensors["input"].shape[0], e)
+    x, probs = _tensor(tensors["input"]), _tensor(tensors["probs"])
+
+    def forward():
+        pieces = zip(paddle.split(x, counts), paddle.split(probs, counts), experts, strict=True)
+        return paddle.concat([expert(tokens, per_token_scale=p)[0] for tokens, p, expert in pieces], axis=0)
+
+    out = _run(request, phases, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
+             "grad.fc1_weight": np.stack([_t(m.up_gate_proj.weight.grad.numpy()) for m in experts]),
+             "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in experts])},
+            _name(f"paddlefleet.transformer.mlp.MLP(is_expert=True) per expert with per_token_scale, tokens per "
+                  f"expert {counts}", gate))
+
+
+def mla_up_projection(request, tensors, gate, phases, guard):
+    """q_up_proj / kv_up_proj: PaddleFleet's ColumnParallelLinear, output viewed [tokens, heads, head_dim]."""
+    shapes, dy = request["shapes"], tensors["grad_output"]
+    as_linear = {**request, "op": "column_parallel_linear",
+                 "shapes": {"input_size": shapes["lora_rank"], "output_size": shapes["num_heads"] * shapes["head_dim"]},
+                 "config": {**request["config"], "bias": False, "sequence_parallel": False}}
+    outputs, implementation = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate,
+                                     phases, guard)
+    outputs["out"] = outputs["out"].reshape(dy.shape)
+    return outputs, implementation + ", output viewed as [tokens, heads, head_dim] (multi_latent_attention.py)"
+
+
+IMPLEMENTATIONS = {
+    ops.COLUMN_PARALLEL_LINEAR: linear, ops.ROW_PARALLEL_LINEAR: linear, ops.RMS_NORM: rms_norm, ops.SWIGLU: swiglu,
+    ops.EMBEDDING: embedding, ops.MOE_ROUTER: moe_router, ops.ATTENTION_SCORES: attention_scores,
+    ops.SHARED_EXPERT_MLP: shared_expert_mlp, ops.ROUTED_EXPERTS: routed_experts,
+    ops.MLA_UP_PROJECTION: mla_up_projection,
+}

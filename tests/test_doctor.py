@@ -1,0 +1,76 @@
+"""`python -m harness doctor` on this CPU, end to end: every runner is asked in its own interpreter; a missing
+interpreter and a framework that does not import (test doubles) are listed with their reasons; the Paddle side names,
+op by op and dtype by dtype, the level that would run and why each higher one is unavailable."""
+
+import json
+import sys
+
+import pytest
+
+from harness.cli import main
+from tests.support.doubles import fake_interpreter
+
+
+def torchless_python(folder):
+    """Test double: this interpreter with a `torch` package first on its path whose import fails."""
+    hidden = folder / "torchless_site" / "torch"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text('raise ImportError("No module named \'torch\' (hidden by a test double)")\n')
+    return fake_interpreter(folder, "torchless_python",
+                            f'#!/bin/sh\nPYTHONPATH="{hidden.parent}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+
+
+@pytest.fixture(scope="module")
+def doctor(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("doctor")
+    answer = folder / "doctor.json"
+    code = main(["doctor", "--device", "cpu", "--json", str(answer), "--python", "torch=/nonexistent/python",
+                 "--python", f"torch_nn={torchless_python(folder)}"])
+    assert code == 0
+    return json.loads(answer.read_text())
+
+
+@pytest.mark.e2e
+def test_unusable_runners_are_listed_with_the_reason(doctor):
+    torch, torch_nn = doctor["runners"]["torch"], doctor["runners"]["torch_nn"]
+    assert not torch["ok"] and "/nonexistent/python" in torch["reason"] and "cannot start" in torch["reason"]
+    assert not torch_nn["ok"] and "hidden by a test double" in torch_nn["reason"]
+
+
+@pytest.mark.e2e
+def test_each_runner_answers_from_its_own_interpreter_with_versions_and_the_cpu(doctor):
+    megatron, paddle, oracle = (doctor["runners"][r] for r in ("megatron", "paddle", "oracle"))
+    assert megatron["ok"] and megatron["versions"]["megatron-core"] and megatron["torch_cpu_capability"]
+    assert megatron["ops"]["rms_norm"]["would_run"].startswith("harness.runners.megatron_ops.")
+    assert paddle["ok"] and paddle["versions"]["paddlepaddle"] and paddle["versions"]["paddleformers"]
+    assert paddle["host"]["cpu_isa"] == doctor["harness"]["host"]["cpu_isa"]
+    matmul = paddle["kernels"]["matmul"]
+    assert matmul["float32"] == "ok" and "not registered" in matmul["bfloat16"]
+    assert oracle["ops"]["column_parallel_linear"]["would_run"]
+    assert "no truth oracle" in oracle["ops"]["rms_norm"]["reason"]
+
+
+@pytest.mark.e2e
+def test_paddle_names_the_level_for_every_op_and_why_the_others_are_unavailable(doctor):
+    ops = doctor["runners"]["paddle"]["ops"]
+    for op, by_dtype in ops.items():
+        for dtype, survey in by_dtype.items():
+            levels = survey["levels"]
+            written = "implementation of op" not in levels["paddlefleet"]  # ops added since lack this level
+            assert ("GPU only" in levels["paddlefleet"] and "paddlefleet is not importable" in levels["paddlefleet"]
+                    if written else "is written" in levels["paddlefleet"]), (op, levels)
+            assert survey["would_run"] in ("paddleformers", "recipe", None), (op, dtype, survey)
+    assert ops["rms_norm"]["float32"]["would_run"] == "paddleformers"
+    linear = ops["column_parallel_linear"]["bfloat16"]
+    assert linear["would_run"] == "recipe" and "no bfloat16 matmul kernel on cpu" in linear["levels"]["paddleformers"]
+    scaled = ops["swiglu+per_token_scale"]["float32"]
+    assert scaled["would_run"] == "recipe" and "no SwiGLU times a per-token scale" in scaled["levels"]["paddleformers"]
+
+
+@pytest.mark.e2e
+def test_the_markdown_lists_every_op(doctor):
+    from harness.report.doctor_report import markdown
+
+    text = markdown(doctor)
+    assert "## What would run, op by op" in text and "runner not usable" in text
+    assert all(f"| {op} | bfloat16 |" in text for op in doctor["runners"]["paddle"]["ops"])

@@ -1,0 +1,127 @@
+"""The Paddle side's level selection (harness.runners.paddle_levels) with named test doubles standing in for the
+three level modules: auto takes the highest available level, a pin takes that level or is UNSUPPORTED naming it,
+and every reason is kept. No framework is imported."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from harness.case import ops
+from harness.run.protocol import Unsupported
+from harness.runners import paddle_levels
+
+
+def fake_level(name, reason=None, covers=(ops.RMS_NORM,)):
+    """Test double for a level module: an IMPLEMENTATIONS table of named stand-ins and a fixed `unavailable`."""
+    def implementation(*args):
+        return {}, f"{name} stand-in"
+    return SimpleNamespace(IMPLEMENTATIONS={op: implementation for op in covers},
+                           unavailable=lambda request: reason)
+
+
+def loader(**levels):
+    def load(level):
+        if isinstance(levels[level], Exception):
+            raise levels[level]
+        return levels[level]
+    return load
+
+
+def request(op="rms_norm", impl="auto"):
+    return {"op": op, "device": "cpu", "dtype": "float32", "tp": 1,
+            "config": ops.OPS[op].resolve({"paddle_impl": impl})}
+
+
+def test_every_op_defaults_to_auto():
+    assert all(op.resolve({})["paddle_impl"] == "auto" for op in ops.OPS.values())
+
+
+def test_auto_takes_the_highest_available_level_and_keeps_why_the_others_were_passed_over():
+    load = loader(paddlefleet=fake_level("paddlefleet", "no GPU"), paddleformers=fake_level("paddleformers"),
+                  recipe=fake_level("recipe"))
+    choice = paddle_levels.choose(request(), load)
+    assert choice.level == "paddleformers" and choice.implementation()[1] == "paddleformers stand-in"
+    assert choice.meta()["paddle_levels_unavailable"] == {"paddlefleet": "no GPU"}
+    assert choice.meta()["paddle_level_label"] == "PaddleFormers' module (not PaddleFleet)"
+
+
+def test_auto_falls_to_the_recipe_when_a_level_has_no_implementation_or_does_not_import():
+    load = loader(paddlefleet=ImportError("no paddlefleet"), paddleformers=fake_level("paddleformers", covers=()),
+                  recipe=fake_level("recipe"))
+    choice = paddle_levels.choose(request(), load)
+    assert choice.level == "recipe"
+    assert "does not import" in choice.reasons["paddlefleet"] and "no paddlefleet" in choice.reasons["paddlefleet"]
+    expected = "no PaddleFormers' module (not PaddleFleet) implementation of op 'rms_norm'"
+    assert expected in choice.reasons["paddleformers"]
+    assert paddle_levels.LABELS["recipe"] == "reference recipe, not PaddleFleet"
+
+
+def test_a_pinned_level_runs_even_below_an_available_higher_one():
+    load = loader(paddlefleet=fake_level("paddlefleet"), paddleformers=fake_level("paddleformers"),
+                  recipe=fake_level("recipe"))
+    assert paddle_levels.choose(request(impl="recipe"), load).level == "recipe"
+
+
+def test_a_pinned_level_that_is_missing_is_unsupported_naming_it():
+    load = loader(paddlefleet=fake_level("paddlefleet", "PaddleFleet runs on a GPU only"),
+                  paddleformers=fake_level("paddleformers"), recipe=fake_level("recipe"))
+    with pytest.raises(Unsupported, match="config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which "
+                                          "is unavailable here: PaddleFleet runs on a GPU only"):
+        paddle_levels.choose(request(impl="paddlefleet"), load)
+
+
+def test_no_level_at_all_is_unsupported_with_every_reason():
+    load = loader(paddlefleet=fake_level("paddlefleet", "a"), paddleformers=fake_level("paddleformers", "b"),
+                  recipe=fake_level("recipe", "c"))
+    with pytest.raises(Unsupported) as raised:
+        paddle_levels.choose(request(), load)
+    assert all(f": {why}" in str(raised.value) for why in "abc")
+
+
+def test_survey_lists_every_level_and_what_would_run():
+    load = loader(paddlefleet=fake_level("paddlefleet", "no GPU"), paddleformers=fake_level("paddleformers"),
+                  recipe=fake_level("recipe"))
+    survey = paddle_levels.survey(request(), load)
+    assert survey == {"would_run": "paddleformers", "label": "PaddleFormers' module (not PaddleFleet)",
+                      "levels": {"paddlefleet": "no GPU", "paddleformers": "available", "recipe": "available"}}
+    assert paddle_levels.survey(request(impl="paddlefleet"), load)["would_run"] is None
+
+
+def test_every_level_table_covers_the_catalogue_ops_it_claims_and_cites_its_source():
+    """The three level modules, read as text (importing them needs paddle): each has a table and `unavailable`, and
+    the PaddleFleet level names the files and commits it was written against."""
+    from pathlib import Path
+
+    root = Path(paddle_levels.__file__).parent
+    for module in paddle_levels.MODULES.values():
+        text = (root / (module.rsplit(".", 1)[1] + ".py")).read_text()
+        assert "IMPLEMENTATIONS = {" in text and "def unavailable(request" in text, module
+    fleet = (root / "paddle_fleet.py").read_text()
+    for cited in ("src/paddlefleet/transformer/paddle_norm.py", "src/paddlefleet/transformer/mlp.py",
+                  "src/paddlefleet/fusions/fused_softmax.py", "src/paddlefleet/transformer/moe/moe_router.py",
+                  "language_model_embedding.py", "multi_latent_attention.py", "tensor_parallel/layers.py"):
+        assert cited in fleet, cited
+    assert fleet.count("@") >= 7  # a commit beside each file
+
+
+def test_the_nightly_table_names_each_cases_paddle_level():
+    from harness.report.nightly_report import paddle_level
+
+    ran = {"sides": [{"label": "a", "runner": "megatron", "meta": {}},
+                     {"label": "b", "runner": "paddle", "meta": {"paddle_level": "paddleformers"}}]}
+    pinned = {"sides": [{"label": "b", "runner": "paddle", "meta": {
+        "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which is unavailable"}}]}
+    assert paddle_level(ran) == "paddleformers" and paddle_level(pinned) == "pinned paddlefleet"
+    assert paddle_level(None) == "—"
+
+
+@pytest.mark.e2e
+def test_pinning_paddlefleet_on_this_cpu_is_unsupported_with_the_reason(tmp_path):
+    from harness.commands.compare import CompareOptions, compare_case
+
+    result, run_dir = compare_case("kimi_rmsnorm", CompareOptions(
+        runners=("paddle", "paddle"), oracle=False, tokens=4, config_overrides={"paddle_impl": "paddlefleet"},
+        checkpoints_dir=tmp_path / "ckpt", reports_dir=tmp_path / "reports"))
+    assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
+    assert "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module" in result.message
+    assert "PaddleFleet runs on a GPU only" in result.message and "paddlefleet is not importable" in result.message
