@@ -27,22 +27,11 @@ from harness import paths, resources
 from harness.cli import main
 from harness.commands import run_folder
 from tests.support import fault_storage as storage
+from tests.support.cases import tiny_case
 from tests.support.fault_runners import interpreter
 
 REPO = Path(__file__).resolve().parents[1]
-CASES = """
-[tiny]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 3
-tokens = 4
-shapes = { input_size = 8, output_size = 4 }
-
-[tiny_weights]
-base = "tiny"
-weights_from = { tensors = { weight = ["w"] } }
-"""
+CASES = tiny_case() + tiny_case("tiny_weights", base="tiny", weights_from={"tensors": {"weight": ["w"]}})
 
 
 class World:

@@ -13,30 +13,14 @@ import pytest
 from harness.case.registry import Registry
 from harness.cli import main
 from harness.run import orchestrate, placement
+from tests.support.cases import tiny_case
 
-ORACLE_CASES = """
-[one]
-family = "linear"
-op = "column_parallel_linear"
-dtype = "float32"
-seed = 1
-tokens = 4
-shapes = { input_size = 8, output_size = 4 }
-runners = ["oracle", "oracle"]
-devices = ["cpu"]
-
-[two]
-base = "one"
-seed = 2
-
-[three]
-base = "one"
-seed = 3
-
-[four_flipped]
-base = "one"
-perturb = { side = "b", tensor = "input", index = [1, 2], bit = 3 }
-"""
+ORACLE_CASES = "".join((
+    tiny_case("one", seed=1, runners=["oracle", "oracle"], devices=["cpu"]),
+    tiny_case("two", base="one", seed=2),
+    tiny_case("three", base="one", seed=3),
+    tiny_case("four_flipped", base="one", perturb={"side": "b", "tensor": "input", "index": [1, 2], "bit": 3}),
+))
 
 
 def test_each_cell_gets_its_own_gpus_and_tp_cells_take_tp_of_them():

@@ -40,6 +40,8 @@ from contextlib import contextmanager
 import numpy as np
 import paddle
 
+from harness.capture import module_sources
+
 
 def to_host(tensor) -> np.ndarray:
     """A host copy as numpy (bf16 comes back as its uint16 bits, as ``Tensor.numpy()`` gives it)."""
@@ -110,17 +112,11 @@ class Capture:
         self._seen[path].setdefault("_order", len(self._seen))
 
     def _module_array(self, name: str, rule) -> np.ndarray | None:
-        what = "input" if rule.kind == "input_of" else "output"
-        parts = []
-        for source in rule.sources:
-            seen = self._seen.get(source, {})
-            if seen.get("_repeated"):
-                self.not_captured["module." + name] = f"sublayer {source!r} ran more than once in the step"
-                return None
-            if what not in seen:
-                self.not_captured["module." + name] = f"sublayer {source!r} did not run"
-                return None
-            parts.append(self._drop_batch(seen[what]))
+        parts, why = module_sources(self._seen, rule, word="sublayer")
+        if why:
+            self.not_captured["module." + name] = why
+            return None
+        parts = [self._drop_batch(part) for part in parts]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
     def _drop_batch(self, array: np.ndarray) -> np.ndarray:

@@ -20,7 +20,8 @@ Interface (``harness.capture.paddle`` has the same):
   tables say how canonical names are made from the framework's); None: canonical names are the framework's own.
   ``modules``: canonical module paths to capture (None: every submodule under its own name; [] none).
   ``grads``: canonical parameter names whose gradients to write (None: every parameter under its own name).
-  ``batch_dim``: the batch dimension of module outputs, dropped when its size is 1 (HF: 0; Megatron: 1).
+  ``batch_dim``: the batch dimension of module outputs, dropped when its size is 1 on outputs of 3 or more dims
+  (HF: 0; Megatron: 1).
 - Written names: ``module.<canonical module path>`` (the module's output, or what its name-map rule says: the
   input of another module, outputs concatenated on the last dim), ``grad.<canonical parameter name>`` (``.grad``
   after backward, through the rule: same, cat0, a slice of a fused tensor, transpose), and what ``record`` got.
@@ -39,6 +40,7 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import save_file
 
+from harness.capture import module_sources
 from harness.case.models import NameMap, Rule
 
 
@@ -92,21 +94,16 @@ class Capture:
         self._seen[path][what] = tensor.detach().clone()
 
     def _module_tensor(self, name: str, rule: Rule) -> torch.Tensor | None:
-        what = "input" if rule.kind == "input_of" else "output"
-        parts = []
-        for source in rule.sources:
-            seen = self._seen.get(source, {})
-            if seen.get("_repeated"):
-                self.not_captured["module." + name] = f"module {source!r} ran more than once in the step"
-                return None
-            if what not in seen:
-                self.not_captured["module." + name] = f"module {source!r} did not run"
-                return None
-            parts.append(self._drop_batch(seen[what]))
+        parts, why = module_sources(self._seen, rule)
+        if why:
+            self.not_captured["module." + name] = why
+            return None
+        parts = [self._drop_batch(part) for part in parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _drop_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.batch_dim is not None and tensor.dim() > 1 and tensor.shape[self.batch_dim] == 1:
+        # 3 or more dims only: a 2-D output is already [tokens, ...] (an expert that got one token stays [1, hidden])
+        if self.batch_dim is not None and tensor.dim() >= 3 and tensor.shape[self.batch_dim] == 1:
             return tensor.squeeze(self.batch_dim)
         return tensor
 

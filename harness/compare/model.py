@@ -27,7 +27,7 @@ from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
-from harness.compare.versus_oracle import _closer
+from harness.compare.versus_oracle import closer_side
 from harness.run.orchestrate import SideResult, SideSpec
 from harness.runners.oracle import round_once
 
@@ -116,7 +116,7 @@ def versus_truth(case: Case, pair: list[SideResult], truth: SideResult | None) -
     for side in sides.values():
         side["tensors"] = [t for t in side["tensors"] if t["name"] in common]
     return {"status": "ok", "reason": "", "truth": f"{TRUTH_RUNNER} in float64 (float64 mode), rounded once to each "
-            f"tensor's dtype", "sides": sides, "closer": _closer(sides)}
+            f"tensor's dtype", "sides": sides, "closer": closer_side(sides)}
 
 
 def _common_names(sides: dict) -> set[str]:

@@ -34,13 +34,13 @@ def versus_oracle(case: Case, pair: list[SideResult], oracle: SideResult | None)
             comparisons = [compare_tensor(spec.name, outputs.get(spec.name), truth[spec.name])
                            for spec in case.output_specs() if spec.name in truth]  # a formula may cover only some
             sides[side.label] = {"runner": side.runner, "tensors": [c.to_dict() for c in comparisons]}
-        return {"status": "ok", "reason": "", "sides": sides, "closer": _closer(sides)}
+        return {"status": "ok", "reason": "", "sides": sides, "closer": closer_side(sides)}
     except Exception as error:  # noqa: BLE001 - an oracle failure must never become the run's verdict
         return {"status": "error", "reason": f"oracle comparison failed: {type(error).__name__}: {error}",
                 "sides": {}, "closer": {}}
 
 
-def _closer(sides: dict) -> dict[str, str]:
+def closer_side(sides: dict) -> dict[str, str]:
     """Per tensor, the label of the side nearer the oracle: fewer differing elements, then smaller max error."""
     if len(sides) != 2:
         return {}

@@ -84,7 +84,7 @@ def wait(process: subprocess.Popen, timeout: float) -> tuple[int | None, set[tup
     outlives its launcher would otherwise be lost to us once it is re-parented."""
     deadline, seen = time.monotonic() + timeout, set()
     while True:
-        seen |= {(pid, started) for pid in descendants(process.pid) if (started := _start_time(pid))}
+        seen |= {(pid, started) for pid in descendants(process.pid) if (started := start_time(pid))}
         try:
             return process.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic()))), seen
         except subprocess.TimeoutExpired:
@@ -96,7 +96,7 @@ def kill_leftovers(seen: set[tuple[int, str]]) -> list[int]:
     """SIGKILL descendants of a finished launcher that still run (checked by start time, so never a reused pid)."""
     killed = []
     for pid, started in seen:
-        if _start_time(pid) == started and _running(pid):
+        if start_time(pid) == started and _running(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -147,7 +147,7 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def _start_time(pid: int) -> str:
+def start_time(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):

@@ -175,7 +175,7 @@ def sweep(before: set[tuple[int, str]], mine: list[subprocess.Popen]) -> list[in
 
 
 def _identified(pids: set[int]) -> set[tuple[int, str]]:
-    return {(pid, started) for pid in pids if (started := launch._start_time(pid))}
+    return {(pid, started) for pid in pids if (started := launch.start_time(pid))}
 
 
 def _kill(pids: set[int]) -> list[int]:

@@ -51,7 +51,7 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         determinism = torch_env.apply_determinism(device)
-        _init_process_group(device)
+        init_process_group(device)
         if sequence_parallel and device.type == "cpu":
             torch.cuda.current_device = lambda: "cpu"  # Megatron allocates gather buffers on the "current" GPU
         dtype = torch_env.DTYPES[request["dtype"]]
@@ -71,14 +71,14 @@ def run(request: dict, phases: Phases) -> dict:
                   os.path.join(request["output_dir"], rank_file_name(OUTPUTS, rank, world)))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()},
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()},
             "implementation": implementation, "determinism": determinism, "tensor_parallel": world,
             "sequence_parallel": sequence_parallel, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             "shims": megatron_ops.SHIMS,
             **torch_env.provenance(device)}
 
 
-def _init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:  # started by torchrun
         dist.init_process_group(backend)
@@ -95,7 +95,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _te_version() -> dict:
+def te_version() -> dict:
     try:
         import transformer_engine  # noqa: F401  (recorded only: this runner never uses it)
 

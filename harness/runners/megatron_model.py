@@ -423,19 +423,19 @@ def run(request: dict, phases: Phases) -> dict:
                   os.path.join(request["output_dir"], OUTPUTS))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    from harness.runners.megatron import _te_version
+    from harness.runners.megatron import te_version
 
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **_te_version()}, **meta,
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()}, **meta,
             "tensor_parallel": 1, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
 
 
 def init_process_group(device: torch.device) -> None:
     """Gloo on the CPU, NCCL on a GPU, world size 1 (the existing Megatron runner's setup)."""
-    from harness.runners.megatron import _init_process_group
+    from harness.runners.megatron import init_process_group
 
     if not dist.is_initialized():
-        _init_process_group(device)
+        init_process_group(device)
 
 
 if __name__ == "__main__":

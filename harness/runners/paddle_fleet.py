@@ -45,6 +45,7 @@ import paddle
 
 from harness.case import ops
 from harness.run.protocol import rank_and_world
+from harness.runners.paddle_common import as_tensor, set_param
 
 LABEL = "PaddleFleet"
 GATE_FLAG = "FLAGS_use_accuracy_compatible_kernel"
@@ -103,16 +104,6 @@ def _config(request, gate, **fields):
                              **fields)
 
 
-def _tensor(array, trainable=True):
-    tensor = paddle.to_tensor(array)
-    tensor.stop_gradient = not trainable
-    return tensor
-
-
-def _set(parameter, array):
-    parameter.set_value(paddle.to_tensor(np.ascontiguousarray(array)).astype(parameter.dtype))
-
-
 def _t(x):
     return np.ascontiguousarray(np.asarray(x).T)
 
@@ -148,12 +139,12 @@ def linear(request, tensors, gate, phases, guard):
     else:
         layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
                                   input_is_parallel=True, skip_bias_add=False, **group)
-    _set(layer.weight, _t(tensors["weight"]))
+    set_param(layer.weight, _t(tensors["weight"]))
     if bias:
-        _set(layer.bias, tensors["bias"])
-    x = _tensor(tensors["input"][:, None])  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
+        set_param(layer.bias, tensors["bias"])
+    x = as_tensor(tensors["input"][:, None])  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
     out = _run(request, phases, lambda: layer(x)[0],
-               lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
+               lambda o: o.backward(as_tensor(tensors["grad_output"][:, None], False)))
     outputs = {"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
                "grad.weight": _t(layer.weight.grad.numpy())}
     if bias:
@@ -183,9 +174,10 @@ def rms_norm(request, tensors, gate, phases, guard):
         norm = WrappedPaddleNorm(config, h, request["config"]["eps"])
     finally:
         paddle.set_default_dtype(before)
-    _set(norm.weight, tensors["weight"])
-    x = _tensor(tensors["input"][:, None])
-    out = _run(request, phases, lambda: norm(x), lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
+    set_param(norm.weight, tensors["weight"])
+    x = as_tensor(tensors["input"][:, None])
+    out = _run(request, phases, lambda: norm(x), lambda o: o.backward(as_tensor(tensors["grad_output"][:, None],
+               False)))
     return ({"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(), "grad.weight": norm.weight.grad.numpy()},
             _name("paddlefleet.transformer.paddle_norm.RMSNorm (fused_rms_norm_ext)", gate))
 
@@ -206,8 +198,8 @@ def _activation(gate, x, scale):
 def swiglu(request, tensors, gate, phases, guard):
     """The SwiGLU of mlp.MLP.forward (with per_token_scale when the case has one)."""
     _gate_env(gate)
-    x = _tensor(tensors["input"])
-    scale = _tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
+    x = as_tensor(tensors["input"])
+    scale = as_tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
     used = []
 
     def forward():
@@ -215,7 +207,7 @@ def swiglu(request, tensors, gate, phases, guard):
         used.append(name)
         return out
 
-    out = _run(request, phases, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = _run(request, phases, forward, lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     outputs = {"out": out.numpy(), "grad.input": x.grad.numpy()}
     if scale is not None:
         outputs["grad.per_token_scale"] = scale.grad.numpy()
@@ -231,9 +223,10 @@ def embedding(request, tensors, gate, phases, guard):
     config = _config(request, gate, hidden_size=h)
     layer = tensor_parallel.VocabParallelEmbedding(num_embeddings=v, embedding_dim=h, init_method=lambda t: t,
                                                    reduce_scatter_embeddings=False, config=config)
-    _set(layer.weight, tensors["weight"])
-    ids = _tensor(tensors["ids"][None], False)
-    out = _run(request, phases, lambda: layer(ids), lambda o: o.backward(_tensor(tensors["grad_output"][None], False)))
+    set_param(layer.weight, tensors["weight"])
+    ids = as_tensor(tensors["ids"][None], False)
+    out = _run(request, phases, lambda: layer(ids), lambda o: o.backward(as_tensor(tensors["grad_output"][None],
+               False)))
     return ({"out": out[0].numpy(), "grad.weight": layer.weight.grad.numpy()},
             _name("paddlefleet.tensor_parallel.VocabParallelEmbedding", gate))
 
@@ -245,7 +238,7 @@ def attention_scores(request, tensors, gate, phases, guard):
     from paddlefleet.transformer.utils import attention_mask_func
 
     n, d = request["shapes"]["num_heads"], request["shapes"]["head_dim"]
-    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    q, k = as_tensor(tensors["query"]), as_tensor(tensors["key"])
     t = tensors["query"].shape[0]
     softmax = FusedScaleMaskSoftmax(input_in_fp16=request["dtype"] == "float16",
                                     input_in_bf16=request["dtype"] == "bfloat16", attn_mask_type=AttnMaskType.causal,
@@ -261,7 +254,7 @@ def attention_scores(request, tensors, gate, phases, guard):
         captured["intermediate.scores"] = scores.numpy()
         return softmax(scores.reshape([1, n, t, t]), None)[0]
 
-    out = _run(request, phases, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = _run(request, phases, forward, lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
             _name("paddlefleet DotProductAttention core: paddle.baddbmm + fusions.FusedScaleMaskSoftmax (causal, "
                   "softmax in fp32)", gate))
@@ -277,15 +270,15 @@ def moe_router(request, tensors, gate, phases, guard):
                      routed_scaling_factor=request["config"]["topk_scaling_factor"], router_aux_loss_coef=0.0,
                      router_z_loss_coef=0.0, init_method=lambda t: t)
     router = TopKRouter(config)
-    _set(router.weight, tensors["weight"])  # [experts, hidden]: params dtype under the gate, fp32 otherwise
+    set_param(router.weight, tensors["weight"])  # [experts, hidden]: params dtype under the gate, fp32 otherwise
     router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))
-    x = _tensor(tensors["input"][None])
+    x = as_tensor(tensors["input"][None])
 
     def forward():
         result = router(x)
         return result[3], result[2]  # probs [tokens, experts], top_idx [tokens, k]
 
-    probs, chosen = _run(request, phases, forward, lambda o: o[0].backward(_tensor(tensors["grad_probs"], False)))
+    probs, chosen = _run(request, phases, forward, lambda o: o[0].backward(as_tensor(tensors["grad_probs"], False)))
     dtype = paddle.to_tensor(tensors["weight"]).dtype
     return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
              "grad.input": x.grad[0].numpy(), "grad.weight": router.weight.grad.astype(dtype).numpy()},
@@ -311,8 +304,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
 
     h, f = request["shapes"]["hidden_size"], request["shapes"]["ffn_hidden_size"]
     block = _mlp(request, gate, h, f, is_expert=False)
-    _set(block.up_gate_proj.weight, _t(tensors["fc1_weight"]))
-    _set(block.down_proj.weight, _t(tensors["fc2_weight"]))
+    set_param(block.up_gate_proj.weight, _t(tensors["fc1_weight"]))
+    set_param(block.down_proj.weight, _t(tensors["fc2_weight"]))
     captured = {}
 
     def keep(name, tensor):
@@ -330,10 +323,10 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
     originals = {n: getattr(fleet_mlp, n) for n in ("_accuracy_compatible_swiglu", "bias_swiglu_impl")}
     for name, function in originals.items():
         setattr(fleet_mlp, name, capturing(function))
-    x = _tensor(tensors["input"][:, None])
+    x = as_tensor(tensors["input"][:, None])
     try:
         out = _run(request, phases, lambda: block(x)[0],
-                   lambda o: o.backward(_tensor(tensors["grad_output"][:, None], False)))
+                   lambda o: o.backward(as_tensor(tensors["grad_output"][:, None], False)))
     finally:
         for name, function in originals.items():
             setattr(fleet_mlp, name, function)
@@ -349,16 +342,16 @@ def routed_experts(request, tensors, gate, phases, guard):
     h, f, e = (request["shapes"][n] for n in ("hidden_size", "ffn_hidden_size", "num_local_experts"))
     experts = [_mlp(request, gate, h, f, is_expert=True) for _ in range(e)]
     for i, expert in enumerate(experts):
-        _set(expert.up_gate_proj.weight, _t(tensors["fc1_weight"][i]))
-        _set(expert.down_proj.weight, _t(tensors["fc2_weight"][i]))
+        set_param(expert.up_gate_proj.weight, _t(tensors["fc1_weight"][i]))
+        set_param(expert.down_proj.weight, _t(tensors["fc2_weight"][i]))
     counts = ops.uneven_split(tensors["input"].shape[0], e)
-    x, probs = _tensor(tensors["input"]), _tensor(tensors["probs"])
+    x, probs = as_tensor(tensors["input"]), as_tensor(tensors["probs"])
 
     def forward():
         pieces = zip(paddle.split(x, counts), paddle.split(probs, counts), experts, strict=True)
         return paddle.concat([expert(tokens, per_token_scale=p)[0] for tokens, p, expert in pieces], axis=0)
 
-    out = _run(request, phases, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = _run(request, phases, forward, lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
              "grad.fc1_weight": np.stack([_t(m.up_gate_proj.weight.grad.numpy()) for m in experts]),
              "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in experts])},

@@ -33,6 +33,7 @@ import paddle
 
 from harness.case import ops
 from harness.runners import paddle_kernels, paddlefleet_ops_shim
+from harness.runners.paddle_common import as_tensor, run_phases, set_param
 
 LABEL = "PaddleFormers"
 SOURCE = "paddleformers 1.2.0: transformers/deepseek_v3/modeling.py, nn/{norm,mlp,linear,embedding}.py, " \
@@ -118,33 +119,8 @@ def _default_dtype(dtype):
         paddle.set_default_dtype(before)
 
 
-def _tensor(array, trainable=True):
-    tensor = paddle.to_tensor(array)
-    tensor.stop_gradient = not trainable
-    return tensor
-
-
-def _set(parameter, array):
-    parameter.set_value(paddle.to_tensor(np.ascontiguousarray(array)).astype(parameter.dtype))
-
-
-def _run(request, phases, guard, kernel, forward, backward):
-    with phases("forward"):
-        out = guard(forward, kernel, request)
-        _synchronize(request)
-    with phases("backward"):
-        guard(lambda: backward(out), kernel + " backward", request)
-        _synchronize(request)
-    return out
-
-
-def _synchronize(request):
-    if request["device"] == "gpu":
-        paddle.device.synchronize()
-
-
 def _grad(tensors, name):
-    return _tensor(tensors[name], False)
+    return as_tensor(tensors[name], False)
 
 
 def _name(text, request):
@@ -166,9 +142,9 @@ def rms_norm(request, tensors, gate, phases, guard):
     config = _config(request, hidden_size=h, rms_norm_eps=request["config"]["eps"])
     with _default_dtype(request["dtype"]):
         norm = modeling.GeneralNorm.create(config=config, norm_type="rms_norm")
-    _set(norm.weight, tensors["weight"])
-    x = _tensor(tensors["input"][None])
-    out = _run(request, phases, guard, "paddleformers RMSNorm", lambda: norm(x),
+    set_param(norm.weight, tensors["weight"])
+    x = as_tensor(tensors["input"][None])
+    out = run_phases(request, phases, guard, "paddleformers RMSNorm", lambda: norm(x),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     path = "fused_rms_norm_ext" if config.fuse_rms_norm else "unfused: fp32 variance, rsqrt * x, cast, * weight"
     return ({"out": out[0].numpy(), "grad.input": x.grad[0].numpy(), "grad.weight": norm.weight.grad.numpy()},
@@ -185,8 +161,8 @@ def swiglu(request, tensors, gate, phases, guard):
     with _default_dtype(request["dtype"]):
         mlp = modeling.DeepseekV3MLP(config, hidden_size=8, intermediate_size=f, fuse_up_gate=True)
     mlp.up_gate_proj, mlp.down_proj = paddle.nn.Identity(), paddle.nn.Identity()
-    x = _tensor(tensors["input"][None])
-    out = _run(request, phases, guard, "paddleformers MLP activation", lambda: mlp(x),
+    x = as_tensor(tensors["input"][None])
+    out = run_phases(request, phases, guard, "paddleformers MLP activation", lambda: mlp(x),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     act = "paddle.nn.functional.swiglu" if mlp.fuse_swiglu else f"{type(mlp.act_fn).__name__}(gate) * up"
     return ({"out": out[0].numpy(), "grad.input": x.grad[0].numpy()},
@@ -202,9 +178,9 @@ def embedding(request, tensors, gate, phases, guard):
     config = _config(request, hidden_size=h, vocab_size=v)
     with _default_dtype(request["dtype"]):
         layer = modeling.GeneralEmbedding.create(config=config, num_embeddings=v, embedding_dim=h)
-    _set(layer.weight, tensors["weight"])
-    ids = _tensor(tensors["ids"][None], False)
-    out = _run(request, phases, guard, "paddleformers Embedding", lambda: layer(ids),
+    set_param(layer.weight, tensors["weight"])
+    ids = as_tensor(tensors["ids"][None], False)
+    out = run_phases(request, phases, guard, "paddleformers Embedding", lambda: layer(ids),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     return ({"out": out[0].numpy(), "grad.weight": layer.weight.grad.numpy()},
             _name(f"paddleformers.nn.embedding.Embedding.create -> {type(layer).__module__}.{type(layer).__name__}",
@@ -222,9 +198,9 @@ def moe_router(request, tensors, gate, phases, guard):
     config = _config(request, hidden_size=h, n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1,
                      norm_topk_prob=True, routed_scaling_factor=request["config"]["topk_scaling_factor"])
     router = modeling.DeepseekV3TopkRouter(config)
-    _set(router.weight, _t(paddle.to_tensor(tensors["weight"]).astype("float32").numpy()))  # exact
+    set_param(router.weight, _t(paddle.to_tensor(tensors["weight"]).astype("float32").numpy()))  # exact
     router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))
-    x = _tensor(tensors["input"][None])
+    x = as_tensor(tensors["input"][None])
 
     def forward():
         indices, weights = router(x)
@@ -232,7 +208,7 @@ def moe_router(request, tensors, gate, phases, guard):
                                       axis=-1)
         return dense, indices
 
-    probs, chosen = _run(request, phases, guard, "paddleformers DeepseekV3TopkRouter", forward,
+    probs, chosen = run_phases(request, phases, guard, "paddleformers DeepseekV3TopkRouter", forward,
                          lambda o: o[0].backward(_grad(tensors, "grad_probs")))
     grad_weight = router.weight.grad.astype(paddle.to_tensor(tensors["weight"]).dtype).numpy()
     return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
@@ -252,7 +228,7 @@ def attention_scores(request, tensors, gate, phases, guard):
 
     d = request["shapes"]["head_dim"]
     t = tensors["query"].shape[0]
-    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    q, k = as_tensor(tensors["query"]), as_tensor(tensors["key"])
     dtype = q.dtype
     mask = modeling.DeepseekV3Model._prepare_decoder_attention_mask(None, (1, t), 0, dtype)
     scaling = d ** -0.5
@@ -267,7 +243,7 @@ def attention_scores(request, tensors, gate, phases, guard):
                                              scaling=scaling)
         return weights[0]
 
-    out = _run(request, phases, guard, "paddleformers eager_attention_forward", forward,
+    out = run_phases(request, phases, guard, "paddleformers eager_attention_forward", forward,
                lambda o: o.backward(_grad(tensors, "grad_output")))
     return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
             _name("paddleformers.nn.attention.eager_attention.eager_attention_forward (matmul * scaling + additive "
@@ -283,9 +259,9 @@ def _mlp(request, h, f):
 
 def _load_mlp(mlp, fc1, fc2, f):
     """Megatron's fc1 [2f, h] = cat(gate, up) rows -> gate_proj / up_proj [h, f]; fc2 [h, f] -> down_proj [f, h]."""
-    _set(mlp.gate_proj.weight, _t(fc1[:f]))
-    _set(mlp.up_proj.weight, _t(fc1[f:]))
-    _set(mlp.down_proj.weight, _t(fc2))
+    set_param(mlp.gate_proj.weight, _t(fc1[:f]))
+    set_param(mlp.up_proj.weight, _t(fc1[f:]))
+    set_param(mlp.down_proj.weight, _t(fc2))
 
 
 def _fc1_grad(mlp):
@@ -299,7 +275,7 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
     h, f = request["shapes"]["hidden_size"], request["shapes"]["ffn_hidden_size"]
     mlp = _mlp(request, h, f)
     _load_mlp(mlp, tensors["fc1_weight"], tensors["fc2_weight"], f)
-    x = _tensor(tensors["input"][None])
+    x = as_tensor(tensors["input"][None])
     seen, grads = {}, {}
 
     def keep(name, tensor):
@@ -312,7 +288,7 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
     mlp.gate_proj.register_forward_post_hook(lambda layer, inputs, out: keep("gate", out))
     mlp.up_proj.register_forward_post_hook(lambda layer, inputs, out: keep("up", out))
     mlp.down_proj.register_forward_pre_hook(lambda layer, inputs: keep("act", inputs[0]))
-    out = _run(request, phases, guard, "paddleformers DeepseekV3MLP", lambda: mlp(x),
+    out = run_phases(request, phases, guard, "paddleformers DeepseekV3MLP", lambda: mlp(x),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     outputs = {"intermediate.fc1_out": np.concatenate([seen["gate"][0].numpy(), seen["up"][0].numpy()], axis=-1),
                "intermediate.act_out": seen["act"][0].numpy(), "out": out[0].numpy(),
@@ -339,8 +315,8 @@ def routed_experts(request, tensors, gate, phases, guard):
         _load_mlp(expert, tensors["fc1_weight"][i], tensors["fc2_weight"][i], f)
     counts = ops.uneven_split(tensors["input"].shape[0], e)
     owner = paddle.to_tensor(np.repeat(np.arange(e), counts).astype(np.int64)[:, None])
-    x, probs = _tensor(tensors["input"]), _tensor(tensors["probs"])
-    out = _run(request, phases, guard, "paddleformers DeepseekV3MoE.moe",
+    x, probs = as_tensor(tensors["input"]), as_tensor(tensors["probs"])
+    out = run_phases(request, phases, guard, "paddleformers DeepseekV3MoE.moe",
                lambda: moe.moe(x, owner, probs.unsqueeze(-1)),
                lambda o: o.backward(_grad(tensors, "grad_output")))
     return ({"out": out.numpy(),
@@ -361,11 +337,11 @@ def linear(request, tensors, gate, phases, guard):
     config = _config(request, hidden_size=n_in)
     with _default_dtype(request["dtype"]):
         layer = modeling.GeneralLinear.create(n_in, n_out, has_bias=bias, config=config, tp_plan=plan)
-    _set(layer.weight, _t(tensors["weight"]))
+    set_param(layer.weight, _t(tensors["weight"]))
     if bias:
-        _set(layer.bias, tensors["bias"])
-    x = _tensor(tensors["input"][None])
-    out = _run(request, phases, guard, f"paddleformers Linear ({plan})", lambda: layer(x),
+        set_param(layer.bias, tensors["bias"])
+    x = as_tensor(tensors["input"][None])
+    out = run_phases(request, phases, guard, f"paddleformers Linear ({plan})", lambda: layer(x),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     outputs = {"out": out[0].numpy(), "grad.input": x.grad[0].numpy(), "grad.weight": _t(layer.weight.grad.numpy())}
     if bias:
@@ -382,9 +358,9 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     with _default_dtype(request["dtype"]):
         layer = modeling.GeneralLinear.create(rank, heads * dim, has_bias=False, config=config, tp_plan="colwise",
                                               gather_output=False)
-    _set(layer.weight, _t(tensors["weight"]))
-    x = _tensor(tensors["input"][None])
-    out = _run(request, phases, guard, "paddleformers q_b/kv_b projection",
+    set_param(layer.weight, _t(tensors["weight"]))
+    x = as_tensor(tensors["input"][None])
+    out = run_phases(request, phases, guard, "paddleformers q_b/kv_b projection",
                lambda: layer(x).reshape([0, 0, heads, dim]),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     return ({"out": out[0].numpy(), "grad.input": x.grad[0].numpy(), "grad.weight": _t(layer.weight.grad.numpy())},

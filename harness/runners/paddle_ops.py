@@ -23,27 +23,7 @@ import paddle.nn.functional as F
 
 from harness.case import ops
 from harness.run.protocol import Unsupported
-
-
-def _tensor(array, trainable=True):
-    tensor = paddle.to_tensor(array)
-    tensor.stop_gradient = not trainable
-    return tensor
-
-
-def _run(request, phases, guard, kernel, forward, backward):
-    with phases("forward"):
-        out = guard(forward, kernel, request)
-        _synchronize(request)
-    with phases("backward"):
-        guard(lambda: backward(out), kernel + " backward", request)
-        _synchronize(request)
-    return out
-
-
-def _synchronize(request):
-    if request["device"] == "gpu":
-        paddle.device.synchronize()
+from harness.runners.paddle_common import as_tensor, run_phases, sync
 
 
 def linear(request, tensors, gate, phases, guard):
@@ -64,10 +44,10 @@ def _dygraph_linear(request, tensors, gate, phases, guard):
     linear, name = _linear_function(gate, request)
     with phases("forward"):
         out = guard(lambda: linear(x, w, bias), name, request)
-        _synchronize(request)
+        sync(request)
     with phases("backward"):
         guard(lambda: out.backward(paddle.to_tensor(tensors["grad_output"])), name + " backward", request)
-        _synchronize(request)
+        sync(request)
     results = [out.numpy(), x.grad.numpy(), w.grad.numpy()] + ([bias.grad.numpy()] if bias is not None else [])
     return _canonical(results), f"paddle dygraph {name} (plain Paddle ops following the gated path)"
 
@@ -131,7 +111,7 @@ def _rms_norm_island(x, weight, eps):
 
 def rms_norm(request, tensors, gate, phases, guard):
     eps = request["config"]["eps"]
-    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
+    x, w = as_tensor(tensors["input"]), as_tensor(tensors["weight"])
     if gate:
         def forward():
             return _rms_norm_island(x, w, eps)
@@ -142,7 +122,8 @@ def rms_norm(request, tensors, gate, phases, guard):
         def forward():
             return fused_rms_norm_ext(x, w, eps)[0].astype(w.dtype)
         kernel = name = "paddle.incubate.nn.functional.fused_rms_norm_ext"
-    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, kernel, forward,
+                     lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
             f"paddle dygraph {name} (use_accuracy_compatible={gate})")
 
@@ -156,8 +137,8 @@ def _swiglu_island(x, scale):
 
 
 def swiglu(request, tensors, gate, phases, guard):
-    x = _tensor(tensors["input"])
-    scale = _tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
+    x = as_tensor(tensors["input"])
+    scale = as_tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
     if gate:
         def forward():
             return _swiglu_island(x, scale)
@@ -168,7 +149,8 @@ def swiglu(request, tensors, gate, phases, guard):
             out = F.swiglu(x)
             return out if scale is None else (out.astype("float32") * scale.unsqueeze(-1)).astype(x.dtype)
         kernel = name = "paddle.nn.functional.swiglu" + (" then * scale in fp32" if scale is not None else "")
-    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, kernel, forward,
+                     lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     outputs = {"out": out.numpy(), "grad.input": x.grad.numpy()}
     if scale is not None:
         outputs["grad.per_token_scale"] = scale.grad.numpy()
@@ -176,7 +158,7 @@ def swiglu(request, tensors, gate, phases, guard):
 
 
 def embedding(request, tensors, gate, phases, guard):
-    ids, w = _tensor(tensors["ids"], False), _tensor(tensors["weight"])
+    ids, w = as_tensor(tensors["ids"], False), as_tensor(tensors["weight"])
     if gate:
         def forward():
             return w[ids]
@@ -185,7 +167,8 @@ def embedding(request, tensors, gate, phases, guard):
         def forward():
             return F.embedding(ids, w)
         kernel = "paddle.nn.functional.embedding"
-    out = _run(request, phases, guard, kernel, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, kernel, forward,
+                     lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.weight": w.grad.numpy()},
             f"paddle dygraph {kernel} (use_accuracy_compatible={gate})")
 
@@ -193,9 +176,9 @@ def embedding(request, tensors, gate, phases, guard):
 def shared_expert_mlp(request, tensors, gate, phases, guard):
     """fc1 (F.linear) -> SwiGLU -> fc2 (F.linear) on Paddle's [in, out] weights; intermediates and their
     grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
-    x = _tensor(tensors["input"])
-    w1 = _tensor(np.ascontiguousarray(tensors["fc1_weight"].T))  # Paddle's [in, out]
-    w2 = _tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
+    x = as_tensor(tensors["input"])
+    w1 = as_tensor(np.ascontiguousarray(tensors["fc1_weight"].T))  # Paddle's [in, out]
+    w2 = as_tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
     if not gate:
         raise_if_cpu_gate_off(request)
     captured = {}
@@ -214,8 +197,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
         return F.linear(act_out, w2)
 
     act = "FP32-island SwiGLU" if gate else "paddle.nn.functional.swiglu"
-    out = _run(request, phases, guard, f"F.linear -> {act} -> F.linear", forward,
-               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, f"F.linear -> {act} -> F.linear", forward,
+               lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     outputs = {**captured, "out": out.numpy(), "grad.input": x.grad.numpy(),
                "grad.fc1_weight": np.ascontiguousarray(w1.grad.numpy().T),
                "grad.fc2_weight": np.ascontiguousarray(w2.grad.numpy().T)}
@@ -229,8 +212,8 @@ def moe_router(request, tensors, gate, phases, guard):
         raise Unsupported("the gate-off router (PaddleFleet's fused gating GEMM) is not implemented in this runner")
     k = request["shapes"]["topk"]
     scaling = request["config"]["topk_scaling_factor"]
-    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
-    bias = _tensor(tensors["expert_bias"], False)
+    x, w = as_tensor(tensors["input"]), as_tensor(tensors["weight"])
+    bias = as_tensor(tensors["expert_bias"], False)
 
     def forward():
         logits = paddle.matmul(x.astype("float32"), w.astype("float32"), transpose_y=True)
@@ -240,8 +223,8 @@ def moe_router(request, tensors, gate, phases, guard):
         probs = picked / (picked.sum(axis=-1, keepdim=True) + 1e-20) * scaling
         return paddle.put_along_axis(paddle.zeros_like(scores), chosen, probs, axis=-1), chosen
 
-    probs, chosen = _run(request, phases, guard, "fp32 router (matmul, sigmoid, topk)", forward,
-                         lambda o: o[0].backward(_tensor(tensors["grad_probs"], False)))
+    probs, chosen = run_phases(request, phases, guard, "fp32 router (matmul, sigmoid, topk)", forward,
+                         lambda o: o[0].backward(as_tensor(tensors["grad_probs"], False)))
     return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
              "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
             "paddle dygraph fp32 router: matmul, sigmoid, topk on scores + expert_bias, take_along_axis, "
@@ -252,7 +235,7 @@ def attention_scores(request, tensors, gate, phases, guard):
     """QK^T * 1/sqrt(d) (batched matmul), causal mask filled with -10000 as Megatron's mask_func, softmax as an FP32
     island cast back to the input dtype. Gate off: paddle's softmax in the input dtype."""
     d = request["shapes"]["head_dim"]
-    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    q, k = as_tensor(tensors["query"]), as_tensor(tensors["key"])
     t = tensors["query"].shape[0]
     mask = paddle.to_tensor(np.triu(np.ones((t, t), dtype=bool), 1))
     captured = {}
@@ -266,7 +249,8 @@ def attention_scores(request, tensors, gate, phases, guard):
         return F.softmax(paddle.where(mask, paddle.full_like(scores, -10000.0), scores), axis=-1)
 
     name = "matmul * scale, where(causal, -10000), " + ("FP32-island softmax" if gate else "softmax")
-    out = _run(request, phases, guard, name, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, name, forward, lambda o: o.backward(as_tensor(tensors["grad_output"],
+                     False)))
     return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
             f"paddle dygraph {name} (use_accuracy_compatible={gate})")
 
@@ -279,9 +263,9 @@ def routed_experts(request, tensors, gate, phases, guard):
     if not gate:
         raise Unsupported("the gate-off routed experts (PaddleFleet's grouped expert GEMM) are not implemented here")
     experts = request["shapes"]["num_local_experts"]
-    x, probs = _tensor(tensors["input"]), _tensor(tensors["probs"])
-    w1 = [_tensor(np.ascontiguousarray(tensors["fc1_weight"][i].T)) for i in range(experts)]
-    w2 = [_tensor(np.ascontiguousarray(tensors["fc2_weight"][i].T)) for i in range(experts)]
+    x, probs = as_tensor(tensors["input"]), as_tensor(tensors["probs"])
+    w1 = [as_tensor(np.ascontiguousarray(tensors["fc1_weight"][i].T)) for i in range(experts)]
+    w2 = [as_tensor(np.ascontiguousarray(tensors["fc2_weight"][i].T)) for i in range(experts)]
     counts = uneven_split(tensors["input"].shape[0], experts)
 
     def forward():
@@ -290,8 +274,8 @@ def routed_experts(request, tensors, gate, phases, guard):
             outs.append(F.linear(_swiglu_island(F.linear(tokens, w1[i]), scale), w2[i]))
         return paddle.concat(outs, axis=0)
 
-    out = _run(request, phases, guard, "per-expert F.linear", forward,
-               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, "per-expert F.linear", forward,
+               lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
              "grad.fc1_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w1]),
              "grad.fc2_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w2])},
@@ -380,7 +364,7 @@ def yarn_rope(request, tensors, gate, phases, guard):
     dtype, t * cos + rotate_half(t) * sin in the input dtype), then k_pe expanded to every head. The gate does not
     change this path (``high_precision_rope`` is a separate option, off)."""
     n, d = request["shapes"]["num_heads"], request["shapes"]["rope_dim"]
-    q, k = _tensor(tensors["query"]), _tensor(tensors["key"])
+    q, k = as_tensor(tensors["query"]), as_tensor(tensors["key"])
     t = tensors["query"].shape[0]
     captured = {}
 
@@ -394,10 +378,11 @@ def yarn_rope(request, tensors, gate, phases, guard):
         return q_out, k_out.expand([-1, n, -1])
 
     def backward(outs):
-        grads = [_tensor(tensors["grad_query"], False), _tensor(tensors["grad_key"], False)]
+        grads = [as_tensor(tensors["grad_query"], False), as_tensor(tensors["grad_key"], False)]
         paddle.autograd.backward(list(outs), grads)
 
-    q_out, _ = _run(request, phases, guard, "YaRN rope (cos/sin fp32, rotate in the input dtype)", forward, backward)
+    q_out, _ = run_phases(request, phases, guard, "YaRN rope (cos/sin fp32, rotate in the input dtype)", forward,
+                          backward)
     # YarnRotaryEmbedding._set_cos_sin_cache / get_cached_cos_sin: (emb.cos() * mscale).to(dtype), as the rotation uses
     freqs = paddle.to_tensor(captured["intermediate.freqs"])
     cos, sin = ((f(freqs) * captured["mscale"]).astype(q.dtype).numpy() for f in (paddle.cos, paddle.sin))
@@ -414,7 +399,7 @@ def core_attention(request, tensors, gate, phases, guard):
     scale), causal masked softmax in fp32 (masked_fill -10000, as Megatron's attention_mask_func) cast back, bmm with
     V, back to [b, s, n, dv]. The gate does not change this module at that commit."""
     scale = request["config"]["softmax_scale"]
-    q, k, v = _tensor(tensors["query"]), _tensor(tensors["key"]), _tensor(tensors["value"])
+    q, k, v = as_tensor(tensors["query"]), as_tensor(tensors["key"]), as_tensor(tensors["value"])
     t, n, dv = tensors["value"].shape
     mask = paddle.to_tensor(np.triu(np.ones((t, t), dtype=bool), 1))
     captured = {}
@@ -435,7 +420,8 @@ def core_attention(request, tensors, gate, phases, guard):
         return context.reshape([t, n, dv])
 
     name = "baddbmm * scale, where(causal, -10000), FP32 softmax cast back, bmm"
-    out = _run(request, phases, guard, name, forward, lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, name, forward, lambda o: o.backward(as_tensor(tensors["grad_output"],
+                     False)))
     return ({**captured, "out": out.numpy(), "grad.value": v.grad.numpy(), "grad.query": q.grad.numpy(),
              "grad.key": k.grad.numpy()},
             f"paddle dygraph {name}, as PaddleFleet's DotProductAttention explicit path, alpha={scale!r} "
@@ -457,15 +443,15 @@ def moe_combine(request, tensors, gate, phases, guard):
         routing[token, chosen] = True
     routing_map = paddle.to_tensor(routing)
     sorted_indices = paddle.arange(t).unsqueeze(0).expand([experts, -1]).masked_select(routing_map.T.contiguous())
-    routed, shared = _tensor(tensors["expert_output"]), _tensor(tensors["shared_output"])
+    routed, shared = as_tensor(tensors["expert_output"]), as_tensor(tensors["shared_output"])
 
     def forward():
         output = paddle.zeros(shared.shape, dtype=routed.dtype)
         output = paddle.scatter(output, sorted_indices, routed, overwrite=False)
         return output + shared
 
-    out = _run(request, phases, guard, "scatter (overwrite=False) + add", forward,
-               lambda o: o.backward(_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, "scatter (overwrite=False) + add", forward,
+               lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.expert_output": routed.grad.numpy(), "grad.shared_output": shared.grad.numpy()},
             "paddle dygraph, PaddleFleet's moe_utils.unpermute (zeros, scatter overwrite=False in the tokens' dtype, "
             f"expert-major order) + shared expert output, as MoELayer (use_accuracy_compatible={gate})")
@@ -478,8 +464,8 @@ def lm_head_loss(request, tensors, gate, phases, guard):
     Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
     if not gate:
         raise_if_cpu_gate_off(request)
-    x, w = _tensor(tensors["input"]), _tensor(tensors["weight"])
-    labels = _tensor(tensors["labels"], False)
+    x, w = as_tensor(tensors["input"]), as_tensor(tensors["weight"])
+    labels = as_tensor(tensors["labels"], False)
     captured = {}
 
     def forward():
@@ -494,7 +480,7 @@ def lm_head_loss(request, tensors, gate, phases, guard):
         lossmask = (labels != -100).reshape([-1]).cast(paddle.float32)
         return paddle.sum(token_loss.cast(paddle.float32).reshape([-1]) * lossmask) / lossmask.sum()
 
-    loss = _run(request, phases, guard, "F.linear -> CrossEntropyLoss(fp32)", forward, lambda o: o.backward())
+    loss = run_phases(request, phases, guard, "F.linear -> CrossEntropyLoss(fp32)", forward, lambda o: o.backward())
     return ({**captured, "loss": loss.reshape([1]).numpy(), "grad.input": x.grad.numpy(),
              "grad.weight": w.grad.numpy()},
             "paddle dygraph F.linear(x, weight.T) -> CrossEntropyLoss(reduction='none') on fp32 logits, "

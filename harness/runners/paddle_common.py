@@ -1,0 +1,33 @@
+"""What every level of the Paddle runner (PaddleFleet, PaddleFormers, the recipe) does the same way: make tensors,
+set parameters, time forward and backward through the kernel guard. Imports paddle: runner side only."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+
+def as_tensor(array, trainable=True):
+    tensor = paddle.to_tensor(array)
+    tensor.stop_gradient = not trainable
+    return tensor
+
+
+def set_param(parameter, array):
+    parameter.set_value(paddle.to_tensor(np.ascontiguousarray(array)).astype(parameter.dtype))
+
+
+def run_phases(request, phases, guard, kernel, forward, backward):
+    """Forward then backward, each timed and synchronised; `guard` turns a missing kernel into UNSUPPORTED."""
+    with phases("forward"):
+        out = guard(forward, kernel, request)
+        sync(request)
+    with phases("backward"):
+        guard(lambda: backward(out), kernel + " backward", request)
+        sync(request)
+    return out
+
+
+def sync(request):
+    if request["device"] == "gpu":
+        paddle.device.synchronize()
