@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="also run the framework-free truth oracle and show each side's distance from it "
                               "(default: on; ops without an oracle say so)")
     compare.add_argument("--repeat", type=int, default=1, metavar="N",
-                         help="run each side N times in separate processes; a side that disagrees with itself "
-                              "gives NONDETERMINISTIC")
+                         help="run each side N times (in its worker process) and once more in a fresh process; a side "
+                              "that disagrees with itself gives NONDETERMINISTIC")
+    compare.add_argument("--fresh-process", action="store_true", help=pipeline.FRESH_PROCESS_HELP)
     compare.add_argument("--refeed", action="store_true",
                          help="multi-op blocks: re-run each op on side b from side a's tensors "
                               "(error made locally vs carried in)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
-        repeat=args.repeat, refeed_ops=args.refeed,
+        repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,

@@ -10,6 +10,7 @@ import math
 import platform
 import sys
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
 from harness.report import case_report as report
-from harness.run import orchestrate, shards
+from harness.run import orchestrate, shards, workers
 from harness.run.protocol import host_provenance
 
 
@@ -37,7 +38,8 @@ class CompareOptions:
     on the same checkpoint; `oracle`: also run the truth oracle and measure each side's distance from it (skipped
     when a side already is the oracle); `repeat`: run each side that many times and check it agrees with itself;
     `config_overrides`: knobs set over the case's (the gate matrix); `refeed_ops`: for multi-op blocks, re-run
-    each op on side b from side a's tensors; `pythons`: an interpreter per runner (``--python RUNNER=PATH``).
+    each op on side b from side a's tensors; `pythons`: an interpreter per runner (``--python RUNNER=PATH``);
+    `fresh_process`: every side in a process of its own, never in a worker (``harness.run.workers``).
     """
 
     device: str = "cpu"
@@ -49,6 +51,7 @@ class CompareOptions:
     oracle: bool = True
     repeat: int = 1
     refeed_ops: bool = False
+    fresh_process: bool = False
     config_overrides: Mapping[str, object] = field(default_factory=dict)
     weights_file: str | None = None
     timeout: float = 1800.0
@@ -66,6 +69,8 @@ class CompareOptions:
 
 
 DEFAULT_OPTIONS = CompareOptions()
+FRESH_PROCESS_HELP = ("start every runner afresh for each cell and repeat, instead of keeping one worker process per "
+                      "runner across a sweep, nightly, gate matrix or --repeat")
 
 
 def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[CaseResult, Path]:
@@ -95,11 +100,16 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         truth = model.truth_side(checkpoint) if is_model and case.dtype != "float64" else None
         extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
             oracle_side(checkpoint)]
-        result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
-        first_round = list(result.sides)
-        for run in range(2, o.repeat + 1):
-            again = determinism.repeat_sides(first_round, pair, run)
-            result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
+        with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
+                nullcontext(workers.active()) as pool:
+            result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
+            first_round = list(result.sides)
+            # repeats in the worker, then one more in a fresh process: process-level nondeterminism shows too
+            for run in range(2, o.repeat + (2 if pool is not None and o.repeat > 1 else 1)):
+                again = determinism.repeat_sides(first_round, pair, run)
+                with workers.fresh_processes(run > o.repeat):
+                    result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
+        runs = 1 + sum(1 for side in result.sides if side.label.startswith("a."))
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
         skipped = {}
@@ -113,7 +123,7 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
                 result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)
         result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
                                                                                     by_label.get(ORACLE_LABEL))
-        result.repeats = determinism.self_consistency(case, result.sides, o.repeat)
+        result.repeats = determinism.self_consistency(case, result.sides, runs)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)

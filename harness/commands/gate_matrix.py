@@ -17,22 +17,24 @@ from harness.commands import compare as pipeline
 from harness.commands import run_folder
 from harness.compare.result import ERROR, EXIT_CODES
 from harness.report import gate_matrix_report
+from harness.run import workers
 
 SETTINGS = (True, False)
 
 
 def run(name: str, options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS) -> int:
     cells = []
-    for gate in SETTINGS:
-        result, run_dir = pipeline.compare_case(
-            name, replace(options, config_overrides={**options.config_overrides, "use_accuracy_compatible": gate}))
-        runners = result.case.get("runners", ())
-        cells.append({"use_accuracy_compatible": gate, "verdict": result.verdict, "message": result.message,
-                      "sides": " vs ".join(runners), "first_divergence": result.first_divergence,
-                      "differing": [t.name for t in result.tensors if t.status != "EQUAL"],
-                      "implementations": [s.meta.get("implementation", "") for s in result.sides],
-                      "report": str(run_dir / "report.md")})
     _, matrix_dir = run_folder.new_run_dir(Path(options.reports_dir), f"{name}-gate-matrix")
+    with workers.fresh_processes(options.fresh_process), workers.serving(matrix_dir / "workers"):
+        for gate in SETTINGS:
+            result, run_dir = pipeline.compare_case(
+                name, replace(options, config_overrides={**options.config_overrides, "use_accuracy_compatible": gate}))
+            runners = result.case.get("runners", ())
+            cells.append({"use_accuracy_compatible": gate, "verdict": result.verdict, "message": result.message,
+                          "sides": " vs ".join(runners), "first_divergence": result.first_divergence,
+                          "differing": [t.name for t in result.tensors if t.status != "EQUAL"],
+                          "implementations": [s.meta.get("implementation", "") for s in result.sides],
+                          "report": str(run_dir / "report.md")})
     (matrix_dir / "matrix.json").write_text(json.dumps({"case": name, "cells": cells}, indent=2) + "\n")
     gate_matrix_report.write(name, cells, matrix_dir)
     gate_matrix_report.console(name, cells, matrix_dir)

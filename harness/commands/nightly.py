@@ -27,10 +27,12 @@ from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
 from harness.commands import doctor, failsafe, nightly_shards, run_folder
+from harness.commands.compare import FRESH_PROCESS_HELP
 from harness.compare import baseline, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import baseline_section, junit, nightly_report
 from harness.run import placement
+from harness.run import workers as runner_workers
 from harness.run.protocol import host_provenance
 
 NIGHTLY_SCHEMA = 1
@@ -56,6 +58,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--weights", help="safetensors file for cases that import their weights")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
+    parser.add_argument("--fresh-process", action="store_true", help=FRESH_PROCESS_HELP)
     nightly_shards.add_arguments(parser)
     parser.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR,
                         help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
@@ -70,7 +73,8 @@ def main(args, pythons: dict[str, str]) -> int:
     try:
         options = pipeline.CompareOptions(device=args.device, tokens=args.tokens, cases_dir=args.cases,
                                           reports_dir=args.reports, checkpoints_dir=args.checkpoints, pythons=pythons,
-                                          timeout=args.timeout, weights_file=args.weights)
+                                          timeout=args.timeout, weights_file=args.weights,
+                                          fresh_process=args.fresh_process)
         night, run_dir = run(options, previous=args.previous, workers=args.workers, shard=args.shard,
                              baselines_dir=args.baselines)
     except NightlyError as error:
@@ -121,8 +125,9 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             progress.done(entry)
             return entry
 
-        entries = placement.run_cells(cases, one, workers=workers, device=device, tp_of=lambda case: case.tp,
-                                      on_error=lambda case, error: _placement_failure(case, error, positions))
+        with runner_workers.fresh_processes(options.fresh_process), runner_workers.serving(run_dir / "workers"):
+            entries = placement.run_cells(cases, one, workers=workers, device=device, tp_of=lambda case: case.tp,
+                                          on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries
     night["finished_at"] = run_folder.now()
     if baselines_dir is not None:

@@ -4,7 +4,8 @@ On a GPU the GEMM library picks kernels by shape and operand layout, so the same
 token counts and not at others; the matrix shows where. Each cell is an ordinary run
 (``pipeline.compare_case``) with its own full report, in its own folder inside the sweep's folder; the sweep's
 ``report.json``, ``report.md`` and ``report.html`` hold the matrix, each cell's verdict and statistics, and
-the provenance (rendered by ``harness.report.sweep_report``).
+the provenance (rendered by ``harness.report.sweep_report``). Each runner stays up across the cells
+(``harness.run.workers``) unless ``fresh_process`` is set.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from harness.commands import run_folder
 from harness.compare.result import EXIT_CODES, CaseResult
 from harness.report import sweep_report
 from harness.report.sweep_report import console  # noqa: F401  (the CLI prints a sweep with sweep.console)
+from harness.run import workers
 
 SWEEP_SCHEMA = 1
 # Provenance keys worth repeating in the sweep report (each cell's report.json has all of them).
@@ -38,15 +40,16 @@ def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str
     sweep_id, sweep_dir = run_folder.new_run_dir(Path(options.reports_dir), f"sweep-{name}")
     started = run_folder.now()
     cells, total = [], len(tokens) * len(pairs)
-    for pair in pairs:
-        for count in tokens:
-            clock = time.monotonic()
-            result, run_dir = pipeline.compare_case(name, replace(options, tokens=count, runners=pair,
-                                                                  reports_dir=sweep_dir))
-            cells.append(_cell(result, run_dir, pair, count, time.monotonic() - clock))
-            cell = cells[-1]
-            progress(f"[{len(cells)}/{total}] {name} {cell['pair']} tokens={count}: {cell['verdict']} "
-                     f"({cell['wall_seconds']:.1f} s) {_diff_summary(cell)}".rstrip())
+    with workers.fresh_processes(options.fresh_process), workers.serving(sweep_dir / "workers"):
+        for pair in pairs:
+            for count in tokens:
+                clock = time.monotonic()
+                result, run_dir = pipeline.compare_case(name, replace(options, tokens=count, runners=pair,
+                                                                      reports_dir=sweep_dir))
+                cells.append(_cell(result, run_dir, pair, count, time.monotonic() - clock))
+                cell = cells[-1]
+                progress(f"[{len(cells)}/{total}] {name} {cell['pair']} tokens={count}: {cell['verdict']} "
+                         f"({cell['wall_seconds']:.1f} s) {_diff_summary(cell)}".rstrip())
     report = {"schema": SWEEP_SCHEMA, "kind": "sweep", "sweep_id": sweep_id, "case": name,
               "device": options.device, "tokens": list(tokens),
               "pairs": list(dict.fromkeys(cell["pair"] for cell in cells)),

@@ -23,7 +23,7 @@ from harness import paths, resources
 from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
 from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
-from harness.run import launch, placement, shards, supervisor
+from harness.run import launch, placement, shards, supervisor, workers
 from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
@@ -141,6 +141,9 @@ def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -
 
 def _start(runner: str, python: str, folder: Path, device: str, tp: int):
     command, launched = launch.command(runner, python, folder / "request.json", tp, folder)
+    pool = workers.active() if tp == 1 else None
+    if pool is not None:
+        return _start_in_worker(pool, runner, python, folder, device, command[:3])
     with resources.boundary("runner folder", folder):
         (folder / "command.txt").write_text(" ".join(command) + "\n")
         out, err = open(folder / "stdout.log", "wb"), open(folder / "stderr.log", "wb")
@@ -155,11 +158,33 @@ def _start(runner: str, python: str, folder: Path, device: str, tp: int):
     return process, time.monotonic(), launched
 
 
+def _start_in_worker(pool: workers.Pool, runner: str, python: str, folder: Path, device: str, command: list[str]):
+    """The side as the next cell of a worker for (runner, interpreter, device, runner environment)."""
+    env = runner_env(device)
+    key = (runner, python, device, tuple(sorted(placement.runner_env_overrides().items())))
+    start = time.monotonic()
+    try:
+        worker = pool.acquire(key, runner, command, env, REPO_ROOT)
+    except OSError as error:  # e.g. the configured interpreter does not exist
+        with resources.boundary("runner folder", folder):
+            (folder / "stderr.log").write_text(f"cannot start {command[0]}: {error}\n")
+        return None, start, {"launcher": "worker", "tp": 1}
+    cell = workers.Cell(pool, worker, folder / "request.json")
+    with resources.boundary("runner folder", folder):
+        (folder / "command.txt").write_text(f"cell {cell.process['cell']} of worker {worker.process.pid}: "
+                                            f"{' '.join(worker.process.args)}\n")
+    return cell, start, {"launcher": "worker", "tp": 1}
+
+
 def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case) -> SideResult:
     process, start, launch_info = launched
     side = SideResult(label, runner, "error", folder, python)
     if process is None:
         side.reason = f"could not start interpreter {python!r}"
+    elif isinstance(process, workers.Cell):
+        side.returncode = process.wait(max(0.0, deadline - time.monotonic()))
+        if side.returncode is None:
+            side.reason = f"timed out after {timeout:g} s; its worker's process group was killed"
     else:
         side.returncode, seen = launch.wait(process, max(0.0, deadline - time.monotonic()))
         if side.returncode is None:
@@ -171,7 +196,12 @@ def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case
         supervisor.unregister(process)
     side.wall_seconds = time.monotonic() - start
     side.stderr_tail = _tail(folder / "stderr.log")
+    if isinstance(process, workers.Cell) and side.returncode not in (0, EXIT_UNSUPPORTED):
+        side.stderr_tail += f"\n--- worker {process.worker.process.pid} log (tail) ---\n{process.log_tail()}\n"
     side.meta = _read_meta(folder) if tp == 1 else shards.merge_metas(folder, tp, launch_info)
+    if side.meta:
+        side.meta.setdefault("process", process.process if isinstance(process, workers.Cell) else
+                             {"mode": "fresh process", "pid": getattr(process, "pid", None)})
     if tp > 1:
         side.stderr_tail += "".join(f"\n--- rank {rank} stderr (tail) ---\n{text}\n"
                                     for rank, text in launch.rank_tails(folder, tp).items())

@@ -114,8 +114,9 @@ def run_cells(items: Sequence[T], work: Callable[[T], R], *, workers: int, devic
 
     if workers == 1:
         return [one(item) for item in items]
+    contexts = [contextvars.copy_context() for _ in items]  # the caller's settings (its runner workers) go along
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cell") as executor:
-        return list(executor.map(one, items))
+        return list(executor.map(lambda context, item: context.run(one, item), contexts, items))
 
 
 def _guarded(work: Callable[[T], R], item: T, on_error: Callable[[T, Exception], R] | None) -> R:

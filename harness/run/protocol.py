@@ -2,6 +2,8 @@
 
 Under a launcher (torchrun, paddle.distributed.launch) every rank writes its own shard and meta,
 named with its rank (``outputs.rank1.safetensors``, ``meta.rank1.json``); the harness gathers them.
+A runner started with ``--worker`` serves many requests in one process (``serve_cells``; ``harness.run.workers``
+is the harness's end); each request's files are the same as a process of its own would write.
 
 Exit codes: 0 outputs written; 3 the framework lacks a kernel or package for this request
 (``meta.json`` says which); anything else is a crash, which the harness reports as ERROR.
@@ -10,11 +12,13 @@ Exit codes: 0 outputs written; 3 the framework lacks a kernel or package for thi
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,40 +74,113 @@ class Phases:
             self.seconds[name] = round(time.perf_counter() - start, 6)
 
 
-def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str], dict] | None = None) -> None:
-    """Read the request named on the command line, call `run`, write meta.json, exit with the contract's code.
+def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str], dict] | None = None,
+          reset: Callable[[], None] | None = None) -> None:
+    """Run the request named on the command line (``--request``), or serve many (``--worker``), then exit.
 
-    `run(request, phases)` writes the outputs file and returns the framework's provenance. With ``--probe`` the
-    runner computes nothing: it prints one JSON object (``probe_answer``) saying what this interpreter has and which
-    implementation each op would get on ``--device`` (the doctor's question), and exits 0.
+    `run(request, phases)` writes the outputs file and returns the framework's provenance; `reset()` (optional)
+    clears what a cell may leave in the framework (a process group, cached device memory) before the next one.
+    With ``--probe`` the runner computes nothing: it prints one JSON object (``probe_answer``) saying what this
+    interpreter has and which implementation each op would get on ``--device`` (the doctor's question), and exits 0.
     """
     parser = argparse.ArgumentParser(prog=f"python -m harness.runners.{runner}")
     parser.add_argument("--request", type=Path)
+    parser.add_argument("--worker", action="store_true",
+                        help="serve cells: request paths on stdin (harness.run.workers)")
+    parser.add_argument("--reply-fd", type=int, help="with --worker: the pipe each cell's exit code is written to")
     parser.add_argument("--probe", action="store_true", help="answer what would run here as JSON; compute nothing")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="the device --probe asks about")
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe_answer(runner, args.device, probe), default=str))
         sys.exit(0)
+    if args.worker:
+        if args.reply_fd is None:
+            parser.error("--worker needs --reply-fd FD")
+        sys.exit(serve_cells(lambda path, cell: run_cell(runner, run, path, cell, reset), args.reply_fd))
     if args.request is None:
-        parser.error("--request FILE is required (or --probe)")
-    request = json.loads(args.request.read_text())
+        parser.error("--request FILE is required (or --worker, or --probe)")
+    sys.exit(run_cell(runner, run, args.request))
+
+
+def run_cell(runner: str, run: Callable[[dict, Phases], dict], request_path: Path, cell: int | None = None,
+             reset: Callable[[], None] | None = None) -> int:
+    """One request: outputs (by `run`) and meta.json written; the contract's exit code. `cell`: its number in a
+    worker (None: a process of its own), recorded in meta.json."""
+    request = json.loads(Path(request_path).read_text())
     output_dir = Path(request["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
     phases = Phases()
     rank, world = rank_and_world()
+    process = ({"mode": "fresh process", "pid": os.getpid()} if cell is None else
+               {"mode": "shared worker", "pid": os.getpid(), "cell": cell})
     meta = {"runner": runner, "case": request["case"], "op": request["op"], "device": request["device"],
             "host": host_provenance(), "env": env_flags(), "python": sys.version.split()[0],
-            "executable": sys.executable, "rank": rank, "world_size": world}
+            "executable": sys.executable, "rank": rank, "world_size": world, "process": process}
     code = 0
     try:
         meta.update(run(request, phases))
     except Unsupported as reason:
         meta["unsupported"] = str(reason)
         code = EXIT_UNSUPPORTED
+    finally:
+        if reset is not None:
+            reset()
     meta["phases"] = phases.seconds
     (output_dir / rank_file_name(META, rank, world)).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-    sys.exit(code)
+    return code
+
+
+def serve_cells(cell: Callable[[Path, int], int], reply_fd: int) -> int:
+    """A worker's loop: one request path per line on stdin; each cell's stdout and stderr go to ``stdout.log`` and
+    ``stderr.log`` in its request's output folder (as a process of its own would write them), and its exit code
+    to `reply_fd`. A cell that ends in anything but 0 or EXIT_UNSUPPORTED (an exception, ``sys.exit``) ends the
+    worker too, since what it left behind is unknown; the harness starts a new one for the next cell."""
+    replies = os.fdopen(reply_fd, "w", buffering=1)
+    number = 0
+    for line in sys.stdin:
+        request_path = Path(line.strip())
+        number += 1
+        folder = Path(json.loads(request_path.read_text())["output_dir"])
+        with _cell_output(folder):
+            try:
+                code = cell(request_path, number)
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else 1
+            except Exception:  # noqa: BLE001 - reported as the cell's crash, as a process of its own would
+                traceback.print_exc()
+                code = 1
+        replies.write(f"{code}\n")
+        if code not in (0, EXIT_UNSUPPORTED):
+            return code
+    return 0
+
+
+@contextmanager
+def _cell_output(folder: Path):
+    """Point file descriptors 1 and 2 (Python's and C's stdio: oneDNN's verbose lines) at the cell's own logs."""
+    _flush_all()
+    saved = os.dup(1), os.dup(2)
+    with open(folder / "stdout.log", "ab") as out, open(folder / "stderr.log", "ab") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    try:
+        yield
+    finally:
+        _flush_all()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _flush_all() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers (a library's printf) belong to the cell that wrote them
+    except (OSError, AttributeError):
+        pass
 
 
 def probe_answer(runner: str, device: str, probe: Callable[[str], dict] | None) -> dict:

@@ -274,4 +274,4 @@ def _rotary_in_float64(rotary, config) -> None:
 
 
 if __name__ == "__main__":
-    serve("hf_model", run)
+    serve("hf_model", run, reset=torch_env.release)

@@ -89,6 +89,14 @@ def init_process_group(device: torch.device) -> None:
                                              create_gloo_process_groups=device.type == "cpu")
 
 
+def reset() -> None:
+    """Between a worker's cells: a cell that stopped early (UNSUPPORTED) may leave its process group behind."""
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    torch_env.release()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,4 +131,4 @@ def probe(device: str) -> dict:
 
 
 if __name__ == "__main__":
-    serve("megatron", run, probe)
+    serve("megatron", run, probe, reset)

@@ -439,4 +439,6 @@ def init_process_group(device: torch.device) -> None:
 
 
 if __name__ == "__main__":
-    serve("megatron_model", run)
+    from harness.runners.megatron import reset
+
+    serve("megatron_model", run, reset=reset)

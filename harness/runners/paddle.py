@@ -205,5 +205,13 @@ def _onednn_version() -> str | None:
     return names[-1] if names else None
 
 
+def release() -> None:
+    """Between a worker's cells (without paddle, a cell only said UNSUPPORTED)."""
+    if paddle is not None:
+        from harness.runners.paddle_common import release as paddle_release
+
+        paddle_release()
+
+
 if __name__ == "__main__":
-    serve("paddle", run, probe)
+    serve("paddle", run, probe, release)

@@ -3,6 +3,8 @@ set parameters, time forward and backward through the kernel guard. Imports padd
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import paddle
 
@@ -26,6 +28,13 @@ def run_phases(request, phases, guard, kernel, forward, backward):
         guard(lambda: backward(out), kernel + " backward", request)
         sync(request)
     return out
+
+
+def release() -> None:
+    """Between a worker's cells: drop what the last cell left (its tensors, cached device memory)."""
+    gc.collect()
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        paddle.device.cuda.empty_cache()
 
 
 def sync(request):

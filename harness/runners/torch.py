@@ -95,4 +95,4 @@ def probe(device: str) -> dict:
 
 
 if __name__ == "__main__":
-    serve("torch", runner("tn"), probe)
+    serve("torch", runner("tn"), probe, torch_env.release)

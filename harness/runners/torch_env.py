@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 
@@ -79,6 +80,13 @@ def _has_fp32_precision_api() -> bool:
     except AttributeError:
         return False
     return True
+
+
+def release() -> None:
+    """Between a worker's cells: drop what the last cell left (its tensors, cached device memory)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def synchronize(device: torch.device) -> None:

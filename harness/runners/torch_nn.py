@@ -2,6 +2,7 @@
 
 from harness.run.protocol import serve
 from harness.runners.torch import probe, runner
+from harness.runners.torch_env import release
 
 if __name__ == "__main__":
-    serve("torch_nn", runner("nn"), probe)
+    serve("torch_nn", runner("nn"), probe, release)
