@@ -40,13 +40,16 @@ def test_fp32_fc1_oracle_repeat_and_tolerance(checkpoints_dir, tmp_path):
     assert any(t.status == "DIFF" for t in result.tensors)  # a real difference, accepted by the policy
     # The same real differences are not within one ULP at scale: the policy is not vacuous.
     assert not judge(Tolerance({"max_ulp_at_scale": 1.0}), result.tensors)["within"]
-    assert [s["label"] for s in report["sides"]] == ["a", "b", "oracle", "a.2", "b.2"]
+    # --repeat 2: the second run in each side's worker, a third in a fresh process
+    assert [s["label"] for s in report["sides"]] == ["a", "b", "oracle", "a.2", "b.2", "a.3", "b.3"]
     assert all(side["consistent"] for side in report["repeats"]["sides"].values()), report["repeats"]
+    where = [r["process"].split(" ", 2)[:2] for r in report["repeats"]["sides"]["a"]["repeats"]]
+    assert where == [["shared", "worker"], ["fresh", "process"]], report["repeats"]
     assert set(report["versus_oracle"]["sides"]) == {"a", "b"}
     assert set(report["versus_oracle"]["closer"]) == {"out", "grad.input", "grad.weight"}
     assert_oracle_counts_match_files(run_dir, report)
     markdown = (run_dir / "report.md").read_text()
-    for section in ("## Tolerance policy: met", "## Distance from the truth oracle", "## Determinism: 2 runs"):
+    for section in ("## Tolerance policy: met", "## Distance from the truth oracle", "## Determinism: 3 runs"):
         assert section in markdown
 
 

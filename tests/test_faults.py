@@ -159,6 +159,78 @@ def test_misbehaving_runner(world, capsys, behaviour, code, verdict, words):
     assert_ends(world, got, err, code, verdict, *words)
 
 
+@pytest.mark.parametrize("behaviour, code, verdict, words", RUNNER_FAULTS, ids=[f[0] for f in RUNNER_FAULTS])
+def test_misbehaving_runner_in_a_worker(world, capsys, behaviour, code, verdict, words):
+    """The same faults from a runner that stays up across cells (a sweep's worker): each cell ends as it would
+    in a process of its own, and the next cell still runs (in a new worker when the fault ended the last)."""
+    got, err = run_main(capsys, world.args("--no-oracle", "--tokens", "4,4",
+                                           *world.python(megatron="good", paddle=behaviour)))
+    assert got == code and "Traceback" not in err, err[-3000:]
+    sweep = world.report()
+    assert [cell["verdict"] for cell in sweep["cells"]] == [verdict, verdict], sweep["cells"]
+    for cell in sweep["cells"]:
+        markdown = (world.reports_written()[-1].parent / cell["run_dir"] / "report.md").read_text()
+        assert all(word in cell["message"] or word in markdown for word in words), (words, cell["message"])
+    a_processes = [next(s for s in cell["sides"] if s["label"] == "a")["meta"]["process"] for cell in sweep["cells"]]
+    assert [p["cell"] for p in a_processes] == [1, 2] and a_processes[0]["pid"] == a_processes[1]["pid"]
+    assert_nothing_left(world)
+
+
+def sides_of(sweep: dict, label: str) -> list[dict]:
+    return [next(s for s in cell["sides"] if s["label"] == label) for cell in sweep["cells"]]
+
+
+def test_worker_crash_mid_sweep_ends_that_cell_only(world, capsys):
+    got, err = run_main(capsys, world.args("--no-oracle", "--tokens", "4,5,6",
+                                           *world.python(megatron="good", paddle="crash_second")))
+    assert got == 2 and "Traceback" not in err, err[-3000:]
+    sweep = world.report()
+    assert [cell["verdict"] for cell in sweep["cells"]] == ["BITWISE_PASS", "ERROR", "BITWISE_PASS"]
+    b = sides_of(sweep, "b")
+    assert "exited with code 7" in b[1]["reason"] and "simulated crash in cell 2" in b[1]["stderr_tail"]
+    assert b[2]["meta"]["process"]["cell"] == 1 and b[2]["meta"]["process"]["pid"] != b[0]["meta"]["process"]["pid"]
+    assert [s["meta"]["process"]["cell"] for s in sides_of(sweep, "a")] == [1, 2, 3]  # side a's worker stayed up
+    assert_nothing_left(world)
+
+
+def test_worker_hung_in_a_cell_is_killed_at_the_timeout(world, capsys):
+    started = time.monotonic()
+    got, err = run_main(capsys, world.args("--no-oracle", "--timeout", "4", "--tokens", "4,5,6",
+                                           *world.python(megatron="good", paddle="hang_second")))
+    assert time.monotonic() - started < 60
+    assert got == 2 and "Traceback" not in err, err[-3000:]
+    sweep = world.report()
+    assert [cell["verdict"] for cell in sweep["cells"]] == ["BITWISE_PASS", "ERROR", "BITWISE_PASS"]
+    b = sides_of(sweep, "b")
+    assert "timed out after 4 s; its worker's process group was killed" in b[1]["reason"]
+    assert "test double hangs in cell 2" in b[1]["stderr_tail"]
+    assert b[2]["meta"]["process"]["pid"] != b[0]["meta"]["process"]["pid"]
+    assert_nothing_left(world)
+
+
+def test_fresh_process_repeat_finds_what_a_worker_repeat_misses(world, capsys):
+    """A double whose bits depend on its process (test double per_process): the repeat in the worker agrees with
+    the first run, the extra repeat in a fresh process does not, and the report says which run was where."""
+    got, err = run_main(capsys, world.args("--no-oracle", "--repeat", "2",
+                                           *world.python(megatron="good", paddle="per_process")))
+    found = assert_ends(world, got, err, 4, "NONDETERMINISTIC", "gave different bits on different runs")
+    repeats = found["repeats"]["sides"]["b"]["repeats"]
+    assert [(r["label"], r["process"].startswith("shared worker"), bool(r["differing"])) for r in repeats] == [
+        ("b.2", True, False), ("b.3", False, True)]
+    assert repeats[1]["process"] == "fresh process"
+    assert found["repeats"]["sides"]["a"]["consistent"]
+    assert "b.3 bitwise_pass" not in found["markdown"].lower() and "(fresh process)" in found["markdown"]
+
+
+def test_fresh_process_option_starts_every_cell_afresh(world, capsys):
+    got, err = run_main(capsys, world.args("--no-oracle", "--fresh-process", "--tokens", "4,5",
+                                           *world.python(megatron="good", paddle="crash_second")))
+    assert got == 0, err[-3000:]  # crash_second never sees a second cell
+    sweep = world.report()
+    assert {s["meta"]["process"]["mode"] for s in sides_of(sweep, "a") + sides_of(sweep, "b")} == {"fresh process"}
+    assert not (world.reports_written()[-1].parent / "workers").exists()
+
+
 def test_hanging_runner_and_its_child_are_killed_at_the_timeout(world, capsys):
     started = time.monotonic()
     got, err = run_main(capsys, world.args("--no-oracle", "--timeout", "2",

@@ -23,8 +23,8 @@ from harness.run.orchestrate import SideResult
 
 SECTIONS = ("TP-invariant (bitwise equal)", "Runners", "Tensors (side a against side b)", "Where the mismatches sit",
             "Re-feed (each op re-run on side b from side a's tensors)", "Distance from the truth oracle",
-            "Tolerance policy: NOT met", "Determinism: 2 runs per side", "a.2 against its first run", "Provenance",
-            "stderr tail of side b.2 (paddle)", "fake paddle traceback")
+            "Tolerance policy: NOT met", "Determinism: 2 runs per side", "a.2 (fresh process) against its first run",
+            "Provenance", "stderr tail of side b.2 (paddle)", "fake paddle traceback")
 
 
 def every_section_result(folder: Path) -> CaseResult:

@@ -2,8 +2,10 @@
 
 A cross-framework "bitwise equal" (or "differs") is only evidence when each side is stable: a side
 that changes its own bits between runs (atomics, split-K heuristics, thread scheduling) makes any
-single comparison luck. Every repeat is a fresh process on the same checkpoint file, compared tensor
-by tensor with that side's first run, with the same statistics as the cross-framework comparison.
+single comparison luck. Every repeat runs on the same checkpoint file and is compared tensor by tensor with
+that side's first run, with the same statistics as the cross-framework comparison. Repeats run in the side's
+worker (harness.run.workers), and one more in a fresh process, so state that differs between processes (a
+per-process seed, an allocator, a thread pool) shows too; each entry says where it ran.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ def self_consistency(case: Case, sides: list[SideResult], runs: int) -> dict:
         if not run or by_label.get(base) is None:
             continue
         first = by_label[base]
-        entry = report["sides"].setdefault(base, {"runner": first.runner, "consistent": True, "repeats": []})
-        repeat = {"label": side.label, "run": int(run), "status": side.status, "differing": [], "tensors": []}
+        entry = report["sides"].setdefault(base, {"runner": first.runner, "consistent": True, "repeats": [],
+                                                  "first_process": process_of(first)})
+        repeat = {"label": side.label, "run": int(run), "status": side.status, "process": process_of(side),
+                  "differing": [], "tensors": []}
         if side.status == "ok" and first.status == "ok":
             reference, again = load_tensors(first.outputs), load_tensors(side.outputs)
             comparisons = [compare_tensor(spec.name, again.get(spec.name), reference.get(spec.name))
@@ -46,6 +50,14 @@ def self_consistency(case: Case, sides: list[SideResult], runs: int) -> dict:
             entry["consistent"] = entry["consistent"] and not repeat["differing"]
         entry["repeats"].append(repeat)
     return report
+
+
+def process_of(side: SideResult) -> str:
+    """'shared worker 1234, cell 2' or 'fresh process': where a run ran (harness.run.workers)."""
+    process = side.meta.get("process", {})
+    if process.get("mode") == "shared worker":
+        return f"shared worker {process.get('pid')}, cell {process.get('cell')}"
+    return process.get("mode", "fresh process")
 
 
 def unstable(report: dict) -> list[str]:

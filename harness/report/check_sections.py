@@ -77,10 +77,12 @@ def determinism(data: dict, figures: dict) -> list[tuple]:
         return []
     rows = []
     for label, side in repeats["sides"].items():
-        runs = ", ".join(f"{r['label']} {r['status']}" for r in side["repeats"])
+        runs = ", ".join([f"{label} ({side.get('first_process', 'fresh process')})"]
+                         + [f"{r['label']} {r['status']} ({r.get('process', 'fresh process')})"
+                            for r in side["repeats"]])
         rows.append([label, side["runner"], _yes(side["consistent"]), runs, ", ".join(_differing(side)) or "none"])
     out = [h(2, f"Determinism: {repeats['runs']} runs per side, each against its first"),
-           table(["side", "runner", "self-consistent", "repeats", "differing tensors"], rows)]
+           table(["side", "runner", "self-consistent", "runs", "differing tensors"], rows)]
     for side in repeats["sides"].values():
         for repeat in side["repeats"]:
             if not repeat["differing"]:
@@ -91,7 +93,7 @@ def determinism(data: dict, figures: dict) -> list[tuple]:
                 where = f"{first['index']}: {first['a_bits']} vs {first['b_bits']}" if first else ""
                 tensor_rows.append([t["name"], t["status"], t["mismatches"], f"{t['mismatch_share']:.4%}",
                                     t["max_ulp"], _histogram(t["ulp_histogram"]), where])
-            out += [h(3, f"{repeat['label']} against its first run"),
+            out += [h(3, f"{repeat['label']} ({repeat.get('process', 'fresh process')}) against its first run"),
                     table(["tensor", "status", "mismatches", "share", "max ULP", "ULP histogram", "first mismatch"],
                           tensor_rows, "llrrrll")]
     return out

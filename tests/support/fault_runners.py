@@ -9,7 +9,9 @@ of ``out`` flipped: a DIFF), crash, hang (and a child in its group), hang_spawne
 in a session of its own, then hangs), daemon (starts a daemon in a new session, then succeeds), garbage
 (outputs that are not safetensors), nan (NaN in ``out``), wrong_shape, wrong_dtype, missing_tensor,
 extra_tensor, no_meta, no_outputs (exit 0, writes nothing), random (different bits every run),
-unsupported (exit 3 with a reason), self_kill (SIGKILL itself), loud_crash (10 MB of stderr, then exit 1).
+unsupported (exit 3 with a reason), self_kill (SIGKILL itself), loud_crash (10 MB of stderr, then exit 1);
+for workers (``--worker``, harness.run.workers): crash_second and hang_second (``good``, but crash or hang in a
+worker's second cell), per_process (bits that differ between processes but not between cells of one process).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 BEHAVIOURS = ("good", "one_bit", "crash", "hang", "hang_spawner", "daemon", "garbage", "nan", "wrong_shape",
               "wrong_dtype", "missing_tensor", "extra_tensor", "no_meta", "no_outputs", "random", "unsupported",
-              "self_kill", "loud_crash")
+              "self_kill", "loud_crash", "crash_second", "hang_second", "per_process")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -92,8 +94,19 @@ def _start_daemon() -> None:
 
 
 def main(behaviour: str, argv: list[str]) -> None:
+    """One request (``--request PATH``), or a worker's many (``--worker --reply-fd FD``, harness.run.workers)."""
     note_pid()
-    request = json.loads(Path(argv[argv.index("--request") + 1]).read_text())
+    if "--worker" in argv:
+        from harness.run.protocol import serve_cells
+
+        reply_fd = int(argv[argv.index("--reply-fd") + 1])
+        sys.exit(serve_cells(lambda path, cell: cell_of(behaviour, path, cell), reply_fd))
+    cell_of(behaviour, Path(argv[argv.index("--request") + 1]))
+
+
+def cell_of(behaviour: str, request_path: Path, cell: int = 1) -> int:
+    """Do what `behaviour` says for one request (`cell`: its number in a worker; 1 in a process of its own)."""
+    request = json.loads(request_path.read_text())
     out = Path(request["output_dir"])
     meta = {"runner": f"double:{behaviour}", "implementation": f"test double {behaviour!r} (not a framework)"}
     print(f"test double {behaviour} starts for {request['case']}", file=sys.stderr, flush=True)
@@ -147,6 +160,19 @@ def main(behaviour: str, argv: list[str]) -> None:
         sys.exit(3)
     elif behaviour == "self_kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif behaviour == "crash_second":
+        if cell == 2:
+            print("Traceback (most recent call last):\nRuntimeError: simulated crash in cell 2", file=sys.stderr)
+            sys.exit(7)
+        _save(tensors, out, meta)
+    elif behaviour == "hang_second":
+        if cell == 2:
+            print("test double hangs in cell 2", file=sys.stderr, flush=True)
+            time.sleep(300)
+        _save(tensors, out, meta)
+    elif behaviour == "per_process":
+        _save(_outputs(request, seed=os.getpid()), out, meta)
+    return 0
 
 
 if __name__ == "__main__":
