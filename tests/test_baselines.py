@@ -86,7 +86,8 @@ class Bench:
 
     def night(self, capsys, cases=None, *extra):
         args = ["--cases", str(cases or self.cases), "nightly", "--reports", str(self.root / "reports"),
-                "--checkpoints", str(self.root / "ck"), "--baselines", str(self.baselines), "--timeout", "60"]
+                "--checkpoints", str(self.root / "ck"), "--baselines", str(self.baselines), "--timeout", "60",
+                "--fresh-process"]  # the doubles serve one request per process (no --worker)
         for item in self.pythons:
             args += ["--python", item]
         before = set((self.root / "reports").glob("nightly-*"))

@@ -104,7 +104,8 @@ def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints
     assert "[nightly 1/2] tiny_flipped: running" in out and "[nightly 2/2] tiny_needs_weights: SKIP" in out
     (run_dir,) = (tmp_path / "reports").glob("nightly-*")
     assert {p.name for p in run_dir.iterdir()} == {"cases", "report.json", "report.md", "report.html", "junit.xml",
-                                                   "doctor.json"}
+                                                   "doctor.json", "workers"}
+    assert {p.name.split("-", 2)[2] for p in (run_dir / "workers").iterdir()} == {"megatron.log", "oracle.log"}
     doctor = json.loads((run_dir / "doctor.json").read_text())
     assert doctor["kind"] == "doctor" and doctor["runners"]["paddle"]["ops"]["rms_norm"]["float32"]["would_run"]
     (case_dir,) = (run_dir / "cases").iterdir()

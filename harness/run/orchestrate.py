@@ -149,9 +149,10 @@ def _start(runner: str, python: str, folder: Path, device: str, tp: int):
         out, err = open(folder / "stdout.log", "wb"), open(folder / "stderr.log", "wb")
     with out, err:
         try:
-            process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
-                                       env=runner_env(device), start_new_session=True)
-            supervisor.register(process)
+            with supervisor.starting():
+                process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
+                                           env=runner_env(device), start_new_session=True)
+                supervisor.register(process)
         except OSError as error:  # e.g. the configured interpreter does not exist
             err.write(f"cannot start {command[0]}: {error}\n".encode())
             process = None

@@ -62,6 +62,13 @@ def register(process: subprocess.Popen, keep: bool = False) -> None:
         _round.processes.append(process)
 
 
+@contextmanager
+def starting() -> Iterator[None]:
+    """Around starting and registering a runner: another round's sweep never sees it started but not registered."""
+    with _lock:
+        yield
+
+
 def unregister(process: subprocess.Popen) -> None:
     with _lock:
         _live.pop(process.pid, None)
@@ -164,11 +171,11 @@ def sweep(before: set[tuple[int, str]], mine: list[subprocess.Popen]) -> list[in
                 pass
             process.wait()
         unregister(process)
-    with _lock:
+    with _lock:  # no runner is between its start and its registration meanwhile (`starting`)
         kept = set(_live)  # kept workers, and the runners of rounds other threads are still watching
-    kept |= {pid for leader in kept for pid in launch.descendants(leader)}
-    leftovers = {pid for pid, started in _identified(launch.descendants(os.getpid())) - before
-                 if pid not in kept}
+        kept |= {pid for leader in kept for pid in launch.descendants(leader)}
+        leftovers = {pid for pid, started in _identified(launch.descendants(os.getpid())) - before
+                     if pid not in kept}
     killed = _kill(leftovers)
     _reap_adopted(leftovers)
     return killed

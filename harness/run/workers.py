@@ -57,7 +57,7 @@ class Pool:
     def acquire(self, key: tuple, name: str, command: list[str], env: dict[str, str], cwd: Path) -> Worker:
         """An idle live worker for `key`, else a new one (its log: ``worker-<n>-<name>.log``)."""
         with _lock:
-            for worker in self.started:
+            for worker in filter(None, self.started):
                 if worker.key == key and not worker.busy and worker.process.poll() is None:
                     worker.busy = True
                     return worker
@@ -164,7 +164,7 @@ class Cell:
 def _start(log: Path, key: tuple, command: list[str], env: dict[str, str], cwd: Path) -> Worker:
     log.parent.mkdir(parents=True, exist_ok=True)
     read_end, write_end = os.pipe()
-    with open(log, "ab") as out:
+    with open(log, "ab") as out, supervisor.starting():
         try:
             process = subprocess.Popen([*command, "--worker", "--reply-fd", str(write_end)], stdin=subprocess.PIPE,
                                        stdout=out, stderr=out, cwd=cwd, env=env, start_new_session=True,
@@ -174,5 +174,5 @@ def _start(log: Path, key: tuple, command: list[str], env: dict[str, str], cwd: 
             raise
         finally:
             os.close(write_end)
-    supervisor.register(process, keep=True)
+        supervisor.register(process, keep=True)
     return Worker(process, os.fdopen(read_end, "rb", buffering=0), log, key, busy=True)
