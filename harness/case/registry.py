@@ -137,25 +137,41 @@ class Case:
         return self.op_spec.outputs(self.shapes, self.tokens, self.config)
 
 
+_LOADED: dict[tuple, Registry] = {}  # the last registry parsed, by its files' paths and texts
+
+
 class Registry:
-    """All cases of a folder of TOML files, by name."""
+    """All cases of a folder of TOML files, by name (cases are frozen: one loaded registry can be shared)."""
 
     def __init__(self, cases: dict[str, Case]):
         self.cases = dict(sorted(cases.items()))
 
     @classmethod
     def load(cls, folder: Path = CASES_DIR) -> Registry:
-        raw: dict[str, tuple[Path, dict]] = {}
+        """The folder's cases; parsed again only when a case file's text changed (a sweep loads it once per cell)."""
         files = sorted(Path(folder).glob("*.toml"))
         if not files:
             raise CaseError(f"{folder}: no case files (*.toml) found")
+        texts = []
         for path in files:
             try:
-                document = tomllib.loads(path.read_text())
-            except tomllib.TOMLDecodeError as error:
-                raise CaseError(f"{path}: malformed TOML: {error}") from None
+                texts.append((path, path.read_text()))
             except (OSError, UnicodeDecodeError) as error:
                 raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
+        key = tuple((str(path.resolve()), text) for path, text in texts)
+        if key not in _LOADED:
+            _LOADED.clear()
+            _LOADED[key] = cls._parse(texts)
+        return _LOADED[key]
+
+    @classmethod
+    def _parse(cls, texts: list[tuple[Path, str]]) -> Registry:
+        raw: dict[str, tuple[Path, dict]] = {}
+        for path, text in texts:
+            try:
+                document = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as error:
+                raise CaseError(f"{path}: malformed TOML: {error}") from None
             for name, table in document.items():
                 if not isinstance(table, dict):
                     raise CaseError(f"{path}: top-level key {name!r} must be a case table (got {table!r})")

@@ -14,6 +14,11 @@ things measured in the same run, one right after the other, on the same checkpoi
 
 Everything runs as subprocesses of ``--repo`` (default: this checkout), so the same script measures an
 older tree (``git archive <commit> | tar -x -C DIR``; ``--repo DIR``) before a change and this one after.
+
+``--catalogue DEVICE --catalogue-tokens LIST`` times instead every op-level case of DEVICE swept over LIST (the
+whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
+--device DEVICE --tokens LIST`` would run each, one case after another, in one pool of runner workers; whole-model
+cases are left out (each is a model run per cell, with commands of its own).
 """
 
 from __future__ import annotations
@@ -128,6 +133,30 @@ def measure_sweep(repo: Path, python: str, tokens: list[int], scratch: Path, ext
             "verdicts": sweep.get("verdicts")}
 
 
+def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list[str]) -> dict:
+    """Every op-level case of `device` swept over `tokens`, in this process, with one pool of runner workers."""
+    from harness.case.ops import MODEL_OPS
+    from harness.case.registry import Registry
+    from harness.commands.compare import CompareOptions
+    from harness.commands.sweep import run_sweep
+    from harness.run import workers
+
+    cases = [case.name for case in Registry.load().for_device(device) if case.op not in MODEL_OPS]
+    options = CompareOptions(device=device, reports_dir=reports, checkpoints_dir=reports / "checkpoints",
+                             oracle="--no-oracle" not in extra,
+                             fresh_process="--fresh-process" in extra)
+    started, summary = time.perf_counter(), {}
+    with workers.fresh_processes(options.fresh_process), workers.serving(reports / "workers"):
+        for name in cases:
+            clock = time.perf_counter()
+            sweep, _ = run_sweep(name, tokens, options=options, progress=lambda line: None)
+            summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"]}
+            print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s", flush=True)
+    return {"device": device, "tokens": tokens, "cases": len(cases), "cells": len(cases) * len(tokens),
+            "wall_s": round(time.perf_counter() - started, 1), "oracle": options.oracle,
+            "fresh_process": options.fresh_process, "per_case": summary}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.commands.bench_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-args", default="", help="extra compare arguments for the sweep (e.g. --no-oracle)")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the measurements here")
+    parser.add_argument("--catalogue", choices=("cpu", "gpu"), help="time the device's whole catalogue instead")
+    parser.add_argument("--catalogue-tokens", default="1,7,60,61,64,127,128,255,256,1024,4096")
+    parser.add_argument("--catalogue-args", default="--no-oracle", help="--no-oracle and/or --fresh-process")
+    parser.add_argument("--reports", type=Path, help="with --catalogue: keep the reports here (default: a temporary "
+                                                     "folder, removed)")
     args = parser.parse_args(argv)
+    if args.catalogue:
+        return _catalogue(args)
     repo = args.repo.resolve()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"speed bench on {repo} (commit {_commit(repo)}), {os.cpu_count()} CPUs, load average {load}")
@@ -169,6 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     results["load_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
+
+
+def _catalogue(args) -> int:
+    tokens = [int(t) for t in args.catalogue_tokens.split(",")]
+    print(f"catalogue bench: every {args.catalogue} case over {len(tokens)} token counts ({args.catalogue_args})")
+    with tempfile.TemporaryDirectory(prefix="bench-catalogue-") as scratch:
+        measured = measure_catalogue(args.catalogue, tokens, args.reports or Path(scratch), args.catalogue_args.split())
+    print(f"{measured['cases']} cases x {len(tokens)} token counts = {measured['cells']} cells in "
+          f"{measured['wall_s']} s ({measured['wall_s'] / max(1, measured['cells']):.2f} s per cell)")
+    if args.json:
+        args.json.write_text(json.dumps(measured, indent=2) + "\n")
     return 0
 
 

@@ -69,14 +69,18 @@ class Pool:
         return worker
 
     def close(self) -> None:
-        """End every worker: stdin closed (its loop ends), then its process group killed if it lingers."""
-        for worker in filter(None, self.started):
-            if worker.process.poll() is None:
-                try:
-                    worker.process.stdin.close()
-                    worker.process.wait(timeout=10)
-                except (OSError, subprocess.TimeoutExpired):
-                    launch.kill_tree(worker.process)
+        """End every worker: all stdins closed at once (each loop ends), then a group that lingers is killed."""
+        started = list(filter(None, self.started))
+        for worker in started:
+            try:
+                worker.process.stdin.close()
+            except OSError:
+                pass
+        for worker in started:
+            try:
+                worker.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                launch.kill_tree(worker.process)
             worker.replies.close()
             supervisor.unregister(worker.process)
 
