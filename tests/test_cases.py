@@ -79,6 +79,16 @@ def test_perturbation_index_must_fit_the_tensor(tmp_path):
         registry_from(tmp_path, text)
 
 
+def test_a_control_swept_to_fewer_tokens_than_its_flip_needs_is_refused(tmp_path):
+    """A sweep moves a negative control to other token counts: its planted flip must stay inside the tensor."""
+    text = GOOD + '\n[control]\nbase = "fc1"\nperturb = { side = "b", tensor = "input", index = [5, 0] }\n'
+    control = registry_from(tmp_path, text).get("control")
+    assert control.with_tokens(6).tokens == 6
+    with pytest.raises(CaseError, match=r"'control': field 'perturb.index': \[5, 0\] is outside input of shape "
+                                        r"\[5, 32\] at tokens=5"):
+        control.with_tokens(5)
+
+
 def test_base_cycle_is_reported(tmp_path):
     with pytest.raises(CaseError, match="cycle"):
         registry_from(tmp_path, '[x]\nbase = "y"\n[y]\nbase = "x"\n')

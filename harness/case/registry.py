@@ -106,7 +106,14 @@ class Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
         self.check_tp(self.tp, tokens)
-        return replace(self, tokens=tokens)
+        moved = replace(self, tokens=tokens)
+        if self.perturb:  # a negative control's planted flip must still be inside its tensor
+            shape = next(spec.shape for spec in moved.input_specs() if spec.name == self.perturb.tensor)
+            if not all(0 <= i < n for i, n in zip(self.perturb.index, shape, strict=True)):
+                raise CaseError(f"{self.source}: case {self.name!r}: field 'perturb.index': "
+                                f"{list(self.perturb.index)} is outside {self.perturb.tensor} of shape {list(shape)} "
+                                f"at tokens={tokens}")
+        return moved
 
     def with_runners(self, runners: tuple[str, str]) -> Case:
         """Another pair of runners. The case's stated expectation was about its own pair, so it is kept only for a

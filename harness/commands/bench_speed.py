@@ -18,7 +18,8 @@ older tree (``git archive <commit> | tar -x -C DIR``; ``--repo DIR``) before a c
 ``--catalogue DEVICE --catalogue-tokens LIST`` times instead every op-level case of DEVICE swept over LIST (the
 whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
 --device DEVICE --tokens LIST`` would run each, one case after another, in one pool of runner workers; whole-model
-cases are left out (each is a model run per cell, with commands of its own).
+cases are left out (each is a model run per cell, with commands of its own), and so are cases of more GPUs than
+are visible. Tensors are deleted after each case (reports kept): full-size cases write GBs per cell.
 """
 
 from __future__ import annotations
@@ -139,9 +140,11 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
     from harness.case.registry import Registry
     from harness.commands.compare import CompareOptions
     from harness.commands.sweep import run_sweep
-    from harness.run import workers
+    from harness.run import placement, workers
 
-    cases = [case.name for case in Registry.load().for_device(device) if case.op not in MODEL_OPS]
+    gpus = len(placement.visible_gpus()) if device == "gpu" else None
+    cases = [case.name for case in Registry.load().for_device(device) if case.op not in MODEL_OPS
+             and (gpus is None or case.tp <= gpus)]
     options = CompareOptions(device=device, reports_dir=reports, checkpoints_dir=reports / "checkpoints",
                              oracle="--no-oracle" not in extra,
                              fresh_process="--fresh-process" in extra)
@@ -152,6 +155,8 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
             sweep, _ = run_sweep(name, tokens, options=options, progress=lambda line: None)
             summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"]}
             print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s", flush=True)
+            for tensors in [*reports.glob("*/*/*/*.safetensors"), *reports.glob("checkpoints/*/*.safetensors")]:
+                tensors.unlink()  # full-size cases at 4096 tokens write GBs per cell: keep the reports only
     return {"device": device, "tokens": tokens, "cases": len(cases), "cells": len(cases) * len(tokens),
             "wall_s": round(time.perf_counter() - started, 1), "oracle": options.oracle,
             "fresh_process": options.fresh_process, "per_case": summary}
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-tokens", default="8,16,24,32,40,48,56,64")
     parser.add_argument("--sweep-args", default="", help="extra compare arguments for the sweep (e.g. --no-oracle)")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--skip-compare", action="store_true", help="only the sweep (e.g. on a GPU: "
+                                                                    "--sweep-args='--device gpu')")
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     parser.add_argument("--catalogue", choices=("cpu", "gpu"), help="time the device's whole catalogue instead")
     parser.add_argument("--catalogue-tokens", default="1,7,60,61,64,127,128,255,256,1024,4096")
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speed bench on {repo} (commit {_commit(repo)}), {os.cpu_count()} CPUs, load average {load}")
     results: dict = {"repo": str(repo), "commit": _commit(repo), "load_before": load, "rounds": []}
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
-        for number in range(args.rounds):
+        for number in range(0 if args.skip_compare else args.rounds):
             measured = measure_compare(repo, args.python, args.tokens, Path(scratch), number)
             results["rounds"].append(measured)
             print(f"round {number + 1}: compare {measured['compare_s']:.1f} s ({measured['verdict']}); floor "
