@@ -292,7 +292,10 @@ class Refeed:
                     self._note(unit, "output")
             grad = self._fit(self.keys[2], unit, index, parts, y, "output gradient")
             if grad is not None and new.requires_grad:
-                new.register_hook(lambda g: grad.to(g.dtype))
+                def swap(g, key=self.keys[2] + unit):  # keep the local gradient (the code after the unit made it)
+                    self.parts.setdefault(key, {})[index] = self._canonical(g)
+                    return grad.to(g.dtype)
+                new.register_hook(swap)
                 self._note(unit, "output gradient")
             if new is y:
                 return None
@@ -300,7 +303,8 @@ class Refeed:
         return hook
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """The tensors to write (record: side a's inputs, outputs, output gradients; replay: the local inputs)."""
+        """The tensors to write (record: side a's inputs, outputs, output gradients; replay: the local inputs and the
+        local gradients that arrived at each unit's output before side a's replaced them)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -37,7 +37,8 @@ class CompareOptions:
     on the same checkpoint; `oracle`: also run the truth oracle and measure each side's distance from it (skipped
     when a side already is the oracle); `repeat`: run each side that many times and check it agrees with itself;
     `config_overrides`: knobs set over the case's (the gate matrix); `refeed_ops`: for multi-op blocks, re-run
-    each op on side b from side a's tensors (model cases: each module, harness.compare.model_refeed); `pythons`: an interpreter per runner (``--python RUNNER=PATH``).
+    each op on side b from side a's tensors (model cases: each module, harness.compare.model_refeed);
+    `pythons`: an interpreter per runner (``--python RUNNER=PATH``).
     """
 
     device: str = "cpu"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from harness.capture import INPUT, REFEED_FILE
+from harness.capture import GRAD, INPUT, REFEED_FILE
 from harness.case import checkpoints
 from harness.case.registry import Case
 from harness.compare.model import module_path
@@ -70,6 +70,8 @@ def attribute(case: Case, full: dict, a: dict, b: dict, meta: dict) -> dict:
         unit = owner(name, units)
         if name.startswith(INPUT):
             where = f"the code feeding {name[len(INPUT):]} (inside {unit or 'the model'})"
+        elif name.startswith(GRAD):
+            where = f"the backward of the code using {name[len(GRAD):]}'s output"
         else:
             where = unit or module_path(name)
         if name == "loss":
@@ -117,7 +119,8 @@ def _pattern_match(pattern: str, path: str) -> bool:
 
 def owner(name: str, units: list[str]) -> str | None:
     """The innermost re-fed unit holding a canonical tensor: its module, else the closest unit above it."""
-    path = name[len(INPUT):] if name.startswith(INPUT) else module_path(name)
+    path = name[len(INPUT):] if name.startswith(INPUT) else name[len(GRAD):] if name.startswith(GRAD) else \
+        module_path(name)
     if name == "logits":
         path = "lm_head"
     if name.startswith(INPUT):  # the code feeding a unit sits in the unit above it
@@ -130,12 +133,20 @@ def owner(name: str, units: list[str]) -> str | None:
 
 
 def _order(case: Case, units: list[str]) -> list[str]:
+    """Forward (each unit's input row before its output), then backward: units in reverse, each one's output
+    gradient row before the parameter gradients it holds."""
     names = [spec.name for spec in case.output_specs()]
     out = []
-    for name in names:
+    for name in (n for n in names if not n.startswith("grad.")):
         unit = "lm_head" if name == "logits" else name[len("module."):] if name.startswith("module.") else None
         if unit in units:
             out.append(INPUT + unit)
         out.append(name)
-    return out
+    grads = [n for n in names if n.startswith("grad.")]
+    held = {}
+    for name in grads:
+        held.setdefault(owner(name, units), []).append(name)
+    for unit in reversed(units):
+        out += [GRAD + unit, *held.pop(unit, [])]
+    return out + [n for rest in held.values() for n in rest]
 

@@ -37,7 +37,7 @@ def model_items(refeed: dict) -> list[str]:
     first = refeed["first_local_divergence"]
     lines = [f"runner `{refeed['runner']}` replayed with every re-fed module's input, output and output gradient "
              f"from {refeed['fed_from']}; {len(refeed['units'])} modules re-fed",
-             f"first local divergence (forward, then backward): "
+             "first local divergence (forward, then backward): "
              + (f"**`{first}`**, made by `{refeed['first_local_unit']}`" if first else "**none**"),
              f"{c['made']} tensors made by their module, {c['carried']} carried in, {c['equal']} equal, "
              f"{c['not re-fed']} not re-fed"]
