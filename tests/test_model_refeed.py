@@ -137,3 +137,16 @@ def test_megatron_against_hf_float32_obeys_the_structural_truths(tmp_path, check
     differing = [t["name"] for t in report["tensors"] if t["status"] != "EQUAL"]
     if differing:  # a full-run difference is either made somewhere or carried from a not re-fed tensor
         assert refeed["first_local_divergence"] is not None
+
+
+@pytest.mark.e2e
+def test_paddle_against_itself_replays_bit_exactly(tmp_path, checkpoints_dir):
+    """The same code on both sides: replaying side a's tensors (Paddle's PyLayer substitute, tensor hooks) must
+    give side a's bits everywhere, or the re-feed itself would be making differences."""
+    report, _ = _run("kimi_k2_2layer_fp32", tmp_path, checkpoints_dir, runners=("paddle_model", "paddle_model"))
+    refeed = report["refeed"]
+    assert refeed["first_local_divergence"] is None, [r for r in refeed["rows"] if r["local"] != "EQUAL"][:5]
+    assert refeed["counts"]["made"] == 0 and refeed["counts"]["equal"] > 100
+    replaced = refeed["replaced"]
+    assert replaced["model.layers.1.mlp"] == ["input", "output", "output gradient"]
+    assert replaced["lm_head"] == ["input", "output gradient"]

@@ -205,16 +205,21 @@ def _substitute():
     from paddle.autograd import PyLayer
 
     class Substitute(PyLayer):
-        """Forward: side a's value in place of the local tensor; backward: the gradient passes to the local tensor
-        unchanged (the graph stays whole)."""
+        """Forward: side a's value (``box[0]``, None: the local one) in place of the local tensor; backward: side
+        a's gradient (``box[1]``, None: the incoming one) to the local tensor, the incoming one handed to ``box[2]``.
+        The graph stays whole. The gradient is replaced here, not by a tensor hook: Paddle 3.3.1 calls a hook on a
+        PyLayer's output but ignores what it returns (measured)."""
 
         @staticmethod
-        def forward(ctx, local, value):
-            return value.clone()
+        def forward(ctx, local, box):
+            ctx.box = box
+            return (local if box[0] is None else box[0]).clone()
 
         @staticmethod
         def backward(ctx, grad):
-            return grad
+            if ctx.box[2] is not None:
+                ctx.box[2](grad)
+            return grad if ctx.box[1] is None else ctx.box[1].astype(grad.dtype)
 
     return Substitute
 
@@ -294,7 +299,7 @@ class Refeed:
             if value is None:
                 return None
             self._note(unit, "input")
-            return (self.substitute.apply(x, value), *inputs[1:])
+            return (self.substitute.apply(x, [value, None, None]), *inputs[1:])
         return hook
 
     def _post(self, unit: str, index: int, parts: int):
@@ -311,21 +316,17 @@ class Refeed:
                     y.register_hook(lambda g: self.parts.setdefault(self.keys[2] + unit, {}).__setitem__(
                         index, self._canonical(g)))
                 return None
-            new = y
-            if unit not in self.keep_output:
-                value = self._fit(self.keys[1], unit, index, parts, y, "output")
-                if value is not None:
-                    new = self.substitute.apply(y, value)
-                    self._note(unit, "output")
-            grad = self._fit(self.keys[2], unit, index, parts, y, "output gradient")
-            if grad is not None and not new.stop_gradient:
-                def swap(g, key=self.keys[2] + unit):  # keep the local gradient (the code after the unit made it)
-                    self.parts.setdefault(key, {})[index] = self._canonical(g)
-                    return grad.astype(g.dtype)
-                new.register_hook(swap)
-                self._note(unit, "output gradient")
-            if new is y:
+            value = None if unit in self.keep_output else self._fit(self.keys[1], unit, index, parts, y, "output")
+            grad = None if y.stop_gradient else self._fit(self.keys[2], unit, index, parts, y, "output gradient")
+            if value is None and grad is None:
                 return None
+
+            def keep(g, key=self.keys[2] + unit):  # the local gradient (the code after the unit made it)
+                self.parts.setdefault(key, {})[index] = self._canonical(g)
+            new = self.substitute.apply(y, [value, grad, keep if grad is not None else None])
+            for what, given in (("output", value), ("output gradient", grad)):
+                if given is not None:
+                    self._note(unit, what)
             return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
         return hook
 
