@@ -14,7 +14,11 @@ tensors: a difference there is made by the code between re-fed modules (a residu
 Not attributed yet: the local gradient arriving at each unit's output before side a's replaces it (the replay run
 writes it as ``refeed.grad_output.<unit>``). Measured on hf_model against itself (kimi_k2_2layer_fp32, 16 tokens):
 it differs at the residual junctions (o_proj, a layer's output, the embedding) although the code is the same on
-both sides, so it would name a false first local divergence; the cause is not found.
+both sides, so it would name a false first local divergence. Probable cause (not proven): at a junction an RMSNorm
+uses its input twice and the residual once; the replay's substitute node sums the norm's two contributions first,
+while the plain run may sum the three in another order (floating-point addition is not associative). Parameter
+gradients are unaffected: each is computed from side a's replaced output gradient (hf_model and paddle_model against
+themselves: all equal).
 """
 
 from __future__ import annotations
