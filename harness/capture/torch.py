@@ -299,7 +299,7 @@ class Refeed:
                 self._note(unit, "output gradient")
             if new is y:
                 return None
-            return (new, *output[1:]) if isinstance(output, tuple) else new
+            return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
         return hook
 
     def finish(self) -> dict[str, torch.Tensor]:
