@@ -140,10 +140,11 @@ def test_megatron_against_hf_float32_obeys_the_structural_truths(tmp_path, check
 
 
 @pytest.mark.e2e
-def test_paddle_against_itself_replays_bit_exactly(tmp_path, checkpoints_dir):
-    """The same code on both sides: replaying side a's tensors (Paddle's PyLayer substitute, tensor hooks) must
+@pytest.mark.parametrize("runner", ["paddle_model", "megatron_model"])
+def test_a_runner_against_itself_replays_bit_exactly(runner, tmp_path, checkpoints_dir):
+    """The same code on both sides: replaying side a's tensors (the substitute node, the gradient replacement) must
     give side a's bits everywhere, or the re-feed itself would be making differences."""
-    report, _ = _run("kimi_k2_2layer_fp32", tmp_path, checkpoints_dir, runners=("paddle_model", "paddle_model"))
+    report, _ = _run("kimi_k2_2layer_fp32", tmp_path, checkpoints_dir, runners=(runner, runner))
     refeed = report["refeed"]
     assert refeed["first_local_divergence"] is None, [r for r in refeed["rows"] if r["local"] != "EQUAL"][:5]
     assert refeed["counts"]["made"] == 0 and refeed["counts"]["equal"] > 100
