@@ -346,12 +346,15 @@ ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidde
 
 def refeed_hooks(model, names: dict, request: dict):
     """harness.capture.torch.Refeed over the canonical modules that are one Megatron module each (hidden states
-    [s, b, h]: batch dim 1), the output layer as lm_head; (the Refeed, {canonical: why not re-fed})."""
+    [s, b, h]: batch dim 1), the output layer as lm_head; (the Refeed, the units, {canonical: why not re-fed})."""
+    import re
+
     from harness.capture.torch import Refeed
 
     units = {c: [t] for c, t in names["modules"].items() if not t.startswith("pre:") and not c.endswith(".mlp.gate")}
     units["lm_head"] = ["output_layer"]
-    not_refed = {**names["not_captured"], **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")}}
+    experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
+    not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")}}
     return Refeed(model, units, request["mode"], request.get("from"), batch_dim=1), units, not_refed
 
 
