@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                               "that disagrees with itself gives NONDETERMINISTIC")
     compare.add_argument("--fresh-process", action="store_true", help=pipeline.FRESH_PROCESS_HELP)
     compare.add_argument("--refeed", action="store_true",
-                         help="multi-op blocks: re-run each op on side b from side a's tensors "
+                         help="multi-op blocks: re-run each op on side b from side a's tensors; model cases: "
+                              "replay side b with each module's input, output and output gradient from side a "
                               "(error made locally vs carried in)")
     compare.add_argument("--gate-matrix", action="store_true",
                          help="run with use_accuracy_compatible on and off and report both against side a")

@@ -18,3 +18,57 @@ def module_sources(seen: dict[str, dict], rule, word: str = "module") -> tuple[l
             return [], f"{word} {source!r} did not run"
         parts.append(stored[what])
     return parts, None
+
+
+# --- per-module re-feed (issue 12): side a records, side b replays ------------------------------------------------
+# A request's config.refeed = {"mode": "record"} makes a model runner write, beside its outputs, each re-fed unit's
+# input, output and output gradient in canonical layout (REFEED_FILE). {"mode": "replay", "from": <side a's file>}
+# makes it run the same step with each unit's input and output replaced by side a's (forward) and each unit's output
+# gradient replaced by side a's (backward): every canonical tensor it then writes is computed by side b's code from
+# side a's tensors around it. The framework parts live in capture.torch / capture.paddle (``Refeed``).
+
+REFEED_FILE = "refeed.safetensors"
+INPUT, OUTPUT, GRAD = "refeed.input.", "refeed.output.", "refeed.grad_output."
+EXPERT_WHY = ("a routed expert's input is the tokens its side's router sent it (permuted, data-dependent): not "
+              "mapped between sides; its tensors are attributed to the MoE block around it")
+
+
+def refeed_units(modules: list[str], rule_of, extra: dict[str, list[str]] | None = None,
+                 skip: dict[str, str] | None = None) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Re-fed units ({canonical module: framework module paths whose outputs make it, concatenated on the last dim})
+    and {canonical module: why not re-fed}. A module captured as another module's input (``input_of``) is no unit:
+    its value is recomputed by the code before that module. `skip`: {regex: why} for modules the runner excludes."""
+    import re
+
+    units, why_not = {}, {}
+    for name in modules:
+        reason = next((why for pattern, why in (skip or {}).items() if re.search(pattern, name)), None)
+        rule = rule_of(name)
+        if rule.kind == "not_captured":
+            why_not[name] = rule.why
+        elif reason:
+            why_not[name] = reason
+        elif rule.kind in ("same", "output_of", "cat_last"):
+            units[name] = list(rule.sources)
+    units.update(extra or {})
+    return units, why_not
+
+
+def main_input(args: tuple, kwargs: dict | None):
+    """Where a module call's main tensor is: ("arg", 0), ("kw", "hidden_states") or None."""
+    if args:
+        return ("arg", 0)
+    if kwargs and "hidden_states" in kwargs:
+        return ("kw", "hidden_states")
+    return None
+
+
+def part_of(value, index: int, parts: int):
+    """Part `index` of `parts` equal parts on the last dim (a cat_last unit: HF's gate_proj and up_proj), or None."""
+    if parts == 1:
+        return value
+    width = value.shape[-1]
+    if width % parts:
+        return None
+    step = width // parts
+    return value[..., index * step:(index + 1) * step]

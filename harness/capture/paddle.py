@@ -197,3 +197,149 @@ def capture(model, path, *, name_map=None, modules: list[str] | None = None, gra
     if path is not None:
         write(cap.tensors, path, cap.order)
     cap.write_seconds = round(time.perf_counter() - start, 6)
+
+
+# --- per-module re-feed (harness.capture: REFEED_FILE); the same as harness.capture.torch.Refeed --------------------
+
+def _substitute():
+    from paddle.autograd import PyLayer
+
+    class Substitute(PyLayer):
+        """Forward: side a's value (``box[0]``, None: the local one) in place of the local tensor; backward: side
+        a's gradient (``box[1]``, None: the incoming one) to the local tensor, the incoming one handed to ``box[2]``.
+        The graph stays whole. The gradient is replaced here, not by a tensor hook: Paddle 3.3.1 calls a hook on a
+        PyLayer's output but ignores what it returns (measured)."""
+
+        @staticmethod
+        def forward(ctx, local, box):
+            ctx.box = box
+            return (local if box[0] is None else box[0]).clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if ctx.box[2] is not None:
+                ctx.box[2](grad)
+            return grad if ctx.box[1] is None else ctx.box[1].astype(grad.dtype)
+
+    return Substitute
+
+
+class Refeed:
+    """Hooks for one re-feed run (see harness.capture.torch.Refeed): register after ``capture`` so its hooks see
+    the local tensors (Paddle runs hooks in registration order, each one's result feeding the next)."""
+
+    def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
+                 keep_output=("lm_head",)):
+        from harness.capture import GRAD, INPUT, OUTPUT
+
+        self.mode, self.batch_dim, self.keep_output = mode, batch_dim, set(keep_output)
+        self.keys = (INPUT, OUTPUT, GRAD)
+        self.a = {}
+        if mode == "replay":
+            from safetensors.paddle import load_file
+            self.a = load_file(str(source))
+        self.substitute = _substitute()
+        self.tensors: dict[str, np.ndarray] = {}
+        self.parts: dict[str, dict[int, np.ndarray]] = {}
+        self.replaced: dict[str, list[str]] = {}
+        self.not_refed: dict[str, str] = {}
+        self.calls: dict[tuple[str, int], int] = {}
+        self._handles = []
+        named = dict(model.named_sublayers())
+        for unit, paths in units.items():
+            missing = [p for p in paths if p not in named]
+            if missing:
+                self.not_refed[unit] = f"the model has no sublayer {missing[0]!r}"
+                continue
+            for i, path in enumerate(paths):
+                self._handles.append(named[path].register_forward_pre_hook(self._pre(unit, i)))
+                self._handles.append(named[path].register_forward_post_hook(self._post(unit, i, len(paths))))
+
+    def _canonical(self, tensor) -> np.ndarray:
+        array = to_host(tensor)
+        if array.ndim >= 3 and array.shape[self.batch_dim] == 1:
+            array = np.squeeze(array, axis=self.batch_dim)
+        return array
+
+    def _fit(self, key: str, unit: str, index: int, parts: int, local, what: str):
+        from harness.capture import part_of
+
+        value = self.a.get(key + unit)
+        if value is None:
+            return None
+        value = part_of(value, index, parts)
+        fits = value is not None and int(np.prod(value.shape)) == int(np.prod(local.shape)) and \
+            value.dtype == local.dtype
+        if not fits:
+            self.not_refed.setdefault(unit, f"side a's {what} ({None if value is None else list(value.shape)}, "
+                                            f"{None if value is None else value.dtype}) does not fit side b's "
+                                            f"({list(local.shape)}, {local.dtype})")
+            return None
+        return value.reshape(local.shape).to(local.place)
+
+    def _note(self, unit: str, what: str) -> None:
+        self.replaced.setdefault(unit, [])
+        if what not in self.replaced[unit]:
+            self.replaced[unit].append(what)
+
+    def _pre(self, unit: str, index: int):
+        def hook(_layer, inputs):
+            count = self.calls[(unit, index)] = self.calls.get((unit, index), 0) + 1
+            if count > 1:
+                self.not_refed[unit] = "the sublayer ran more than once in the step"
+                return None
+            x = inputs[0] if inputs else None
+            if not isinstance(x, paddle.Tensor) or not x.is_floating_point():
+                return None  # token ids: the same checkpoint tensor on both sides
+            if index == 0:
+                self.tensors[self.keys[0] + unit] = self._canonical(x)
+            if self.mode != "replay":
+                return None
+            value = self._fit(self.keys[0], unit, 0, 1, x, "input")
+            if value is None:
+                return None
+            self._note(unit, "input")
+            return (self.substitute.apply(x, [value, None, None]), *inputs[1:])
+        return hook
+
+    def _post(self, unit: str, index: int, parts: int):
+        def hook(_layer, _inputs, output):
+            if self.calls.get((unit, index), 0) > 1:
+                return None
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if not isinstance(y, paddle.Tensor) or not y.is_floating_point():
+                self.not_refed[unit] = "its output is no floating-point tensor"
+                return None
+            if self.mode != "replay":
+                self.parts.setdefault(self.keys[1] + unit, {})[index] = self._canonical(y)
+                if not y.stop_gradient:
+                    y.register_hook(lambda g: self.parts.setdefault(self.keys[2] + unit, {}).__setitem__(
+                        index, self._canonical(g)))
+                return None
+            value = None if unit in self.keep_output else self._fit(self.keys[1], unit, index, parts, y, "output")
+            grad = None if y.stop_gradient else self._fit(self.keys[2], unit, index, parts, y, "output gradient")
+            if value is None and grad is None:
+                return None
+
+            def keep(g, key=self.keys[2] + unit):  # the local gradient (the code after the unit made it)
+                self.parts.setdefault(key, {})[index] = self._canonical(g)
+            new = self.substitute.apply(y, [value, grad, keep if grad is not None else None])
+            for what, given in (("output", value), ("output gradient", grad)):
+                if given is not None:
+                    self._note(unit, what)
+            return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
+        return hook
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The arrays to write (record: side a's inputs, outputs, output gradients; replay: the local inputs and the
+        local gradients that arrived at each unit's output before side a's replaced them)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for key, parts in self.parts.items():
+            ordered = [parts[i] for i in sorted(parts)]
+            self.tensors[key] = ordered[0] if len(ordered) == 1 else np.concatenate(ordered, axis=-1)
+        return dict(self.tensors)
+
+    def meta(self) -> dict:
+        return {"mode": self.mode, "replaced": self.replaced, "not_refed": self.not_refed}

@@ -167,3 +167,151 @@ def capture(model: torch.nn.Module, path, *, name_map: NameMap | None = None, mo
     cap.tensors = {k: v.detach().to("cpu").contiguous() for k, v in cap.tensors.items()}
     if path is not None:
         save_file(cap.tensors, str(path))
+
+
+# --- per-module re-feed (harness.capture: REFEED_FILE) -------------------------------------------------------------
+
+class _Substitute(torch.autograd.Function):
+    """Forward: side a's value in place of the local tensor; backward: the gradient passes to the local tensor
+    unchanged, so the graph stays whole (every unit upstream still gets a gradient to replace)."""
+
+    @staticmethod
+    def forward(ctx, local, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Refeed:
+    """Hooks for one re-feed run; see harness.capture (REFEED_FILE). Register after ``capture`` so that its hooks
+    see the local tensors (torch runs hooks in registration order). `units`: {canonical: [module paths]};
+    `keep_output`: units whose output goes on unreplaced (lm_head: the logits are the loss's input)."""
+
+    def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
+                 keep_output=("lm_head",)):
+        from harness.capture import GRAD, INPUT, OUTPUT
+
+        self.mode, self.batch_dim, self.keep_output = mode, batch_dim, set(keep_output)
+        self.keys = (INPUT, OUTPUT, GRAD)
+        self.a = {}
+        if mode == "replay":
+            from safetensors.torch import load_file
+            self.a = load_file(str(source))
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.parts: dict[str, dict[int, torch.Tensor]] = {}
+        self.replaced: dict[str, list[str]] = {}  # unit -> what was replaced ("input", "output", "output gradient")
+        self.not_refed: dict[str, str] = {}
+        self.calls: dict[tuple[str, int], int] = {}
+        self._handles = []
+        named = dict(model.named_modules())
+        for unit, paths in units.items():
+            missing = [p for p in paths if p not in named]
+            if missing:
+                self.not_refed[unit] = f"the model has no module {missing[0]!r}"
+                continue
+            for i, path in enumerate(paths):
+                module = named[path]
+                self._handles.append(module.register_forward_pre_hook(self._pre(unit, i, len(paths)),
+                                                                      with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post(unit, i, len(paths))))
+
+    def _canonical(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.dim() >= 3 and tensor.shape[self.batch_dim] == 1:
+            tensor = tensor.squeeze(self.batch_dim)
+        return tensor.clone()
+
+    def _fit(self, key: str, unit: str, index: int, parts: int, local: torch.Tensor, what: str):
+        from harness.capture import part_of
+
+        value = self.a.get(key + unit)
+        if value is None:
+            return None
+        value = part_of(value, index, parts)
+        if value is None or value.numel() != local.numel() or value.dtype != local.dtype:
+            self.not_refed.setdefault(unit, f"side a's {what} ({None if value is None else tuple(value.shape)}, "
+                                            f"{None if value is None else value.dtype}) does not fit side b's "
+                                            f"({tuple(local.shape)}, {local.dtype})")
+            return None
+        return value.reshape(local.shape).to(local.device)
+
+    def _note(self, unit: str, what: str) -> None:
+        self.replaced.setdefault(unit, [])
+        if what not in self.replaced[unit]:
+            self.replaced[unit].append(what)
+
+    def _pre(self, unit: str, index: int, parts: int):
+        from harness.capture import main_input
+
+        def hook(module, args, kwargs):
+            count = self.calls[(unit, index)] = self.calls.get((unit, index), 0) + 1
+            if count > 1:
+                self.not_refed[unit] = "the module ran more than once in the step"
+                return None
+            where = main_input(args, kwargs)
+            if where is None:
+                return None
+            x = args[0] if where[0] == "arg" else kwargs[where[1]]
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return None  # token ids: the same checkpoint tensor on both sides
+            if index == 0:
+                self.tensors[self.keys[0] + unit] = self._canonical(x)  # record: a's input; replay: the local one
+            if self.mode != "replay":
+                return None
+            value = self._fit(self.keys[0], unit, 0, 1, x, "input")
+            if value is None:
+                return None
+            self._note(unit, "input")
+            new = _Substitute.apply(x, value)
+            if where[0] == "arg":
+                return (new, *args[1:]), kwargs
+            return args, {**kwargs, where[1]: new}
+        return hook
+
+    def _post(self, unit: str, index: int, parts: int):
+        def hook(module, args, output):
+            if self.calls.get((unit, index), 0) > 1:
+                return None
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+                self.not_refed[unit] = "its output is no floating-point tensor"
+                return None
+            if self.mode != "replay":
+                self.parts.setdefault(self.keys[1] + unit, {})[index] = self._canonical(y)
+                if y.requires_grad:
+                    y.register_hook(lambda g: self.parts.setdefault(self.keys[2] + unit, {}).__setitem__(
+                        index, self._canonical(g)))
+                return None
+            new = y
+            if unit not in self.keep_output:
+                value = self._fit(self.keys[1], unit, index, parts, y, "output")
+                if value is not None:
+                    new = _Substitute.apply(y, value)
+                    self._note(unit, "output")
+            grad = self._fit(self.keys[2], unit, index, parts, y, "output gradient")
+            if grad is not None and new.requires_grad:
+                def swap(g, key=self.keys[2] + unit):  # keep the local gradient (the code after the unit made it)
+                    self.parts.setdefault(key, {})[index] = self._canonical(g)
+                    return grad.to(g.dtype)
+                new.register_hook(swap)
+                self._note(unit, "output gradient")
+            if new is y:
+                return None
+            return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
+        return hook
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The tensors to write (record: side a's inputs, outputs, output gradients; replay: the local inputs and the
+        local gradients that arrived at each unit's output before side a's replaced them)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for key, parts in self.parts.items():
+            ordered = [parts[i] for i in sorted(parts)]
+            self.tensors[key] = ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=-1)
+        return {k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}
+
+    def meta(self) -> dict:
+        return {"mode": self.mode, "replaced": self.replaced, "not_refed": self.not_refed}

@@ -20,7 +20,7 @@ from harness.case.ops import MODEL_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
-from harness.compare import determinism, model, refeed, tolerance
+from harness.compare import determinism, model, model_refeed, refeed, tolerance
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
@@ -38,8 +38,9 @@ class CompareOptions:
     on the same checkpoint; `oracle`: also run the truth oracle and measure each side's distance from it (skipped
     when a side already is the oracle); `repeat`: run each side that many times and check it agrees with itself;
     `config_overrides`: knobs set over the case's (the gate matrix); `refeed_ops`: for multi-op blocks, re-run
-    each op on side b from side a's tensors; `pythons`: an interpreter per runner (``--python RUNNER=PATH``);
-    `fresh_process`: every side in a process of its own, never in a worker (``harness.run.workers``).
+    each op on side b from side a's tensors (model cases: each module, harness.compare.model_refeed);
+    `pythons`: an interpreter per runner (``--python RUNNER=PATH``); `fresh_process`: every side in a process of
+    its own, never in a worker (``harness.run.workers``).
     """
 
     device: str = "cpu"
@@ -119,7 +120,9 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             else:
                 result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
-            if o.refeed_ops:
+            if o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
+                result.refeed = model_refeed.run(case, pair, result.tensors, o.device, run_dir, pythons, o.timeout)
+            elif o.refeed_ops:
                 result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)
         result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
                                                                                     by_label.get(ORACLE_LABEL))

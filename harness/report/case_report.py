@@ -94,7 +94,10 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         out.print(f"first divergence: {result.first_divergence}")
     for line in model_section.items(result.to_dict()):
         out.print(escape(line.replace("**", "").replace("`", "")), highlight=False)
-    if result.refeed.get("stages"):
+    if result.refeed.get("kind") == "model":
+        for line in refeed_section.model_items(result.refeed):
+            out.print("re-feed: " + escape(line.replace("**", "").replace("`", "")), highlight=False)
+    elif result.refeed.get("stages"):
         out.print(f"re-feed: first tensor made locally: {result.refeed['first_local_divergence'] or 'none'}")
         for name, how in result.refeed["tensors"].items():
             out.print(f"  {name}: {how}")

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from harness.capture.torch import capture  # noqa: E402
+from harness.capture import EXPERT_WHY, REFEED_FILE, refeed_units  # noqa: E402
+from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.models import NameMap, expand_stack, moe_layers  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
@@ -95,7 +96,13 @@ def run(request: dict, phases: Phases) -> dict:
     modules = [s.name[len("module."):] for s in outputs if s.name.startswith("module.")
                and not s.name.endswith(RECORDED)]
     grads = [s.name[len("grad."):] for s in outputs if s.name.startswith("grad.")]
+    refeed_request = request["config"].get("refeed")
     with capture(model, None, name_map=name_map, modules=modules, grads=grads) as cap:
+        refeed = None
+        if refeed_request:  # after capture: its hooks see the local tensors
+            units, not_refed = refeed_units(modules, lambda n: name_map.rule("modules", n, m),
+                                            extra={"lm_head": ["lm_head"]}, skip={r"\.experts\.\d+$": EXPERT_WHY})
+            refeed = Refeed(model, units, refeed_request["mode"], refeed_request.get("from"), batch_dim=0)
         with phases("forward"):
             logits = model(input_ids=ids, use_cache=False).logits
             if dtype == torch.float64:  # HF's ForCausalLMLoss upcasts to float32 first; the same loss without that
@@ -110,13 +117,18 @@ def run(request: dict, phases: Phases) -> dict:
             torch_env.synchronize(device)
         cap.record("loss", loss)
         cap.record("logits", logits[0])
+        refeed_tensors = refeed.finish() if refeed else {}
         for layer, (indices, weights) in gates.items():
             topk, probs = canonical_routing(indices, weights, m["n_routed_experts"])
             cap.record(f"module.model.layers.{layer}.mlp.gate.topk_indices", topk)
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
     with phases("write"):
         save_file(cap.tensors, os.path.join(request["output_dir"], OUTPUTS))
-    return {
+        if refeed:
+            save_file(refeed_tensors, os.path.join(request["output_dir"], REFEED_FILE))
+    refeed_meta = {"refeed": {**refeed.meta(), "units": list(units),
+                              "not_refed": {**group_by_expert(not_refed), **refeed.not_refed}}} if refeed else {}
+    return {**refeed_meta,
         "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "implementation": f"{hf.__name__}.DeepseekV3ForCausalLM (HF transformers, torch), attention "
                           f"{model.config._attn_implementation}, experts {model.config._experts_implementation}",

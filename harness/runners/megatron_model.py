@@ -340,7 +340,25 @@ def layer_kinds(model_cfg: dict) -> tuple[list[int], list[int]]:
     return list(range(min(dense, layers))), list(range(dense, layers))
 
 
-def forward_backward(model, names, tensors, device, phases, loss_path: str = "megatron"):
+ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidden-state tensor: it is recomputed "
+              "inside the MoE block from side a's input")
+
+
+def refeed_hooks(model, names: dict, request: dict):
+    """harness.capture.torch.Refeed over the canonical modules that are one Megatron module each (hidden states
+    [s, b, h]: batch dim 1), the output layer as lm_head; (the Refeed, the units, {canonical: why not re-fed})."""
+    import re
+
+    from harness.capture.torch import Refeed
+
+    units = {c: [t] for c, t in names["modules"].items() if not t.startswith("pre:") and not c.endswith(".mlp.gate")}
+    units["lm_head"] = ["output_layer"]
+    experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
+    not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")}}
+    return Refeed(model, units, request["mode"], request.get("from"), batch_dim=1), units, not_refed
+
+
+def forward_backward(model, names, tensors, device, phases, loss_path: str = "megatron", refeed: dict | None = None):
     """Forward with labels (Megatron's per-token cross entropy), masked mean, backward. ``loss_path="float64_logits"``
     is for tests only: the loss from the logits in their own dtype (no fp32 island), to prove the gradient mapping."""
     input_ids = tensors["input_ids"].to(device).view(1, -1)
@@ -355,6 +373,7 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
     # A copy: vocab_parallel_cross_entropy subtracts the max and exponentiates fp32 logits in place.
     hook = model.output_layer.register_forward_hook(
         lambda m, a, o: logits_box.__setitem__("logits", o[0].detach().clone()))
+    replay = refeed_hooks(model, names, refeed) if refeed else None  # after capture: its hooks see local tensors
     with phases("forward"):
         if loss_path == "megatron":
             per_token = model(input_ids, position_ids, causal, labels=safe_labels)  # [b, s] fp32
@@ -369,6 +388,10 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
         torch_env.synchronize(device)
     capture.remove()
     hook.remove()
+    if replay:
+        hooks, units, not_refed = replay
+        refeed.update(tensors=hooks.finish(), meta={**hooks.meta(), "units": list(units),
+                                                    "not_refed": {**not_refed, **hooks.not_refed}})
     outputs = {"loss": loss.detach(), "logits": logits_box["logits"].detach().squeeze(1), **capture.outputs}
     params = dict(model.named_parameters())
     for canonical, (megatron, _) in names["parameters"].items():
@@ -395,7 +418,8 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
         tensors = torch_env.load_inputs(request["checkpoint"], device)
         load_weights(model, names, tensors)
         model.train()
-    outputs = forward_backward(model, names, tensors, device, phases, loss_path)
+    refeed = dict(request["config"]["refeed"]) if request["config"].get("refeed") else None
+    outputs = forward_backward(model, names, tensors, device, phases, loss_path, refeed)
     # Megatron's cross entropy is float32 whatever the model dtype; a float64 case gets it exactly upcast.
     outputs["loss"] = outputs["loss"].to(torch.float64 if dtype == torch.float64 else torch.float32)
     meta = {"implementation": "megatron.core.models.gpt.GPTModel, local spec (no TE): MLASelfAttention "
@@ -403,6 +427,8 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
                               "WrappedTorchNorm RMSNorm, vocab_parallel_cross_entropy",
             "adapters": adapters, "knobs": knobs, "not_captured": names["not_captured"],
             "determinism": determinism, "parameter_gradients": len(names["parameters"])}
+    if refeed:
+        meta["refeed"], meta["_refeed_tensors"] = refeed["meta"], refeed["tensors"]
     return outputs, meta, device
 
 
@@ -421,6 +447,9 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("write"):
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
                   os.path.join(request["output_dir"], OUTPUTS))
+        if "_refeed_tensors" in meta:
+            from harness.capture import REFEED_FILE
+            save_file(meta.pop("_refeed_tensors"), os.path.join(request["output_dir"], REFEED_FILE))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     from harness.runners.megatron import te_version

@@ -124,7 +124,16 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
                    for layer in range(m["num_hidden_layers"]) if hasattr(model.model.layers[layer].mlp, "gate")}
     modules, grads = canonical_modules(m), canonical_grads(m)
     hooked = [name for name in modules if not name.endswith((".gate.topk_indices", ".gate.probs"))]  # recorded
+    refeed_request = request["config"].get("refeed")
     with capture(model, None, name_map=name_map, modules=hooked, grads=grads) as cap:
+        refeed = None
+        if refeed_request:  # after capture: its hooks see the local tensors
+            from harness.capture import EXPERT_WHY, refeed_units
+            from harness.capture.paddle import Refeed
+
+            units, not_refed = refeed_units(hooked, lambda n: name_map.rule("modules", n),
+                                            extra={"lm_head": ["lm_head"]}, skip={r"\.experts\.\d+$": EXPERT_WHY})
+            refeed = Refeed(model, units, refeed_request["mode"], refeed_request.get("from"), batch_dim=0)
         with phases("forward"):
             out = _kernel_guard(lambda: model(input_ids=input_ids, labels=labels, return_dict=True),
                                 "DeepseekV3ForCausalLM forward", request)
@@ -132,6 +141,7 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
             _kernel_guard(lambda: out.loss.backward(), "DeepseekV3ForCausalLM backward", request)
         cap.record("logits", out.logits[0])
         cap.record("loss", out.loss.reshape([]))  # a scalar, as the contract writes it
+        refeed_tensors = refeed.finish() if refeed else {}
     with phases("write"):
         tensors, routed = _routing(cap.tensors, routers, m["n_routed_experts"] if routers else 0)
         upcast = {}
@@ -139,7 +149,12 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         order = ["module." + x for x in modules] + ["logits", "loss"] + ["grad." + g for g in grads]
         Path(request["output_dir"]).mkdir(parents=True, exist_ok=True)
         write(tensors, os.path.join(request["output_dir"], OUTPUTS), order)
-    return {
+        if refeed:
+            from harness.capture import REFEED_FILE
+            write(refeed_tensors, os.path.join(request["output_dir"], REFEED_FILE))
+    refeed_meta = {"refeed": {**refeed.meta(), "units": list(units),
+                              "not_refed": {**_fold_experts(not_refed), **refeed.not_refed}}} if refeed else {}
+    return {**refeed_meta,
         "implementation": "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM (Paddle dygraph, CPU, "
                           "non-fused paths; PaddleFormers' own CriterionLayer sft loss)",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
@@ -155,6 +170,11 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         "upcast_exactly": upcast,
         "use_accuracy_compatible_note": "read by PaddleFleet only; PaddleFormers has no such switch",
     }
+
+
+def _fold_experts(names: dict[str, str]) -> dict[str, str]:
+    import re
+    return {re.sub(r"\.experts\.\d+$", ".experts.{E}", name): why for name, why in names.items()}
 
 
 def canonical_modules(m: dict) -> list[str]:
