@@ -5,6 +5,8 @@ its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, defaul
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
 Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
 (``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``).
+Inside ``workers.serving`` (a sweep, nightly, gate matrix or repeat) a TP=1 side is the next cell of a worker
+process that stays up across cells (``harness.run.workers``) instead of a process of its own.
 """
 
 from __future__ import annotations
@@ -170,9 +172,9 @@ def _start_in_worker(pool: workers.Pool, runner: str, python: str, folder: Path,
         with resources.boundary("runner folder", folder):
             (folder / "stderr.log").write_text(f"cannot start {command[0]}: {error}\n")
         return None, start, {"launcher": "worker", "tp": 1}
-    cell = workers.Cell(pool, worker, folder / "request.json")
+    cell = workers.Cell(worker, folder / "request.json")
     with resources.boundary("runner folder", folder):
-        (folder / "command.txt").write_text(f"cell {cell.process['cell']} of worker {worker.process.pid}: "
+        (folder / "command.txt").write_text(f"cell {cell.ran_in['cell']} of worker {worker.process.pid}: "
                                             f"{' '.join(worker.process.args)}\n")
     return cell, start, {"launcher": "worker", "tp": 1}
 
@@ -201,7 +203,7 @@ def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case
         side.stderr_tail += f"\n--- worker {process.worker.process.pid} log (tail) ---\n{process.log_tail()}\n"
     side.meta = _read_meta(folder) if tp == 1 else shards.merge_metas(folder, tp, launch_info)
     if side.meta:
-        side.meta.setdefault("process", process.process if isinstance(process, workers.Cell) else
+        side.meta.setdefault("process", process.ran_in if isinstance(process, workers.Cell) else
                              {"mode": "fresh process", "pid": getattr(process, "pid", None)})
     if tp > 1:
         side.stderr_tail += "".join(f"\n--- rank {rank} stderr (tail) ---\n{text}\n"

@@ -117,10 +117,10 @@ def active() -> Pool | None:
 class Cell:
     """One request sent to a worker; `wait` gives its exit code as a process of its own would have."""
 
-    def __init__(self, pool: Pool, worker: Worker, request: Path):
-        self.pool, self.worker = pool, worker
+    def __init__(self, worker: Worker, request: Path):
+        self.worker = worker
         worker.cells += 1
-        self.process = {**worker.describe()}
+        self.ran_in = worker.describe()  # meta.json's "process" entry for this cell
         try:
             worker.process.stdin.write(f"{request.resolve()}\n".encode())
             worker.process.stdin.flush()
