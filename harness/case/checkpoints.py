@@ -158,6 +158,23 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
 
 
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+                      "U64": "uint64", "BOOL": "bool"}
+
+
+def tensor_layouts(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Each tensor's dtype (numpy's name) and shape, from the file's header alone: checking a runner's outputs
+    needs no read of their data."""
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            slices = {name: handle.get_slice(name) for name in handle.keys()}
+            return {name: (SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype()), list(s.get_shape()))
+                    for name, s in slices.items()}
+    except Exception as error:  # safetensors raises several unrelated types for a bad file
+        raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
+
+
 def tensor_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
 

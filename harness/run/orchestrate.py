@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness import paths, resources
-from harness.case.checkpoints import Checkpoint, CheckpointError, load_tensors
+from harness.case.checkpoints import Checkpoint, CheckpointError, tensor_layouts
 from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
 from harness.run import launch, placement, shards, supervisor, workers
@@ -240,7 +240,7 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
     if not side.meta:
         return f"{side.folder / META} is missing or unreadable"
     try:
-        tensors = load_tensors(side.outputs)
+        tensors = tensor_layouts(side.outputs)
     except CheckpointError as error:
         return str(error)
     specs = case.output_specs()
@@ -253,12 +253,11 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
             if spec.optional:
                 continue
             return f"{side.outputs} lacks tensor {spec.name!r} (has {len(tensors)} tensors)"
-        array, dtype = tensors[spec.name], resolve_dtype(spec.dtype, case.dtype)
-        shape_ok = len(array.shape) == len(spec.shape) and all(
-            want in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True))
-        if not shape_ok or array.dtype.name != dtype:
-            return (f"{side.outputs}: tensor {spec.name!r} is {array.dtype.name}{list(array.shape)}, "
-                    f"expected {dtype}{list(spec.shape)}")
+        (got_dtype, got_shape), dtype = tensors[spec.name], resolve_dtype(spec.dtype, case.dtype)
+        shape_ok = len(got_shape) == len(spec.shape) and all(
+            want in (-1, got) for want, got in zip(spec.shape, got_shape, strict=True))
+        if not shape_ok or got_dtype != dtype:
+            return f"{side.outputs}: tensor {spec.name!r} is {got_dtype}{got_shape}, expected {dtype}{list(spec.shape)}"
     return ""
 
 
