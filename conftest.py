@@ -6,6 +6,7 @@ import pytest
 
 from harness.case.ops import MODEL_OPS
 from harness.case.registry import Registry
+from harness.run import workers
 
 # Whole-model cases run in tests/test_model_e2e.py (a few, small: each side imports a model zoo and runs a model).
 CPU_CASES = [case for case in Registry.load().for_device("cpu") if case.op not in MODEL_OPS]
@@ -22,3 +23,12 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="session")
 def checkpoints_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def runner_workers(tmp_path_factory):
+    """A module's runs through one pool of runner workers (harness.run.workers), as a nightly runs its cases: each
+    framework is imported once per test module and process, not once per case and side (tests/test_workers.py
+    shows that workers write the bits fresh processes write)."""
+    with workers.serving(tmp_path_factory.mktemp("runner-workers")):
+        yield

@@ -25,7 +25,7 @@ from tests.support.e2e import (
     paddle_bf16_gemm_unavailable,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
 
 def e2e_tokens(case) -> int:

@@ -53,3 +53,24 @@ def test_the_check_sees_a_backward_import(tmp_path):
     bad.write_text("from harness.report import case_report\nfrom harness import bits\n")
     found = imported_modules(bad)
     assert {m for m in found if STAGES[stage_of(m)] > STAGES["compare"]} == {"harness.report"}
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/support: a test module imported by another runs its tests twice."""
+    tests = Path(__file__).resolve().parent
+    offenders = {path.name: sorted(m for m in imported_test_modules(path)) for path in sorted(tests.glob("test_*.py"))}
+    assert not {name: found for name, found in offenders.items() if found}
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found |= {n for n in names if n.startswith("tests.test_") or n.startswith("test_")}
+    return found
+
+
+def test_the_test_import_check_sees_one(tmp_path):
+    (tmp_path / "test_x.py").write_text("from tests.test_report_blocks import assert_same_text\n")
+    assert imported_test_modules(tmp_path / "test_x.py") == {"tests.test_report_blocks"}

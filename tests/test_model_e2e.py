@@ -22,7 +22,7 @@ from harness.case.checkpoints import load_tensors
 from harness.case.registry import Perturbation, Registry
 from harness.commands.compare import CompareOptions, compare_case
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
 SEMANTIC_PAIRS = [  # (case, runners): every pair of the three implementations, PaddleFormers on dense layers only
     ("kimi_k2_2layer_float64", ("hf_model", "hf_model")),

@@ -22,10 +22,12 @@ from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.model_refeed import attribute, owner
 from harness.compare.tensors import compare_tensor
 from harness.report import blocks, refeed_section
-from tests.test_report_blocks import assert_same_text
+from tests.support.report_text import assert_same_text
 
 UNITS = ["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0", "model.layers.1.mlp",
          "model.norm", "lm_head"]
+
+pytestmark = pytest.mark.usefixtures("runner_workers")
 
 
 @pytest.fixture(scope="module")
