@@ -9,8 +9,9 @@ its own outputs, meta.json (``process``: shared worker, cell number) and logs in
 Faults: a cell that crashes ends its worker (the next cell gets a new one); a cell past its timeout has its worker's
 process group killed, as a process of its own would. Workers are registered with the supervisor as kept (a round's
 sweep spares them; a signal stops them) and are stopped when ``serving`` ends. ``fresh_processes()`` turns workers
-off for what runs inside it on this thread (``--fresh-process``, and the extra fresh repeat of ``--repeat``); TP>1
-sides always start fresh under their launcher.
+off for what runs inside it (``--fresh-process``, and the extra fresh repeat of ``--repeat``); TP>1 sides always
+start fresh under their launcher. Both settings are context variables: ``placement.run_cells`` carries them into
+its threads.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def serving(folder: Path) -> Iterator[Pool | None]:
 
 @contextmanager
 def fresh_processes(on: bool = True) -> Iterator[None]:
-    """Sides run inside start processes of their own (when `on`)."""
+    """Sides started inside start processes of their own (when `on`)."""
     token = _FRESH.set(on or _FRESH.get())
     try:
         yield
