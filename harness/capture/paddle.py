@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import numpy as np
 import paddle
 
-from harness.capture import module_sources
+from harness.capture import GRAD, INPUT, OUTPUT, module_sources, part_of
 
 
 def to_host(tensor) -> np.ndarray:
@@ -230,8 +230,6 @@ class Refeed:
 
     def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
                  keep_output=("lm_head",)):
-        from harness.capture import GRAD, INPUT, OUTPUT
-
         self.mode, self.batch_dim, self.keep_output = mode, batch_dim, set(keep_output)
         self.keys = (INPUT, OUTPUT, GRAD)
         self.a = {}
@@ -262,8 +260,6 @@ class Refeed:
         return array
 
     def _fit(self, key: str, unit: str, index: int, parts: int, local, what: str):
-        from harness.capture import part_of
-
         value = self.a.get(key + unit)
         if value is None:
             return None

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import save_file
 
-from harness.capture import module_sources
+from harness.capture import GRAD, INPUT, OUTPUT, main_input, module_sources, part_of
 from harness.case.models import NameMap, Rule
 
 
@@ -191,8 +191,6 @@ class Refeed:
 
     def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
                  keep_output=("lm_head",)):
-        from harness.capture import GRAD, INPUT, OUTPUT
-
         self.mode, self.batch_dim, self.keep_output = mode, batch_dim, set(keep_output)
         self.keys = (INPUT, OUTPUT, GRAD)
         self.a = {}
@@ -224,8 +222,6 @@ class Refeed:
         return tensor.clone()
 
     def _fit(self, key: str, unit: str, index: int, parts: int, local: torch.Tensor, what: str):
-        from harness.capture import part_of
-
         value = self.a.get(key + unit)
         if value is None:
             return None
@@ -243,8 +239,6 @@ class Refeed:
             self.replaced[unit].append(what)
 
     def _pre(self, unit: str, index: int, parts: int):
-        from harness.capture import main_input
-
         def hook(module, args, kwargs):
             count = self.calls[(unit, index)] = self.calls.get((unit, index), 0) + 1
             if count > 1:
