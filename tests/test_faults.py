@@ -222,6 +222,14 @@ def test_fresh_process_repeat_finds_what_a_worker_repeat_misses(world, capsys):
     assert "b.3 bitwise_pass" not in found["markdown"].lower() and "(fresh process)" in found["markdown"]
 
 
+def test_repeats_of_the_side_that_ran_are_kept_when_the_other_is_unsupported(world, capsys):
+    got, err = run_main(capsys, world.args("--no-oracle", "--repeat", "2",
+                                           *world.python(megatron="unsupported", paddle="good")))
+    found = assert_ends(world, got, err, 3, "UNSUPPORTED", "test double: no kernel for this")
+    assert found["repeats"]["runs"] == 3 and list(found["repeats"]["sides"]) == ["b"]
+    assert [r["label"] for r in found["repeats"]["sides"]["b"]["repeats"]] == ["b.2", "b.3"]
+
+
 def test_fresh_process_option_starts_every_cell_afresh(world, capsys):
     got, err = run_main(capsys, world.args("--no-oracle", "--fresh-process", "--tokens", "4,5",
                                            *world.python(megatron="good", paddle="crash_second")))

@@ -104,13 +104,12 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
             result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
-            first_round = list(result.sides)
+            first_round, runs = list(result.sides), o.repeat + (1 if pool is not None and o.repeat > 1 else 0)
             # repeats in the worker, then one more in a fresh process: process-level nondeterminism shows too
-            for run in range(2, o.repeat + (2 if pool is not None and o.repeat > 1 else 1)):
+            for run in range(2, runs + 1):
                 again = determinism.repeat_sides(first_round, pair, run)
                 with workers.fresh_processes(run > o.repeat):
                     result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
-        runs = 1 + sum(1 for side in result.sides if side.label.startswith("a."))
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
         skipped = {}
