@@ -3,6 +3,8 @@ forward hooks and parameter gradients, written in the canonical names of docs/mo
 step. Each imports only its own framework, safetensors and ``harness.case.models`` (standard library), so a runner or
 a user's own training script can import it without the rest of the harness. See ``harness/capture/torch.py``."""
 
+import math
+
 
 def module_sources(seen: dict[str, dict], rule, word: str = "module") -> tuple[list, str | None]:
     """The tensors a canonical module output is made of (its rule's sources, as hooks stored them in `seen`), or
@@ -72,3 +74,67 @@ def part_of(value, index: int, parts: int):
         return None
     step = width // parts
     return value[..., index * step:(index + 1) * step]
+
+
+class RefeedBook:
+    """What a re-feed run keeps, framework-free: side a's tensors (`a`), what it writes (`tensors`, and `parts` of
+    cat_last units by index), what was replaced and what could not be, and how often each hooked module ran.
+    ``capture.torch.Refeed`` and ``capture.paddle.Refeed`` add the hooks and the tensor operations."""
+
+    def __init__(self, mode: str, batch_dim: int, keep_output, a: dict):
+        self.mode, self.batch_dim, self.keep_output, self.a = mode, batch_dim, set(keep_output), a
+        self.keys = (INPUT, OUTPUT, GRAD)
+        self.tensors: dict = {}
+        self.parts: dict[str, dict[int, object]] = {}
+        self.replaced: dict[str, list[str]] = {}  # unit -> what was replaced ("input", "output", "output gradient")
+        self.not_refed: dict[str, str] = {}
+        self.calls: dict[tuple[str, int], int] = {}
+        self._handles: list = []
+
+    def hook_units(self, units: dict[str, list[str]], named: dict, word: str, hook) -> None:
+        """`hook(unit, index, parts, module)` for every module of every unit the model has; the rest not re-fed."""
+        for unit, paths in units.items():
+            missing = [p for p in paths if p not in named]
+            if missing:
+                self.not_refed[unit] = f"the model has no {word} {missing[0]!r}"
+                continue
+            for i, path in enumerate(paths):
+                hook(unit, i, len(paths), named[path])
+
+    def first_call(self, unit: str, index: int, word: str) -> bool:
+        """Count a call; a module that runs twice in the step has no one input to replace."""
+        count = self.calls[(unit, index)] = self.calls.get((unit, index), 0) + 1
+        if count > 1:
+            self.not_refed[unit] = f"the {word} ran more than once in the step"
+        return count == 1
+
+    def fitted(self, key: str, unit: str, index: int, parts: int, local, what: str):
+        """Side a's part for this module, if it has as many elements and the same dtype as the local tensor."""
+        value = self.a.get(key + unit)
+        if value is None:
+            return None
+        value = part_of(value, index, parts)
+        if value is None or math.prod(value.shape) != math.prod(local.shape) or value.dtype != local.dtype:
+            self.not_refed.setdefault(unit, f"side a's {what} ({None if value is None else list(value.shape)}, "
+                                            f"{None if value is None else value.dtype}) does not fit side b's "
+                                            f"({list(local.shape)}, {local.dtype})")
+            return None
+        return value
+
+    def note(self, unit: str, what: str) -> None:
+        self.replaced.setdefault(unit, [])
+        if what not in self.replaced[unit]:
+            self.replaced[unit].append(what)
+
+    def joined(self, concat_last) -> dict:
+        """Remove the hooks; the written tensors, each cat_last unit's parts joined by `concat_last`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for key, parts in self.parts.items():
+            ordered = [parts[i] for i in sorted(parts)]
+            self.tensors[key] = ordered[0] if len(ordered) == 1 else concat_last(ordered)
+        return dict(self.tensors)
+
+    def meta(self) -> dict:
+        return {"mode": self.mode, "replaced": self.replaced, "not_refed": self.not_refed}

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import numpy as np
 import paddle
 
-from harness.capture import GRAD, INPUT, OUTPUT, module_sources, part_of
+from harness.capture import RefeedBook, module_sources
 
 
 def to_host(tensor) -> np.ndarray:
@@ -224,34 +224,21 @@ def _substitute():
     return Substitute
 
 
-class Refeed:
+class Refeed(RefeedBook):
     """Hooks for one re-feed run (see harness.capture.torch.Refeed): register after ``capture`` so its hooks see
     the local tensors (Paddle runs hooks in registration order, each one's result feeding the next)."""
 
     def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
                  keep_output=("lm_head",)):
-        self.mode, self.batch_dim, self.keep_output = mode, batch_dim, set(keep_output)
-        self.keys = (INPUT, OUTPUT, GRAD)
-        self.a = {}
-        if mode == "replay":
-            from safetensors.paddle import load_file
-            self.a = load_file(str(source))
+        from safetensors.paddle import load_file
+
+        super().__init__(mode, batch_dim, keep_output, load_file(str(source)) if mode == "replay" else {})
         self.substitute = _substitute()
-        self.tensors: dict[str, np.ndarray] = {}
-        self.parts: dict[str, dict[int, np.ndarray]] = {}
-        self.replaced: dict[str, list[str]] = {}
-        self.not_refed: dict[str, str] = {}
-        self.calls: dict[tuple[str, int], int] = {}
-        self._handles = []
-        named = dict(model.named_sublayers())
-        for unit, paths in units.items():
-            missing = [p for p in paths if p not in named]
-            if missing:
-                self.not_refed[unit] = f"the model has no sublayer {missing[0]!r}"
-                continue
-            for i, path in enumerate(paths):
-                self._handles.append(named[path].register_forward_pre_hook(self._pre(unit, i)))
-                self._handles.append(named[path].register_forward_post_hook(self._post(unit, i, len(paths))))
+
+        def hook(unit, index, parts, layer):
+            self._handles.append(layer.register_forward_pre_hook(self._pre(unit, index)))
+            self._handles.append(layer.register_forward_post_hook(self._post(unit, index, parts)))
+        self.hook_units(units, dict(model.named_sublayers()), "sublayer", hook)
 
     def _canonical(self, tensor) -> np.ndarray:
         array = to_host(tensor)
@@ -260,29 +247,12 @@ class Refeed:
         return array
 
     def _fit(self, key: str, unit: str, index: int, parts: int, local, what: str):
-        value = self.a.get(key + unit)
-        if value is None:
-            return None
-        value = part_of(value, index, parts)
-        fits = value is not None and int(np.prod(value.shape)) == int(np.prod(local.shape)) and \
-            value.dtype == local.dtype
-        if not fits:
-            self.not_refed.setdefault(unit, f"side a's {what} ({None if value is None else list(value.shape)}, "
-                                            f"{None if value is None else value.dtype}) does not fit side b's "
-                                            f"({list(local.shape)}, {local.dtype})")
-            return None
-        return value.reshape(local.shape).to(local.place)
-
-    def _note(self, unit: str, what: str) -> None:
-        self.replaced.setdefault(unit, [])
-        if what not in self.replaced[unit]:
-            self.replaced[unit].append(what)
+        value = self.fitted(key, unit, index, parts, local, what)
+        return None if value is None else value.reshape(local.shape).to(local.place)
 
     def _pre(self, unit: str, index: int):
         def hook(_layer, inputs):
-            count = self.calls[(unit, index)] = self.calls.get((unit, index), 0) + 1
-            if count > 1:
-                self.not_refed[unit] = "the sublayer ran more than once in the step"
+            if not self.first_call(unit, index, "sublayer"):
                 return None
             x = inputs[0] if inputs else None
             if not isinstance(x, paddle.Tensor) or not x.is_floating_point():
@@ -294,7 +264,7 @@ class Refeed:
             value = self._fit(self.keys[0], unit, 0, 1, x, "input")
             if value is None:
                 return None
-            self._note(unit, "input")
+            self.note(unit, "input")
             return (self.substitute.apply(x, [value, None, None]), *inputs[1:])
         return hook
 
@@ -322,20 +292,11 @@ class Refeed:
             new = self.substitute.apply(y, [value, grad, keep if grad is not None else None])
             for what, given in (("output", value), ("output gradient", grad)):
                 if given is not None:
-                    self._note(unit, what)
+                    self.note(unit, what)
             return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
         return hook
 
     def finish(self) -> dict[str, np.ndarray]:
         """The arrays to write (record: side a's inputs, outputs, output gradients; replay: the local inputs and the
         local gradients that arrived at each unit's output before side a's replaced them)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for key, parts in self.parts.items():
-            ordered = [parts[i] for i in sorted(parts)]
-            self.tensors[key] = ordered[0] if len(ordered) == 1 else np.concatenate(ordered, axis=-1)
-        return dict(self.tensors)
-
-    def meta(self) -> dict:
-        return {"mode": self.mode, "replaced": self.replaced, "not_refed": self.not_refed}
+        return self.joined(lambda parts: np.concatenate(parts, axis=-1))

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import save_file
 
-from harness.capture import GRAD, INPUT, OUTPUT, main_input, module_sources, part_of
+from harness.capture import RefeedBook, main_input, module_sources
 from harness.case.models import NameMap, Rule
 
 
@@ -184,36 +184,21 @@ class _Substitute(torch.autograd.Function):
         return grad, None
 
 
-class Refeed:
+class Refeed(RefeedBook):
     """Hooks for one re-feed run; see harness.capture (REFEED_FILE). Register after ``capture`` so that its hooks
     see the local tensors (torch runs hooks in registration order). `units`: {canonical: [module paths]};
     `keep_output`: units whose output goes on unreplaced (lm_head: the logits are the loss's input)."""
 
     def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
                  keep_output=("lm_head",)):
-        self.mode, self.batch_dim, self.keep_output = mode, batch_dim, set(keep_output)
-        self.keys = (INPUT, OUTPUT, GRAD)
-        self.a = {}
-        if mode == "replay":
-            from safetensors.torch import load_file
-            self.a = load_file(str(source))
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.parts: dict[str, dict[int, torch.Tensor]] = {}
-        self.replaced: dict[str, list[str]] = {}  # unit -> what was replaced ("input", "output", "output gradient")
-        self.not_refed: dict[str, str] = {}
-        self.calls: dict[tuple[str, int], int] = {}
-        self._handles = []
-        named = dict(model.named_modules())
-        for unit, paths in units.items():
-            missing = [p for p in paths if p not in named]
-            if missing:
-                self.not_refed[unit] = f"the model has no module {missing[0]!r}"
-                continue
-            for i, path in enumerate(paths):
-                module = named[path]
-                self._handles.append(module.register_forward_pre_hook(self._pre(unit, i, len(paths)),
-                                                                      with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post(unit, i, len(paths))))
+        from safetensors.torch import load_file
+
+        super().__init__(mode, batch_dim, keep_output, load_file(str(source)) if mode == "replay" else {})
+
+        def hook(unit, index, parts, module):
+            self._handles.append(module.register_forward_pre_hook(self._pre(unit, index, parts), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(unit, index, parts)))
+        self.hook_units(units, dict(model.named_modules()), "module", hook)
 
     def _canonical(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -222,27 +207,12 @@ class Refeed:
         return tensor.clone()
 
     def _fit(self, key: str, unit: str, index: int, parts: int, local: torch.Tensor, what: str):
-        value = self.a.get(key + unit)
-        if value is None:
-            return None
-        value = part_of(value, index, parts)
-        if value is None or value.numel() != local.numel() or value.dtype != local.dtype:
-            self.not_refed.setdefault(unit, f"side a's {what} ({None if value is None else tuple(value.shape)}, "
-                                            f"{None if value is None else value.dtype}) does not fit side b's "
-                                            f"({tuple(local.shape)}, {local.dtype})")
-            return None
-        return value.reshape(local.shape).to(local.device)
-
-    def _note(self, unit: str, what: str) -> None:
-        self.replaced.setdefault(unit, [])
-        if what not in self.replaced[unit]:
-            self.replaced[unit].append(what)
+        value = self.fitted(key, unit, index, parts, local, what)
+        return None if value is None else value.reshape(local.shape).to(local.device)
 
     def _pre(self, unit: str, index: int, parts: int):
         def hook(module, args, kwargs):
-            count = self.calls[(unit, index)] = self.calls.get((unit, index), 0) + 1
-            if count > 1:
-                self.not_refed[unit] = "the module ran more than once in the step"
+            if not self.first_call(unit, index, "module"):
                 return None
             where = main_input(args, kwargs)
             if where is None:
@@ -257,7 +227,7 @@ class Refeed:
             value = self._fit(self.keys[0], unit, 0, 1, x, "input")
             if value is None:
                 return None
-            self._note(unit, "input")
+            self.note(unit, "input")
             new = _Substitute.apply(x, value)
             if where[0] == "arg":
                 return (new, *args[1:]), kwargs
@@ -283,14 +253,14 @@ class Refeed:
                 value = self._fit(self.keys[1], unit, index, parts, y, "output")
                 if value is not None:
                     new = _Substitute.apply(y, value)
-                    self._note(unit, "output")
+                    self.note(unit, "output")
             grad = self._fit(self.keys[2], unit, index, parts, y, "output gradient")
             if grad is not None and new.requires_grad:
                 def swap(g, key=self.keys[2] + unit):  # keep the local gradient (the code after the unit made it)
                     self.parts.setdefault(key, {})[index] = self._canonical(g)
                     return grad.to(g.dtype)
                 new.register_hook(swap)
-                self._note(unit, "output gradient")
+                self.note(unit, "output gradient")
             if new is y:
                 return None
             return type(output)([new, *output[1:]]) if isinstance(output, (tuple, list)) else new
@@ -299,13 +269,5 @@ class Refeed:
     def finish(self) -> dict[str, torch.Tensor]:
         """The tensors to write (record: side a's inputs, outputs, output gradients; replay: the local inputs and the
         local gradients that arrived at each unit's output before side a's replaced them)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for key, parts in self.parts.items():
-            ordered = [parts[i] for i in sorted(parts)]
-            self.tensors[key] = ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=-1)
-        return {k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}
-
-    def meta(self) -> dict:
-        return {"mode": self.mode, "replaced": self.replaced, "not_refed": self.not_refed}
+        joined = self.joined(lambda parts: torch.cat(parts, dim=-1))
+        return {k: v.detach().to("cpu").contiguous() for k, v in joined.items()}

@@ -405,13 +405,7 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
                       "anywhere yet (written from source only: see harness/runners/paddle_model.py); no verdict")
 
 
-def release() -> None:
-    """Between a worker's cells (without paddle, a cell only said UNSUPPORTED)."""
-    if paddle is not None:
-        from harness.runners.paddle_common import release as paddle_release
-
-        paddle_release()
-
-
 if __name__ == "__main__":
+    from harness.runners.paddle import release  # the Paddle runner's: it guards a missing paddle the same way
+
     serve("paddle_model", run, reset=release)
