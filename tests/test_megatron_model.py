@@ -41,7 +41,7 @@ def expected_grad_count(model: dict) -> int:
 
 @pytest.fixture(scope="module")
 def megatron_in_process():
-    from harness.runners import megatron_model
+    from harness.runners.megatron import model as megatron_model
 
     megatron_model.init_process_group(torch.device("cpu"))
     return megatron_model
@@ -147,7 +147,7 @@ ABLATION = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
     from tests.support.deepseek_v3_case import TINY, make_case
-    from harness.runners import megatron_model as mm
+    from harness.runners.megatron import model as mm
     from harness.run.protocol import Phases
     request, *_ = make_case(Path(sys.argv[2]), TINY, "float32", 8)
     mm.init_process_group(torch.device("cpu"))
@@ -174,7 +174,7 @@ def test_each_adapter_is_needed(adapter, error, tmp_path):
     from megatron.core.transformer import multi_latent_attention
     from packaging.version import Version
 
-    from harness.runners.megatron_model import te_importable
+    from harness.runners.megatron.model import te_importable
 
     if adapter in ("mla_have_te_false", "te_general_gemm_none") and te_importable():
         pytest.skip("Transformer Engine is installed: the shim is not applied")

@@ -1,4 +1,4 @@
-"""The Paddle side's level selection (harness.runners.paddle_levels) with named test doubles standing in for the
+"""The Paddle side's level selection (harness.runners.paddle.levels) with named test doubles standing in for the
 three level modules: auto takes the highest available level, a pin takes that level or is UNSUPPORTED naming it,
 and every reason is kept. No framework is imported."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from harness.case import ops
 from harness.run.protocol import Unsupported
-from harness.runners import paddle_levels
+from harness.runners.paddle import levels as paddle_levels
 
 
 def fake_level(name, reason=None, covers=(ops.RMS_NORM,)):
@@ -96,7 +96,7 @@ def test_every_level_table_covers_the_catalogue_ops_it_claims_and_cites_its_sour
     for module in paddle_levels.MODULES.values():
         text = (root / (module.rsplit(".", 1)[1] + ".py")).read_text()
         assert "IMPLEMENTATIONS = {" in text and "def unavailable(request" in text, module
-    fleet = (root / "paddle_fleet.py").read_text()
+    fleet = (root / "fleet.py").read_text()
     for cited in ("src/paddlefleet/transformer/paddle_norm.py", "src/paddlefleet/transformer/mlp.py",
                   "src/paddlefleet/fusions/fused_softmax.py", "src/paddlefleet/transformer/moe/moe_router.py",
                   "language_model_embedding.py", "multi_latent_attention.py", "tensor_parallel/layers.py"):

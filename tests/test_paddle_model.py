@@ -188,7 +188,7 @@ def python(code: str, extra_path: Path | None = None) -> dict:
 def test_stand_in_is_installed_only_when_the_real_package_is_missing(tmp_path):
     missing = python("""
         import json, sys
-        from harness.runners import paddlefleet_ops_shim as shim
+        from harness.runners.paddle import paddlefleet_ops_shim as shim
         adapter = shim.install()
         print(json.dumps({"adapter": adapter, "stand_in": sys.modules["paddlefleet_ops"].__harness_stand_in__}))
     """)
@@ -198,7 +198,7 @@ def test_stand_in_is_installed_only_when_the_real_package_is_missing(tmp_path):
     (real / "paddlefleet_ops" / "__init__.py").write_text("REAL = True\ndef is_deep_ep_available():\n    return True\n")
     present = python("""
         import json, sys
-        from harness.runners import paddlefleet_ops_shim as shim
+        from harness.runners.paddle import paddlefleet_ops_shim as shim
         adapter = shim.install()
         import paddlefleet_ops
         print(json.dumps({"adapter": adapter, "real": getattr(paddlefleet_ops, "REAL", False)}))
@@ -213,8 +213,8 @@ def test_model_computation_never_touches_the_stand_in(tmp_path):
     request = write_request(tmp_path, tiny_config(), 8, "float32")
     result = python(f"""
         import json
-        from harness.runners import paddlefleet_ops_shim as shim
-        from harness.runners import paddle_model
+        from harness.runners.paddle import paddlefleet_ops_shim as shim
+        from harness.runners.paddle import model as paddle_model
         from harness.run.protocol import Phases
         shim.install()
         import paddleformers.transformers.deepseek_v3.modeling  # noqa: F401  (imports fused_a2a)

@@ -10,14 +10,14 @@ Canonical layout is Megatron's: a linear weight is ``[out, in]``; activations ar
 
 Adding an op:
 1. a record here (``Op(...)``, added to ``OPS``), with the knobs it reads;
-2. one function per runner, in the runner's table keyed by the record (``harness/runners/megatron_ops.py``
-   ``IMPLEMENTATIONS``, ``harness/runners/paddle_ops.py`` ``IMPLEMENTATIONS``); a runner without one answers
-   UNSUPPORTED. The Paddle side has three levels (``harness/runners/paddle_levels.py``): PaddleFleet's module
+2. one function per runner, in the runner's table keyed by the record (``harness/runners/megatron/ops.py``
+   ``IMPLEMENTATIONS``, ``harness/runners/paddle/recipe.py`` ``IMPLEMENTATIONS``); a runner without one answers
+   UNSUPPORTED. The Paddle side has three levels (``harness/runners/paddle/levels.py``): PaddleFleet's module
    (``paddle_fleet.py``), PaddleFormers' module (``paddle_formers.py``) and the recipe (``paddle_ops.py``); an op
    missing from a level's table makes that level unavailable for it (the doctor says so);
 3. cases in ``cases/*.toml``: a reduced CPU case, a negative control (``perturb``) and a ``_full`` GPU twin
    (``tests/test_catalogue.py`` checks every family has them);
-4. the oracle: set ``oracle`` to the formula it computes (``harness/runners/oracle.py`` ``FORMULAS``), or leave
+4. the oracle: set ``oracle`` to the formula it computes (``harness/runners/oracle/runner.py`` ``FORMULAS``), or leave
    it None (the oracle side then says UNSUPPORTED).
 """
 

@@ -29,7 +29,7 @@ from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.compare.versus_oracle import closer_side
 from harness.run.orchestrate import SideResult, SideSpec
-from harness.runners.oracle import round_once
+from harness.runners.oracle.runner import round_once
 
 FLOAT64_AGREEMENT = 1e-10  # relative error at scale every pair must reach in float64 (docs/model-contract.md)
 FRAMEWORK_OF = {"hf_model": "hf", "megatron_model": "megatron", "paddle_model": "paddle"}

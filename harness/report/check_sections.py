@@ -26,7 +26,7 @@ def versus_oracle(data: dict, figures: dict) -> list[tuple]:
                          t["max_ulp"], _histogram(t["ulp_histogram"]), f"{t['max_abs_error']:.3g}",
                          f"{t['max_error_in_scale_ulps']:.3g}", "closer" if label == closer else ""])
     truth = oracle.get("truth") or ("the exact result (float64 accumulation from the same input bits, rounded once; "
-                                    "see `harness/runners/oracle.py`)")
+                                    "see `harness/runners/oracle/runner.py`)")
     return out + [
         p(f"Each side against {truth}. Closer: fewer differing elements, then the smaller max abs error."),
         table(["tensor", "side", "mismatches", "share", "max ULP", "ULP histogram", "max abs err",

@@ -45,7 +45,7 @@ import paddle
 
 from harness.case import ops
 from harness.run.protocol import rank_and_world
-from harness.runners.paddle_common import as_tensor, set_param
+from harness.runners.paddle.common import as_tensor, set_param
 
 LABEL = "PaddleFleet"
 GATE_FLAG = "FLAGS_use_accuracy_compatible_kernel"

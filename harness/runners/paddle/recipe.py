@@ -23,12 +23,12 @@ import paddle.nn.functional as F
 
 from harness.case import ops
 from harness.run.protocol import Unsupported
-from harness.runners.paddle_common import as_tensor, run_phases, sync
+from harness.runners.paddle.common import as_tensor, run_phases, sync
 
 
 def linear(request, tensors, gate, phases, guard):
     """Column- or row-parallel linear: a static oneDNN graph for bf16 on a CPU (dygraph has no CPU bf16 matmul),
-    dygraph otherwise (PaddleFleet's own module is the level above: harness/runners/paddle_fleet.py)."""
+    dygraph otherwise (PaddleFleet's own module is the level above: harness/runners/paddle/fleet.py)."""
     if request["device"] == "cpu" and request["dtype"] == "bfloat16":
         return _static_onednn_linear(request, tensors, gate, phases, guard)
     return _dygraph_linear(request, tensors, gate, phases, guard)

@@ -19,7 +19,7 @@ import types
 
 MODULE = "paddlefleet_ops"
 ADAPTER = {
-    "name": "paddlefleet_ops stand-in (harness.runners.paddlefleet_ops_shim)",
+    "name": "paddlefleet_ops stand-in (harness.runners.paddle.paddlefleet_ops_shim)",
     "why": "paddleformers/transformers/fused_a2a.py imports is_deep_ep_available from paddlefleet_ops, PaddleFleet's "
            "GPU-only package (not on PyPI); the stand-in answers is_deep_ep_available() -> False and provides "
            "nothing else, so DeepEP (expert-parallel all-to-all, unused at EP=1) stays off",

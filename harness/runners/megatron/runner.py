@@ -31,7 +31,8 @@ from harness.run.protocol import (  # noqa: E402
     serve,
     shard_index,
 )
-from harness.runners import megatron_ops, torch_env  # noqa: E402
+from harness.runners.megatron import ops as megatron_ops
+from harness.runners.torch import env as torch_env  # noqa: E402
 
 try:
     from megatron.core import __version__ as megatron_version
@@ -130,5 +131,5 @@ def probe(device: str) -> dict:
     return {**answer, "importable": True, "ops": op_table(megatron_ops.IMPLEMENTATIONS, "megatron")}
 
 
-if __name__ == "__main__":
+def main() -> None:
     serve("megatron", run, probe, reset)

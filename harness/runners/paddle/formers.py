@@ -15,7 +15,7 @@ the device; on a CPU ``fuse_rms_norm`` is off (``fused_rms_norm_ext`` is GPU-onl
 default (off). PaddleFormers has no accuracy gate: ``use_accuracy_compatible`` is not read at this level.
 
 PaddleFormers imports only with ``paddlefleet_ops``; where the real (GPU-only) package is missing the stand-in of
-``harness.runners.paddlefleet_ops_shim`` (the whole-model runner's) is installed: it changes no computation.
+``harness.runners.paddle.paddlefleet_ops_shim`` (the whole-model runner's) is installed: it changes no computation.
 
 Ops PaddleFormers has no module for say so through ``unavailable`` (SwiGLU times a per-token scale: its MoE
 multiplies the routing weight in after ``down_proj``). Tensor parallelism (tp > 1) is not written at this level.
@@ -32,8 +32,9 @@ import numpy as np
 import paddle
 
 from harness.case import ops
-from harness.runners import paddle_kernels, paddlefleet_ops_shim
-from harness.runners.paddle_common import as_tensor, run_phases, set_param
+from harness.runners.paddle import kernels as paddle_kernels
+from harness.runners.paddle import paddlefleet_ops_shim
+from harness.runners.paddle.common import as_tensor, run_phases, set_param
 
 LABEL = "PaddleFormers"
 SOURCE = "paddleformers 1.2.0: transformers/deepseek_v3/modeling.py, nn/{norm,mlp,linear,embedding}.py, " \
@@ -72,7 +73,7 @@ def versions() -> dict:
 
     stand_in = not paddlefleet_ops_shim.real_package_present()
     return {"paddleformers": getattr(paddleformers, "__version__", "unknown"),
-            "paddlefleet_ops": "harness stand-in (harness.runners.paddlefleet_ops_shim)" if stand_in else "real"}
+            "paddlefleet_ops": "harness stand-in (harness.runners.paddle.paddlefleet_ops_shim)" if stand_in else "real"}
 
 
 def unavailable(request: dict) -> str | None:

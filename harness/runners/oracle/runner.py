@@ -8,7 +8,7 @@ element also gets a rigorous error bound (gamma_K times a bound on the terms' ma
 reaches across a rounding boundary of the output dtype (both ends of the interval round differently), the
 element is recomputed exactly, vectorized: the exact products are split into 32-bit digits on a fixed grid
 and summed exactly in integers, then rounded to odd to 53 bits and once more to the output dtype (the proof
-sketch is in ``harness/runners/exact.py``). So every element is the correctly rounded exact value. Intermediate
+sketch is in ``harness/runners/oracle/exact.py``). So every element is the correctly rounded exact value. Intermediate
 roundings that the frameworks do (a bf16 GEMM output before the bias add, for instance) are *not*
 modelled: the oracle is the exact function, not a third implementation.
 
@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 
 from harness.case.ops import OPS, combine_routing
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
-from harness.runners import exact
+from harness.runners.oracle import exact
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
                  "float32": np.dtype(np.float32)}
@@ -104,7 +104,7 @@ FORMULAS = {"linear": linear, "moe_combine": moe_combine, "lm_head": lm_head}
 def correctly_rounded_product(left: np.ndarray, right: np.ndarray, shift: np.ndarray | None,
                               dtype: np.dtype) -> tuple[np.ndarray, int]:
     """left @ right (+ shift) rounded once to `dtype`, exact for every element; also how many needed the exact
-    path (vectorized exact sums in 32-bit digits; the proof sketch is in harness/runners/exact.py)."""
+    path (vectorized exact sums in 32-bit digits; the proof sketch is in harness/runners/oracle/exact.py)."""
     return exact.correctly_rounded_product(left, right, shift, dtype, round_once)
 
 
@@ -146,5 +146,5 @@ def probe(device: str) -> dict:
                     {"would_run": None, "reason": f"no truth oracle for op {name!r}"} for name, op in OPS.items()}}
 
 
-if __name__ == "__main__":
+def main() -> None:
     serve("oracle", run, probe)

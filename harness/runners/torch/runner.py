@@ -27,7 +27,7 @@ from safetensors.torch import save_file  # noqa: E402
 from harness.case import ops  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
-from harness.runners import torch_env  # noqa: E402
+from harness.runners.torch import env as torch_env  # noqa: E402
 
 LAYOUTS = {
     "tn": "weight [out, in]; forward F.linear(x, W) (TN GEMM); dgrad dy @ W; wgrad dy.t() @ x",
@@ -94,5 +94,5 @@ def probe(device: str) -> dict:
             "cuda_available": torch.cuda.is_available(), "ops": op_table(IMPLEMENTATIONS, "torch")}
 
 
-if __name__ == "__main__":
+def main() -> None:
     serve("torch", runner("tn"), probe, torch_env.release)

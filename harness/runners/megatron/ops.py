@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from harness.case import ops
-from harness.runners import torch_env
+from harness.runners.torch import env as torch_env
 
 
 def _transformer_config(request, config, **overrides):

@@ -2,11 +2,11 @@
 
 Three levels, highest first, each a module with an ``IMPLEMENTATIONS`` table keyed by the op record and
 ``unavailable(request) -> str | None`` (why it cannot run this request here):
-1. ``paddlefleet``  - ``harness.runners.paddle_fleet``: PaddleFleet's module with the case's ``use_accuracy_compatible``
+1. ``paddlefleet``  - ``harness.runners.paddle.fleet``: PaddleFleet's module with the case's ``use_accuracy_compatible``
    (GPU, where ``paddlefleet`` imports);
-2. ``paddleformers`` - ``harness.runners.paddle_formers``: PaddleFormers' module (DeepseekV3 and its shared modules);
-3. ``recipe``       - ``harness.runners.paddle_ops``: plain Paddle ops following PaddleFleet's gated path, the reference
-   recipe, not PaddleFleet.
+2. ``paddleformers`` - ``harness.runners.paddle.formers``: PaddleFormers' module (DeepseekV3 and its shared modules);
+3. ``recipe``       - ``harness.runners.paddle.recipe``: plain Paddle ops following PaddleFleet's gated path, the
+   reference recipe, not PaddleFleet.
 ``config.paddle_impl`` (a knob every op reads, default ``auto``) pins a level; ``auto`` takes the highest one available.
 A pinned level that is unavailable, or ``auto`` with none, is UNSUPPORTED naming each level and why.
 
@@ -25,8 +25,8 @@ from harness.run.protocol import Unsupported
 
 LEVELS = ("paddlefleet", "paddleformers", "recipe")
 AUTO = "auto"
-MODULES = {"paddlefleet": "harness.runners.paddle_fleet", "paddleformers": "harness.runners.paddle_formers",
-           "recipe": "harness.runners.paddle_ops"}
+MODULES = {"paddlefleet": "harness.runners.paddle.fleet", "paddleformers": "harness.runners.paddle.formers",
+           "recipe": "harness.runners.paddle.recipe"}
 LABELS = {"paddlefleet": "PaddleFleet's own module", "paddleformers": "PaddleFormers' module (not PaddleFleet)",
           "recipe": "reference recipe, not PaddleFleet"}
 

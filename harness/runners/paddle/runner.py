@@ -1,6 +1,6 @@
 """Paddle runner: the Paddle side of every op, at the highest implementation level available here.
 
-Levels (``harness.runners.paddle_levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet's own module
+Levels (``harness.runners.paddle.levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet's own module
 with the case's ``use_accuracy_compatible`` (``paddle_fleet.py``; GPU, where ``paddlefleet`` imports);
 2. PaddleFormers' module (``paddle_formers.py``; DeepseekV3 and its shared modules, non-fused where the fused kernel
 does not exist on the device); 3. the reference recipe, plain Paddle ops following PaddleFleet's gated path, not
@@ -42,7 +42,7 @@ from harness.run.protocol import (
     serve,
     shard_index,
 )
-from harness.runners import paddle_levels
+from harness.runners.paddle import levels as paddle_levels
 
 try:
     import paddle
@@ -99,7 +99,7 @@ def probe(device: str) -> dict:
         answer["device_problem"] = str(reason)
     else:
         answer.update(_device_provenance(device))
-        from harness.runners import paddle_kernels
+        from harness.runners.paddle import kernels as paddle_kernels
 
         answer["kernels"] = paddle_kernels.table(device)
     for level in paddle_levels.LEVELS:
@@ -208,10 +208,10 @@ def _onednn_version() -> str | None:
 def release() -> None:
     """Between a worker's cells (without paddle, a cell only said UNSUPPORTED)."""
     if paddle is not None:
-        from harness.runners.paddle_common import release as paddle_release
+        from harness.runners.paddle.common import release as paddle_release
 
         paddle_release()
 
 
-if __name__ == "__main__":
+def main() -> None:
     serve("paddle", run, probe, release)
