@@ -20,8 +20,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+
+from harness.run.cell_state import environment_restored, patches_undone
 
 EXIT_UNSUPPORTED = 3
 OUTPUTS = "outputs.safetensors"
@@ -75,11 +77,14 @@ class Phases:
 
 
 def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str], dict] | None = None,
-          reset: Callable[[], None] | None = None) -> None:
+          reset: Callable[[], None] | None = None,
+          cell_state: Callable[[], AbstractContextManager] | None = None) -> None:
     """Run the request named on the command line (``--request``), or serve many (``--worker``), then exit.
 
     `run(request, phases)` writes the outputs file and returns the framework's provenance; `reset()` (optional)
-    clears what a cell may leave in the framework (a process group, cached device memory) before the next one.
+    clears what a cell may leave in the framework (a process group, cached device memory) before the next one;
+    `cell_state()` (optional) is entered around each cell and puts back every process-wide setting the runner's
+    framework room may change (``harness.run.cell_state``); ``os.environ`` is put back for every runner.
     With ``--probe`` the runner computes nothing: it prints one JSON object (``probe_answer``) saying what this
     interpreter has and which implementation each op would get on ``--device`` (the doctor's question), and exits 0.
     """
@@ -97,18 +102,20 @@ def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str
     if args.worker:
         if args.reply_fd is None:
             parser.error("--worker needs --reply-fd FD")
-        code = serve_cells(lambda path, cell: run_cell(runner, run, path, cell, reset), args.reply_fd)
+        code = serve_cells(lambda path, cell: run_cell(runner, run, path, cell, reset, cell_state), args.reply_fd)
         _flush_all()
         os._exit(code)  # every cell's files are written and closed: skip the frameworks' slow interpreter teardown
     if args.request is None:
         parser.error("--request FILE is required (or --worker, or --probe)")
-    sys.exit(run_cell(runner, run, args.request))
+    sys.exit(run_cell(runner, run, args.request, cell_state=cell_state))
 
 
 def run_cell(runner: str, run: Callable[[dict, Phases], dict], request_path: Path, cell: int | None = None,
-             reset: Callable[[], None] | None = None) -> int:
+             reset: Callable[[], None] | None = None,
+             cell_state: Callable[[], AbstractContextManager] | None = None) -> int:
     """One request: outputs (by `run`) and meta.json written; the contract's exit code. `cell`: its number in a
-    worker (None: a process of its own), recorded in meta.json."""
+    worker (None: a process of its own), recorded in meta.json. What the cell changes in the process (the
+    environment, and what `cell_state` covers) is put back when it ends, however it ends."""
     request = json.loads(Path(request_path).read_text())
     output_dir = Path(request["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +128,8 @@ def run_cell(runner: str, run: Callable[[dict, Phases], dict], request_path: Pat
             "executable": sys.executable, "rank": rank, "world_size": world, "process": process}
     code = 0
     try:
-        meta.update(run(request, phases))
+        with environment_restored(), patches_undone(), (cell_state or nullcontext)():
+            meta.update(run(request, phases))
     except Unsupported as reason:
         meta["unsupported"] = str(reason)
         code = EXIT_UNSUPPORTED

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from harness.run.cell_state import patch  # noqa: E402
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, rank_and_world, serve  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
@@ -80,26 +81,22 @@ ADAPTER_DOCS = {
 }
 
 
-_PATCHED: set[str] = set()
-
-
 def install_adapters(device: torch.device, skip=()) -> list[dict]:
     """The shims (the CPU ones only on a CPU), each returned as a meta.json entry; `skip` is for the tests that
-    show each one is needed."""
+    show each one is needed. Each patch lasts for this cell only (``harness.run.cell_state.patch``)."""
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     names = [] if "MLADotProductAttention" in skip else ["MLADotProductAttention"]
     if not te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
-        multi_latent_attention.HAVE_TE = False
-        _PATCHED.add("mla_have_te_false")
+        patch(multi_latent_attention, "HAVE_TE", False)
+        names.append("mla_have_te_false")
     if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
-        moe_utils.te_general_gemm = None
-        _PATCHED.add("te_general_gemm_none")
-    names += sorted(_PATCHED)  # module-level patches stay for the process: listed by every run in it
+        patch(moe_utils, "te_general_gemm", None)
+        names.append("te_general_gemm_none")
     if device.type == "cpu":
         if "cpu_current_device" not in skip:
-            torch.cuda.current_device = lambda: "cpu"
+            patch(torch.cuda, "current_device", lambda: "cpu")
             names.append("cpu_current_device")
         if "cpu_rng_tracker" not in skip:
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -468,6 +465,6 @@ def init_process_group(device: torch.device) -> None:
 
 
 def main() -> None:
-    from harness.runners.megatron.runner import reset
+    from harness.runners.megatron.runner import cell_state, reset
 
-    serve("megatron_model", run, reset=reset)
+    serve("megatron_model", run, reset=reset, cell_state=cell_state)

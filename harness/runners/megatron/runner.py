@@ -22,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from harness.case.ops import OPS  # noqa: E402
+from harness.run.cell_state import all_restored, attribute_restored, patch  # noqa: E402
 from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
     Phases,
@@ -38,6 +39,7 @@ try:
     from megatron.core import __version__ as megatron_version
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import random as tp_random
 except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Megatron-Core
     MEGATRON_IMPORT_ERROR = str(error)
 else:
@@ -54,7 +56,7 @@ def run(request: dict, phases: Phases) -> dict:
         determinism = torch_env.apply_determinism(device)
         init_process_group(device)
         if sequence_parallel and device.type == "cpu":
-            torch.cuda.current_device = lambda: "cpu"  # Megatron allocates gather buffers on the "current" GPU
+            patch(torch.cuda, "current_device", lambda: "cpu")  # Megatron allocates gather buffers on the "current" GPU
         dtype = torch_env.DTYPES[request["dtype"]]
         partition = OPS[request["op"]].partition(request["config"])
         tensors = torch_env.load_inputs(request["checkpoint"], device,
@@ -66,6 +68,7 @@ def run(request: dict, phases: Phases) -> dict:
     implementation_of = megatron_ops.IMPLEMENTATIONS.get(OPS[request["op"]])
     if implementation_of is None:
         raise Unsupported(f"the Megatron-Core runner has no implementation of op {request['op']!r}")
+    megatron_ops.SHIMS.clear()  # this cell's, in meta.json
     outputs, implementation = implementation_of(request, tensors, config, device, phases)
     with phases("write"):
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
@@ -88,6 +91,19 @@ def init_process_group(device: torch.device) -> None:
     # On a GPU everything runs over NCCL; Megatron's extra gloo groups would only add a TCP rendezvous.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(),
                                              create_gloo_process_groups=device.type == "cpu")
+
+
+def cell_state():
+    """Around one cell: torch's process-wide settings (``torch_env.CELL_STATE``) and Megatron's RNG tracker
+    (``initialize_rng_tracker`` replaces its module globals; core attention and the model runner call it per cell)
+    put back when the cell ends. Patches (``torch.cuda.current_device``, ``te_general_gemm``) are undone by the
+    protocol (``harness.run.cell_state.patch``)."""
+    settings = dict(torch_env.CELL_STATE)
+    if not MEGATRON_IMPORT_ERROR:
+        settings["Megatron RNG tracker"] = lambda: attribute_restored(tp_random, "_CUDA_RNG_STATE_TRACKER")
+        settings["Megatron RNG tracker initialised"] = lambda: attribute_restored(
+            tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+    return all_restored(settings)
 
 
 def reset() -> None:
@@ -132,4 +148,4 @@ def probe(device: str) -> dict:
 
 
 def main() -> None:
-    serve("megatron", run, probe, reset)
+    serve("megatron", run, probe, reset, cell_state)

@@ -406,6 +406,7 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
 
 
 def main() -> None:
-    from harness.runners.paddle.runner import release  # the Paddle runner's: it guards a missing paddle the same way
+    # the Paddle runner's: they guard a missing paddle the same way
+    from harness.runners.paddle.runner import cell_state, release
 
-    serve("paddle_model", run, reset=release)
+    serve("paddle_model", run, reset=release, cell_state=cell_state)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -213,5 +214,14 @@ def release() -> None:
         paddle_release()
 
 
+def cell_state():
+    """Around one cell: Paddle's process-wide settings put back when it ends (``harness.runners.paddle.state``)."""
+    if paddle is None:
+        return nullcontext()
+    from harness.runners.paddle import state
+
+    return state.cell_state()
+
+
 def main() -> None:
-    serve("paddle", run, probe, release)
+    serve("paddle", run, probe, release, cell_state)
