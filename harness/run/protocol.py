@@ -6,7 +6,9 @@ A runner started with ``--worker`` serves many requests in one process (``serve_
 is the harness's end); each request's files are the same as a process of its own would write.
 
 Exit codes: 0 outputs written; 3 the framework lacks a kernel or package for this request
-(``meta.json`` says which); anything else is a crash, which the harness reports as ERROR.
+(``meta.json`` says which): a package that is not installed (``import_failure``) or a kernel the framework says is
+not registered, nothing else; anything else is a crash (a broken install included), which the harness reports as
+ERROR with the traceback's tail.
 """
 
 from __future__ import annotations
@@ -59,6 +61,28 @@ def shard_index(shape, dim: int | None, rank: int, world: int) -> tuple[slice, .
 
 class Unsupported(Exception):
     """The framework cannot run this request here (missing package or kernel); the message says which."""
+
+
+class BrokenInstall(Exception):
+    """A package that is installed but does not import (a dependency missing inside it, an error in its code): the
+    runner's environment is broken. Never UNSUPPORTED: the cell ends as a crash (ERROR) with the import's traceback."""
+
+
+def import_failure(package: str, error: BaseException) -> Exception:
+    """What a failed ``import package`` means: Unsupported when `package` itself is not installed (Python's
+    ModuleNotFoundError names it, or a package above it), else BrokenInstall (raise it ``from error``)."""
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing and (package == missing or package.startswith(missing + ".")):
+        return Unsupported(f"{package} is not installed for {sys.executable} ({error})")
+    return BrokenInstall(f"{package} is installed for {sys.executable} but does not import: "
+                         f"{type(error).__name__}: {error}")
+
+
+def import_answer(package: str, error: BaseException) -> dict:
+    """A probe's answer for a framework that does not import: not installed, or installed and broken (the doctor
+    says which)."""
+    failure = import_failure(package, error)
+    return {"importable": False, "broken": isinstance(failure, BrokenInstall), "reason": str(failure)}
 
 
 class Phases:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from pathlib import Path
 
 import tomllib
@@ -34,18 +33,25 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from harness.run.cell_state import patch  # noqa: E402
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, rank_and_world, serve  # noqa: E402
+from harness.run.protocol import (  # noqa: E402
+    OUTPUTS,
+    Phases,
+    Unsupported,
+    import_failure,
+    rank_and_world,
+    serve,
+)
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 try:
     from megatron.core import __version__ as megatron_version
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-except ImportError as error:  # reported as UNSUPPORTED: the user's environment lacks Megatron-Core
-    MEGATRON_IMPORT_ERROR = str(error)
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (in run)
+    MEGATRON_IMPORT_ERROR: Exception | None = error
     DotProductAttention = object
 else:
-    MEGATRON_IMPORT_ERROR = ""
+    MEGATRON_IMPORT_ERROR = None
 
 NAME_MAP = Path(__file__).resolve().parents[2] / "case" / "models" / "deepseek_v3.toml"
 DTYPES = {**torch_env.DTYPES, "float64": torch.float64}
@@ -430,8 +436,8 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
 
 
 def run(request: dict, phases: Phases) -> dict:
-    if MEGATRON_IMPORT_ERROR:
-        raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
+    if MEGATRON_IMPORT_ERROR is not None:
+        raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     if request["op"] != "causal_lm":
         raise Unsupported(f"megatron_model runs op causal_lm only (got {request['op']!r})")
     rank, world = rank_and_world()

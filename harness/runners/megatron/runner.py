@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: keep eager numerics
 
@@ -27,6 +26,8 @@ from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
     Phases,
     Unsupported,
+    import_answer,
+    import_failure,
     rank_and_world,
     rank_file_name,
     serve,
@@ -40,15 +41,15 @@ try:
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import random as tp_random
-except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Megatron-Core
-    MEGATRON_IMPORT_ERROR = str(error)
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (run, probe)
+    MEGATRON_IMPORT_ERROR: Exception | None = error
 else:
-    MEGATRON_IMPORT_ERROR = ""
+    MEGATRON_IMPORT_ERROR = None
 
 
 def run(request: dict, phases: Phases) -> dict:
-    if MEGATRON_IMPORT_ERROR:
-        raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
+    if MEGATRON_IMPORT_ERROR is not None:
+        raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     rank, world = rank_and_world()
     sequence_parallel = request["config"].get("sequence_parallel", False)  # linears only
     with phases("setup"):
@@ -99,7 +100,7 @@ def cell_state():
     put back when the cell ends. Patches (``torch.cuda.current_device``, ``te_general_gemm``) are undone by the
     protocol (``harness.run.cell_state.patch``)."""
     settings = dict(torch_env.CELL_STATE)
-    if not MEGATRON_IMPORT_ERROR:
+    if MEGATRON_IMPORT_ERROR is None:
         settings["Megatron RNG tracker"] = lambda: attribute_restored(tp_random, "_CUDA_RNG_STATE_TRACKER")
         settings["Megatron RNG tracker initialised"] = lambda: attribute_restored(
             tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
@@ -138,9 +139,8 @@ def probe(device: str) -> dict:
               "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         answer["gpu"] = torch.cuda.get_device_name(0)
-    if MEGATRON_IMPORT_ERROR:
-        return {**answer, "importable": False,
-                "reason": f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}"}
+    if MEGATRON_IMPORT_ERROR is not None:
+        return {**answer, **import_answer("megatron.core", MEGATRON_IMPORT_ERROR)}
     answer["versions"]["megatron-core"] = megatron_version
     if device == "gpu" and not torch.cuda.is_available():
         answer["device_problem"] = f"torch {torch.__version__} sees no GPU"

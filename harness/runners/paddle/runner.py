@@ -25,9 +25,11 @@ row-parallel, the output. The plain path has no sequence parallel and no row-par
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import sys
+import tempfile
 from contextlib import nullcontext
 
 import numpy as np
@@ -38,6 +40,8 @@ from harness.run.protocol import (
     Phases,
     Unsupported,
     cpu_isa_flags,
+    import_answer,
+    import_failure,
     rank_and_world,
     rank_file_name,
     serve,
@@ -47,14 +51,14 @@ from harness.runners.paddle import levels as paddle_levels
 
 try:
     import paddle
-except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Paddle
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (run, probe)
     paddle = None
-    PADDLE_IMPORT_ERROR = f"{error}"
+    PADDLE_IMPORT_ERROR = error
 
 
 def run(request: dict, phases: Phases) -> dict:
     if paddle is None:
-        raise Unsupported(f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}")
+        raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
     gate = request["config"]["use_accuracy_compatible"]
     with phases("setup"):
         device = _select_device(request["device"])
@@ -89,8 +93,7 @@ def probe(device: str) -> dict:
     """What this environment would run, computing nothing: versions, device, kernels, and per op and dtype the level
     that would run with each level's reason (``python -m harness.runners.paddle --probe``; the doctor asks it)."""
     if paddle is None:
-        return {"framework": "paddle", "importable": False,
-                "reason": f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}"}
+        return {"framework": "paddle", **import_answer("paddle", PADDLE_IMPORT_ERROR)}
     answer = {"framework": "paddle", "importable": True, "versions": {"paddlepaddle": paddle.__version__,
                                                                       "paddle_commit": paddle.version.commit},
               "compiled_with_cuda": paddle.is_compiled_with_cuda()}
@@ -117,6 +120,10 @@ def probe(device: str) -> dict:
         if "device_problem" in answer:  # nothing runs on this device, whatever the levels say
             for survey in answer["ops"][key].values():
                 survey.update(would_run=None, label=f"UNSUPPORTED: {answer['device_problem']}")
+    broken = {s["broken"]: s["levels"][s["broken"]] for by_dtype in answer["ops"].values()
+              for s in by_dtype.values() if "broken" in s}
+    if broken:  # an installed level that does not import: every request reaching it is an ERROR
+        answer.update(broken=True, broken_levels=broken, reason="; ".join(broken.values()))
     return answer
 
 
@@ -156,19 +163,84 @@ def _write(outputs, request, file_name):
 
 
 def _kernel_guard(call, kernel: str, request):
-    """Turn 'no such kernel here' into UNSUPPORTED with the kernel and the CPU named; re-raise anything else."""
+    """A kernel the framework says is missing becomes UNSUPPORTED naming it (and the CPU); anything else is raised,
+    which makes the cell an ERROR with its traceback.
+
+    Missing, as the framework says it: Paddle's "(NotFound) ... kernel ... is not registered"; or, for a bf16 oneDNN
+    graph on a CPU where oneDNN has no AVX-512 (its bf16 matmul needs avx512_core), oneDNN's ``dnnl::error``. Paddle
+    raises that one as a bare ``RuntimeError('std::exception')`` and names it only in its log on stderr
+    ("onednn_op.matmul raises an exception dnnl::error"; measured with paddle 3.3.1 and ``ONEDNN_MAX_CPU_ISA=AVX2``),
+    so the guard reads what the call wrote to stderr (and passes it on unchanged)."""
+    said = _StderrCopy()
     try:
-        return call()
+        with said:
+            return call()
     except Exception as error:  # Paddle raises bare RuntimeError/NotFoundError from C++
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        where = f"{kernel} on {request['device']} in {request['dtype']}: {message}"
+        missing = _missing_kernel(error, said.text, kernel, request)
+        if missing is None:
+            raise
+        raise Unsupported(missing) from error
+
+
+def _missing_kernel(error: Exception, stderr: str, kernel: str, request) -> str | None:
+    """The UNSUPPORTED reason when `error` is the framework saying a kernel is missing, else None."""
+    text = str(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
+    where = f"{kernel} on {request['device']} in {request['dtype']}: {message}"
+    if "not registered" in text:
+        return where
+    onednn = next((line.split("] ", 1)[-1].strip() for line in stderr.splitlines() if "dnnl::error" in line), None)
+    if onednn and request["device"] == "cpu" and request["dtype"] == "bfloat16" and not _onednn_avx512():
         isa = cpu_isa_flags()
-        if "not registered" in str(error):
-            raise Unsupported(where) from error
-        if request["device"] == "cpu" and request["dtype"] == "bfloat16" and "avx512f" not in isa:
-            raise Unsupported(f"{where}. oneDNN's bf16 matmul needs AVX-512 (avx512_core; native with "
-                              f"avx512_bf16); this CPU has {' '.join(isa) or 'no listed vector ISA'}") from error
-        raise
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        return (f"{where} (Paddle's log: {onednn}). oneDNN's bf16 matmul needs AVX-512 (avx512_core; native with "
+                f"avx512_bf16); this CPU has {' '.join(isa) or 'no listed vector ISA'}"
+                + (f", and oneDNN is capped at ONEDNN_MAX_CPU_ISA={cap}" if cap else ""))
+    return None
+
+
+# oneDNN ISA caps below AVX-512 (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA values)
+_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+
+
+def _onednn_avx512() -> bool:
+    """Whether oneDNN may use AVX-512 here: the CPU has it and no ISA cap in the environment takes it away."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    return "avx512f" in cpu_isa_flags() and cap not in _BELOW_AVX512
+
+
+class _StderrCopy:
+    """What the block writes to file descriptor 2 (C++ logs included), kept in `text` and passed on to the real
+    stderr when the block ends."""
+
+    def __init__(self):
+        self.text = ""
+
+    def __enter__(self):
+        _flush_stdio()
+        self._saved = os.dup(2)
+        self._file = tempfile.TemporaryFile()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        _flush_stdio()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        data = self._file.read()
+        self._file.close()
+        os.write(2, data)
+        self.text = data.decode("utf-8", "replace")
+        return False
+
+
+def _flush_stdio() -> None:
+    sys.stderr.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers (Paddle's glog) belong to the block that wrote them
+    except (OSError, AttributeError):
+        pass
 
 
 def _synchronize(request) -> None:
