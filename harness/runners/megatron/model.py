@@ -343,6 +343,10 @@ def layer_kinds(model_cfg: dict) -> tuple[list[int], list[int]]:
     return list(range(min(dense, layers))), list(range(dense, layers))
 
 
+# MultiLatentAttention.forward calls self.core_attention(query, key, value, attention_mask, packed_seq_params=...,
+# attn_mask_type=...): megatron-core 0.16.1 as installed, and NVIDIA/Megatron-LM
+# megatron/core/transformer/multi_latent_attention.py @ 003b4ce2615f4e501ecbc39e01e0f76d237a35d9.
+CORE_ATTENTION_ARGUMENTS = ("query", "key", "value")
 ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidden-state tensor: it is recomputed "
               "inside the MoE block from side a's input")
 
@@ -358,7 +362,11 @@ def refeed_hooks(model, names: dict, request: dict):
     units["lm_head"] = ["output_layer"]
     experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
     not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")}}
-    return Refeed(model, units, request["mode"], request.get("from"), batch_dim=1), units, not_refed
+    # MLASelfAttention calls core_attention(query, key, value, attention_mask, ...): all three are replaced, so a
+    # difference made before them (RoPE, the kv up-projection's split) shows in their rows, not in core attention's
+    attention = {c: CORE_ATTENTION_ARGUMENTS for c in units if c.endswith(".self_attn.core_attention")}
+    return (Refeed(model, units, request["mode"], request.get("from"), batch_dim=1, arguments=attention), units,
+            not_refed)
 
 
 def forward_backward(model, names, tensors, device, phases, loss_path: str = "megatron", refeed: dict | None = None):
