@@ -56,9 +56,8 @@ def test_paddle_names_the_level_for_every_op_and_why_the_others_are_unavailable(
     for op, by_dtype in ops.items():
         for dtype, survey in by_dtype.items():
             levels = survey["levels"]
-            written = "implementation of op" not in levels["paddlefleet"]  # ops added since lack this level
-            assert ("GPU only" in levels["paddlefleet"] and "paddlefleet is not importable" in levels["paddlefleet"]
-                    if written else "is written" in levels["paddlefleet"]), (op, levels)
+            fleet = levels["paddlefleet"]  # not installed here; where it is, a CPU run is no place for it
+            assert fleet.startswith("paddlefleet is not installed for ") or "GPU only" in fleet, (op, levels)
             assert survey["would_run"] in ("paddleformers", "recipe", None), (op, dtype, survey)
     assert ops["rms_norm"]["float32"]["would_run"] == "paddleformers"
     linear = ops["column_parallel_linear"]["bfloat16"]
