@@ -124,8 +124,8 @@ def test_core_attention_rows_are_its_query_key_and_value(case):
 
 
 def _attention_block(torch, shift: float):
-    """Test double: a block whose "RoPE" adds `shift` to the key before its core attention (query, key, value as
-    three positional arguments, as Megatron's MLA calls its core attention)."""
+    """Test double: a block whose "RoPE" scales the key by 1 + `shift` before its core attention (query, key, value
+    as three positional arguments, as Megatron's MLA calls its core attention)."""
     class CoreAttention(torch.nn.Module):
         def forward(self, query, key, value, mask=None):
             return torch.softmax(query @ key.transpose(-1, -2), dim=-1) @ value
@@ -140,7 +140,7 @@ def _attention_block(torch, shift: float):
 
         def forward(self, x):
             h = self.proj(x)
-            return self.core_attention(h * 2, h + shift, h * 3, None)
+            return self.core_attention(h * 2, h * (1 + shift), h * 3, None)
 
     return Block()
 
