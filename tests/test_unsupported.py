@@ -4,9 +4,9 @@ kernel guard, harness.runners.paddle.levels).
 
 - Import failures, framework-free: Python's ModuleNotFoundError naming the package (or a package above it) is "not
   installed"; a dependency missing inside an installed package, or any other error, is a broken install.
-- The Paddle runner's kernel guard (in process, with the ISA as a test double): Paddle's "not registered" and
-  oneDNN's dnnl::error on a CPU where oneDNN has no AVX-512 are UNSUPPORTED; any other exception is raised, on every
-  CPU (the old guard made any exception on a bf16 CPU without AVX-512 UNSUPPORTED).
+- The Paddle runner's kernel guard (harness.runners.paddle.guard, with the ISA as a test double): Paddle's "not
+  registered" and oneDNN's dnnl::error on a CPU where oneDNN has no AVX-512 are UNSUPPORTED; any other exception is
+  raised, on every CPU (the old guard made any exception on a bf16 CPU without AVX-512 UNSUPPORTED).
 - End to end on real Paddle: with oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, this CPU's way to be the CI's AVX2
   CPU) the bf16 linear is UNSUPPORTED naming dnnl::error; a PaddleFormers that is installed but does not import (a
   test double on the runner's path) makes an ``auto`` case an ERROR naming it, where the old code ran the recipe.
@@ -19,6 +19,7 @@ import os
 import pytest
 
 from harness.run.protocol import BrokenInstall, Unsupported, import_failure
+from harness.runners.paddle import guard
 from tests.support.doubles import broken_install_python
 
 
@@ -41,34 +42,26 @@ def test_anything_else_is_a_broken_install(error):
     assert str(failure).startswith("megatron.core is installed for ") and type(error).__name__ in str(failure)
 
 
-@pytest.fixture(scope="module")
-def paddle_runner():
-    pytest.importorskip("paddle")
-    from harness.runners.paddle import runner
-
-    return runner
-
-
 BF16_CPU = {"device": "cpu", "dtype": "bfloat16"}
 
 
-def test_a_kernel_paddle_says_is_not_registered_is_unsupported(paddle_runner):
+def test_a_kernel_paddle_says_is_not_registered_is_unsupported():
     def call():
         raise RuntimeError("(NotFound) The kernel with key (CPU, Undefined(AnyLayout), bfloat16) of kernel `matmul` "
                            "is not registered.\n  [Hint: ...]")
     with pytest.raises(Unsupported, match="matmul on cpu in bfloat16: .*kernel `matmul` is not registered"):
-        paddle_runner._kernel_guard(call, "matmul", BF16_CPU)
+        guard.kernel_guard(call, "matmul", BF16_CPU)
 
 
 @pytest.mark.parametrize("isa", [["avx2", "fma"], ["avx2", "avx512f", "avx512_bf16", "fma"]])
-def test_any_other_exception_is_raised_on_every_cpu(paddle_runner, monkeypatch, isa):
-    monkeypatch.setattr(paddle_runner, "cpu_isa_flags", lambda: isa)
+def test_any_other_exception_is_raised_on_every_cpu(monkeypatch, isa):
+    monkeypatch.setattr(guard, "cpu_isa_flags", lambda: isa)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
 
     def call():
         raise ValueError("a bug in the harness's own code")
     with pytest.raises(ValueError, match="a bug"):
-        paddle_runner._kernel_guard(call, "oneDNN bf16 linear (static graph)", BF16_CPU)
+        guard.kernel_guard(call, "oneDNN bf16 linear (static graph)", BF16_CPU)
 
 
 def _dnnl_error():
@@ -76,24 +69,24 @@ def _dnnl_error():
     raise RuntimeError("std::exception")
 
 
-def test_onednn_failing_without_avx512_is_unsupported_naming_what_paddle_logged(paddle_runner, monkeypatch, capfd):
-    monkeypatch.setattr(paddle_runner, "cpu_isa_flags", lambda: ["avx2", "fma"])
+def test_onednn_failing_without_avx512_is_unsupported_naming_what_paddle_logged(monkeypatch, capfd):
+    monkeypatch.setattr(guard, "cpu_isa_flags", lambda: ["avx2", "fma"])
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     with pytest.raises(Unsupported) as raised:
-        paddle_runner._kernel_guard(_dnnl_error, "oneDNN bf16 linear (static graph)", BF16_CPU)
+        guard.kernel_guard(_dnnl_error, "oneDNN bf16 linear (static graph)", BF16_CPU)
     assert "onednn_op.matmul raises an exception dnnl::error" in str(raised.value)
     assert "oneDNN's bf16 matmul needs AVX-512" in str(raised.value) and "avx2 fma" in str(raised.value)
     assert "dnnl::error" in capfd.readouterr().err  # the log still reaches the cell's stderr
 
 
-def test_onednn_failing_with_avx512_or_in_float32_is_raised(paddle_runner, monkeypatch):
-    monkeypatch.setattr(paddle_runner, "cpu_isa_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+def test_onednn_failing_with_avx512_or_in_float32_is_raised(monkeypatch):
+    monkeypatch.setattr(guard, "cpu_isa_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     with pytest.raises(RuntimeError, match="std::exception"):
-        paddle_runner._kernel_guard(_dnnl_error, "oneDNN bf16 linear (static graph)", BF16_CPU)
-    monkeypatch.setattr(paddle_runner, "cpu_isa_flags", lambda: ["avx2"])
+        guard.kernel_guard(_dnnl_error, "oneDNN bf16 linear (static graph)", BF16_CPU)
+    monkeypatch.setattr(guard, "cpu_isa_flags", lambda: ["avx2"])
     with pytest.raises(RuntimeError, match="std::exception"):
-        paddle_runner._kernel_guard(_dnnl_error, "linear", {"device": "cpu", "dtype": "float32"})
+        guard.kernel_guard(_dnnl_error, "linear", {"device": "cpu", "dtype": "float32"})
 
 
 def _compare(name, tmp_path, **options):
