@@ -1,4 +1,5 @@
-"""Device setup, determinism settings and provenance shared by the torch-based runners (imports torch only)."""
+"""Device setup, determinism settings, provenance, and the process-wide settings a cell gets back (``CELL_STATE``),
+shared by the torch-based runners (imports torch only)."""
 
 from __future__ import annotations
 
