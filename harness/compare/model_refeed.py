@@ -101,9 +101,9 @@ def attribute(case: Case, full: dict, a: dict, b: dict, meta: dict) -> dict:
             where = LOSS_UNIT
         if name not in a and name not in b:
             continue  # written by neither run (an expert no token went to, a tensor neither side captures)
-        own = None if unit or feeding or name == "loss" else _why_missing(name, {}, {}, not_refed, None)
+        own = None if unit or feeding or name == "loss" else _why_not_refed(name, not_refed)
         if name not in a or name not in b or own:
-            why = own or _why_missing(name, a, b, not_refed)
+            why = own or _why_not_refed(name, not_refed) or f"written only by side {'a' if name in a else 'b'}'s run"
             rows.append({"name": name, "unit": where, "full": _status_of(full.get(name)), "local": None,
                          "attribution": f"not re-fed: {why}"})
             continue
@@ -125,13 +125,13 @@ def _status_of(t) -> str | None:
     return None if t is None else t.status
 
 
-def _why_missing(name: str, a: dict, b: dict, not_refed: dict, otherwise: str | None = "") -> str | None:
-    """Why the unit holding `name` is not re-fed, or `otherwise` ("": which run wrote it)."""
+def _why_not_refed(name: str, not_refed: dict) -> str | None:
+    """Why the unit holding `name` is not re-fed (None: no such unit)."""
     path = module_path(name)
     for unit, why in not_refed.items():
         if path == unit or path.startswith(unit + ".") or _pattern_match(unit, path):
             return why
-    return f"written only by side {'a' if name in a else 'b'}'s run" if otherwise == "" else otherwise
+    return None
 
 
 def _pattern_match(pattern: str, path: str) -> bool:
