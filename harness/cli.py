@@ -32,6 +32,13 @@ from harness.report import case_report as report
 
 @failsafe.guarded  # signals, storage errors, harness failures: one line and an exit code, never a traceback
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run(parser, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option (tests/test_docs.py parses each command the docs quote with it)."""
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     parser.add_argument("--cases", type=Path, default=CASES_DIR, help="folder of case TOML files")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -89,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument("--as-dtype", action="append", default=[], metavar="[NAME=]DTYPE",
                       help="read integer arrays (e.g. Paddle's uint16 bf16 bits) as DTYPE bit patterns")
     diff.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "list":
         return _list(args.cases)
     if args.command == "publish":
