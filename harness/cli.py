@@ -14,6 +14,7 @@ from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
+from harness.case.select import SELECT_HELP, SelectError, select
 from harness.commands import (
     baseline,
     doctor,
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cases", type=Path, default=CASES_DIR, help="folder of case TOML files")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    commands.add_parser("list", help="print the case registry")
+    listing = commands.add_parser("list", help="print the case registry")
+    listing.add_argument("-k", dest="select", metavar="EXPRESSION", help=SELECT_HELP)
 
     compare = commands.add_parser("compare", help="run one case on both runners and compare bit for bit")
     compare.add_argument("case")
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "list":
-        return _list(args.cases)
+        return _list(args.cases, args.select)
     if args.command == "publish":
         return publish.main(args)
     if args.command == "baseline":
@@ -175,16 +177,16 @@ def _diff(args) -> int:
     return result.exit_code
 
 
-def _list(cases_dir: Path) -> int:
+def _list(cases_dir: Path, expression: str | None) -> int:
     try:
-        registry = Registry.load(cases_dir)
-    except CaseError as error:
+        cases = select(Registry.load(cases_dir).cases.values(), expression)
+    except (CaseError, SelectError) as error:
         Console(stderr=True).print(f"[red]error:[/] {error}", highlight=False)
         return EXIT_CODES["ERROR"]
     table = Table(title=f"cases in {cases_dir}")
     for column in ("case", "family", "op", "dtype", "tp", "tokens", "shapes", "runners", "devices", "expect"):
         table.add_column(column)
-    for case in registry.cases.values():
+    for case in cases:
         shapes = " ".join(f"{k}={v}" for k, v in case.shapes.items())
         table.add_row(case.name, case.family, case.op, case.dtype, str(case.tp), str(case.tokens), shapes,
                       " vs ".join(case.runners), ",".join(case.devices), case.expect.verdict)
