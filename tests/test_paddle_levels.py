@@ -65,7 +65,7 @@ def test_a_pinned_level_runs_even_below_an_available_higher_one():
 def test_a_pinned_level_that_is_missing_is_unsupported_naming_it():
     load = loader(paddlefleet=fake_level("paddlefleet", "PaddleFleet runs on a GPU only"),
                   paddleformers=fake_level("paddleformers"), recipe=fake_level("recipe"))
-    with pytest.raises(Unsupported, match="config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which "
+    with pytest.raises(Unsupported, match="config.paddle_impl = 'paddlefleet' pins PaddleFleet, which "
                                           "is unavailable here: PaddleFleet runs on a GPU only"):
         paddle_levels.choose(request(impl="paddlefleet"), load)
 
@@ -110,7 +110,7 @@ def test_the_nightly_table_names_each_cases_paddle_level():
     ran = {"sides": [{"label": "a", "runner": "megatron", "meta": {}},
                      {"label": "b", "runner": "paddle", "meta": {"paddle_level": "paddleformers"}}]}
     pinned = {"sides": [{"label": "b", "runner": "paddle", "meta": {
-        "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which is unavailable"}}]}
+        "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet, which is unavailable"}}]}
     assert paddle_level(ran) == "paddleformers" and paddle_level(pinned) == "pinned paddlefleet"
     assert paddle_level(None) == "—"
 
@@ -123,5 +123,5 @@ def test_pinning_paddlefleet_on_this_cpu_is_unsupported_with_the_reason(tmp_path
         runners=("paddle", "paddle"), oracle=False, tokens=4, config_overrides={"paddle_impl": "paddlefleet"},
         checkpoints_dir=tmp_path / "ckpt", reports_dir=tmp_path / "reports"))
     assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
-    assert "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module" in result.message
+    assert "config.paddle_impl = 'paddlefleet' pins PaddleFleet, which is unavailable" in result.message
     assert "PaddleFleet runs on a GPU only" in result.message and "paddlefleet is not importable" in result.message

@@ -37,7 +37,13 @@ def tensor_parallel(data: dict) -> list[str]:
     """How the sides were launched and gathered, and, for a TP=N vs TP=M run, which tensors are TP-invariant."""
     items = []
     c = data["comparison"]
-    if c:
+    if c and c.get("kind") == "paddle_impl":
+        items.append(f"comparison: {c['runner']} at implementation level {c['impl_a']} (side a) against level "
+                     f"{c['impl_b']} (side b), on the same inputs; no case expectation applies")
+        if "equal" in c:
+            items.append(f"bitwise equal: {', '.join(c['equal']) or 'none'}; "
+                         f"differ: {', '.join(c['differ']) or 'none'}")
+    elif c:
         items.append(f"comparison: {c['runner']} at TP={c['tp_a']} (side a) against {c['runner']} at "
                      f"TP={c['tp_b']} (side b); no case expectation applies")
         if "tp_invariant" in c:
