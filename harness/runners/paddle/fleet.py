@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -40,28 +41,55 @@ ATTENTION = "src/paddlefleet/transformer/dot_product_attention.py@00a9f175a76aa0
 ROUTER = "src/paddlefleet/transformer/moe/moe_router.py@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e"
 MLA = "src/paddlefleet/transformer/multi_latent_attention.py@023ee66c6bd20101d946d14fef24588df4d515ac"
 
-# op -> (kind, what the harness calls, in order; each piece with its file@commit)
+
+class FleetPath(NamedTuple):
+    """How one op reaches PaddleFleet: `kind` (module, function or composition), `calls` (the PaddleFleet names it
+    calls, itself or through the modules it builds: the contract test checks them), `pieces` (each with its
+    file@commit, for the reader)."""
+
+    kind: str
+    calls: tuple[str, ...]
+    pieces: tuple[str, ...]
+
+
+TP = "paddlefleet.tensor_parallel."
+FUSED_SWIGLU = "paddlefleet.fusions.fused_bias_swiglu."
 PATHS = {
-    ops.COLUMN_PARALLEL_LINEAR: ("module", (f"paddlefleet.tensor_parallel.ColumnParallelLinear ({LAYERS})",)),
-    ops.ROW_PARALLEL_LINEAR: ("module", (f"paddlefleet.tensor_parallel.RowParallelLinear ({LAYERS})",)),
-    ops.RMS_NORM: ("module", (f"paddlefleet.transformer.paddle_norm.WrappedPaddleNorm -> RMSNorm ({NORM})",)),
-    ops.SWIGLU: ("function", (f"paddlefleet.fusions.fused_bias_swiglu.bias_swiglu_impl, or with a per-token scale "
-                              f"weighted_bias_swiglu_impl ({SWIGLU}), with the arguments MLP.forward passes ({MLP})",)),
-    ops.EMBEDDING: ("module", (f"paddlefleet.tensor_parallel.VocabParallelEmbedding ({LAYERS})",)),
-    ops.MOE_ROUTER: ("module", (f"paddlefleet.transformer.moe.moe_router.TopKRouter ({ROUTER})",)),
-    ops.ATTENTION_SCORES: ("composition", (
-        f"paddle.baddbmm(beta=0, alpha=1/sqrt(d)) as DotProductAttention.forward's explicit path writes it "
-        f"({ATTENTION})",
-        f"paddlefleet.fusions.fused_softmax.FusedScaleMaskSoftmax with paddlefleet.transformer.utils."
-        f"attention_mask_func, causal ({SOFTMAX})")),
-    ops.SHARED_EXPERT_MLP: ("module", (f"paddlefleet.transformer.mlp.MLP with ColumnParallelLinear / "
-                                       f"RowParallelLinear ({MLP}, {LAYERS})",)),
-    ops.ROUTED_EXPERTS: ("composition", (
-        f"one paddlefleet.transformer.mlp.MLP(is_expert=True) per local expert, called with per_token_scale ({MLP})",
-        "tokens split by harness.case.ops.uneven_split (PaddleFleet's MoE layer and expert node are not called)")),
-    ops.MLA_UP_PROJECTION: ("composition", (
-        f"paddlefleet.tensor_parallel.ColumnParallelLinear ({LAYERS}) as q_up_proj / kv_up_proj ({MLA})",
-        "output viewed as [tokens, heads, head_dim]")),
+    ops.COLUMN_PARALLEL_LINEAR: FleetPath("module", (TP + "ColumnParallelLinear",),
+                                          (f"{TP}ColumnParallelLinear ({LAYERS})",)),
+    ops.ROW_PARALLEL_LINEAR: FleetPath("module", (TP + "RowParallelLinear",), (f"{TP}RowParallelLinear ({LAYERS})",)),
+    ops.RMS_NORM: FleetPath("module", ("paddlefleet.transformer.paddle_norm.WrappedPaddleNorm",
+                                       "paddlefleet.transformer.paddle_norm.RMSNorm"),
+                            (f"paddlefleet.transformer.paddle_norm.WrappedPaddleNorm -> RMSNorm ({NORM})",)),
+    ops.SWIGLU: FleetPath("function", (FUSED_SWIGLU + "bias_swiglu_impl", FUSED_SWIGLU + "weighted_bias_swiglu_impl"),
+                          (f"{FUSED_SWIGLU}bias_swiglu_impl, or with a per-token scale weighted_bias_swiglu_impl "
+                           f"({SWIGLU}), with the arguments MLP.forward passes them ({MLP})",)),
+    ops.EMBEDDING: FleetPath("module", (TP + "VocabParallelEmbedding",), (f"{TP}VocabParallelEmbedding ({LAYERS})",)),
+    ops.MOE_ROUTER: FleetPath("module", ("paddlefleet.transformer.moe.moe_router.TopKRouter",),
+                              (f"paddlefleet.transformer.moe.moe_router.TopKRouter ({ROUTER})",)),
+    ops.ATTENTION_SCORES: FleetPath(
+        "composition", ("paddlefleet.fusions.fused_softmax.FusedScaleMaskSoftmax",
+                        "paddlefleet.transformer.utils.attention_mask_func"),
+        (f"paddle.baddbmm(beta=0, alpha=1/sqrt(d)) as DotProductAttention.forward's explicit path writes it "
+         f"({ATTENTION}; DotProductAttention itself is not called: in bf16 it takes a fused kernel that exposes no "
+         "probabilities)",
+         f"paddlefleet.fusions.fused_softmax.FusedScaleMaskSoftmax with paddlefleet.transformer.utils."
+         f"attention_mask_func, causal ({SOFTMAX})")),
+    ops.SHARED_EXPERT_MLP: FleetPath(
+        "module", ("paddlefleet.transformer.mlp.MLP", TP + "ColumnParallelLinear", TP + "RowParallelLinear",
+                   FUSED_SWIGLU + "bias_swiglu_impl"),
+        (f"paddlefleet.transformer.mlp.MLP ({MLP}) with bias_activation_fusion: ColumnParallelLinear, "
+         f"bias_swiglu_impl, RowParallelLinear ({LAYERS}, {SWIGLU})",)),
+    ops.ROUTED_EXPERTS: FleetPath(
+        "composition", ("paddlefleet.transformer.mlp.MLP", TP + "ColumnParallelLinear", TP + "RowParallelLinear",
+                        FUSED_SWIGLU + "weighted_bias_swiglu_impl"),
+        (f"one paddlefleet.transformer.mlp.MLP(is_expert=True) per local expert, called with per_token_scale ({MLP})",
+         "tokens split by harness.case.ops.uneven_split (PaddleFleet's MoE layer and its expert node, which the "
+         "recipe follows, are not called)")),
+    ops.MLA_UP_PROJECTION: FleetPath(
+        "composition", (TP + "ColumnParallelLinear",),
+        (f"{TP}ColumnParallelLinear ({LAYERS}) as q_up_proj / kv_up_proj ({MLA})", "output viewed as [tokens, heads, "
+         "head_dim]")),
 }
 KINDS = {"module": "calls PaddleFleet's own module", "function": "calls PaddleFleet's own function",
          "composition": "composes PaddleFleet pieces the harness's way"}
@@ -69,8 +97,8 @@ KINDS = {"module": "calls PaddleFleet's own module", "function": "calls PaddleFl
 
 def source(request) -> str:
     """What this op's path calls (meta.json ``paddle_source``), and that it was checked against a stand-in only."""
-    kind, pieces = PATHS[ops.OPS[request["op"]]]
-    return f"{KINDS[kind]}: {'; then '.join(pieces)}. {STAND_IN_ONLY}"
+    path = PATHS[ops.OPS[request["op"]]]
+    return f"{KINDS[path.kind]}: {'; then '.join(path.pieces)}. {STAND_IN_ONLY}"
 
 
 @cache
@@ -131,7 +159,7 @@ def _run(request, phases, forward, backward):
 
 
 def _name(text, request, gate):
-    kind = KINDS[PATHS[ops.OPS[request["op"]]][0]]
+    kind = KINDS[PATHS[ops.OPS[request["op"]]].kind]
     return (f"{kind}: {text} (use_accuracy_compatible={gate}; PaddleFleet {versions().get('paddlefleet')}; "
             f"{STAND_IN_ONLY})")
 
@@ -373,10 +401,10 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     as_linear = {**request, "op": "column_parallel_linear",
                  "shapes": {"input_size": shapes["lora_rank"], "output_size": shapes["num_heads"] * shapes["head_dim"]},
                  "config": {**request["config"], "bias": False, "sequence_parallel": False}}
-    outputs, implementation = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate,
-                                     phases, guard)
+    outputs, _ = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate, phases, guard)
     outputs["out"] = outputs["out"].reshape(dy.shape)
-    return outputs, implementation + ", output viewed as [tokens, heads, head_dim] (multi_latent_attention.py)"
+    return outputs, _name("paddlefleet.tensor_parallel.ColumnParallelLinear, output viewed as [tokens, heads, "
+                          "head_dim] (multi_latent_attention.py)", request, gate)
 
 
 IMPLEMENTATIONS = {

@@ -62,7 +62,11 @@ def source(request) -> str:
     return recipe.source(request)
 
 
-unavailable = recipe.unavailable
+def unavailable(request):
+    return recipe.unavailable(request)
 
-IMPLEMENTATIONS = {**recipe.IMPLEMENTATIONS, ops.SWIGLU: swiglu, ops.SHARED_EXPERT_MLP: shared_expert_mlp,
-                   ops.ROUTED_EXPERTS: routed_experts}
+
+IMPLEMENTATIONS = {
+    **recipe.IMPLEMENTATIONS, ops.SWIGLU: swiglu, ops.SHARED_EXPERT_MLP: shared_expert_mlp,
+    ops.ROUTED_EXPERTS: routed_experts,
+}
