@@ -20,8 +20,8 @@ def options(tmp_path, **fields):
 @pytest.mark.e2e
 def test_each_side_runs_its_own_level_on_the_same_inputs(tmp_path):
     python = paddle_level_double.interpreter(tmp_path)
-    result, _ = compare_case("kimi_rmsnorm_recipe", options(tmp_path, versus_impl="fp32_islands",
-                                                            pythons={"paddle": python}))
+    result, run_dir = compare_case("kimi_rmsnorm_recipe", options(tmp_path, versus_impl="fp32_islands",
+                                                                  pythons={"paddle": python}))
     assert result.verdict == "DIFF", result.message
     by_label = {side.label: side for side in result.sides}
     assert [by_label[x].runner for x in "ab"] == ["paddle", "paddle"]
@@ -32,6 +32,9 @@ def test_each_side_runs_its_own_level_on_the_same_inputs(tmp_path):
                                  "impl_b": "fp32_islands", "equal": ["grad.input", "grad.weight"], "differ": ["out"]}
     assert "paddle at recipe vs fp32_islands: bitwise equal: grad.input, grad.weight; differ: out" in result.message
     assert result.expectation == {}  # not applied: the case's expectation is about its own two runners
+    summary = (run_dir / "report.md").read_text()
+    assert "paddle at implementation level recipe (side a) against level fp32_islands (side b)" in summary
+    assert "bitwise equal: grad.input, grad.weight; differ: out" in summary
 
 
 @pytest.mark.e2e

@@ -138,13 +138,13 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
-        result.message += tp_notes(result)
+        result.message += comparison_notes(result)
         if is_model and result.tensors:
             result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
             if case.dtype == "float64":
                 _semantic_verdict(result, case)
-        if tps is None and impls is None:  # a case's expectation is about its two runners; TP invariance and
-            result.expectation = check_expectation(case.expect, result.verdict, result.tensors)  # levels: findings
+        if tps is None and impls is None:  # the expectation is about the case's runners; TP sizes or levels: findings
+            result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
     failsafe.finish(result, run_dir, report.write)
@@ -188,6 +188,9 @@ def _versus_tp(case: Case, versus_tp: int, runner: str) -> tuple[Case, tuple[int
     return replace(case, runners=(runner, runner), perturb=None), (case.tp, versus_tp)
 
 
+PADDLE = "paddle"
+
+
 def _versus_impl(case: Case, level: str) -> tuple[Case, tuple[str, str]]:
     where = f"{case.source}: case {case.name!r}"
     choices = KNOBS["paddle_impl"].choices
@@ -203,10 +206,7 @@ def _versus_impl(case: Case, level: str) -> tuple[Case, tuple[str, str]]:
     return replace(case, runners=(PADDLE, PADDLE), perturb=None), (level_a, level)
 
 
-PADDLE = "paddle"
-
-
-def tp_notes(result: CaseResult) -> str:
+def comparison_notes(result: CaseResult) -> str:
     """What the reader must know beyond the verdict: which tensors one runner keeps bitwise across TP sizes or
     implementation levels, ranks that disagree."""
     notes = []
