@@ -26,7 +26,7 @@ from harness.run.protocol import Unsupported
 from harness.runners.paddle.common import as_tensor, run_phases, sync
 
 # The PaddleFleet code each recipe follows (PaddlePaddle/PaddleFleet, file@commit, read with the project's search
-# tool; the commits are the ones stored there): SOURCES says which op follows which.
+# tool at these commits): SOURCES says which op follows which.
 FLEET_ROUTER = "src/paddlefleet/transformer/moe/moe_router.py@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e"
 FLEET_MLP = "src/paddlefleet/transformer/mlp.py@9f9bd7b9952d3cbfdd48f80138cf4d794c753979"
 FLEET_SWIGLU = "src/paddlefleet/fusions/fused_bias_swiglu.py@d522e07b5b81991b306b74cac0ba232a21c69d52"
