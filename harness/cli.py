@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--versus-tp", type=int, metavar="N",
                          help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
     compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
+    compare.add_argument("--versus-impl", metavar="LEVEL", choices=KNOBS["paddle_impl"].choices,
+                         help="compare the Paddle runner at the case's implementation level (side a; --paddle-impl "
+                              "sets it) with itself at LEVEL (side b) on the same inputs: "
+                              + ", ".join(KNOBS["paddle_impl"].choices))
     compare.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                          help="also run the framework-free truth oracle and show each side's distance from it "
                               "(default: on; ops without an oracle say so)")
@@ -128,11 +132,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
+        versus_impl=args.versus_impl,
         repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
-                                                  runner=None, tp=None))
+                                                  runner=None, tp=None, versus_impl=None))
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, options)
