@@ -89,7 +89,7 @@ def test_a_level_module_of_the_harness_that_does_not_import_is_an_error():
 def test_the_survey_names_a_broken_level_and_runs_nothing():
     load = loader(paddlefleet=fake_level("paddlefleet", "GPU only"),
                   paddleformers=fake_level("paddleformers", import_problem="ImportError: broken"),
-                  recipe=fake_level("recipe"))
+                  recipe=fake_level("recipe"), fp32_islands=fake_level("fp32_islands"))
     survey = paddle_levels.survey(request(), load, installed())
     assert survey["would_run"] is None and survey["broken"] == "paddleformers"
     assert survey["label"] == "ERROR: PaddleFormers' module (not PaddleFleet) is broken"
@@ -115,7 +115,7 @@ def test_a_pinned_level_runs_even_below_an_available_higher_one():
 def test_a_pinned_level_that_is_missing_is_unsupported_naming_it():
     load = loader(paddlefleet=fake_level("paddlefleet", "PaddleFleet runs on a GPU only"),
                   paddleformers=fake_level("paddleformers"), recipe=fake_level("recipe"))
-    with pytest.raises(Unsupported, match="config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which "
+    with pytest.raises(Unsupported, match="config.paddle_impl = 'paddlefleet' pins PaddleFleet, which "
                                           "is unavailable here: PaddleFleet runs on a GPU only"):
         choose(request(impl="paddlefleet"), load)
 
@@ -130,15 +130,26 @@ def test_no_level_at_all_is_unsupported_with_every_reason():
 
 def test_survey_lists_every_level_and_what_would_run():
     load = loader(paddlefleet=fake_level("paddlefleet", "no GPU"), paddleformers=fake_level("paddleformers"),
-                  recipe=fake_level("recipe"))
+                  recipe=fake_level("recipe"), fp32_islands=fake_level("fp32_islands"))
     survey = paddle_levels.survey(request(), load, installed())
     assert survey == {"would_run": "paddleformers", "label": "PaddleFormers' module (not PaddleFleet)",
-                      "levels": {"paddlefleet": "no GPU", "paddleformers": "available", "recipe": "available"}}
+                      "levels": {"paddlefleet": "no GPU", "paddleformers": "available", "recipe": "available",
+                                 "fp32_islands": "available"}}
     assert paddle_levels.survey(request(impl="paddlefleet"), load, installed())["would_run"] is None
+    assert paddle_levels.survey(request(impl="fp32_islands"), load, installed())["would_run"] == "fp32_islands"
+
+
+def test_auto_never_takes_the_fp32_island_variant_a_pin_does():
+    load = loader(paddlefleet=fake_level("paddlefleet", "a"), paddleformers=fake_level("paddleformers", "b"),
+                  recipe=fake_level("recipe", "c"), fp32_islands=fake_level("fp32_islands"))
+    with pytest.raises(Unsupported, match="no Paddle implementation level is available here"):
+        choose(request(), load)
+    choice = choose(request(impl="fp32_islands"), load)
+    assert choice.level == "fp32_islands" and "FP32 islands" in choice.meta()["paddle_level_label"]
 
 
 def test_every_level_table_covers_the_catalogue_ops_it_claims_and_cites_its_source():
-    """The three level modules, read as text (importing them needs paddle): each has a table and `unavailable`, and
+    """The level modules, read as text (importing them needs paddle): each has a table and `unavailable`, and
     the PaddleFleet level names the files and commits it was written against."""
     from pathlib import Path
 
@@ -149,7 +160,8 @@ def test_every_level_table_covers_the_catalogue_ops_it_claims_and_cites_its_sour
     fleet = (root / "fleet.py").read_text()
     for cited in ("src/paddlefleet/transformer/paddle_norm.py", "src/paddlefleet/transformer/mlp.py",
                   "src/paddlefleet/fusions/fused_softmax.py", "src/paddlefleet/transformer/moe/moe_router.py",
-                  "language_model_embedding.py", "multi_latent_attention.py", "tensor_parallel/layers.py"):
+                  "fused_bias_swiglu.py", "dot_product_attention.py", "multi_latent_attention.py",
+                  "tensor_parallel/layers.py"):
         assert cited in fleet, cited
     assert fleet.count("@") >= 7  # a commit beside each file
 
@@ -160,7 +172,7 @@ def test_the_nightly_table_names_each_cases_paddle_level():
     ran = {"sides": [{"label": "a", "runner": "megatron", "meta": {}},
                      {"label": "b", "runner": "paddle", "meta": {"paddle_level": "paddleformers"}}]}
     pinned = {"sides": [{"label": "b", "runner": "paddle", "meta": {
-        "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module, which is unavailable"}}]}
+        "unsupported": "config.paddle_impl = 'paddlefleet' pins PaddleFleet, which is unavailable"}}]}
     assert paddle_level(ran) == "paddleformers" and paddle_level(pinned) == "pinned paddlefleet"
     assert paddle_level(None) == "—"
 
@@ -173,5 +185,5 @@ def test_pinning_paddlefleet_on_this_cpu_is_unsupported_with_the_reason(tmp_path
         runners=("paddle", "paddle"), oracle=False, tokens=4, config_overrides={"paddle_impl": "paddlefleet"},
         checkpoints_dir=tmp_path / "ckpt", reports_dir=tmp_path / "reports"))
     assert result.verdict == "UNSUPPORTED" and result.exit_code == 3
-    assert "config.paddle_impl = 'paddlefleet' pins PaddleFleet's own module" in result.message
+    assert "config.paddle_impl = 'paddlefleet' pins PaddleFleet, which is unavailable" in result.message
     assert "paddlefleet is not installed for " in result.message or "PaddleFleet runs on a GPU only" in result.message

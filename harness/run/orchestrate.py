@@ -88,12 +88,18 @@ class SideSpec(NamedTuple):
     tp: int
     folder: str  # its folder under the run directory
     dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
+    config: dict | None = None  # knobs set over the case's for this side only (comparing Paddle levels)
 
 
-def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None) -> list[SideSpec]:
-    """The case's two sides, a and b, each at the case's TP size or, comparing TP sizes, at its own."""
-    return [SideSpec(label, runner, checkpoint.path_for(label), tp, f"{label}-{runner}" + (f"-tp{tp}" if tps else ""))
-            for label, runner, tp in zip("ab", case.runners, tps or (case.tp, case.tp), strict=True)]
+def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
+               impls: tuple[str, str] | None = None) -> list[SideSpec]:
+    """The case's two sides, a and b, each at the case's TP size or, comparing TP sizes, at its own; comparing Paddle
+    implementation levels, each with its own ``config.paddle_impl``."""
+    return [SideSpec(label, runner, checkpoint.path_for(label), tp,
+                     f"{label}-{runner}" + (f"-tp{tp}" if tps else "") + (f"-{impl}" if impls else ""),
+                     config={"paddle_impl": impl} if impls else None)
+            for label, runner, tp, impl in zip("ab", case.runners, tps or (case.tp, case.tp), impls or (None, None),
+                                               strict=True)]
 
 
 def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
@@ -108,6 +114,7 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
         for side in sides:
             folder = paths.child(run_dir, side.folder, "runner folder")
             side_case = replace(case, dtype=side.dtype) if side.dtype else case  # the float64 truth of a model
+            side_case = replace(side_case, config={**case.config, **side.config}) if side.config else side_case
             with resources.boundary("runner folder", folder):
                 folder.mkdir(parents=True)
                 request = _request(side_case, side.inputs, device, folder, side.tp)

@@ -1,13 +1,15 @@
-"""Which implementation the Paddle side runs: PaddleFleet's own module, then PaddleFormers', then the recipe.
+"""Which implementation the Paddle side runs: PaddleFleet, then PaddleFormers' module, then the recipe.
 
 Three levels, highest first, each a module with an ``IMPLEMENTATIONS`` table keyed by the op record and
 ``unavailable(request) -> str | None`` (why it cannot run this request here):
-1. ``paddlefleet``  - ``harness.runners.paddle.fleet``: PaddleFleet's module with the case's ``use_accuracy_compatible``
-   (GPU, where ``paddlefleet`` imports);
+1. ``paddlefleet``  - ``harness.runners.paddle.fleet``: PaddleFleet's modules or functions with the case's
+   ``use_accuracy_compatible`` (GPU, where ``paddlefleet`` imports; checked against a stand-in package only);
 2. ``paddleformers`` - ``harness.runners.paddle.formers``: PaddleFormers' module (DeepseekV3 and its shared modules);
-3. ``recipe``       - ``harness.runners.paddle.recipe``: plain Paddle ops following PaddleFleet's gated path, the
-   reference recipe, not PaddleFleet.
+3. ``recipe``       - ``harness.runners.paddle.recipe``: plain Paddle ops computing what the PaddleFleet code it cites
+   computes, the reference recipe, not PaddleFleet.
 ``config.paddle_impl`` (a knob every op reads, default ``auto``) pins a level; ``auto`` takes the highest one available.
+A pin may also name a variant ``auto`` never takes: ``fp32_islands`` (``harness.runners.paddle.islands``, the recipe
+with the seed PR's FP32-island SwiGLU).
 A pinned level that is unavailable, or ``auto`` with none, is UNSUPPORTED naming each level and why.
 
 Unavailable means one of two things: the level's package (``PACKAGES``) is not installed, or the level says it cannot
@@ -31,13 +33,15 @@ from harness.case.ops import OPS
 from harness.run.protocol import Unsupported
 
 LEVELS = ("paddlefleet", "paddleformers", "recipe")
+VARIANTS = ("fp32_islands",)  # pinned only
 PACKAGES = {"paddlefleet": "paddlefleet", "paddleformers": "paddleformers"}  # the third-party package of a level
 BROKEN = "BROKEN: "
 AUTO = "auto"
 MODULES = {"paddlefleet": "harness.runners.paddle.fleet", "paddleformers": "harness.runners.paddle.formers",
-           "recipe": "harness.runners.paddle.recipe"}
-LABELS = {"paddlefleet": "PaddleFleet's own module", "paddleformers": "PaddleFormers' module (not PaddleFleet)",
-          "recipe": "reference recipe, not PaddleFleet"}
+           "recipe": "harness.runners.paddle.recipe", "fp32_islands": "harness.runners.paddle.islands"}
+LABELS = {"paddlefleet": "PaddleFleet", "paddleformers": "PaddleFormers' module (not PaddleFleet)",
+          "recipe": "reference recipe, not PaddleFleet",
+          "fp32_islands": "recipe variant with the seed PR's FP32 islands, not PaddleFleet"}
 
 
 @dataclass
@@ -90,8 +94,9 @@ def choose(request: dict, load: Callable = import_level, is_installed: Callable[
     BrokenLevel when a level it reaches is broken."""
     requested = request["config"].get("paddle_impl", AUTO)
     if requested != AUTO:
-        if requested not in LEVELS:
-            raise Unsupported(f"config.paddle_impl = {requested!r} is not one of {AUTO}, {', '.join(LEVELS)}")
+        if requested not in LEVELS + VARIANTS:
+            raise Unsupported(f"config.paddle_impl = {requested!r} is not one of {AUTO}, "
+                              f"{', '.join(LEVELS + VARIANTS)}")
         reason = why_not(requested, request, load, is_installed)
         if reason:
             raise Unsupported(f"config.paddle_impl = {requested!r} pins {LABELS[requested]}, which is unavailable "
@@ -111,7 +116,7 @@ def survey(request: dict, load: Callable = import_level, is_installed: Callable[
     """Every level's availability for `request` and the one that would run (the doctor's answer for one op); a
     broken level the choice reaches is named under "broken" (the request would be an ERROR)."""
     levels = {}
-    for level in LEVELS:
+    for level in LEVELS + VARIANTS:
         try:
             levels[level] = why_not(level, request, load, is_installed)
         except BrokenLevel as error:

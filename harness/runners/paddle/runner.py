@@ -1,13 +1,14 @@
 """Paddle runner: the Paddle side of every op, at the highest implementation level available here.
 
-Levels (``harness.runners.paddle.levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet's own module
-with the case's ``use_accuracy_compatible`` (``paddle_fleet.py``; GPU, where ``paddlefleet`` imports);
-2. PaddleFormers' module (``paddle_formers.py``; DeepseekV3 and its shared modules, non-fused where the fused kernel
-does not exist on the device); 3. the reference recipe, plain Paddle ops following PaddleFleet's gated path, not
-PaddleFleet (``paddle_ops.py``). ``meta.json`` records the level that ran, why each higher one was passed over, and
-the implementation (prefixed with the level's label, which the report shows); a verdict is only about that
-implementation. ``python -m harness.runners.paddle --probe --device cpu|gpu`` answers, computing nothing, what would
-run here (``python -m harness doctor`` asks it).
+Levels (``harness.runners.paddle.levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet with the case's
+``use_accuracy_compatible`` (``fleet.py``; GPU, where ``paddlefleet`` imports); 2. PaddleFormers' module
+(``formers.py``; DeepseekV3 and its shared modules, non-fused where the fused kernel does not exist on the device);
+3. the reference recipe, plain Paddle ops computing what the PaddleFleet code it cites computes, not PaddleFleet
+(``recipe.py``); pinned only, its FP32-island variant (``islands.py``). ``meta.json`` records the level that ran,
+why each higher one was passed over, what the level follows or calls (``paddle_source``) and the implementation
+(prefixed with the level's label, which the report shows); a verdict is only about that implementation.
+``python -m harness.runners.paddle --probe --device cpu|gpu`` answers, computing nothing, what would run here
+(``python -m harness doctor`` asks it).
 - GPU: dygraph on a CUDA build of paddle (paddlepaddle-gpu >= 3.3) that sees a GPU, else UNSUPPORTED saying which.
   TF32 is kept off with ``NVIDIA_TF32_OVERRIDE=0`` (read by cuBLAS itself); ``FLAGS_use_accuracy_compatible_kernel=1``
   comes from the harness (orchestrate.GPU_ENV).
@@ -77,10 +78,12 @@ def run(request: dict, phases: Phases) -> dict:
             implementation += _all_reduce_partials(outputs, request, world)
     with phases("write"):
         _write(outputs, request, rank_file_name(OUTPUTS, rank, world))
-    level_versions = getattr(paddle_levels.import_level(choice.level), "versions", dict)()
+    level = paddle_levels.import_level(choice.level)
+    source = {"paddle_source": level.source(request)} if hasattr(level, "source") else {}
     return {"framework": "paddle", "implementation": f"[{paddle_levels.LABELS[choice.level]}] {implementation}",
-            "tensor_parallel": world, **choice.meta(),
-            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit, **level_versions},
+            "tensor_parallel": world, **choice.meta(), **source,
+            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
+                         **getattr(level, "versions", dict)()},
             "paddlefleet_importable": importlib.util.find_spec("paddlefleet") is not None,
             "use_accuracy_compatible": gate, **_device_provenance(device),
             **({"tf32": f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']}"} if device == "gpu" else {})}

@@ -8,8 +8,7 @@ op runner and the whole-model runner alike (``serve(..., cell_state=...)``).
 - the default dtype: the model runner and the levels create parameters in the case's dtype;
 - the random generators: the model runner seeds them (``paddle.seed``) before building the model;
 - the device (``paddle.set_device``).
-``os.environ`` (PaddleFleet's ``FLAGS_use_accuracy_compatible_kernel``, ``NVIDIA_TF32_OVERRIDE``) is put back by
-the protocol for every runner.
+``os.environ`` (``NVIDIA_TF32_OVERRIDE``) is put back by the protocol for every runner.
 """
 
 from __future__ import annotations
