@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -37,24 +37,26 @@ from harness.run.protocol import (
     OUTPUTS,
     Phases,
     Unsupported,
-    cpu_isa_flags,
+    import_answer,
+    import_failure,
     rank_and_world,
     rank_file_name,
     serve,
     shard_index,
 )
 from harness.runners.paddle import levels as paddle_levels
+from harness.runners.paddle.guard import kernel_guard
 
 try:
     import paddle
-except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Paddle
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (run, probe)
     paddle = None
-    PADDLE_IMPORT_ERROR = f"{error}"
+    PADDLE_IMPORT_ERROR = error
 
 
 def run(request: dict, phases: Phases) -> dict:
     if paddle is None:
-        raise Unsupported(f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}")
+        raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
     gate = request["config"]["use_accuracy_compatible"]
     with phases("setup"):
         device = _select_device(request["device"])
@@ -70,7 +72,7 @@ def run(request: dict, phases: Phases) -> dict:
     if world > 1 and not own_tp:
         _check_plain_tp(request)
         paddle.distributed.init_parallel_env()
-    outputs, implementation = choice.implementation(request, tensors, gate, phases, _kernel_guard)
+    outputs, implementation = choice.implementation(request, tensors, gate, phases, kernel_guard)
     if world > 1 and not own_tp:
         with phases("all_reduce"):
             implementation += _all_reduce_partials(outputs, request, world)
@@ -91,8 +93,7 @@ def probe(device: str) -> dict:
     """What this environment would run, computing nothing: versions, device, kernels, and per op and dtype the level
     that would run with each level's reason (``python -m harness.runners.paddle --probe``; the doctor asks it)."""
     if paddle is None:
-        return {"framework": "paddle", "importable": False,
-                "reason": f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}"}
+        return {"framework": "paddle", **import_answer("paddle", PADDLE_IMPORT_ERROR)}
     answer = {"framework": "paddle", "importable": True, "versions": {"paddlepaddle": paddle.__version__,
                                                                       "paddle_commit": paddle.version.commit},
               "compiled_with_cuda": paddle.is_compiled_with_cuda()}
@@ -119,6 +120,10 @@ def probe(device: str) -> dict:
         if "device_problem" in answer:  # nothing runs on this device, whatever the levels say
             for survey in answer["ops"][key].values():
                 survey.update(would_run=None, label=f"UNSUPPORTED: {answer['device_problem']}")
+    broken = {s["broken"]: s["levels"][s["broken"]] for by_dtype in answer["ops"].values()
+              for s in by_dtype.values() if "broken" in s}
+    if broken:  # an installed level that does not import: every request reaching it is an ERROR
+        answer.update(broken=True, broken_levels=broken, reason="; ".join(broken.values()))
     return answer
 
 
@@ -155,22 +160,6 @@ def _write(outputs, request, file_name):
             raise RuntimeError(f"output {name!r} came back as {tensor.dtype}, expected {dtype}")
         tensors[name] = tensor
     save_file(tensors, os.path.join(request["output_dir"], file_name))
-
-
-def _kernel_guard(call, kernel: str, request):
-    """Turn 'no such kernel here' into UNSUPPORTED with the kernel and the CPU named; re-raise anything else."""
-    try:
-        return call()
-    except Exception as error:  # Paddle raises bare RuntimeError/NotFoundError from C++
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        where = f"{kernel} on {request['device']} in {request['dtype']}: {message}"
-        isa = cpu_isa_flags()
-        if "not registered" in str(error):
-            raise Unsupported(where) from error
-        if request["device"] == "cpu" and request["dtype"] == "bfloat16" and "avx512f" not in isa:
-            raise Unsupported(f"{where}. oneDNN's bf16 matmul needs AVX-512 (avx512_core; native with "
-                              f"avx512_bf16); this CPU has {' '.join(isa) or 'no listed vector ISA'}") from error
-        raise
 
 
 def _synchronize(request) -> None:
@@ -216,5 +205,14 @@ def release() -> None:
         paddle_release()
 
 
+def cell_state():
+    """Around one cell: Paddle's process-wide settings put back when it ends (``harness.runners.paddle.state``)."""
+    if paddle is None:
+        return nullcontext()
+    from harness.runners.paddle import state
+
+    return state.cell_state()
+
+
 def main() -> None:
-    serve("paddle", run, probe, release)
+    serve("paddle", run, probe, release, cell_state)
