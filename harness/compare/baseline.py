@@ -260,6 +260,17 @@ def runner_changes(entry: dict, known: dict, baseline: dict) -> list[str]:
     return changes
 
 
+def record_problems(entry: dict, baseline: dict) -> list[str]:
+    """How a run of a case differs from its record in `baseline` (definition, runner fields, verdict, reason,
+    tensors), one phrase each: empty when it repeats the record exactly. What an end-to-end test pins."""
+    known, now = baseline["cases"][entry["case"]], record(entry)
+    if now is None:
+        return [f"not run: {entry.get('message', '')}"]
+    if known["definition"] != now["definition"]:
+        return ["definition changed: " + "; ".join(definition_changes(known["definition"], now["definition"]))]
+    return runner_changes(entry, known, baseline) + compare_records(known, now)
+
+
 def expectation_met_by(known: dict, expectation: dict) -> bool:
     """Whether a record meets an expectation (``harness.compare.result.check_expectation``'s rules)."""
     verdict, wanted = known["verdict"], expectation.get("verdict")
