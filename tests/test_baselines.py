@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from harness.case.registry import Registry
 from harness.cli import main
 from harness.commands import nightly
-from harness.compare import baseline
+from harness.compare import baseline, baseline_store
 from harness.run.protocol import host_provenance
 from tests.support.cases import registry_from, tiny_case, write_cases
 from tests.support.doubles import fake_interpreter
@@ -432,15 +432,15 @@ def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_
     registry = registry_from(tmp_path, tiny_case("one"), tiny_case("two", seed=9))
     case = registry.get("one")
     good = {"platform": baseline.platform(HOST, "cpu"), "runners": {"megatron": {"framework": "megatron-core"}},
-            "cases": {"one": {"verdict": "DIFF", "definition": baseline.case_definition(case), "differing": {},
+            "cases": {"one": {"verdict": "DIFF", "definition": baseline_store.case_definition(case), "differing": {},
                               "runners": ["megatron", None]}}}
-    assert baseline.fit_problems(good, registry) == []
+    assert baseline_store.fit_problems(good, registry) == []
     stale = copy.deepcopy(good)
     stale["runners"]["megatron"]["env.ONEDNN_VERBOSE"] = "1"
     stale["cases"]["one"]["definition"]["tokens"] = 8  # recorded at 8 tokens: fits (the case is run at 8)
     stale["cases"]["one"]["definition"]["checkpoint_digest"] = "0" * 16
     stale["cases"]["gone"] = stale["cases"]["one"]
-    problems = baseline.fit_problems(stale, registry)
+    problems = baseline_store.fit_problems(stale, registry)
     assert problems[0] == "runners.megatron: fields no longer in the fingerprint: env.ONEDNN_VERBOSE"
     assert problems[1].startswith("case one: definition changed: checkpoint_digest: 0000000000000000 → ")
     assert problems[2].startswith("case gone: not in today's registry as recorded")
@@ -449,9 +449,10 @@ def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_
 def test_every_committed_baseline_fits_the_registry_and_the_fingerprint_fields():
     """A case definition or a fingerprint field changed since a baseline was recorded: record it again."""
     registry = Registry.load()
-    for known in baseline.load_all(baseline.BASELINES_DIR):
-        problems = baseline.fit_problems(known, registry)
-        command = baseline.record_command(known["platform"]["device"], (known.get("recorded_from") or {}).get("tokens"))
+    for known in baseline_store.load_all(baseline_store.BASELINES_DIR):
+        problems = baseline_store.fit_problems(known, registry)
+        tokens = (known.get("recorded_from") or {}).get("tokens")
+        command = baseline_store.record_command(known["platform"]["device"], tokens)
         assert not problems, (f"{known['_file']} no longer fits: {'; '.join(problems[:5])}"
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
                               + f"; on that platform run `{command}` (or `python -m harness baseline update --from "

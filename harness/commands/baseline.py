@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from harness.commands import nightly, run_folder
-from harness.compare import baseline
+from harness.compare import baseline, baseline_store
 
 EXIT_REFUSED, EXIT_BAD_INPUT = 1, 2
 SIGNS = {"added": "+", "removed": "-", "changed": "~", "kept": "="}
@@ -27,24 +27,24 @@ def add_parser(commands) -> None:
                         help="nightly run directory or its report.json (default: the newest nightly under --reports)")
     update.add_argument("--device", choices=("cpu", "gpu"), help="with no --from: the newest night of this device")
     update.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
-    update.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR)
+    update.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR)
     update.add_argument("--dry-run", action="store_true", help="print what would change; write nothing")
     record = actions.add_parser("record", help="run a night (the nightly's options) and write it as the baseline")
     nightly.add_run_arguments(record)
-    record.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR)
+    record.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR)
     record.add_argument("--dry-run", action="store_true", help="print what would change; write nothing")
 
 
 def main(args, pythons: dict[str, str]) -> int:
     try:
-        existing = baseline.load_all(args.baselines)
+        existing = baseline_store.load_all(args.baselines)
         if args.baseline_action == "record":
             night, run_dir = nightly.run_from_args(args, pythons, args.baselines)
             nightly.print_summary(night, run_dir)
             night["_path"] = str(run_dir / "report.json")
         else:
             night = nightly.load_previous(args.night) if args.night else newest_night(args.reports, args.device)
-    except (nightly.NightlyError, baseline.BaselineError) as error:
+    except (nightly.NightlyError, baseline_store.BaselineError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return update(night, existing, Path(args.baselines), args.dry_run)
@@ -53,8 +53,8 @@ def main(args, pythons: dict[str, str]) -> int:
 def update(night: dict, existing: list[dict], baselines_dir: Path, dry_run: bool) -> int:
     """Write the baselines `night` makes (one per platform it ran on), printing each one's changes."""
     try:
-        built = baseline.build(night, existing)
-    except baseline.BaselineError as error:
+        built = baseline_store.build(night, existing)
+    except baseline_store.BaselineError as error:
         print(f"refused: {error}", file=sys.stderr)
         return EXIT_REFUSED
     for new, changes, previous in built:
@@ -82,14 +82,16 @@ def _write(new: dict, changes: list[dict], previous: dict | None, baselines_dir:
                 print(f"    {detail}")
     unchanged = len(new["cases"]) - sum(c["change"] in ("added", "changed", "kept") for c in changes)
     print(f"{unchanged} case(s) unchanged; {len(new['cases'])} in the baseline")
-    if previous and baseline.dumps(new) == baseline.dumps({**previous, "recorded_from": new["recorded_from"]}):
+    unchanged_file = previous and baseline_store.dumps(new) == baseline_store.dumps(
+        {**previous, "recorded_from": new["recorded_from"]})
+    if unchanged_file:
         print("no change to the known verdicts: file left as it is")
         return
     if dry_run:
         print("dry run: nothing written")
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(baseline.dumps(new))
+    target.write_text(baseline_store.dumps(new))
     print(f"wrote {target}")
 
 

@@ -31,7 +31,7 @@ from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
 from harness.commands import doctor, failsafe, nightly_shards, run_folder
 from harness.commands.compare import FRESH_PROCESS_HELP
-from harness.compare import baseline, trend
+from harness.compare import baseline, baseline_store, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import junit, nightly_report
 from harness.run import placement
@@ -50,7 +50,7 @@ class NightlyError(ValueError):
 def add_parser(commands) -> None:
     parser = commands.add_parser("nightly", help="run every case for a device; one run directory with a trend")
     add_run_arguments(parser)
-    parser.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR,
+    parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
                         help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
     parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
                         help="judge every case by its own expectation only")
@@ -169,8 +169,8 @@ def finish(night: dict, previous_night: dict | None, known: list[dict] | None, s
 
 def load_baselines(baselines_dir: Path | None) -> list[dict]:
     try:
-        return baseline.load_all(baselines_dir)
-    except baseline.BaselineError as error:
+        return baseline_store.load_all(baselines_dir)
+    except baseline_store.BaselineError as error:
         raise NightlyError(str(error)) from None
 
 

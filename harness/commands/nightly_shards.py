@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.commands import run_folder
-from harness.compare import baseline
+from harness.compare import baseline_store
 from harness.run.protocol import host_provenance
 
 
@@ -72,7 +72,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--previous", type=Path, help="previous night for the trend (default: the newest one "
                                                       "for this device under --reports)")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
-    parser.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR,
+    parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
                         help="folder of known verdicts per platform; the merged night is judged against them")
     parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
                         help="judge every case by its own expectation only")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.case.ops import OPS
-from harness.compare import baseline
+from harness.compare import baseline, baseline_store
 from harness.report.baseline_section import describe
 from harness.run.protocol import cpu_isa_flags, host_provenance
 
@@ -40,7 +40,7 @@ def assert_counts_match_outputs(report, a, b):
 
 
 # The committed baselines (baselines/), loaded once: what an end-to-end test pins a case's verdict to.
-COMMITTED = baseline.load_all(baseline.BASELINES_DIR)
+COMMITTED = baseline_store.load_all(baseline_store.BASELINES_DIR)
 
 
 def this_platform() -> dict:
@@ -49,7 +49,7 @@ def this_platform() -> dict:
 
 def committed_record(case) -> tuple[dict | None, dict | None]:
     """(the record of `case` in this platform's committed baseline, that baseline); None where there is none."""
-    table = baseline.for_platform(COMMITTED, this_platform())
+    table = baseline_store.for_platform(COMMITTED, this_platform())
     return ((table or {}).get("cases", {}).get(case.name), table)
 
 
@@ -58,7 +58,7 @@ def assert_repeats_the_record(case, report: dict, table: dict) -> None:
     UNSUPPORTED reason, differing tensors and their numbers. Else the failure says how to record it again."""
     entry = {"case": case.name, "verdict": report["verdict"], "message": report["message"], "result": report}
     problems = baseline.record_problems(entry, table)
-    command = baseline.record_command("cpu", (table.get("recorded_from") or {}).get("tokens"))
+    command = baseline_store.record_command("cpu", (table.get("recorded_from") or {}).get("tokens"))
     assert not problems, (
         f"{case.name} on {describe(this_platform())} no longer gives what {table['_file']} records: "
         + "; ".join(problems[:8]) + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
@@ -68,4 +68,4 @@ def assert_repeats_the_record(case, report: dict, table: dict) -> None:
 def no_record_reason(case) -> str:
     """Why a case with no stated expectation and no record is not pinned here, and how to pin it."""
     return (f"{case.name}: no stated expectation and no record in this platform's baseline ({describe(this_platform())}"
-            f"); the platform-independent checks passed. Record it: `{baseline.record_command('cpu', 16)}`")
+            f"); the platform-independent checks passed. Record it: `{baseline_store.record_command('cpu', 16)}`")
