@@ -444,6 +444,13 @@ def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_
     assert problems[0] == "runners.megatron: fields no longer in the fingerprint: env.ONEDNN_VERBOSE"
     assert problems[1].startswith("case one: definition changed: checkpoint_digest: 0000000000000000 → ")
     assert problems[2].startswith("case gone: not in today's registry as recorded")
+    stated = registry_from(tmp_path, tiny_case("one", expect={"verdict": "BITWISE_PASS"}))
+    assert baseline_store.fit_problems(good, stated) == ["case one: states BITWISE_PASS (differs [], equal []) but "
+                                                         "this platform's record is DIFF (all equal): a stated "
+                                                         "expectation holds on every platform; fix the case or leave "
+                                                         "it to the baselines"]
+    good["cases"]["one"]["verdict"] = "UNSUPPORTED"  # a kernel this platform lacks: no contradiction
+    assert baseline_store.fit_problems(good, stated) == []
 
 
 def test_every_committed_baseline_fits_the_registry_and_the_fingerprint_fields():

@@ -31,7 +31,8 @@ the record's, so a runner missing or changed tonight is named on each case it to
 - ``gpu``, ``gpu_capability``, ``gpu_driver``, ``cuda_runtime``, ``cudnn``, ``cublas``, ``cublasLt``,
   ``preferred_blas_library``: the GPU's kernels and the libraries that pick them;
 - ``env.*``, the environment variables that pick kernels or numerics (``KERNEL_ENV``): oneDNN's and MKL's ISA
-  and reproducibility switches, OpenBLAS's core type, cuBLAS's workspace, TF32 overrides, Paddle's ``FLAGS_*``,
+  and reproducibility switches, OpenBLAS's core type, cuBLAS's workspace, TF32 overrides, Transformer Engine's
+  backends (``NVTE_*``), NCCL's algorithm and protocol (the order of a TP all-reduce), Paddle's ``FLAGS_*``,
   ``TORCHDYNAMO_DISABLE`` (compiled or eager numerics). Logging switches (``*_VERBOSE``) are left out.
 
 Library paths are dropped from values: an environment installed elsewhere computes the same bits.
@@ -77,7 +78,8 @@ RUNNER_META = ("framework", "versions", "torch", "torch_cpu_capability", "torch_
                "torch_threads", "paddle_with_mkl", "paddle_onednn", "paddle_level", "gpu", "gpu_capability",
                "gpu_driver", "cuda_runtime", "cudnn", "cublas", "cublasLt", "preferred_blas_library")
 KERNEL_ENV = ("OMP_NUM_THREADS", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_", "KMP_DETERMINISTIC_REDUCTION", "CUBLAS_",
-              "CUBLASLT_", "NVIDIA_TF32", "FLAGS_", "TORCHDYNAMO_DISABLE")
+              "CUBLASLT_", "NVIDIA_TF32", "NVTE_", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "FLAGS_",
+              "TORCHDYNAMO_DISABLE")
 DEFINITION_FIELDS = ("op", "dtype", "tp", "tokens", "shapes", "config", "runners", "perturb")
 TENSOR_FIELDS = ("status", "mismatches", "max_ulp", "signed_zero_diffs", "nan_mismatches", "nan_payload_diffs")
 ALWAYS_RECORDED = ("status", "mismatches", "max_ulp")  # the others only when nonzero, to keep files readable
@@ -124,7 +126,7 @@ def is_runner_field(key: str) -> bool:
     if head == "env":
         name = key.split(".", 1)[1] if "." in key else ""
         return name.startswith(KERNEL_ENV) and not name.endswith("_VERBOSE")
-    return head in RUNNER_META and (head in ("versions",) or "." not in key)
+    return head in RUNNER_META and (head == "versions" or "." not in key)
 
 
 def side_fields(entry: dict) -> list[dict[str, str] | None]:

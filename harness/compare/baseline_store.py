@@ -15,9 +15,11 @@ from harness.compare.baseline import (
     DEFINITION_FIELDS,
     ERROR_VERDICT,
     PLATFORM_FIELDS,
+    UNSUPPORTED_VERDICT,
     compare_records,
     definition_changes,
     entry_platform,
+    expectation_met_by,
     file_name,
     is_runner_field,
     numbers,
@@ -161,7 +163,9 @@ def _values(value):
 # --- fit: a committed baseline against today's registry and fields ----------------------------------------------
 
 def fit_problems(baseline: dict, registry: Registry) -> list[str]:
-    """Why `baseline` no longer fits today's registry or fingerprint fields (empty: it fits). Nothing runs."""
+    """Why `baseline` no longer fits today's registry or fingerprint fields, or contradicts what a case states
+    (empty: it fits). A record that is UNSUPPORTED where the case states a verdict is a platform lacking a kernel,
+    not a contradiction. Nothing runs."""
     problems = []
     device = baseline["platform"].get("device")
     wanted = PLATFORM_FIELDS.get(device, ())
@@ -189,6 +193,13 @@ def _case_fit(name: str, known: dict, baseline: dict, registry: Registry, device
     problems = []
     if recorded != today:
         problems.append("definition changed: " + "; ".join(definition_changes(recorded, today)))
+    stated = case.expect
+    if stated.stated and known["verdict"] != UNSUPPORTED_VERDICT and not expectation_met_by(
+            known, {"verdict": stated.verdict, "differs": stated.differs, "equal": stated.equal}):
+        differing = ", ".join(known["differing"]) or "all equal"
+        problems.append(f"states {stated.verdict} (differs {list(stated.differs)}, equal {list(stated.equal)}) but "
+                        f"this platform's record is {known['verdict']} ({differing}): a stated expectation holds on "
+                        "every platform; fix the case or leave it to the baselines")
     missing = [key for key in known.get("runners", []) if key and key not in baseline["runners"]]
     if missing:
         problems.append(f"refers to runners {missing} the file does not hold")
