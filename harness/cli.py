@@ -1,5 +1,5 @@
 """Command line: ``python -m harness list | compare CASE | diff A B | doctor | nightly | nightly-merge | publish DIR
-| baseline update``; exit codes: see README."""
+| baseline update | baseline record``; exit codes: see README."""
 
 from __future__ import annotations
 
@@ -110,20 +110,20 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return _list(args.cases, args.select)
     if args.command == "publish":
         return publish.main(args)
-    if args.command == "baseline":
-        return baseline.main(args)
     if args.command == "diff":
         return _diff(args)
     if args.command == "nightly-merge":
         return nightly_shards.main(args)
     pythons = {}
-    for item in args.python:
+    for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")
         if not path or runner not in RUNNERS:
             parser.error(f"--python expects RUNNER=PATH with RUNNER one of {', '.join(RUNNERS)} (got {item!r})")
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)
+    if args.command == "baseline":
+        return baseline.main(args, pythons)
     if args.command == "doctor":
         return doctor.main(args, pythons)
     if args.repeat < 1:

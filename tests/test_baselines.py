@@ -1,11 +1,12 @@
-"""Known verdicts (baselines): a nightly is green unless something changed.
+"""Known verdicts (baselines): a known platform difference passes, and nothing turns a failure green.
 
 The nights here run the real pipeline (registry, checkpoints, orchestration, comparator, oracle, reports) with
-two runner test doubles, named as such (``fake_megatron_python``, ``fake_paddle_python``): both compute the
+two runner test doubles, named as such (``fake_megatron_python``, ``fake_paddle_python``), and a stand-in for the
+night's doctor probe (not under test here): both runner doubles compute the
 linear op exactly in float32 numpy from the checkpoint they are given, and the Paddle double then flips the
-bits a control file names for a case (a "platform" difference, or one planted bit), or crashes for a case the
-file names. They test the harness's own logic and never produce a reported verdict of a real comparison.
-The last test runs the real Megatron-Core runner twice on a tiny fp32 case.
+bits a control file names for a case (a "platform" difference, or one planted bit), says UNSUPPORTED with a
+reason the file gives, or crashes. They test the harness's own logic and never produce a reported verdict of a
+real comparison. The last test runs the real Megatron-Core runner twice on a tiny fp32 case.
 """
 
 import copy
@@ -13,11 +14,16 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+from harness.case.registry import Registry
 from harness.cli import main
-from harness.compare import baseline
-from tests.support.cases import tiny_case, write_cases
+from harness.commands import nightly
+from harness.compare import baseline, baseline_store
+from harness.run.protocol import host_provenance
+from tests.support.cases import registry_from, tiny_case, write_cases
 from tests.support.doubles import fake_interpreter
 
 FAKE_RUNNER = """\
@@ -28,8 +34,16 @@ from safetensors.numpy import load_file, save_file
 request = json.loads(pathlib.Path(sys.argv[sys.argv.index("--request") + 1]).read_text())
 role = {role!r}
 plan = json.loads(pathlib.Path({control!r}).read_text()).get(request["case"], {{}})
+folder = pathlib.Path(request["output_dir"])
+meta = {{"runner": role, "framework": "fake-" + role, "versions": {{"fake-" + role: {version!r}}},
+        "env": {{"ONEDNN_MAX_CPU_ISA": "AVX2", "ONEDNN_VERBOSE": "1", "HARNESS_PYTHON_X": "/somewhere/python"}}}}
 if role == "paddle" and plan.get("crash"):
     sys.exit("fake paddle runner: planted crash")
+if role == "paddle" and plan.get("unsupported"):
+    if plan.get("broken"):  # a broken install: the runner cannot even say its versions
+        meta = {{"runner": role}}
+    (folder / "meta.json").write_text(json.dumps({{**meta, "unsupported": plan["unsupported"]}}))
+    sys.exit(3)
 inputs = load_file(request["checkpoint"])
 x, w, dy = inputs["input"], inputs["weight"], inputs["grad_output"]
 tensors = {{"out": x @ w.T, "grad.input": dy @ w, "grad.weight": dy.T @ x}}
@@ -37,11 +51,8 @@ tensors = {{k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.ite
 if role == "paddle":
     for name, index, bit in plan.get("flips", []):
         tensors[name].view(np.uint32)[tuple(index)] ^= np.uint32(1 << bit)
-folder = pathlib.Path(request["output_dir"])
 save_file(tensors, str(folder / "outputs.safetensors"))
-(folder / "meta.json").write_text(json.dumps({{
-    "runner": role, "framework": "fake-" + role, "versions": {{"fake-" + role: {version!r}}},
-    "env": {{"ONEDNN_MAX_CPU_ISA": "AVX2", "HARNESS_PYTHON_X": "/somewhere/python"}}}}))
+(folder / "meta.json").write_text(json.dumps(meta))
 """
 
 # A "platform" difference: three elements of `out` that this fake Paddle computes differently on every night.
@@ -60,6 +71,8 @@ CASES = (
 def bench(tmp_path, monkeypatch):
     monkeypatch.setenv("CI", "true")
     monkeypatch.delenv("GITHUB_OUTPUT", raising=False)
+    # Test double: the night's doctor.json (it probes every real runner, ~20 s) is not under test here.
+    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons: {"kind": "doctor", "test_double": True})
     return Bench(tmp_path)
 
 
@@ -84,16 +97,19 @@ class Bench:
     def plan(self, plan):
         self.control.write_text(json.dumps(plan))
 
-    def night(self, capsys, cases=None, *extra):
-        args = ["--cases", str(cases or self.cases), "nightly", "--reports", str(self.root / "reports"),
+    def args(self, cases=None, reports="reports"):
+        args = ["--cases", str(cases or self.cases), "nightly", "--reports", str(self.root / reports),
                 "--checkpoints", str(self.root / "ck"), "--baselines", str(self.baselines), "--timeout", "60",
                 "--fresh-process"]  # the doubles serve one request per process (no --worker)
         for item in self.pythons:
             args += ["--python", item]
-        before = set((self.root / "reports").glob("nightly-*"))
-        code = main(args + list(extra))
+        return args
+
+    def night(self, capsys, cases=None, *extra, reports="reports"):
+        before = set((self.root / reports).glob("nightly-*"))
+        code = main(self.args(cases, reports) + list(extra))
         out = capsys.readouterr().out
-        (run_dir,) = set((self.root / "reports").glob("nightly-*")) - before
+        (run_dir,) = set((self.root / reports).glob("nightly-*")) - before
         return code, json.loads((run_dir / "report.json").read_text()), run_dir, out
 
     def update(self, capsys, night_dir=None, *extra):
@@ -102,6 +118,13 @@ class Bench:
         captured = capsys.readouterr()
         return code, captured.out, captured.err
 
+    def recorded(self, capsys):
+        """A night recorded as this platform's baseline; returns the file."""
+        self.night(capsys)
+        assert self.update(capsys)[0] == 0
+        (written,) = self.baselines.glob("*.json")
+        return written
+
 
 def by_case(night):
     return {entry["case"]: entry for entry in night["cases"]}
@@ -109,28 +132,33 @@ def by_case(night):
 
 def test_green_after_update_then_one_flipped_bit_turns_exactly_that_case_red(bench, capsys):
     code, night, run_dir, out = bench.night(capsys)
-    assert code == 1, out  # no baseline for this platform: judged by each case's own expectation, as before
-    assert night["baseline"]["status"] == "none" and "baseline: none for this platform" in out
+    assert code == 1, out  # no baseline for this platform: judged by each case's own expectation
+    [part] = night["baseline"]["platforms"]
+    assert night["baseline"]["status"] == "none" and part["file"] is None and "baseline: none for cpu" in out
     assert {c: e["outcome"] for c, e in by_case(night).items()} == {
         "known_diff": "fail", "agrees": "pass", "control": "pass"}
-    assert "No baseline for this platform" in (run_dir / "report.md").read_text()
+    markdown = (run_dir / "report.md").read_text()
+    assert "**no baseline for this platform** (3 cases)" in markdown
 
     code, out, err = bench.update(capsys)  # no --from: the newest night
     assert code == 0, err
     (written,) = bench.baselines.glob("*.json")
-    assert written.name.startswith("cpu-") and written.name.endswith(f"{night['baseline']['fingerprint_id'][:8]}.json")
-    assert "+ known_diff: added: DIFF (expected BITWISE_PASS): out 3 mismatches" in out
+    assert written.name == baseline.file_name(part["platform"]) and written.name.startswith("cpu-")
+    assert "+ known_diff: added: DIFF: out 3 mismatches" in out
     assert f"wrote {written}" in out
     stored = json.loads(written.read_text())
-    assert stored["fingerprint"] == night["baseline"]["fingerprint"]
+    assert stored["platform"] == part["platform"] == baseline.platform(host_provenance(), "cpu")
     assert stored["cases"]["known_diff"]["differing"] == {"out": {"status": "DIFF", "mismatches": 3, "max_ulp": 4}}
+    assert stored["cases"]["known_diff"]["runners"] == ["megatron", "paddle"]
+    assert stored["runners"]["paddle"] == {"env.ONEDNN_MAX_CPU_ISA": "AVX2", "framework": "fake-paddle",
+                                           "versions.fake-paddle": "1.0"}  # no logging switch, no path
     assert stored["cases"]["agrees"]["differing"] == {}
 
     code, night, run_dir, out = bench.night(capsys)
     assert code == 0, out  # the same machine, the same bits: green
-    assert night["summary"] == {"total": 3, "passed": 3, "failed": 0, "skipped": 0}
+    assert night["summary"] == {"total": 3, "passed": 3, "failed": 0, "skipped": 0, "failed_by": {}}
     section = night["baseline"]
-    assert section["status"] == "applied" and section["file"] == str(written)
+    assert section["status"] == "applied" and section["platforms"][0]["file"] == str(written)
     assert section["counts"]["match"] == 3
     assert "(known: matches the baseline)" in by_case(night)["known_diff"]["message"]
     markdown = (run_dir / "report.md").read_text()
@@ -146,38 +174,155 @@ def test_green_after_update_then_one_flipped_bit_turns_exactly_that_case_red(ben
     problems = by_case(night)["agrees"]["problems"]
     assert "differs from the baseline: verdict BITWISE_PASS → DIFF" in problems
     assert "differs from the baseline: grad.weight: new difference (1 mismatches, max ULP 1)" in problems
+    assert night["summary"]["failed_by"] == {"changed": 1} and "failed: 1 changed against the baseline" in out
     suite = ET.parse(run_dir / "junit.xml").getroot().find("testsuite")
     failed = [(c.get("name"), c.find("failure").text) for c in suite.findall("testcase")
               if c.find("failure") is not None]
     assert len(failed) == 1 and failed[0][0] == "agrees" and "grad.weight: new difference" in failed[0][1]
+    assert failed[0][1].startswith("changed against the baseline: DIFF")
     markdown = (run_dir / "report.md").read_text()
     assert "### Changed against the baseline (fail): 1" in markdown
     assert "`agrees` BITWISE_PASS → **DIFF**: verdict BITWISE_PASS → DIFF; grad.weight: new difference" in markdown
 
 
-def test_fixed_and_new_cases_pass_and_are_listed_and_update_prints_the_diff(bench, capsys):
-    bench.night(capsys)
-    assert bench.update(capsys)[0] == 0
+def test_a_difference_nothing_states_fails_apart_and_says_how_to_accept_it(bench, capsys):
+    """No baseline for the platform: the known difference fails as "differs, no baseline", apart from an ERROR,
+    with the command that accepts it. (Before: one undivided list of failures.)"""
+    cases = write_cases(bench.root / "more", *CASES, tiny_case("crashes", seed=5))
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF}, "crashes": {"crash": True}})
+    code, night, run_dir, out = bench.night(capsys, cases)
+    assert code == 1
+    assert {c: e["failure"] for c, e in by_case(night).items()} == {
+        "known_diff": "unknown", "agrees": None, "control": None, "crashes": "error"}
+    assert night["summary"]["failed_by"] == {"error": 1, "unknown": 1}
+    assert "failed: 1 ERROR, 1 differs, no baseline" in out
+    assert f"accept the differences no baseline states (if right): python -m harness baseline update --from {run_dir}" \
+        in out
+    markdown = (run_dir / "report.md").read_text()
+    assert "Failed: 1 ERROR, 1 differs, no baseline." in markdown
+    assert markdown.index("## Failures: ERROR (1)") < markdown.index("## Failures: differs, no baseline (1)")
+    assert f"`python -m harness baseline update --from reports/{night['run_id']}`" in markdown
+
+
+def test_fixed_cases_pass_and_a_new_case_is_judged_by_its_own_expectation(bench, capsys):
+    """A case the baseline has no record of never passes by itself: before, any verdict of it but ERROR passed."""
+    bench.recorded(capsys)
     cases = write_cases(bench.root / "more", *CASES, tiny_case("newcomer", seed=11))
-    # known_diff computes right now (fixed); newcomer differs for a platform reason but has no baseline (new).
+    # known_diff computes right now (fixed); newcomer differs for a platform reason but has no record (new).
     bench.plan({"newcomer": {"flips": [["out", [0, 1], 0]]}})
     code, night, run_dir, out = bench.night(capsys, cases)
-    assert code == 0, out
-    judged = {c: (e["outcome"], e["baseline"]) for c, e in by_case(night).items()}
-    assert judged == {"known_diff": ("pass", "fixed"), "agrees": ("pass", "match"), "control": ("pass", "match"),
-                      "newcomer": ("pass", "new")}
-    assert "(new: no baseline for this case yet)" in by_case(night)["newcomer"]["message"]
+    assert code == 1, out
+    judged = {c: (e["outcome"], e["baseline"], e["failure"]) for c, e in by_case(night).items()}
+    assert judged == {"known_diff": ("pass", "fixed", None), "agrees": ("pass", "match", None),
+                      "control": ("pass", "match", None), "newcomer": ("fail", "new", "unknown")}
     markdown = (run_dir / "report.md").read_text()
     assert "### Fixed (now meets its expectation): 1" in markdown
     assert "`known_diff` DIFF → **BITWISE_PASS**: verdict DIFF → BITWISE_PASS" in markdown
-    assert "### New (no baseline record: not failed): 1" in markdown and "`newcomer` — → **DIFF**" in markdown
+    assert "### No record of the case (judged by its own expectation): 1" in markdown
 
     code, out, _ = bench.update(capsys, run_dir, "--dry-run")
     assert code == 0 and "dry run: nothing written" in out
     assert ("~ known_diff: changed\n    verdict DIFF → BITWISE_PASS\n"
             "    out: now bitwise equal (baseline: 3 mismatches") in out
-    assert "+ newcomer: added: DIFF (expected BITWISE_PASS): out 1 mismatches, max ULP 1" in out
+    assert "+ newcomer: added: DIFF: out 1 mismatches, max ULP 1" in out
     assert "2 case(s) unchanged; 4 in the baseline" in out
+
+
+def test_a_changed_definition_is_judged_by_its_own_expectation(bench, capsys):
+    """`nightly --tokens 8` against a 4-token baseline: the known difference is no longer known (before: "new",
+    and passed whatever it gave)."""
+    bench.recorded(capsys)
+    code, night, run_dir, out = bench.night(capsys, None, "--tokens", "8")
+    assert code == 1, out
+    known = by_case(night)["known_diff"]
+    assert (known["outcome"], known["baseline"], known["failure"]) == ("fail", "redefined", "unknown")
+    assert any("the baseline's record does not apply: definition changed:" in p and "tokens: 4 → 8" in p
+               for p in known["problems"]), known["problems"]
+    assert by_case(night)["agrees"]["outcome"] == "pass"  # bitwise, as it expects: no record needed
+
+
+def test_unsupported_matches_only_with_the_same_reason(bench, capsys):
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF},
+                "agrees": {"unsupported": "kernel `matmul` (CPU, bfloat16) not registered, pid 4242 (/opt/x/lib.so)"}})
+    bench.recorded(capsys)
+    stored = json.loads(next(bench.baselines.glob("*.json")).read_text())["cases"]["agrees"]
+    assert stored["reason"] == "paddle: kernel `matmul` (CPU, bfloat16) not registered, pid <pid> (<path>)"
+    elsewhere = "kernel `matmul` (CPU, bfloat16) not registered, pid 77 (/elsewhere/lib.so)"
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF}, "agrees": {"unsupported": elsewhere}})
+    code, night, _, out = bench.night(capsys)
+    assert code == 0 and by_case(night)["agrees"]["baseline"] == "match", out  # paths and pids do not count
+    assert by_case(night)["agrees"]["outcome"] == "skip"
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF}, "agrees": {"unsupported": "No module named 'paddle'"}})
+    code, night, _, out = bench.night(capsys)
+    agrees = by_case(night)["agrees"]
+    assert code == 1 and (agrees["outcome"], agrees["baseline"]) == ("fail", "changed"), out
+    assert any("another reason: paddle: kernel `matmul`" in p for p in agrees["problems"]), agrees["problems"]
+
+
+def test_a_broken_install_fails_the_cases_the_baseline_ran(bench, capsys):
+    """The Paddle side cannot import and writes no versions: before, its fingerprint changed, no baseline applied,
+    every case skipped as UNSUPPORTED and the night exited 0."""
+    bench.recorded(capsys)
+    broken = {"unsupported": "paddle is not importable: libpaddle.so: cannot open shared object", "broken": True}
+    bench.plan({"known_diff": broken, "agrees": broken})
+    code, night, run_dir, out = bench.night(capsys)
+    assert code == 1, out
+    assert {c: (e["outcome"], e["baseline"], e["failure"]) for c, e in by_case(night).items()} == {
+        "known_diff": ("fail", "lost", "lost"), "agrees": ("fail", "lost", "lost"), "control": ("pass", "match", None)}
+    assert any("the baseline ran it (DIFF); tonight UNSUPPORTED: paddle: paddle is not importable" in p
+               for p in by_case(night)["known_diff"]["problems"])
+    assert "### Ran in the baseline, UNSUPPORTED or not run tonight (fail): 2" in (run_dir / "report.md").read_text()
+
+
+def test_a_case_the_baseline_ran_and_tonight_did_not_run_fails(bench, capsys):
+    weights = bench.root / "w.safetensors"
+    save_file({"model.w": np.full((4, 8), 0.5, np.float32)}, str(weights))
+    imported = tiny_case("imported", weights_from={"tensors": {"weight": ["model.w"]}})
+    cases = write_cases(bench.root / "w", *CASES, imported)
+    bench.night(capsys, cases, "--weights", str(weights))
+    assert bench.update(capsys)[0] == 0
+    code, night, _, out = bench.night(capsys, cases)  # no --weights tonight
+    imported = by_case(night)["imported"]
+    assert code == 1 and (imported["outcome"], imported["baseline"]) == ("fail", "lost"), out
+    assert "tonight it did not run: not run: takes its weights from a file (--weights FILE)" in imported["problems"][0]
+
+
+def test_a_changed_runner_is_named_on_each_case_and_fails_only_what_needed_the_record(bench, capsys):
+    bench.recorded(capsys)
+    bench.set_version("2.0")  # both doubles report another version of themselves, same bits
+    code, night, run_dir, out = bench.night(capsys)
+    assert code == 1, out
+    judged = {c: (e["outcome"], e["baseline"]) for c, e in by_case(night).items()}
+    assert judged == {"known_diff": ("fail", "runner changed"), "agrees": ("pass", "runner changed"),
+                      "control": ("pass", "runner changed")}
+    problems = by_case(night)["known_diff"]["problems"]
+    assert ("the baseline's record does not apply: side b (paddle) versions.fake-paddle: 1.0 → 2.0" in problems
+            and "the baseline's record does not apply: tonight's numbers equal the record's" in problems), problems
+    code, out, _ = bench.update(capsys, run_dir)
+    assert code == 0 and "~ runners.paddle.versions.fake-paddle: 1.0 → 2.0" in out and "wrote" in out
+
+
+def test_shards_are_judged_together_after_the_merge(bench, capsys):
+    """Each shard alone judges nothing and exits 0; the merge applies the baseline to the whole night (before: each
+    shard applied it alone, and the merge never did, so a known difference failed the merged night)."""
+    written = bench.recorded(capsys)
+    shard_dirs = []
+    for index in (1, 2):
+        code, night, run_dir, out = bench.night(capsys, None, "--shard", f"{index}/2", reports=f"shard{index}")
+        assert code == 0 and "baseline" not in night, out
+        assert "shard: not judged alone" in out
+        shard_dirs.append(run_dir)
+    code = main(["nightly-merge", *map(str, shard_dirs), "--reports", str(bench.root / "merged"),
+                 "--baselines", str(bench.baselines)])
+    (merged_dir,) = (bench.root / "merged").glob("nightly-*")
+    merged = json.loads((merged_dir / "report.json").read_text())
+    assert code == 0 and merged["baseline"]["platforms"][0]["file"] == str(written)
+    assert {c: e["baseline"] for c, e in by_case(merged).items()} == {
+        "known_diff": "match", "agrees": "match", "control": "match"}
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF[:1]}})
+    shard = bench.night(capsys, None, "--shard", "1/2", reports="shard3")[2]
+    assert main(["nightly-merge", str(shard), "--reports", str(bench.root / "merged2"),
+                 "--baselines", str(bench.baselines)]) == 1  # one shard missing, and known_diff moved
 
 
 def test_update_refuses_a_night_with_an_error_and_names_the_cases(bench, capsys):
@@ -199,69 +344,58 @@ def test_a_broken_baseline_file_is_named_and_nothing_runs(bench, capsys):
     assert not (bench.root / "reports").exists()
 
 
-# --- fingerprint and records on planted data (no runs) --------------------------------------------------------
+# --- platform, runner fields and records on planted data (no runs) -------------------------------------------
 
-def planted(meta_b=None, label_b="b"):
-    meta = {"framework": "megatron-core", "versions": {"torch": "2.13.0", "megatron-core": "0.19.2"},
+HOST = {"machine": "x86_64", "cpu": "AMD EPYC 9B14 96-Core Processor", "cpu_isa": ["avx2", "avx512_bf16", "avx512f"],
+        "logical_cpus": 2, "system": "Linux-6.1"}
+
+
+def test_the_platform_chooses_the_baseline_and_the_runner_fields_hold_only_what_changes_bits():
+    assert baseline.platform(HOST, "cpu") == {"device": "cpu", "machine": "x86_64",
+                                              "cpu": "AMD EPYC 9B14 96-Core Processor",
+                                              "cpu_isa": "avx2 avx512_bf16 avx512f"}
+    assert baseline.platform({**HOST, "logical_cpus": 64, "system": "Linux-6.8"}, "cpu") == \
+        baseline.platform(HOST, "cpu")  # core count and kernel version do not pick kernels
+    sides = [{"label": "a", "meta": {"gpu": "NVIDIA H200"}}]
+    assert baseline.platform(HOST, "gpu", sides) == {"device": "gpu", "gpu": "NVIDIA H200"}
+    assert baseline.file_name(baseline.platform(HOST, "cpu")).startswith("cpu-amd-epyc-9b14-96-core-avx512bf16-")
+    meta = {"framework": "megatron-core", "versions": {"megatron-core": "0.19.2"}, "torch": "2.13.0",
             "torch_threads": 2, "cublas": "12.8.4 (/opt/envs/a/lib/libcublas.so.12)", "implementation": "per case",
-            "env": {"ONEDNN_MAX_CPU_ISA": "AVX2", "HARNESS_PYTHON_MEGATRON": "/opt/envs/a/bin/python"}}
-    sides = [{"label": "a", "runner": "megatron", "meta": meta},
-             {"label": label_b, "runner": "paddle", "meta": meta_b or {"versions": {"paddlepaddle": "3.3.1"}}},
-             {"label": "oracle", "runner": "oracle", "meta": {"versions": {"numpy": "2.3"}}}]
-    return {"device": "cpu", "harness": {"host": {"machine": "x86_64", "cpu": "AMD EPYC 9B14 96-Core Processor",
-                                                  "cpu_isa": ["avx2", "avx512_bf16", "avx512f"],
-                                                  "logical_cpus": 2, "system": "Linux-6.1"}},
-            "cases": [{"case": "c", "verdict": "DIFF", "result": {"sides": sides}}]}
+            "phases": {"forward": 0.1}, "process": {"pid": 12}, "host": HOST,
+            "env": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": "2", "OMP_PROC_BIND": "1",
+                    "HARNESS_PYTHON_MEGATRON": "/opt/envs/a/bin/python", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",
+                    "TORCHDYNAMO_DISABLE": "1"}}
+    assert baseline.runner_fields(meta) == {
+        "cublas": "12.8.4", "env.OMP_NUM_THREADS": "2", "env.ONEDNN_MAX_CPU_ISA": "AVX2",
+        "env.TORCHDYNAMO_DISABLE": "1", "framework": "megatron-core", "torch": "2.13.0", "torch_threads": "2",
+        "versions.megatron-core": "0.19.2"}
+    assert all(baseline.is_runner_field(key) for key in baseline.runner_fields(meta))
+    assert not any(baseline.is_runner_field(key) for key in ("env.ONEDNN_VERBOSE", "implementation", "host.cpu"))
 
 
-def test_fingerprint_keeps_what_decides_bits_and_drops_paths_noise_and_the_oracle():
-    print_ = baseline.fingerprint(planted())
-    assert print_["platform"] == {"device": "cpu", "machine": "x86_64", "cpu": "AMD EPYC 9B14 96-Core Processor",
-                                  "cpu_isa": "avx2 avx512_bf16 avx512f"}
-    assert print_["runners"]["megatron"] == {
-        "cublas": "12.8.4", "env.ONEDNN_MAX_CPU_ISA": "AVX2", "framework": "megatron-core", "torch_threads": "2",
-        "versions.megatron-core": "0.19.2", "versions.torch": "2.13.0"}
-    assert set(print_["runners"]) == {"megatron", "paddle"}
-    assert baseline.file_name(print_) == (f"cpu-amd-epyc-9b14-96-core-avx512bf16-megatron-core0.19.2-"
-                                          f"paddlepaddle3.3.1-torch2.13.0-{baseline.fingerprint_id(print_)[:8]}.json")
-    moved = planted()
-    moved["cases"][0]["result"]["sides"][0]["meta"]["cublas"] = "12.8.4 (/elsewhere/libcublas.so.12)"
-    moved["harness"]["host"]["logical_cpus"] = 64
-    assert baseline.fingerprint_id(baseline.fingerprint(moved)) == baseline.fingerprint_id(print_)
-    upgraded = planted(meta_b={"versions": {"paddlepaddle": "3.4.0"}})
-    assert baseline.differences(print_, baseline.fingerprint(upgraded)) == [
-        {"field": "runners.paddle.versions.paddlepaddle", "baseline": "3.3.1", "tonight": "3.4.0"}]
-
-
-def test_another_platform_is_judged_as_before_and_the_nearest_baseline_says_why(tmp_path):
-    night = planted()
-    night["cases"][0].update({"outcome": "fail", "exit_code": 1, "expected": "BITWISE_PASS"})
-    recorded, changes = baseline.build(night, None)
-    assert changes == [{"case": "c", "change": "added", "details": ["DIFF (expected BITWISE_PASS)"]}]
-    (tmp_path / "x.json").write_text(baseline.dumps(recorded))
-    known = baseline.load_all(tmp_path)
-    assert baseline.apply(copy.deepcopy(night), known)["counts"]["match"] == 1
-    upgraded = planted(meta_b={"versions": {"paddlepaddle": "3.4.0"}})
-    upgraded["cases"][0].update({"outcome": "fail", "exit_code": 1})
-    section = baseline.apply(upgraded, known)
-    assert section["status"] == "none" and upgraded["cases"][0]["outcome"] == "fail"
-    assert section["nearest"] == {"file": str(tmp_path / "x.json"), "differences": [
-        {"field": "runners.paddle.versions.paddlepaddle", "baseline": "3.3.1", "tonight": "3.4.0"}]}
+def test_unsupported_reasons_are_normalised():
+    assert baseline.normalise_reason("megatron.core is not importable by /home/u/.venv/bin/python: No module named "
+                                     "'megatron' (pid 1234, at 0x7f00deadbeef)") == \
+        "megatron.core is not importable by <path>: No module named 'megatron' (pid <pid>, at <address>)"
 
 
 def test_what_matches_means():
-    known = {"verdict": "DIFF", "expected": "BITWISE_PASS", "expectation_met": False,
-             "definition": {"tokens": 16, "checkpoint_digest": "abc"},
-             "differing": {"out": {"status": "DIFF", "mismatches": 3, "max_ulp": 4}}}
+    known = {"verdict": "DIFF", "definition": {"tokens": 16, "runners": ["m", "p"], "checkpoint_digest": "abc"},
+             "differing": {"out": {"status": "DIFF", "mismatches": 3, "max_ulp": 4}}, "runners": ["m", "p"]}
+    table = {"platform": {}, "runners": {"m": {"framework": "m"}, "p": {"framework": "p"}}}
 
-    def entry(verdict="DIFF", exit_code=1, outcome="fail", tensors=(("out", 3, 4),), tokens=16):
-        return {"case": "c", "verdict": verdict, "exit_code": exit_code, "outcome": outcome, "expected": "BITWISE_PASS",
-                "result": {"case": {"tokens": tokens}, "checkpoint": {"digest": "abc"},
+    def entry(verdict="DIFF", exit_code=1, outcome="fail", tensors=(("out", 3, 4),), tokens=16, message="", p="p"):
+        sides = [{"label": "a", "runner": "m", "meta": {"framework": "m"}},
+                 {"label": "b", "runner": "p", "meta": {"framework": p}}]
+        return {"case": "c", "verdict": verdict, "exit_code": exit_code, "outcome": outcome, "message": message,
+                "result": {"case": {"tokens": tokens, "runners": ["m", "p"]}, "checkpoint": {"digest": "abc"},
+                           "message": message, "sides": sides, "expectation": {"verdict": "BITWISE_PASS"},
                            "tensors": [{"name": n, "status": "DIFF", "mismatches": m, "max_ulp": u}
                                        for n, m, u in tensors] + [{"name": "grad.input", "status": "EQUAL"}]}}
 
     def judged(e, k=known):
-        return (lambda j: (j["status"], j["outcome"], j["changes"]))(baseline.judge_case(e, k))
+        b = {**table, "cases": {} if k is None else {"c": k}}
+        return (lambda j: (j["status"], j["outcome"], j["changes"]))(baseline.judge_case(e, b))
 
     assert judged(entry()) == ("match", "pass", [])
     assert judged(entry(tensors=(("out", 3, 5),))) == ("changed", "fail", ["out: max ulp 4 → 5"])
@@ -272,17 +406,64 @@ def test_what_matches_means():
     assert judged(entry("ERROR", 2, "fail", ())) == ("changed", "fail", ["verdict DIFF → ERROR"])
     crashed = {"case": "c", "verdict": "ERROR", "exit_code": 2, "outcome": "fail", "result": None}  # harness crash
     assert judged(crashed) == ("changed", "fail", ["verdict DIFF → ERROR"])
-    assert judged(entry(tokens=60))[:2] == ("new", "pass")
-    assert judged(entry(tokens=60))[2][0].startswith("definition changed (tokens: 16 → 60)")
-    assert judged(entry(), None)[:2] == ("new", "pass")
-    assert judged(entry("ERROR", 2, "fail", ()), None)[:2] == ("new", "fail")
+    assert judged(entry(tokens=60))[:2] == ("redefined", "fail")  # judged by its own expectation
+    assert judged(entry(tokens=60))[2] == ["definition changed: tokens: 16 → 60"]
+    assert judged(entry(), None)[:2] == ("new", "fail")
     assert judged(entry("UNSUPPORTED", 3, "skip", ()), None)[:2] == ("new", "skip")
-    control = copy.deepcopy(known) | {"verdict": "DIFF", "expectation_met": True}
-    assert judged(entry(exit_code=0, outcome="pass", tensors=(("out", 5, 4),)), control)[:2] == ("expected", "pass")
-    unsupported = copy.deepcopy(known) | {"verdict": "UNSUPPORTED", "differing": {}}
-    assert judged(entry("UNSUPPORTED", 3, "skip", ()), unsupported)[:2] == ("match", "skip")
+    assert judged(entry("UNSUPPORTED", 3, "skip", (), message="no kernel"))[:2] == ("lost", "fail")
+    assert judged(entry(p="p2")) == ("runner changed", "fail", ["side b (p) framework: p → p2",
+                                                                 "tonight's numbers equal the record's"])
+    assert judged(entry("BITWISE_PASS", 0, "pass", (), p="p2"))[:2] == ("runner changed", "pass")
+    assert baseline.judge_case(entry(), None)["status"] == "no baseline"
+    control = copy.deepcopy(known)
+    met = entry(exit_code=0, outcome="pass", tensors=(("out", 5, 4),))
+    met["result"]["expectation"] = {"verdict": "DIFF", "differs": ["out"]}
+    assert judged(met, control)[:2] == ("expected", "pass")
+    unsupported = copy.deepcopy(known) | {"verdict": "UNSUPPORTED", "reason": "p: no kernel", "differing": {}}
+    assert judged(entry("UNSUPPORTED", 3, "skip", (), message="p: no kernel"), unsupported)[:2] == ("match", "skip")
+    assert judged(entry("UNSUPPORTED", 3, "skip", (), message="p: other"), unsupported)[:2] == ("changed", "fail")
     assert judged(entry(), unsupported) == ("changed", "fail", ["verdict UNSUPPORTED → DIFF"])
-    assert baseline.judge_case({"case": "c", "verdict": None, "outcome": "skip"}, known)["status"] == "not run"
+    not_run = {"case": "c", "verdict": None, "outcome": "skip", "message": "not run: needs --weights"}
+    assert judged(not_run)[:2] == ("lost", "fail")
+    assert judged(not_run, unsupported)[:2] == ("not run", "skip")
+
+
+def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_path):
+    registry = registry_from(tmp_path, tiny_case("one"), tiny_case("two", seed=9))
+    case = registry.get("one")
+    good = {"platform": baseline.platform(HOST, "cpu"), "runners": {"megatron": {"framework": "megatron-core"}},
+            "cases": {"one": {"verdict": "DIFF", "definition": baseline_store.case_definition(case), "differing": {},
+                              "runners": ["megatron", None]}}}
+    assert baseline_store.fit_problems(good, registry) == []
+    stale = copy.deepcopy(good)
+    stale["runners"]["megatron"]["env.ONEDNN_VERBOSE"] = "1"
+    stale["cases"]["one"]["definition"]["tokens"] = 8  # recorded at 8 tokens: fits (the case is run at 8)
+    stale["cases"]["one"]["definition"]["checkpoint_digest"] = "0" * 16
+    stale["cases"]["gone"] = stale["cases"]["one"]
+    problems = baseline_store.fit_problems(stale, registry)
+    assert problems[0] == "runners.megatron: fields no longer in the fingerprint: env.ONEDNN_VERBOSE"
+    assert problems[1].startswith("case one: definition changed: checkpoint_digest: 0000000000000000 → ")
+    assert problems[2].startswith("case gone: not in today's registry as recorded")
+    stated = registry_from(tmp_path, tiny_case("one", expect={"verdict": "BITWISE_PASS"}))
+    assert baseline_store.fit_problems(good, stated) == ["case one: states BITWISE_PASS (differs [], equal []) but "
+                                                         "this platform's record is DIFF (all equal): a stated "
+                                                         "expectation holds on every platform; fix the case or leave "
+                                                         "it to the baselines"]
+    good["cases"]["one"]["verdict"] = "UNSUPPORTED"  # a kernel this platform lacks: no contradiction
+    assert baseline_store.fit_problems(good, stated) == []
+
+
+def test_every_committed_baseline_fits_the_registry_and_the_fingerprint_fields():
+    """A case definition or a fingerprint field changed since a baseline was recorded: record it again."""
+    registry = Registry.load()
+    for known in baseline_store.load_all(baseline_store.BASELINES_DIR):
+        problems = baseline_store.fit_problems(known, registry)
+        tokens = (known.get("recorded_from") or {}).get("tokens")
+        command = baseline_store.record_command(known["platform"]["device"], tokens)
+        assert not problems, (f"{known['_file']} no longer fits: {'; '.join(problems[:5])}"
+                              + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+                              + f"; on that platform run `{command}` (or `python -m harness baseline update --from "
+                              "NIGHT`) and commit baselines/")
 
 
 @pytest.mark.e2e
@@ -300,7 +481,8 @@ def test_real_megatron_night_is_green_the_second_time(tmp_path, monkeypatch, cap
                  "--baselines", str(tmp_path / "baselines")]) == 0
     (written,) = (tmp_path / "baselines").glob("*.json")
     stored = json.loads(written.read_text())
-    assert stored["fingerprint"]["runners"]["megatron"]["framework"] == "megatron-core"
+    assert stored["runners"]["megatron"]["framework"] == "megatron-core"
+    assert stored["runners"]["megatron"]["env.OMP_NUM_THREADS"] == "2"  # the harness's pinned thread count
     assert set(stored["cases"]["tiny_flipped"]["differing"]) == {"out", "grad.weight"}
     capsys.readouterr()
     assert main(args) == 0

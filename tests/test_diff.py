@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from harness.cli import main
+from tests.support.installed import require
 
 BF16 = ml_dtypes.bfloat16
 RNG = np.random.default_rng(7)
@@ -54,8 +55,8 @@ def write_with(script, tmp_path, *targets):
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("paddle")
+    require("torch")
+    require("paddle")
     root = tmp_path_factory.mktemp("dumps")
     write_with(TORCH_WRITER, root, root / "torch.safetensors")
     write_with(PADDLE_WRITER, root, root)

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.installed import require
+
 # In-process tests build Megatron modules too: eager numerics as in the runner (whose own setdefault comes too late
 # once torch is imported here). Seen on the H200 host: without it, torch.compile of Megatron's swiglu fails there.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
+torch = require("torch")
+require("megatron.core")
+require("transformers")
 
 from harness.run.protocol import Phases  # noqa: E402
 from tests.support.deepseek_v3_case import DEFAULT, TINY, make_case  # noqa: E402

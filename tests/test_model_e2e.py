@@ -6,11 +6,11 @@ bf16 GEMM in torch). Few on purpose: each side imports torch + transformers and 
   output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
   with it, and everything upstream; the first divergence names the MoE block (HF cannot observe the expert itself).
 - The float64 semantic check, parametrized over the pair of runners: every pair must agree to about 1e-10 in
-  float64. A runner module that does not exist yet is skipped with its name (adding a pair is one line).
+  float64, or be UNSUPPORTED for the one reason known on every platform (PaddleFormers' MoE refuses float64). It
+  never skips on CI; elsewhere only where a framework the requirements install is missing, named.
 - A planted difference in float64 (a mapping error stand-in) is an ERROR naming the first tensor, never a DIFF.
 """
 
-import importlib.util
 import json
 from dataclasses import replace
 
@@ -21,20 +21,19 @@ from conftest import E2E_TOKENS
 from harness.case.checkpoints import load_tensors
 from harness.case.registry import Perturbation, Registry
 from harness.commands.compare import CompareOptions, compare_case
+from tests.support.installed import missing_required, on_ci
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
-SEMANTIC_PAIRS = [  # (case, runners): every pair of the three implementations, PaddleFormers on dense layers only
-    ("kimi_k2_2layer_float64", ("hf_model", "hf_model")),
-    ("kimi_k2_2layer_float64", ("megatron_model", "hf_model")),
-    ("kimi_k2_2layer_float64", ("paddle_model", "hf_model")),  # UNSUPPORTED: PaddleFormers' float64 MoE
-    ("kimi_k2_2layer_float64_dense", ("paddle_model", "hf_model")),
-    ("kimi_k2_2layer_float64_dense", ("megatron_model", "paddle_model")),
+# (case, runners, the UNSUPPORTED reason every platform gives or None): every pair of the three implementations
+SEMANTIC_PAIRS = [
+    ("kimi_k2_2layer_float64", ("hf_model", "hf_model"), None),
+    ("kimi_k2_2layer_float64", ("megatron_model", "hf_model"), None),
+    # PaddleFormers' MoE accumulates float64 expert outputs into a float32 buffer, which Paddle refuses
+    ("kimi_k2_2layer_float64", ("paddle_model", "hf_model"), "PaddleFormers' DeepseekV3MoE.moe cannot run in float64"),
+    ("kimi_k2_2layer_float64_dense", ("paddle_model", "hf_model"), None),
+    ("kimi_k2_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
 ]
-
-
-def _runner_exists(name: str) -> bool:
-    return importlib.util.find_spec(f"harness.runners.{name}") is not None
 
 
 def _run(name, tmp_path, checkpoints_dir, **kwargs):
@@ -79,14 +78,17 @@ def test_negative_control_changes_exactly_the_expert_and_what_depends_on_it(tmp_
     assert "module.model.layers.1.mlp.experts.* (384)" in markdown  # not compared: HF fuses its experts
 
 
-@pytest.mark.parametrize("case, pair", SEMANTIC_PAIRS, ids=[f"{c}-{'-vs-'.join(p)}" for c, p in SEMANTIC_PAIRS])
-def test_float64_semantic_check(case, pair, tmp_path, checkpoints_dir):
-    missing = [r for r in pair if not _runner_exists(r)]
-    if missing:
-        pytest.skip(f"runner {', '.join(missing)} is not in this tree yet")
+@pytest.mark.parametrize("case, pair, unsupported", SEMANTIC_PAIRS,
+                         ids=[f"{c}-{'-vs-'.join(p)}" for c, p, _ in SEMANTIC_PAIRS])
+def test_float64_semantic_check(case, pair, unsupported, tmp_path, checkpoints_dir):
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, runners=pair, oracle=False)
-    if result.verdict == "UNSUPPORTED":  # a runner that cannot run this model in float64 here says why
-        pytest.skip(result.message)
+    if unsupported:
+        assert result.verdict == "UNSUPPORTED" and unsupported in result.message, (result.message, tails)
+        return
+    missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
+    if missing and not on_ci():  # only a framework missing here, never on CI (it installs them)
+        pytest.skip(f"{missing} is not installed here: {result.message}")
+    assert result.verdict != "UNSUPPORTED", f"the semantic check must run: {result.message}\n{tails}"
     semantic = (report.get("model") or {}).get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"

@@ -113,7 +113,7 @@ def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints
 
     night = json.loads((run_dir / "report.json").read_text())
     assert (night["schema"], night["kind"], night["device"], night["tokens"]) == (1, "nightly", "cpu", 8)
-    assert night["summary"] == {"total": 2, "passed": 0, "failed": 1, "skipped": 1}
+    assert night["summary"] == {"total": 2, "passed": 0, "failed": 1, "skipped": 1, "failed_by": {"unknown": 1}}
     flipped, weights = night["cases"]
     assert (flipped["outcome"], flipped["verdict"]) == ("fail", "DIFF"), flipped["message"]
     assert flipped["result"]["case"]["tokens"] == 8

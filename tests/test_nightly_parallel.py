@@ -64,12 +64,19 @@ def test_runner_env_carries_the_cells_placement_and_only_inside_it():
         "CUDA_VISIBLE_DEVICES")
 
 
-def test_cpu_workers_share_the_cores(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+def test_workers_and_cores_do_not_move_the_runner_threads(monkeypatch):
+    """The thread count changes bits (measured on this project's Intel AMX CPU at 16 tokens: kimi_shared_fc1_fp32 is
+    DIFF at 1 thread and BITWISE_PASS at 2; kimi_router's and kimi_mla_q_a's bits move between 1 and 2), so neither
+    `--workers` nor the machine's core count may set it (before: cores / workers)."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
-    threads = placement.run_cells([1, 2], lambda _: placement.runner_env_overrides()["OMP_NUM_THREADS"],
+    threads = placement.run_cells([1, 2], lambda _: orchestrate.runner_env("cpu")["OMP_NUM_THREADS"],
                                   workers=2, device="cpu")
-    assert threads == ["4", "4"]
+    assert threads == [orchestrate.RUNNER_THREADS] * 2 == ["2", "2"]
+    assert orchestrate.runner_env("cpu")["MKL_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # a user's own choice is kept (and recorded in the fingerprint)
+    assert orchestrate.runner_env("cpu")["OMP_NUM_THREADS"] == "8"
 
 
 @pytest.fixture
@@ -94,13 +101,14 @@ def test_shards_run_concurrently_and_merge_into_one_night(oracle_registry):
     assert [c["case"] for c in first["cases"]] == order[0::2]
     assert [c["case"] for c in second["cases"]] == order[1::2]
     assert first["shard"] == {"index": 1, "count": 2, "cases": order[0::2]} and first["workers"] == 2
-    assert codes == [int("four_flipped" in order[0::2]), int("four_flipped" in order[1::2])]  # it expects a pass
+    assert codes == [0, 0]  # a shard alone judges nothing: the merge does
 
     code = main(["nightly-merge", str(second_dir), str(first_dir), "--reports", str(root / "merged")])
     merged, merged_dir = night(root / "merged")
     assert code == 1 == merged["exit_code"]
     assert [c["case"] for c in merged["cases"]] == order
-    assert merged["summary"] == {"total": 4, "passed": 3, "failed": 1, "skipped": 0}
+    assert merged["summary"] == {"total": 4, "passed": 3, "failed": 1, "skipped": 0,
+                                 "failed_by": {"unknown": 1}}  # four_flipped differs and states nothing
     assert [s["index"] for s in merged["merged_from"]] == [2, 1] and merged["missing_shards"] == []
     for entry in merged["cases"]:
         assert (merged_dir / entry["report"]).is_file()  # each case's own folder travels with the night

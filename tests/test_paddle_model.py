@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from tests.support.deepseek_v3 import default_config, tiny_config, write_request
+from tests.support.installed import absent
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_UNSUPPORTED = 3
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("paddle") is None or importlib.util.find_spec("paddleformers") is None,
-    reason="paddle_model needs paddlepaddle and paddleformers (requirements-models.txt)")
+pytestmark = pytest.mark.skipif(absent("paddle", "paddleformers"),
+                                reason="paddle_model needs paddlepaddle and paddleformers (requirements-models.txt)")
 
 
 def run_runner(request: Path, env: dict | None = None) -> tuple[int, dict, Path]:
@@ -136,8 +136,7 @@ def test_float64_moe_is_unsupported_with_the_reason(tmp_path):
 FLOAT64_FLOOR = 1e-6
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
-                    reason="HF transformers (torch) is the reference")
+@pytest.mark.skipif(absent("transformers", "torch"), reason="HF transformers (torch) is the reference")
 def test_float64_agrees_with_hf_up_to_the_float32_islands(tmp_path):
     config = {**tiny_config(), "first_k_dense_replace": 2}  # float64 MoE is refused by PaddleFormers (above)
     request = write_request(tmp_path / "run", config, 16, "float64")
@@ -153,8 +152,7 @@ def test_float64_agrees_with_hf_up_to_the_float32_islands(tmp_path):
     assert ours["grad.model.layers.0.self_attn.q_a_proj.weight"].dtype == np.float64
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
-                    reason="HF transformers (torch) is the reference")
+@pytest.mark.skipif(absent("transformers", "torch"), reason="HF transformers (torch) is the reference")
 def test_float32_moe_matches_hf_routing_and_magnitudes(tmp_path):
     """The MoE layer's name map (router transpose, per-expert weights, probabilities) checked against HF in float32:
     the same experts for every token, every tensor within float32 accumulation-order noise."""

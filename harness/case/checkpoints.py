@@ -60,24 +60,36 @@ class Checkpoint:
 def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None = None) -> Checkpoint:
     """Return the verified checkpoint of `case`, creating it on first use."""
     check_memory(case)
-    if case.op in MODEL_OPS and weights_file:
-        imported = _import_model_weights(case, weights_file)
-    else:
-        imported = _import_weights(case, weights_file) if case.weights_from else {}
+    imported = _imports(case, weights_file)
     recipe = _recipe(case, imported)
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    made = _digest(recipe)
     try:
-        folder = paths.child(paths.child(Path(root), case.name, "case"), digest, "checkpoint")
+        folder = paths.child(paths.child(Path(root), case.name, "case"), made, "checkpoint")
     except paths.UnsafeName as error:
         raise CheckpointError(f"{error}; the checkpoint must stay inside {root}") from None
     if not (folder / MANIFEST).exists():
         with resources.boundary("checkpoint", folder):
-            _write(case, folder, recipe, digest, imported)
+            _write(case, folder, recipe, made, imported)
     manifest = verify(folder)
-    if manifest.get("digest") != digest:
+    if manifest.get("digest") != made:
         raise CheckpointError(f"{folder / MANIFEST}: field 'digest' is {manifest.get('digest')!r}, "
-                              f"but the folder name and the case say {digest!r}")
+                              f"but the folder name and the case say {made!r}")
     return Checkpoint(folder, manifest)
+
+
+def digest(case: Case, weights_file: str | None = None) -> str:
+    """The digest of `case`'s checkpoint without making it: what a baseline's record of the case is checked against."""
+    return _digest(_recipe(case, _imports(case, weights_file)))
+
+
+def _imports(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray, dict]]:
+    if case.op in MODEL_OPS and weights_file:
+        return _import_model_weights(case, weights_file)
+    return _import_weights(case, weights_file) if case.weights_from else {}
+
+
+def _digest(recipe: dict) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def verify(folder: Path) -> dict:

@@ -5,8 +5,11 @@
 ``junit.xml``. A case passes when it did what it expects (exit code 0), is skipped when a framework lacks a
 kernel or package here (UNSUPPORTED) or it needs a weights file nobody gave, and fails otherwise; the night
 exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one. Where
-``baselines/`` holds the known verdicts of this platform, a case is judged against them instead
-(``harness.compare.baseline``): a known difference passes, a change fails, a fix or a new case is news.
+``baselines/`` holds the known verdicts of a case's platform, the case is judged against them
+(``harness.compare.baseline``): a known difference passes, a change fails, and a case the baseline ran that is
+UNSUPPORTED or not run tonight fails. Each failed case says why (ERROR, unmet expectation, changed against the
+baseline, lost, or "differs, no baseline": accepted with ``baseline update``). A shard (``--shard``) is judged
+only together with the other shards, by ``nightly-merge``: alone it exits 0 once it has written its run directory.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from harness.case.registry import Case, Registry
 from harness.commands import compare as pipeline
 from harness.commands import doctor, failsafe, nightly_shards, run_folder
 from harness.commands.compare import FRESH_PROCESS_HELP
-from harness.compare import baseline, trend
+from harness.compare import baseline, baseline_store, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
-from harness.report import baseline_section, junit, nightly_report
+from harness.report import junit, nightly_report
 from harness.run import placement
 from harness.run import workers as runner_workers
 from harness.run.protocol import host_provenance
@@ -46,6 +49,15 @@ class NightlyError(ValueError):
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("nightly", help="run every case for a device; one run directory with a trend")
+    add_run_arguments(parser)
+    parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
+                        help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
+                        help="judge every case by its own expectation only")
+
+
+def add_run_arguments(parser) -> None:
+    """What a night runs (shared with `baseline record`, which runs one)."""
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--tokens", type=int, help="token count for every case (e.g. 16 for CI on a CPU)")
     parser.add_argument("--previous", type=Path,
@@ -60,33 +72,37 @@ def add_parser(commands) -> None:
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     parser.add_argument("--fresh-process", action="store_true", help=FRESH_PROCESS_HELP)
     nightly_shards.add_arguments(parser)
-    parser.add_argument("--baselines", type=Path, default=baseline.BASELINES_DIR,
-                        help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
-    parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
-                        help="judge every case by its own expectation only")
 
 
 def main(args, pythons: dict[str, str]) -> int:
-    if args.tokens is not None and args.tokens <= 0:
-        print(f"error: --tokens must be a positive integer (got {args.tokens})", file=sys.stderr)
-        return EXIT_BAD_INPUT
     try:
-        options = pipeline.CompareOptions(device=args.device, tokens=args.tokens, cases_dir=args.cases,
-                                          reports_dir=args.reports, checkpoints_dir=args.checkpoints, pythons=pythons,
-                                          timeout=args.timeout, weights_file=args.weights,
-                                          fresh_process=args.fresh_process)
-        night, run_dir = run(options, previous=args.previous, workers=args.workers, shard=args.shard,
-                             baselines_dir=args.baselines)
+        night, run_dir = run_from_args(args, pythons, args.baselines)
     except NightlyError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    s = night["summary"]
-    print(f"nightly {night['run_id']}: {s['failed']} failed, {s['passed']} passed, {s['skipped']} skipped; "
-          f"report: {run_dir / 'report.md'} (exit code {night['exit_code']})")
-    if "baseline" in night:
-        print(baseline_section.line(night["baseline"]))
+    print_summary(night, run_dir)
     _github_output(run_dir, night["exit_code"])
     return night["exit_code"]
+
+
+def run_from_args(args, pythons: dict[str, str], baselines_dir: Path | None) -> tuple[dict, Path]:
+    """`run` with the command line's options (NightlyError for bad input)."""
+    if args.tokens is not None and args.tokens <= 0:
+        raise NightlyError(f"--tokens must be a positive integer (got {args.tokens})")
+    options = pipeline.CompareOptions(device=args.device, tokens=args.tokens, cases_dir=args.cases,
+                                      reports_dir=args.reports, checkpoints_dir=args.checkpoints, pythons=pythons,
+                                      timeout=args.timeout, weights_file=args.weights,
+                                      fresh_process=args.fresh_process)
+    return run(options, previous=args.previous, workers=args.workers, shard=args.shard, baselines_dir=baselines_dir)
+
+
+def print_summary(night: dict, run_dir: Path) -> None:
+    s = night["summary"]
+    merged = f" (merged from {len(night['merged_from'])} shards)" if night.get("merged_from") else ""
+    print(f"nightly {night['run_id']}{merged}: {s['failed']} failed, {s['passed']} passed, {s['skipped']} skipped; "
+          f"report: {run_dir / 'report.md'} (exit code {night['exit_code']})")
+    for line in nightly_report.summary_lines(night, run_dir):
+        print(line)
 
 
 def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 1,
@@ -102,10 +118,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
     positions = {case.name: index for index, case in enumerate(cases)}
     cases = nightly_shards.select(cases, shard)
     previous_night = load_previous(previous) if previous else find_previous(Path(reports_dir), device)
-    try:
-        known = baseline.load_all(baselines_dir)
-    except baseline.BaselineError as error:
-        raise NightlyError(str(error)) from None
+    known = load_baselines(baselines_dir)
     run_id, run_dir = new_nightly_dir(Path(reports_dir))
     night = {"schema": NIGHTLY_SCHEMA, "kind": "nightly", "run_id": run_id, "device": device, "tokens": tokens,
              "cases_dir": str(cases_dir), "started_at": run_folder.now(), "finished_at": "",
@@ -122,6 +135,8 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             progress.start(case.name)
             entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases"))
             entry["position"] = positions[case.name]  # in the registry's order: shards merge back into it
+            entry["platform"] = baseline.platform(night["harness"]["host"], device,
+                                                  (entry["result"] or {}).get("sides", []))
             progress.done(entry)
             return entry
 
@@ -130,15 +145,33 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
                                           on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries
     night["finished_at"] = run_folder.now()
-    if baselines_dir is not None:
-        night["baseline"] = baseline.apply(night, known, str(baselines_dir))
-    counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
-    night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
-                        "skipped": counts["skip"]}
-    night["exit_code"] = EXIT_FAILED if night["summary"]["failed"] else 0
-    night["trend"] = trend.compare(previous_night, night)
+    finish(night, previous_night, None if shard or baselines_dir is None else known, str(baselines_dir))
     write(night, run_dir)
     return night, run_dir
+
+
+def finish(night: dict, previous_night: dict | None, known: list[dict] | None, source: str) -> None:
+    """Judge a night that ran (or was merged): against the baselines of its platforms when `known` is given (a
+    shard is judged only with the others, after `nightly-merge`), then its summary, exit code and trend."""
+    entries = night["cases"]
+    if known is not None:
+        night["baseline"] = baseline.apply(night, known, source)
+    for entry in entries:
+        entry["failure"] = baseline.failure_kind(entry)
+    counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
+    failed_by = {kind: sum(e["failure"] == kind for e in entries) for kind in baseline.FAILURE_KINDS}
+    night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
+                        "skipped": counts["skip"], "failed_by": {k: n for k, n in failed_by.items() if n}}
+    # a shard's cases are judged with the other shards' (nightly-merge): alone, it fails nothing
+    night["exit_code"] = EXIT_FAILED if counts["fail"] and not night.get("shard") else 0
+    night["trend"] = trend.compare(previous_night, night)
+
+
+def load_baselines(baselines_dir: Path | None) -> list[dict]:
+    try:
+        return baseline_store.load_all(baselines_dir)
+    except baseline_store.BaselineError as error:
+        raise NightlyError(str(error)) from None
 
 
 def write(night: dict, run_dir: Path) -> None:

@@ -2,8 +2,9 @@
 registry's order) and ``nightly-merge DIR...`` puts the shards' run directories back together into one night.
 
 The merged night is an ordinary nightly run directory (``reports/nightly-*``): each shard's case folders are
-copied under its ``cases/``, the entries come back in the registry's order, the summary, exit code and trend
-(against ``--previous`` or the newest earlier night for the device) are computed over all of them, and
+copied under its ``cases/``, the entries come back in the registry's order, the cases are judged together against
+the baselines of the platforms they ran on (``--baselines``; a shard alone judges nothing), the summary, exit code
+and trend (against ``--previous`` or the newest earlier night for the device) are computed over all of them, and
 ``report.json`` lists the shards it came from. Shards must agree on device, token count and shard count, and
 hold distinct shard numbers; a missing shard is a failure of the night (its cases did not run), never a pass.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.commands import run_folder
+from harness.compare import baseline_store
 from harness.run.protocol import host_provenance
 
 
@@ -70,29 +72,33 @@ def add_parser(commands) -> None:
     parser.add_argument("--previous", type=Path, help="previous night for the trend (default: the newest one "
                                                       "for this device under --reports)")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
+    parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
+                        help="folder of known verdicts per platform; the merged night is judged against them")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
+                        help="judge every case by its own expectation only")
 
 
 def main(args) -> int:
     from harness.commands import nightly
 
     try:
-        night, run_dir = merge(args.shards, Path(args.reports), args.previous)
+        night, run_dir = merge(args.shards, Path(args.reports), args.previous, args.baselines)
     except nightly.NightlyError as error:
         print(f"error: {error}", file=sys.stderr)
         return nightly.EXIT_BAD_INPUT
-    s = night["summary"]
-    print(f"nightly {night['run_id']} (merged from {len(args.shards)} shards): {s['failed']} failed, "
-          f"{s['passed']} passed, {s['skipped']} skipped; report: {run_dir / 'report.md'} "
-          f"(exit code {night['exit_code']})")
+    nightly.print_summary(night, run_dir)
     nightly._github_output(run_dir, night["exit_code"])
     return night["exit_code"]
 
 
-def merge(shard_dirs: Sequence[Path], reports_dir: Path, previous: Path | None = None) -> tuple[dict, Path]:
+def merge(shard_dirs: Sequence[Path], reports_dir: Path, previous: Path | None = None,
+          baselines_dir: Path | None = None) -> tuple[dict, Path]:
+    """One night from its shards, judged as one: against the baselines of each case's platform (in `baselines_dir`;
+    None: by each case's own expectation), missing shards failing it."""
     from harness.commands import nightly
-    from harness.compare import trend
 
     shards = [nightly.load_previous(Path(path)) for path in shard_dirs]
+    known = nightly.load_baselines(baselines_dir)
     for night in shards:
         if not night.get("shard"):
             raise nightly.NightlyError(f"{night['_path']}: field 'shard': not a shard (run with --shard I/N)")
@@ -141,10 +147,6 @@ def merge(shard_dirs: Sequence[Path], reports_dir: Path, previous: Path | None =
                                "report": n["_path"], "node": n.get("harness", {}).get("node"),
                                "workers": n.get("workers", 1), "cases": n["shard"]["cases"]} for n in shards],
               "missing_shards": missing, "shard": None, "cases": entries}
-    counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
-    merged["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
-                         "skipped": counts["skip"]}
-    merged["exit_code"] = nightly.EXIT_FAILED if counts["fail"] else 0
-    merged["trend"] = trend.compare(previous_night, merged)
+    nightly.finish(merged, previous_night, None if baselines_dir is None else known, str(baselines_dir))
     nightly.write(merged, run_dir)
     return merged, run_dir

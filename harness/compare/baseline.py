@@ -1,35 +1,67 @@
-"""Known verdicts per platform (baselines): a nightly is green unless something changed.
+"""Known verdicts per platform (baselines): a known platform difference passes; nothing turns a failure green.
 
-A *platform fingerprint* is what decides the bits besides the case: the device, for a CPU its model and vector
-ISA flags, and per runner the framework and library versions, BLAS/oneDNN builds, torch's CPU capability and
-thread count, GPU name, capability, driver, CUDA runtime, cuDNN and cuBLAS(Lt) versions, and the environment
-flags that pick kernels (``ONEDNN_*``, ``MKL_*``, ``OMP_*``, ...). It is read from the night's report.json: the
-harness's host provenance and every runner's meta.json (the truth oracle is left out: it never decides a
-verdict). Library paths are dropped from values (an environment installed elsewhere is the same platform).
+A CPU without a kernel, or two BLAS builds, make the same cases differ every night for the same platform reasons.
+A *baseline* is one JSON file per platform under ``baselines/``: per case, the verdict and the numbers a real night
+measured there, and what ran. A night's case that repeats its record exactly passes; anything else is judged as
+below, and a case the record does not cover is judged by its own expectation, never waved through.
 
-A *baseline* is one JSON file per fingerprint under ``baselines/`` (readable name, full fingerprint inside):
-per case its verdict, whether it met its own expectation, its definition (checkpoint digest, op, dtype, tp,
-tokens, shapes, config, runners, perturbation) and, per tensor that is not bitwise equal, its status,
-mismatch count, max ULP, and ±0 / NaN counts.
+**Which baseline: the platform** (``platform``), the fields that decide which kernels can run at all:
 
-How a night's case is judged against its platform's baseline (``judge``):
+- ``device`` (cpu, gpu): another set of kernels altogether;
+- ``machine`` (x86_64, aarch64): another instruction set;
+- ``cpu``, the model name: it names the vendor, and MKL takes other code paths on a CPU that is not Intel's;
+- ``cpu_isa``, the vector-ISA flags (AVX2, AVX-512 BF16, AMX): oneDNN and MKL pick their kernels by them;
+- on a GPU, ``gpu`` (its model) instead of the three CPU fields: the kernels are the GPU's, its host only feeds it.
 
-- **match**: same definition, same verdict, and exactly the same set of non-equal tensors with equal status,
-  mismatch count, max ULP and ±0 / NaN counts. Outcome: pass (skip when both are UNSUPPORTED).
-- **fixed**: the case now meets its own expectation (exit code 0: bitwise equal, or the planted difference of a
-  negative control) where the baseline recorded that it did not. Outcome: pass, listed as news.
-- **expected**: it meets its own expectation, as in the baseline, but the numbers moved (a negative control or a
-  tolerance case whose counts changed). Outcome: pass, as without baselines, listed.
-- **changed**: anything else, i.e. it misses its own expectation and differs from the baseline: a new
-  difference, a different count or max ULP, a tensor that went back to equal while others still differ, a
-  changed verdict, and always an ERROR (a baseline never records one). Outcome: fail, naming the tensors.
-- **new**: the baseline has no record of the case, or recorded another definition of it (other tokens, shapes,
-  inputs...). Outcome: pass or skip, whatever its verdict, except ERROR, which fails.
-- **not run**: the case has no verdict tonight (it needs ``--weights``); its outcome is left alone.
+Each night entry carries the platform it ran on (``entry["platform"]``; the shards of one night may run on
+different hosts), and is judged against that platform's baseline.
 
-Without a baseline for the night's fingerprint every case keeps today's outcome (its own expectation), and the
-report names the nearest baseline and the fingerprint fields that differ: a new framework version, driver or
-CPU is exactly when known verdicts must be looked at again, so it never turns green by itself.
+**What ran, per side** (``runner_fields``): the fields of the runner's meta.json that change bits, compared with
+the record's, so a runner missing or changed tonight is named on each case it touches:
+
+- ``framework``, ``versions.*``: which code computed (the framework, Megatron-Core, Paddle and its commit,
+  PaddleFormers, transformers, Transformer Engine: whatever the runner reports);
+- ``torch``: the torch under Megatron-Core (its kernels);
+- ``torch_cpu_capability``: ATen's vector dispatch level (its elementwise and reduction kernels);
+- ``torch_blas``, ``torch_onednn``, ``paddle_with_mkl``, ``paddle_onednn``: the BLAS and oneDNN builds (GEMMs);
+- ``torch_threads`` and ``env.OMP_NUM_THREADS`` / ``env.MKL_NUM_THREADS``: oneDNN and MKL may split a reduction
+  across threads. The harness pins them (harness.run.orchestrate.RUNNER_THREADS), so ``--workers`` and the
+  machine's core count do not move them; a user's own setting is recorded as set;
+- ``paddle_level``: which Paddle implementation computed (PaddleFleet's module, PaddleFormers', the recipe);
+- ``gpu``, ``gpu_capability``, ``gpu_driver``, ``cuda_runtime``, ``cudnn``, ``cublas``, ``cublasLt``,
+  ``preferred_blas_library``: the GPU's kernels and the libraries that pick them;
+- ``env.*``, the environment variables that pick kernels or numerics (``KERNEL_ENV``): oneDNN's and MKL's ISA
+  and reproducibility switches, OpenBLAS's core type, cuBLAS's workspace, TF32 overrides, Transformer Engine's
+  backends (``NVTE_*``), NCCL's algorithm and protocol (the order of a TP all-reduce), Paddle's ``FLAGS_*``,
+  ``TORCHDYNAMO_DISABLE`` (compiled or eager numerics). Logging switches (``*_VERBOSE``) are left out.
+
+Library paths are dropped from values: an environment installed elsewhere computes the same bits.
+
+**A record** (``record``): the case's verdict, for UNSUPPORTED its reason (normalised: no paths, pids or
+addresses), its definition (checkpoint digest, op, dtype, tp, tokens, shapes, config, runners, perturbation), the
+runner fields of each side (by reference into the file's ``runners`` table), and per tensor that is not bitwise
+equal its status, mismatch count, max ULP and ±0 / NaN counts.
+
+**How a night's case is judged** (``judge_case``), first rule that applies:
+
+| status | when | outcome |
+|---|---|---|
+| ``no baseline`` | no baseline for its platform | its own expectation |
+| ``new`` | no record of it | its own expectation |
+| ``lost`` | the record ran it; tonight it is UNSUPPORTED or not run | fail |
+| ``not run`` | not run tonight (it needs ``--weights``), nothing recorded running | as it is (skip) |
+| ``changed`` | ERROR | fail |
+| ``redefined`` | the record is of another definition (tokens, inputs, config ...) | its own expectation |
+| ``runner changed`` | a side's runner fields differ from the record's (named) | its own expectation |
+| ``match`` | same verdict and UNSUPPORTED reason; the same tensors differ, same numbers | pass (skip: UNSUPPORTED) |
+| ``fixed`` | otherwise, and now it meets its own expectation where the record did not | pass, listed |
+| ``expected`` | meets its own expectation as the record did; numbers moved | pass, listed |
+| ``changed`` | anything else | fail, naming what changed |
+
+"Its own expectation" is the outcome without baselines: pass when met, skip when UNSUPPORTED, else fail. A failed
+case gets a kind (``failure_kind``) so the report puts apart ERRORs, unmet expectations, changes against the
+baseline, cases the baseline ran and tonight did not, and differences nothing states: "differs, no baseline"
+(accepted with ``python -m harness baseline update``).
 """
 
 from __future__ import annotations
@@ -37,79 +69,84 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
 
-BASELINES_DIR = Path(__file__).resolve().parents[2] / "baselines"
-SCHEMA = 1
-KIND = "bitwise-harness baseline"
-ERROR_VERDICT, UNSUPPORTED_VERDICT = "ERROR", "UNSUPPORTED"
-ORACLE_LABEL = "oracle"
+ERROR_VERDICT, UNSUPPORTED_VERDICT, DIFF_VERDICT = "ERROR", "UNSUPPORTED", "DIFF"
+SIDES = ("a", "b")  # the framework sides; the truth oracle and repeats never decide a verdict
 
-# meta.json fields that can change the bits a runner produces (anything else: per-case or per-run noise).
-FINGERPRINT_META = ("framework", "versions", "torch_cpu_capability", "torch_blas", "torch_onednn", "torch_threads",
-                    "paddle_with_mkl", "paddle_onednn", "blas", "gpu", "gpu_capability", "gpu_driver",
-                    "cuda_runtime", "cudnn", "cublas", "cublasLt", "preferred_blas_library")
-KERNEL_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "MKL_", "OMP_", "KMP_", "OPENBLAS_", "NVIDIA_TF32", "CUBLAS_", "FLAGS_")
+PLATFORM_FIELDS = {"cpu": ("device", "machine", "cpu", "cpu_isa"), "gpu": ("device", "gpu")}
+RUNNER_META = ("framework", "versions", "torch", "torch_cpu_capability", "torch_blas", "torch_onednn",
+               "torch_threads", "paddle_with_mkl", "paddle_onednn", "paddle_level", "gpu", "gpu_capability",
+               "gpu_driver", "cuda_runtime", "cudnn", "cublas", "cublasLt", "preferred_blas_library")
+KERNEL_ENV = ("OMP_NUM_THREADS", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_", "KMP_DETERMINISTIC_REDUCTION", "CUBLAS_",
+              "CUBLASLT_", "NVIDIA_TF32", "NVTE_", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "FLAGS_",
+              "TORCHDYNAMO_DISABLE")
 DEFINITION_FIELDS = ("op", "dtype", "tp", "tokens", "shapes", "config", "runners", "perturb")
 TENSOR_FIELDS = ("status", "mismatches", "max_ulp", "signed_zero_diffs", "nan_mismatches", "nan_payload_diffs")
 ALWAYS_RECORDED = ("status", "mismatches", "max_ulp")  # the others only when nonzero, to keep files readable
-STATUSES = ("changed", "fixed", "new", "expected", "match", "not run")
+STATUSES = ("changed", "lost", "fixed", "new", "redefined", "runner changed", "no baseline", "expected", "match",
+            "not run")
+FAILURE_KINDS = {  # how the report names each kind of failed case, in the order it lists them
+    "error": "ERROR", "unmet": "unmet expectation", "changed": "changed against the baseline",
+    "lost": "ran in the baseline, not tonight", "unknown": "differs, no baseline",
+}
 
 
-class BaselineError(ValueError):
-    """An unreadable or malformed baseline file, or a night that cannot become one; the message names the file."""
+# --- platform and runner fields ------------------------------------------------------------------------------
+
+def platform(host: dict, device: str, sides: list[dict] = ()) -> dict:
+    """The platform a case ran on: from the host that ran its runners and, on a GPU, the GPU a side reported."""
+    if device == "gpu":
+        return {"device": "gpu", "gpu": next(((s.get("meta") or {}).get("gpu") for s in sides
+                                              if (s.get("meta") or {}).get("gpu")), None)}
+    return {"device": device, "machine": host.get("machine"), "cpu": host.get("cpu"),
+            "cpu_isa": " ".join(host.get("cpu_isa") or [])}
 
 
-# --- fingerprint ---------------------------------------------------------------------------------------------
-
-def fingerprint(night: dict) -> dict:
-    """The platform fingerprint of a nightly report (see the module docstring)."""
-    host = (night.get("harness") or {}).get("host") or {}
-    device = night.get("device")
-    found: dict[str, dict[str, set]] = {}
-    for entry in night.get("cases", []):
-        for side in (entry.get("result") or {}).get("sides", []):
-            if side.get("label") == ORACLE_LABEL or not side.get("meta"):
-                continue
-            fields = found.setdefault(side["runner"], {})
-            meta = side["meta"]
-            picked = {key: meta[key] for key in FINGERPRINT_META if key in meta}
-            picked["env"] = {k: v for k, v in (meta.get("env") or {}).items() if k.startswith(KERNEL_ENV_PREFIXES)}
-            for key, value in flatten(picked):
-                fields.setdefault(key, set()).add(_strip_paths(value))
-    runners = {runner: {key: " | ".join(sorted(values)) for key, values in sorted(fields.items())}
-               for runner, fields in sorted(found.items())}
-    platform = {"device": device, "machine": host.get("machine")}
-    if device != "gpu":  # on a GPU the kernels are the GPU's; its host CPU only feeds it
-        platform.update({"cpu": host.get("cpu"), "cpu_isa": " ".join(host.get("cpu_isa") or [])})
-    return {"platform": platform, "runners": runners}
-
-
-def fingerprint_id(print_: dict) -> str:
+def platform_id(print_: dict) -> str:
     return hashlib.sha256(json.dumps(print_, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def entry_platform(entry: dict, night: dict) -> dict:
+    """The platform stored with a night entry; a night written before entries carried one: the night's host."""
+    return entry.get("platform") or platform((night.get("harness") or {}).get("host") or {}, night.get("device"),
+                                             (entry.get("result") or {}).get("sides", []))
+
+
+def runner_fields(meta: dict) -> dict[str, str]:
+    """The fields of one side's meta.json that change bits (module docstring), flattened, paths dropped."""
+    picked = {key: meta[key] for key in RUNNER_META if key in meta}
+    picked["env"] = {k: v for k, v in (meta.get("env") or {}).items()
+                     if k.startswith(KERNEL_ENV) and not k.endswith("_VERBOSE")}
+    return {key: _strip_paths(value) for key, value in sorted(flatten(picked))}
+
+
+def is_runner_field(key: str) -> bool:
+    """Whether `key` is a field ``runner_fields`` can produce (a baseline holding others no longer fits)."""
+    head = key.split(".", 1)[0]
+    if head == "env":
+        name = key.split(".", 1)[1] if "." in key else ""
+        return name.startswith(KERNEL_ENV) and not name.endswith("_VERBOSE")
+    return head in RUNNER_META and (head == "versions" or "." not in key)
+
+
+def side_fields(entry: dict) -> list[dict[str, str] | None]:
+    """Runner fields of sides a and b of a night entry (None for a side that wrote no meta.json)."""
+    by_label = {s.get("label"): s for s in (entry.get("result") or {}).get("sides", [])}
+    return [runner_fields(by_label[label]["meta"]) if (by_label.get(label) or {}).get("meta") else None
+            for label in SIDES]
+
+
 def file_name(print_: dict) -> str:
-    """A readable file name: device, CPU or GPU, ISA level, framework versions, and the fingerprint's id."""
-    platform, runners = print_["platform"], print_["runners"]
-    gpu = next((fields["gpu"] for fields in runners.values() if fields.get("gpu")), None)
-    parts = [platform["device"], _slug(gpu if platform["device"] == "gpu" and gpu else platform.get("cpu") or "")]
-    if platform["device"] != "gpu":
-        parts.append(_isa_level(platform.get("cpu_isa", "").split()))
-    versions = {}
-    for fields in runners.values():
-        for key, value in fields.items():
-            if key.startswith("versions.") and key != "versions.paddle_commit":
-                versions.setdefault(key.split(".", 1)[1], value)
-    parts += [_slug(f"{name}{value}") for name, value in sorted(versions.items()) if name in _NAMED_VERSIONS]
-    return "-".join(p for p in parts if p) + f"-{fingerprint_id(print_)[:8]}.json"
-
-
-_NAMED_VERSIONS = ("megatron-core", "paddlepaddle", "paddlefleet", "torch")
+    """A readable file name: device, CPU model or GPU, ISA level, and the platform's id."""
+    if print_["device"] == "gpu":
+        parts = ["gpu", _slug(print_.get("gpu") or "unknown")]
+    else:
+        parts = [print_["device"], _slug(print_.get("cpu") or ""), isa_level(print_.get("cpu_isa") or "")]
+    return "-".join(p for p in parts if p) + f"-{platform_id(print_)[:8]}.json"
 
 
 def differences(before: dict, after: dict) -> list[dict]:
-    """Fingerprint fields that differ, flattened (``runners.torch.versions.torch``)."""
+    """Fields that differ between two flat or nested dicts (``cpu_isa``, ``versions.torch``)."""
     a, b = dict(flatten(before)), dict(flatten(after))
     return [{"field": k, "baseline": a.get(k), "tonight": b.get(k)} for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k)]
@@ -118,7 +155,7 @@ def differences(before: dict, after: dict) -> list[dict]:
 # --- records -------------------------------------------------------------------------------------------------
 
 def record(entry: dict) -> dict | None:
-    """What a baseline keeps of one night entry; None for a case with no verdict (not run)."""
+    """What a baseline keeps of one night entry (runner fields aside); None for a case with no verdict."""
     if not entry.get("verdict"):
         return None
     result = entry.get("result") or {}
@@ -128,9 +165,11 @@ def record(entry: dict) -> dict | None:
             continue
         differing[tensor["name"]] = {key: tensor.get(key) for key in TENSOR_FIELDS
                                      if key in ALWAYS_RECORDED or tensor.get(key)}
-    return {"verdict": entry["verdict"], "expected": entry.get("expected"),
-            "expectation_met": entry.get("exit_code") == 0, "definition": definition(result),
-            "differing": dict(sorted(differing.items()))}
+    found = {"verdict": entry["verdict"], "definition": definition(result)}
+    if entry["verdict"] == UNSUPPORTED_VERDICT:
+        found["reason"] = normalise_reason(result.get("message") or entry.get("message") or "")
+    found["differing"] = dict(sorted(differing.items()))
+    return found
 
 
 def definition(result: dict) -> dict:
@@ -144,24 +183,28 @@ def definition(result: dict) -> dict:
     return json.loads(json.dumps(found, default=str))  # tuples as lists, as stored
 
 
+def normalise_reason(text: str) -> str:
+    """An UNSUPPORTED reason without what differs from machine to machine and run to run: paths, pids, addresses."""
+    text = re.sub(r"(?<![\w.])/[^\s:;,'\")\]]+", "<path>", text)
+    text = re.sub(r"\b0x[0-9a-fA-F]+\b", "<address>", text)
+    return re.sub(r"\b(pid|PID|process)\s+\d+", r"\1 <pid>", text)
+
+
 def compare_records(before: dict, after: dict) -> list[str]:
-    """How `after` differs from `before` (two records of one case), one phrase each; empty when they match."""
+    """How `after` differs from `before` (two records of one definition), one phrase each; empty when they match."""
     changes = []
-    if before["definition"] != after["definition"]:
-        fields = sorted(k for k in set(before["definition"]) | set(after["definition"])
-                        if before["definition"].get(k) != after["definition"].get(k))
-        changes.append("definition changed (" + ", ".join(
-            f"{k}: {_short(before['definition'].get(k))} → {_short(after['definition'].get(k))}" for k in fields) + ")")
     if before["verdict"] != after["verdict"]:
         changes.append(f"verdict {before['verdict']} → {after['verdict']}")
+    elif before.get("reason") != after.get("reason"):
+        changes.append(f"another reason: {short(before.get('reason'), 200)} → {short(after.get('reason'), 200)}")
     if {before["verdict"], after["verdict"]} & {ERROR_VERDICT, UNSUPPORTED_VERDICT}:
         return changes  # tensors were not compared on one side: the verdict says it all
     old, new = before["differing"], after["differing"]
     for name in list(new) + [n for n in old if n not in new]:
         if name not in old:
-            changes.append(f"{name}: new difference ({_numbers(new[name])})")
+            changes.append(f"{name}: new difference ({numbers(new[name])})")
         elif name not in new:
-            changes.append(f"{name}: now bitwise equal (baseline: {_numbers(old[name])})")
+            changes.append(f"{name}: now bitwise equal (baseline: {numbers(old[name])})")
         elif old[name] != new[name]:
             moved = [f"{k.replace('_', ' ')} {old[name].get(k, 0)} → {new[name].get(k, 0)}" for k in TENSOR_FIELDS
                      if old[name].get(k, 0) != new[name].get(k, 0)]
@@ -169,174 +212,179 @@ def compare_records(before: dict, after: dict) -> list[str]:
     return changes
 
 
+def definition_changes(before: dict, after: dict) -> list[str]:
+    fields = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    return [f"{k}: {short(before.get(k))} → {short(after.get(k))}" for k in fields]
+
+
+def runner_changes(entry: dict, known: dict, baseline: dict) -> list[str]:
+    """Each side's runner fields tonight against the record's, one phrase per changed field, naming the runner."""
+    changes = []
+    runners = (entry.get("result") or {}).get("case", {}).get("runners") or known["definition"].get("runners", [])
+    for label, runner, now, key in zip(SIDES, runners, side_fields(entry), known.get("runners", [None, None]),
+                                       strict=False):
+        before = baseline["runners"].get(key) if key else None
+        if before is None and now is None:
+            continue
+        if now is None:
+            changes.append(f"side {label} ({runner}): no meta.json tonight (the runner did not start or crashed)")
+            continue
+        for d in differences(before or {}, now):
+            changes.append(f"side {label} ({runner}) {d['field']}: {d['baseline'] or '(absent)'} → "
+                           f"{d['tonight'] or '(absent)'}")
+    return changes
+
+
+def record_problems(entry: dict, baseline: dict) -> list[str]:
+    """How a run of a case differs from its record in `baseline` (definition, runner fields, verdict, reason,
+    tensors), one phrase each: empty when it repeats the record exactly. What an end-to-end test pins."""
+    known, now = baseline["cases"][entry["case"]], record(entry)
+    if now is None:
+        return [f"not run: {entry.get('message', '')}"]
+    if known["definition"] != now["definition"]:
+        return ["definition changed: " + "; ".join(definition_changes(known["definition"], now["definition"]))]
+    return runner_changes(entry, known, baseline) + compare_records(known, now)
+
+
+def expectation_met_by(known: dict, expectation: dict) -> bool:
+    """Whether a record meets an expectation (``harness.compare.result.check_expectation``'s rules)."""
+    verdict, wanted = known["verdict"], expectation.get("verdict")
+    if verdict != wanted and not (wanted == "WITHIN_TOLERANCE" and verdict == "BITWISE_PASS"):
+        return False
+    differing = {name for name, t in known["differing"].items() if t.get("status") == DIFF_VERDICT}
+    return (all(name in differing for name in expectation.get("differs", []))
+            and not any(name in known["differing"] for name in expectation.get("equal", [])))
+
+
 # --- judging a night -----------------------------------------------------------------------------------------
 
-def judge_case(entry: dict, known: dict | None) -> dict:
-    """One case against its baseline record: status, the outcome it gets, and what changed."""
+def judge_case(entry: dict, baseline: dict | None) -> dict:
+    """One case against its platform's baseline: status, outcome and what changed (module docstring's table)."""
     own = entry["outcome"]
-    now = record(entry)
-    if now is None:
-        return {"status": "not run", "outcome": own, "changes": []}
+    if baseline is None:
+        return {"status": "no baseline", "outcome": own, "changes": []}
+    known, now = baseline["cases"].get(entry["case"]), record(entry)
+    ran_before = known is not None and known["verdict"] != UNSUPPORTED_VERDICT
     if known is None:
-        return {"status": "new", "outcome": _known(own, now), "changes": ["no baseline record of this case"]}
+        return {"status": "not run" if now is None else "new", "outcome": own, "changes": []}
+    if now is None:
+        if ran_before:
+            return {"status": "lost", "outcome": "fail", "changes": [
+                f"the baseline ran it ({known['verdict']}); tonight it did not run: {entry.get('message', '')}"]}
+        return {"status": "not run", "outcome": own, "changes": []}
     if now["verdict"] == ERROR_VERDICT:  # never known, whatever else changed (a crash may not even load the case)
         return {"status": "changed", "outcome": "fail", "changes": [f"verdict {known['verdict']} → ERROR"]}
     if known["definition"] != now["definition"]:
-        return {"status": "new", "outcome": _known(own, now), "changes": compare_records(known, now)[:1]}
+        return {"status": "redefined", "outcome": own,
+                "changes": ["definition changed: " + "; ".join(definition_changes(known["definition"],
+                                                                                  now["definition"]))]}
+    if ran_before and now["verdict"] == UNSUPPORTED_VERDICT:
+        return {"status": "lost", "outcome": "fail", "changes": [
+            f"the baseline ran it ({known['verdict']}); tonight UNSUPPORTED: {short(now.get('reason'), 300)}"]}
+    moved = runner_changes(entry, known, baseline)
     changes = compare_records(known, now)
+    if moved:
+        same = ["tonight's numbers equal the record's"] if not changes else []
+        return {"status": "runner changed", "outcome": own, "changes": moved + same}
     if not changes:
-        return {"status": "match", "outcome": _known(own, now), "changes": []}
-    if now["expectation_met"]:
-        return {"status": "expected" if known["expectation_met"] else "fixed", "outcome": own, "changes": changes}
+        return {"status": "match", "outcome": "skip" if now["verdict"] == UNSUPPORTED_VERDICT else "pass",
+                "changes": []}
+    expectation = (entry.get("result") or {}).get("expectation") or {}
+    if entry.get("exit_code") == 0:
+        return {"status": "expected" if expectation_met_by(known, expectation) else "fixed", "outcome": own,
+                "changes": changes}
     return {"status": "changed", "outcome": "fail", "changes": changes}
 
 
-def judge(night: dict, baselines: list[dict], source: str = "") -> dict:
-    """Judge every case of `night` against the baseline of its fingerprint, if one is among `baselines`.
+def failure_kind(entry: dict) -> str | None:
+    """Why a failed case failed (FAILURE_KINDS), None when it did not fail."""
+    if entry["outcome"] != "fail":
+        return None
+    if entry.get("verdict") == ERROR_VERDICT:
+        return "error"
+    status = entry.get("baseline")
+    if status in ("changed", "lost"):
+        return status
+    stated = ((entry.get("result") or {}).get("expectation") or {}).get("stated")
+    return "unknown" if entry.get("verdict") == DIFF_VERDICT and not stated else "unmet"
 
-    Returns the night's baseline section (stored in report.json as ``baseline``); the outcomes it assigns are in
-    ``cases[i]["outcome"]`` and applied by ``apply``.
+
+def judge(night: dict, baselines: list[dict], source: str = "") -> dict:
+    """Judge every case of `night` against the baseline of its platform, if `baselines` has one.
+
+    Returns the night's baseline section (stored in report.json as ``baseline``): per platform seen, the file
+    applied (or none, with the nearest and what differs), and per case its status, outcome and changes.
     """
-    print_ = fingerprint(night)
-    ident = fingerprint_id(print_)
-    section = {"directory": source, "run_id": night.get("run_id"), "fingerprint_id": ident, "fingerprint": print_,
-               "file": None, "suggested_file": file_name(print_), "cases": []}
-    baseline = next((b for b in baselines if b["fingerprint"] == print_), None)
-    if baseline is None:
-        section["status"] = "none"
-        nearest = _nearest(print_, [b for b in baselines if b["fingerprint"]["platform"].get("device")
-                                    == night.get("device")])
-        section["nearest"] = nearest and {"file": nearest["_file"], "differences":
-                                          differences(nearest["fingerprint"], print_)}
-        return section
-    section.update({"status": "applied", "file": baseline["_file"], "recorded_from": baseline.get("recorded_from")})
+    by_platform = {platform_id(b["platform"]): b for b in baselines}
+    section = {"directory": source, "run_id": night.get("run_id"), "platforms": [], "cases": []}
+    seen: dict[str, dict] = {}
     for entry in night.get("cases", []):
-        verdict = judge_case(entry, baseline["cases"].get(entry["case"]))
-        section["cases"].append({"case": entry["case"], "verdict": entry.get("verdict"),
-                                 "baseline_verdict": (baseline["cases"].get(entry["case"]) or {}).get("verdict"),
-                                 "own_outcome": entry["outcome"], **verdict})
-    section["not_in_night"] = sorted(set(baseline["cases"]) - {e["case"] for e in night.get("cases", [])})
+        print_ = entry_platform(entry, night)
+        ident = platform_id(print_)
+        if ident not in seen:
+            seen[ident] = _platform_section(print_, by_platform.get(ident), baselines)
+            section["platforms"].append(seen[ident])
+        seen[ident]["cases"].append(entry["case"])
+        known = by_platform.get(ident)
+        verdict = judge_case(entry, known)
+        section["cases"].append({"case": entry["case"], "verdict": entry.get("verdict"), "platform": ident,
+                                 "baseline_verdict": ((known or {}).get("cases", {}).get(entry["case"]) or {})
+                                 .get("verdict"), "own_outcome": entry["outcome"], **verdict})
+    names = {e["case"] for e in night.get("cases", [])}
+    for part in section["platforms"]:
+        applied = by_platform.get(part["platform_id"])
+        part["not_in_night"] = sorted(set(applied["cases"]) - names) if applied else []
+    applied = [p for p in section["platforms"] if p["file"]]
+    section["status"] = ("applied" if len(applied) == len(section["platforms"]) and applied else
+                         "partial" if applied else "none")
     section["counts"] = {status: sum(c["status"] == status for c in section["cases"]) for status in STATUSES}
     return section
 
 
 def apply(night: dict, baselines: list[dict], source: str = "") -> dict:
-    """Judge the night (``judge``) and set each case's outcome from it; a changed case gets its changes as
-    problems (they name the tensors), a known difference a note in its message. Returns the section."""
+    """Judge the night (``judge``), set each case's outcome and failure kind from it, and return the section.
+
+    A changed or lost case gets its changes as problems (they name the tensors or the runner); a known difference
+    a note in its message.
+    """
     section = judge(night, baselines, source)
     by_case = {c["case"]: c for c in section["cases"]}
     for entry in night.get("cases", []):
-        judged = by_case.get(entry["case"])
-        if judged is None:
-            continue
+        judged = by_case[entry["case"]]
         entry["baseline"] = judged["status"]
         entry["outcome"] = judged["outcome"]
-        if judged["status"] == "changed":
+        if judged["status"] in ("changed", "lost"):
             entry["problems"] = [*entry.get("problems", []),
                                  *(f"differs from the baseline: {c}" for c in judged["changes"])]
         elif judged["status"] == "match" and judged["own_outcome"] == "fail":
             entry["message"] = f"{entry.get('message', '')} (known: matches the baseline)".strip()
-        elif judged["status"] == "new" and judged["own_outcome"] == "fail" and judged["outcome"] != "fail":
-            entry["message"] = f"{entry.get('message', '')} (new: no baseline for this case yet)".strip()
+        elif judged["status"] in ("redefined", "runner changed") and entry["outcome"] == "fail":
+            entry["problems"] = [*entry.get("problems", []),
+                                 *(f"the baseline's record does not apply: {c}" for c in judged["changes"])]
     return section
 
 
-# --- files ---------------------------------------------------------------------------------------------------
-
-def load_all(directory: Path | None) -> list[dict]:
-    """Every baseline file in `directory` (none when it is None or absent); a broken file is an error."""
-    if directory is None or not Path(directory).is_dir():
-        return []
-    return [load(path) for path in sorted(Path(directory).glob("*.json"))]
-
-
-def load(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise BaselineError(f"{path}: cannot read a baseline: {error}") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("schema") != SCHEMA:
-        found = (data.get("kind"), data.get("schema")) if isinstance(data, dict) else type(data).__name__
-        raise BaselineError(f"{path}: field 'kind'/'schema': not a baseline of schema {SCHEMA} (got {found!r})")
-    for key, kind in (("fingerprint", dict), ("cases", dict)):
-        if not isinstance(data.get(key), kind):
-            raise BaselineError(f"{path}: field {key!r}: expected an object (got {data.get(key)!r:.80})")
-    data["_file"] = str(path)
-    return data
-
-
-def build(night: dict, previous: dict | None) -> tuple[dict, list[dict]]:
-    """The baseline a night makes (keeping `previous` records of cases the night did not run), and the
-    changes against `previous`: ``{"case", "change": added|removed|changed|kept, "details"}``.
-
-    Refuses (BaselineError naming them) a night with any ERROR case: a baseline records known verdicts, never
-    a failure to run.
-    """
-    errors = [e["case"] for e in night.get("cases", []) if e.get("verdict") == ERROR_VERDICT]
-    if errors:
-        raise BaselineError(f"night {night.get('run_id')}: {len(errors)} case(s) ended ERROR: {', '.join(errors)}; "
-                            "a baseline records known verdicts, never a failure to run (fix them, run again)")
-    print_ = fingerprint(night)
-    old = (previous or {}).get("cases", {})
-    cases, changes = {}, []
-    for entry in night.get("cases", []):
-        name, now = entry["case"], record(entry)
-        if now is None:
-            if name in old:
-                cases[name] = old[name]
-                changes.append({"case": name, "change": "kept", "details": ["not run in this night"]})
-            continue
-        cases[name] = now
-        if name not in old:
-            changes.append({"case": name, "change": "added", "details": [_summary(now)]})
-        elif compare_records(old[name], now):
-            changes.append({"case": name, "change": "changed", "details": compare_records(old[name], now)})
-    run_names = {e["case"] for e in night.get("cases", [])}
-    changes += [{"case": name, "change": "removed", "details": [_summary(old[name])]}
-                for name in sorted(old) if name not in run_names]
-    host = (night.get("harness") or {})
-    baseline = {"schema": SCHEMA, "kind": KIND, "name": file_name(print_).removesuffix(".json"),
-                "fingerprint_id": fingerprint_id(print_), "fingerprint": print_,
-                "recorded_from": {"run_id": night.get("run_id"), "started_at": night.get("started_at"),
-                                  "tokens": night.get("tokens"), "node": host.get("node"),
-                                  "harness_version": host.get("version")},
-                "cases": dict(sorted(cases.items()))}
-    return baseline, changes
-
-
-def dumps(baseline: dict) -> str:
-    return json.dumps({k: v for k, v in baseline.items() if not k.startswith("_")}, indent=2, sort_keys=False) + "\n"
+def _platform_section(print_: dict, applied: dict | None, baselines: list[dict]) -> dict:
+    part = {"platform": print_, "platform_id": platform_id(print_), "file": None, "suggested_file": file_name(print_),
+            "cases": []}
+    if applied:
+        part.update({"file": applied["_file"], "recorded_from": applied.get("recorded_from")})
+        return part
+    same_device = [b for b in baselines if b["platform"].get("device") == print_.get("device")]
+    nearest = min(same_device, key=lambda b: (len(differences(b["platform"], print_)), b["_file"]), default=None)
+    part["nearest"] = nearest and {"file": nearest["_file"], "differences": differences(nearest["platform"], print_)}
+    return part
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
 
-def _known(own: str, now: dict) -> str:
-    """The outcome of a case the baseline does not fail: its own, except that a miss of its own expectation
-    passes (skips, when UNSUPPORTED); an ERROR always fails."""
-    if now["verdict"] == ERROR_VERDICT:
-        return "fail"
-    if own != "fail":
-        return own
-    return "skip" if now["verdict"] == UNSUPPORTED_VERDICT else "pass"
-
-
-def _nearest(print_: dict, baselines: list[dict]) -> dict | None:
-    return min(baselines, key=lambda b: (len(differences(b["fingerprint"], print_)), b["_file"]), default=None)
-
-
-def _summary(rec: dict) -> str:
-    tensors = "; ".join(f"{name} {_numbers(t)}" for name, t in rec["differing"].items())
-    met = "meets its expectation" if rec["expectation_met"] else f"expected {rec.get('expected')}"
-    return f"{rec['verdict']} ({met})" + (f": {tensors}" if tensors else "")
-
-
-def _numbers(tensor: dict) -> str:
+def numbers(tensor: dict) -> str:
     extra = [f"{k.replace('_', ' ')} {tensor[k]}" for k in TENSOR_FIELDS[3:] if tensor.get(k)]
     status = "" if tensor.get("status") == "DIFF" else f"{tensor.get('status')}, "
     return ", ".join([f"{status}{tensor.get('mismatches')} mismatches", f"max ULP {tensor.get('max_ulp')}", *extra])
 
 
-def _short(value, limit: int = 60) -> str:
+def short(value, limit: int = 60) -> str:
     text = json.dumps(value, default=str) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -361,7 +409,9 @@ def _slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")[:limit].strip("-.")
 
 
-def _isa_level(flags: list[str]) -> str:
+def isa_level(cpu_isa: str) -> str:
+    """The vector-ISA level a CPU's flags give (``amx``, ``avx512bf16``, ``avx512``, ``avx2``, ``noavx``)."""
+    flags = cpu_isa.split()
     if any(f.startswith("amx") for f in flags):
         return "amx"
     if "avx512_bf16" in flags:

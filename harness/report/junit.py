@@ -1,14 +1,16 @@
 """JUnit XML for CI test views: one testcase per case of a nightly run.
 
-A case that missed its expectation (a DIFF where bits should match, an ERROR) is a failure; an UNSUPPORTED
-or not-run case is skipped with its reason; a met expectation (bitwise pass, known difference, negative
-control) passes.
+A case that failed (an ERROR, an unmet expectation, a change against the baseline, a difference nothing states)
+is a failure whose message starts with why; an UNSUPPORTED or not-run case is skipped with its reason; a met
+expectation (bitwise pass, known difference, negative control) passes.
 """
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from harness.compare import baseline
 
 
 def write(night: dict, path: Path) -> None:
@@ -28,8 +30,9 @@ def write(night: dict, path: Path) -> None:
             "time": f"{case['wall_seconds']:.3f}"})
         summary = f"{case['verdict']}: {case['message']}" if case["verdict"] else case["message"]
         if case["outcome"] == "fail":
-            failure = ET.SubElement(element, "failure", message=summary, type=case["verdict"] or "ERROR")
-            failure.text = "\n".join([summary, *case["problems"], f"report: {case['report'] or '(none)'}"])
+            kind = baseline.FAILURE_KINDS.get(case.get("failure"), "failed")
+            failure = ET.SubElement(element, "failure", message=f"{kind}: {summary}", type=case["verdict"] or "ERROR")
+            failure.text = "\n".join([f"{kind}: {summary}", *case["problems"], f"report: {case['report'] or '(none)'}"])
         elif case["outcome"] == "skip":
             ET.SubElement(element, "skipped", message=summary)
         if case["report"]:

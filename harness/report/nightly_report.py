@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.compare import trend
+from harness.compare import baseline, trend
 from harness.report import baseline_section
 from harness.report import blocks as doc
 
@@ -19,17 +19,28 @@ def blocks(night: dict) -> list[tuple]:
                  f"{s['skipped']} skipped"),
         ("p", f"Run `{night['run_id']}`, {night['started_at']} to {night['finished_at']}, {tokens}, "
               f"harness {night['harness']['version']} on {night['harness']['host'].get('cpu')}; "
-              f"exit code {night['exit_code']}."),
+              f"exit code {night['exit_code']}." + (f" Failed: {failed_by(night)}." if s.get("failed_by") else "")),
     ]
+    if night.get("shard"):
+        out.append(("p", f"Shard {night['shard']['index']} of {night['shard']['count']}: not judged alone (exit code "
+                         "0); `python -m harness nightly-merge` judges it with the other shards."))
     out += trend.blocks(night["trend"])
     out += baseline_section.blocks(night.get("baseline"))
     out += [("h", 2, "Cases"),
             ("table", ["case", "outcome", "verdict", "expected", "paddle level", "differing tensors", "max ULP",
                        "wall s", "why"],
              [_row(c) for c in night["cases"]])]
-    failures = [c for c in night["cases"] if c["outcome"] == "fail"]
-    if failures:
-        out.append(("h", 2, "Failures"))
+    for kind, title in baseline.FAILURE_KINDS.items():
+        failures = [c for c in night["cases"] if c.get("failure") == kind]
+        if not failures:
+            continue
+        out.append(("h", 2, f"Failures: {title} ({len(failures)})"))
+        if kind == "unknown":
+            out.append(("p", "These cases differ, and nothing says they may: the case states no expectation and no "
+                             "baseline record of its platform applies (none for the platform, no record of the "
+                             "case, or a record of another definition or runner). If the differences are the "
+                             "platform's and right, accept them: `python -m harness baseline update --from "
+                             f"reports/{night['run_id']}`, and commit the file it writes."))
         for c in failures:
             out += [("h", 3, f"`{c['case']}`: {c['verdict']}"),
                     ("ul", [c["message"], *c["problems"], f"report: `{c['report']}`"])]
@@ -41,6 +52,25 @@ def blocks(night: dict) -> list[tuple]:
         out += [("h", 2, "Provenance"),
                 ("table", ["runner and field", "value"], [[f"`{k}`", f"`{v}`"] for k, v in prov.items()])]
     return out
+
+
+def failed_by(night: dict) -> str:
+    """``1 ERROR, 3 differs, no baseline``: the failed cases by why they failed."""
+    return ", ".join(f"{n} {baseline.FAILURE_KINDS[kind]}" for kind, n in night["summary"].get("failed_by", {}).items())
+
+
+def summary_lines(night: dict, run_dir: Path) -> list[str]:
+    """What the terminal says after the night's line: why cases failed, how to accept differences nothing states,
+    and how the baselines were applied."""
+    lines = [f"failed: {failed_by(night)}"] if night["summary"].get("failed_by") else []
+    if night["summary"].get("failed_by", {}).get("unknown"):
+        lines.append(f"accept the differences no baseline states (if right): python -m harness baseline update "
+                     f"--from {run_dir}")
+    if night.get("shard"):
+        lines.append("shard: not judged alone; nightly-merge judges the shards together")
+    elif "baseline" in night:
+        lines.append(baseline_section.line(night["baseline"]))
+    return lines
 
 
 def write(night: dict, run_dir: Path) -> None:

@@ -31,6 +31,11 @@ from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STDERR_TAIL_CHARS = 4000
+# Intra-op threads of every runner unless the user sets OMP_NUM_THREADS / MKL_NUM_THREADS: oneDNN and MKL may split a
+# reduction across threads, so the count is part of a result (harness.compare.baseline records it). Fixed, so a
+# night's bits do not move with `--workers` or the machine's core count (2 on this project's CI runners, whose two
+# sides then fill both cores). Paddle uses 1 thread unless told.
+RUNNER_THREADS = "2"
 # Settings of the real alignment runs; recorded by each runner in meta.json.
 GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLAGS_use_accuracy_compatible_kernel": "1",
            "NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NCCL_NVLS_ENABLE": "0"}
@@ -66,7 +71,7 @@ def runner_python(runner: str, overrides: dict[str, str]) -> str:
 def runner_env(device: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))  # Paddle uses 1 thread unless told
+    env.setdefault("OMP_NUM_THREADS", RUNNER_THREADS)
     env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -75,7 +80,7 @@ def runner_env(device: str) -> dict[str, str]:
             env.setdefault(key, value)
     else:
         env.setdefault("ONEDNN_VERBOSE", "1")  # names the CPU kernels in the report (harness.run.kernels)
-    env.update(placement.runner_env_overrides())  # a concurrent cell's own GPUs or CPU threads
+    env.update(placement.runner_env_overrides())  # a concurrent cell's own GPUs
     return env
 
 

@@ -1,12 +1,12 @@
-"""Where a cell runs when several run at once: its own GPUs on a multi-GPU host, its share of the CPU threads.
+"""Where a cell runs when several run at once: its own GPUs on a multi-GPU host.
 
 ``run_cells(items, work, workers=N, device=..., tp_of=...)`` runs ``work(item)`` for every item on N threads
 (each cell is an ordinary ``compare_case``: its runners are subprocesses, so threads only wait). On a GPU host a
 cell takes ``tp`` GPUs of the ones this process was given (``CUDA_VISIBLE_DEVICES``, else every GPU that
 ``nvidia-smi -L`` lists), waiting until that many are free, and its runners see only those
-(``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``); on the CPU each cell's runners get
-``OMP_NUM_THREADS`` = cores / workers, so N cells do not oversubscribe the machine N times. Results come back
-in the items' order.
+(``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``). On the CPU the cells share the cores:
+their runners' thread count stays the harness's fixed one (``orchestrate.RUNNER_THREADS``), since the count can
+change bits and ``--workers`` must not. Results come back in the items' order.
 """
 
 from __future__ import annotations
@@ -94,16 +94,10 @@ def run_cells(items: Sequence[T], work: Callable[[T], R], *, workers: int, devic
     pool = GpuPool(visible_gpus() if gpus is None else gpus) if device == "gpu" else None
     if pool is not None and pool.total:
         workers = min(workers, pool.total)
-    cpu_threads = str(max(1, (os.cpu_count() or 1) // workers))
 
     def one(item: T) -> R:
         try:
-            if pool is None:
-                env = {} if workers == 1 or "OMP_NUM_THREADS" in os.environ else {
-                    "OMP_NUM_THREADS": cpu_threads, "MKL_NUM_THREADS": cpu_threads}
-                with runner_env(env):
-                    return work(item)
-            if not pool.total:  # no GPU listed: run as before (the runners say what is missing)
+            if pool is None or not pool.total:  # no GPU listed: run as before (the runners say what is missing)
                 return work(item)
             with pool.take(tp_of(item)) as taken, runner_env({"CUDA_VISIBLE_DEVICES": ",".join(taken)}):
                 return work(item)

@@ -1,12 +1,14 @@
-"""Checks the end-to-end tests make on real runs: what this CPU can run, and report counts recomputed from the
-runners' own output files."""
+"""Checks the end-to-end tests make on real runs: what this CPU can run, report counts recomputed from the runners'
+own output files, and the committed baseline record of this platform a run must repeat."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from harness.case.ops import OPS
-from harness.run.protocol import cpu_isa_flags
+from harness.compare import baseline, baseline_store
+from harness.report.baseline_section import describe
+from harness.run.protocol import cpu_isa_flags, host_provenance
 
 LINEAR_OPS = tuple(name for name, op in OPS.items() if op.oracle == "linear")  # out = x @ W.t(), however viewed
 
@@ -35,3 +37,35 @@ def assert_counts_match_outputs(report, a, b):
         if differing.size:
             first = np.unravel_index(differing[0], bits_a.shape)
             assert tensor["first_mismatch"]["index"] == [int(i) for i in first]
+
+
+# The committed baselines (baselines/), loaded once: what an end-to-end test pins a case's verdict to.
+COMMITTED = baseline_store.load_all(baseline_store.BASELINES_DIR)
+
+
+def this_platform() -> dict:
+    return baseline.platform(host_provenance(), "cpu")
+
+
+def committed_record(case) -> tuple[dict | None, dict | None]:
+    """(the record of `case` in this platform's committed baseline, that baseline); None where there is none."""
+    table = baseline_store.for_platform(COMMITTED, this_platform())
+    return ((table or {}).get("cases", {}).get(case.name), table)
+
+
+def assert_repeats_the_record(case, report: dict, table: dict) -> None:
+    """The run gives exactly what this platform's baseline records for the case: same definition, runners, verdict,
+    UNSUPPORTED reason, differing tensors and their numbers. Else the failure says how to record it again."""
+    entry = {"case": case.name, "verdict": report["verdict"], "message": report["message"], "result": report}
+    problems = baseline.record_problems(entry, table)
+    command = baseline_store.record_command("cpu", (table.get("recorded_from") or {}).get("tokens"))
+    assert not problems, (
+        f"{case.name} on {describe(this_platform())} no longer gives what {table['_file']} records: "
+        + "; ".join(problems[:8]) + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
+        + f". If the new verdicts are right, record this platform again: `{command}`, and commit baselines/")
+
+
+def no_record_reason(case) -> str:
+    """Why a case with no stated expectation and no record is not pinned here, and how to pin it."""
+    return (f"{case.name}: no stated expectation and no record in this platform's baseline ({describe(this_platform())}"
+            f"); the platform-independent checks passed. Record it: `{baseline_store.record_command('cpu', 16)}`")
