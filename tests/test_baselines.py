@@ -44,7 +44,7 @@ if role == "paddle" and plan.get("unsupported"):
         meta = {{"runner": role}}
     (folder / "meta.json").write_text(json.dumps({{**meta, "unsupported": plan["unsupported"]}}))
     sys.exit(3)
-inputs = load_file(request["checkpoint"])
+inputs = {{k: v for path in request["checkpoint"] for k, v in load_file(path).items()}}
 x, w, dy = inputs["input"], inputs["weight"], inputs["grad_output"]
 tensors = {{"out": x @ w.T, "grad.input": dy @ w, "grad.weight": dy.T @ x}}
 tensors = {{k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}}

@@ -5,7 +5,7 @@ first divergence, re-feed attribution, the gate-matrix table. Runs in well under
 import numpy as np
 import pytest
 
-from harness.case.checkpoints import generate
+from harness.case.generate import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
 from harness.compare.refeed import attribution

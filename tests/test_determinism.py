@@ -33,7 +33,7 @@ tensors = {{"out": out, "grad.input": np.zeros((t, n_in), np.float32),
             "grad.weight": np.zeros((n_out, n_in), np.float32)}}
 if {exact}:  # the exact result, computed like the oracle: a side that is right by construction
     from safetensors.numpy import load_file
-    inputs = {{k: v.astype(np.float64) for k, v in load_file(request["checkpoint"]).items()}}
+    inputs = {{k: v.astype(np.float64) for path in request["checkpoint"] for k, v in load_file(path).items()}}
     x, w, dy = inputs["input"], inputs["weight"], inputs["grad_output"]
     tensors = {{"out": x @ w.T, "grad.input": dy @ w, "grad.weight": dy.T @ x}}
     tensors = {{k: v.astype(np.float32) for k, v in tensors.items()}}

@@ -481,13 +481,13 @@ def test_full_disk_while_writing_a_checkpoint_leaves_no_staging_folder(world, mo
     from harness.case import checkpoints
     from harness.case.registry import Registry
 
-    def full_disk_double(tensors, filename):  # named double: safetensors' writer on a full disk
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+    def full_disk_double(path, made):  # named double: the checkpoint writer on a full disk
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(checkpoints, "save_file", full_disk_double)
+    monkeypatch.setattr(checkpoints, "write_tensors", full_disk_double)
     with pytest.raises(resources.StorageError, match="cannot write checkpoint .*no space left on device"):
         checkpoints.prepare(Registry.load(world.cases).get("tiny"), world.ck)
-    assert [p.name for p in world.ck.rglob("*")] == ["tiny"]  # the case folder, nothing half-written in it
+    assert [p.name for p in world.ck.rglob("*")] == ["weights"]  # the weights' folder, nothing half-written in it
 
 
 def test_storage_error_without_a_file_name_names_the_folder(tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from harness.capture.torch import capture
 from harness.case import models
-from harness.case.checkpoints import generate
+from harness.case.generate import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
 from harness.compare import model
@@ -211,7 +211,7 @@ def test_summary_counts_and_first_divergence_as_a_module_path(case):
 def test_weights_from_an_hf_checkpoint_are_sliced_to_the_cases_experts(tmp_path):
     from safetensors.numpy import save_file
 
-    from harness.case.checkpoints import CheckpointError, load_tensors, prepare
+    from harness.case.checkpoints import CheckpointError, prepare
     case = Registry.load().get("kimi_k2_2layer_fp32").with_tokens(4)
     ours = generate(case)
     theirs = {name: array for name, array in ours.items() if name not in ("input_ids", "labels")}
@@ -221,7 +221,7 @@ def test_weights_from_an_hf_checkpoint_are_sliced_to_the_cases_experts(tmp_path)
     theirs["model.layers.1.mlp.experts.384.down_proj.weight"] = np.zeros((256, 32), np.float32)  # beyond the case
     theirs["model.layers.0.mlp.down_proj.weight"] = theirs["model.layers.0.mlp.down_proj.weight"] * 2
     save_file(theirs, str(tmp_path / "model.safetensors"))
-    loaded = load_tensors(prepare(case, tmp_path / "ckpt", str(tmp_path / "model.safetensors")).path)
+    loaded = prepare(case, tmp_path / "ckpt", str(tmp_path / "model.safetensors")).tensors()
     assert np.array_equal(loaded[bias], ours[bias]) and loaded["model.layers.1.mlp.gate.weight"].shape == (384, 256)
     down = "model.layers.0.mlp.down_proj.weight"
     assert np.array_equal(loaded[down], ours[down] * 2)

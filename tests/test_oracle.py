@@ -63,7 +63,7 @@ def exact_linear(tensors, bias):
 def run_oracle(tmp_path, tensors, dtype, op="column_parallel_linear", bias=False, shapes=None):
     save_file(tensors, str(tmp_path / "inputs.safetensors"))
     request = {"op": op, "dtype": dtype, "config": {"bias": bias}, "shapes": shapes or {},
-               "checkpoint": str(tmp_path / "inputs.safetensors"), "output_dir": str(tmp_path)}
+               "checkpoint": [str(tmp_path / "inputs.safetensors")], "output_dir": str(tmp_path)}
     oracle.run(request, Phases())
     return load_file(str(tmp_path / OUTPUTS))
 

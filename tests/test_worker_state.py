@@ -126,7 +126,7 @@ def side(cell: Cell, runner: str, root: Path, number: int) -> tuple:
     case = replace(case.with_tokens(TOKENS), runners=(runner, runner), perturb=case.perturb if cell.control else None)
     checkpoint = checkpoints.prepare(case, root / "checkpoints")
     label = "b" if cell.control else "a"
-    return case, SideSpec(label, runner, checkpoint.path_for(label), 1, f"cell{number}-{runner}",
+    return case, SideSpec(label, runner, checkpoint.files_for(label), 1, f"cell{number}-{runner}",
                           cell.dtype if model else None)
 
 

@@ -1,14 +1,29 @@
-"""Shared weights, inputs and upstream gradients: generated deterministically or imported, then verified.
+"""Weights, inputs and upstream gradients: generated deterministically or imported, written once, verified.
 
-Layout: ``checkpoints/<case>/<digest>/inputs.safetensors`` plus ``manifest.json`` (sha256 per tensor,
-the recipe that made it, generator version). The digest covers every input to the bits, so a folder
-is reused exactly when the same tensors would be generated again; it is verified on every load, and
-a mismatch is an error: the harness never regenerates over a file someone may have edited on purpose.
+A case's checkpoint is two parts, each a folder with one safetensors file and a ``manifest.json`` (sha256 per
+tensor, the recipe that made it, generator version, file size):
+
+    checkpoints/weights/<weights digest>/weights.safetensors   the case's weights (role "weight": no token dim)
+    checkpoints/<case>/<digest>/inputs.safetensors             what depends on the token count: inputs, upstream
+                                                               gradients, token ids and labels
+
+The weights digest covers the weights' own recipe (op, dtype, seed, the weights' names, shapes and distributions,
+imported files), so every token count, repeat, sweep cell and case with the same weights shares one file. The
+case digest covers everything that decides any bit (the token count too): it names the case's folder and is what
+a baseline's record of the case is checked against (``digest``). A negative control's flipped copy of the part
+that holds its tensor sits in the case's folder. A part is written once, hashed as it is written, and reused when
+its digest matches; a mismatch is an error: the harness never regenerates over a file someone may have edited on
+purpose.
+
+What ``prepare`` verifies on every load: both manifests, and each file's size and header (names, dtypes, shapes)
+against its manifest, which is cheap; the sha256 of every tensor in the case's own folder (token-sized: what a
+cell reads anyway); the sha256 of every weight once per harness process and file, again whenever the file's size,
+inode or times change (a sweep or a night hashes a 2.3 GB table once, not once per cell; a part this process wrote
+was hashed as it was written). ``verify`` checks a folder and its weights in full.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import importlib.util
 import json
@@ -16,24 +31,27 @@ import math
 import os
 import shutil
 import tempfile
-import zlib
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors loads it)
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from harness import paths, resources
 from harness.bits import format_of
+from harness.case import generate, tensorfile
 from harness.case.ops import MODEL_OPS, resolve_dtype
-from harness.case.registry import Case
+from harness.case.registry import SHARED_WEIGHTS, Case
 
-GENERATOR_VERSION = 1
 CHECKPOINTS_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
 MANIFEST = "manifest.json"
 INPUTS = "inputs.safetensors"
+WEIGHTS = "weights.safetensors"
+WEIGHTS_DIR = SHARED_WEIGHTS  # checkpoints/weights/<digest>/: a name the registry refuses for a case
+SCHEMA = 2
+PARTS = {"weights": WEIGHTS, "inputs": INPUTS}
 
 
 class CheckpointError(RuntimeError):
@@ -42,44 +60,73 @@ class CheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    folder: Path
+    folder: Path  # the case's own folder: inputs.safetensors, a control's flipped copy, manifest.json
     manifest: dict
+    weights: Path | None = None  # the weights part's folder; None for an op without weights
 
     @property
     def path(self) -> Path:
+        """The token-dependent part."""
         return self.folder / INPUTS
 
-    def path_for(self, side: str) -> Path:
-        """The inputs a side reads: the shared file, or its perturbed copy for a negative control."""
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The files that together hold every input tensor (each name in one of them): weights, then inputs."""
+        return ((self.weights / WEIGHTS,) if self.weights else ()) + (self.path,)
+
+    def files_for(self, side: str) -> tuple[Path, ...]:
+        """The files a side reads: the shared ones, or, for a negative control's side, with the flipped copy in
+        place of the part that holds its tensor."""
         perturbed = self.manifest.get("perturbed")
-        if perturbed and perturbed["side"] == side:
-            return self.folder / perturbed["file"]
-        return self.path
+        if not (perturbed and perturbed["side"] == side):
+            return self.files
+        return tuple(self.folder / perturbed["file"] if file.name == PARTS[perturbed["part"]] else file
+                     for file in self.files)
+
+    def tensors(self, side: str = "a") -> dict[str, np.ndarray]:
+        """Every input tensor a side reads, in memory."""
+        return {name: array for file in self.files_for(side) for name, array in load_tensors(file).items()}
 
 
 def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None = None) -> Checkpoint:
-    """Return the verified checkpoint of `case`, creating it on first use."""
+    """Return the verified checkpoint of `case`, creating what is missing on first use."""
     check_memory(case)
     imported = _imports(case, weights_file)
-    recipe = _recipe(case, imported)
-    made = _digest(recipe)
+    made = generate.plans(case, {name: array for name, (array, _) in imported.items()})
+    recipe, weights_recipe = _recipe(case, imported, made), _weights_recipe(case, imported, made)
+    digest_, weights_digest = _digest(recipe), _digest(weights_recipe) if weights_recipe["weights"] else None
     try:
-        folder = paths.child(paths.child(Path(root), case.name, "case"), made, "checkpoint")
+        folder = paths.child(paths.child(Path(root), case.name, "case"), digest_, "checkpoint")
+        weights = paths.child(paths.child(Path(root), WEIGHTS_DIR, "weights"), weights_digest, "checkpoint") \
+            if weights_digest else None
     except paths.UnsafeName as error:
         raise CheckpointError(f"{error}; the checkpoint must stay inside {root}") from None
-    if not (folder / MANIFEST).exists():
+    if weights and not (weights / MANIFEST).exists():
+        with resources.boundary("checkpoint", weights):
+            _write_part(weights, WEIGHTS, [made[name] for name in weights_recipe["weights"]],
+                        {"kind": "weights", "digest": weights_digest, "recipe": weights_recipe})
+    wrote = not (folder / MANIFEST).exists()
+    if wrote:
+        inputs = [plan for name, plan in made.items() if name not in weights_recipe["weights"]]
         with resources.boundary("checkpoint", folder):
-            _write(case, folder, recipe, made, imported)
-    manifest = verify(folder)
-    if manifest.get("digest") != made:
+            _write_case_part(case, folder, inputs, {"kind": "inputs", "case": case.name, "digest": digest_,
+                                                    "recipe": recipe, "weights": weights_digest}, weights)
+    manifest = _verify_case(folder, full=not wrote)
+    if manifest.get("digest") != digest_:
         raise CheckpointError(f"{folder / MANIFEST}: field 'digest' is {manifest.get('digest')!r}, "
-                              f"but the folder name and the case say {made!r}")
-    return Checkpoint(folder, manifest)
+                              f"but the folder name and the case say {digest_!r}")
+    if manifest.get("weights") != weights_digest:
+        raise CheckpointError(f"{folder / MANIFEST}: field 'weights' is {manifest.get('weights')!r}, "
+                              f"but the case's weights are {weights_digest!r}; delete {folder} to regenerate it")
+    if weights:
+        _verify_part(weights, WEIGHTS, full=True)
+    return Checkpoint(folder, manifest, weights)
 
 
 def digest(case: Case, weights_file: str | None = None) -> str:
     """The digest of `case`'s checkpoint without making it: what a baseline's record of the case is checked against."""
-    return _digest(_recipe(case, _imports(case, weights_file)))
+    imported = _imports(case, weights_file)
+    return _digest(_recipe(case, imported, generate.plans(case, {n: a for n, (a, _) in imported.items()})))
 
 
 def _imports(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray, dict]]:
@@ -92,43 +139,116 @@ def _digest(recipe: dict) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _recipe(case: Case, imported: dict, made: dict[str, generate.Plan]) -> dict:
+    """Everything that decides the checkpoint's bits (the same keys since generator version 1: digests of cases
+    whose tensors are drawn in one block did not move when the weights were split out)."""
+    return {
+        "generator_version": generate.version(list(made.values())),
+        "op": case.op,
+        "dtype": case.dtype,
+        "seed": case.seed,
+        "inputs": {s.name: {"shape": list(s.shape), "role": s.role} for s in case.input_specs()},
+        "distributions": case.tensors,
+        "imported": {name: source for name, (_, source) in imported.items()},
+        "perturb": vars(case.perturb) if case.perturb else None,
+    }
+
+
+def _weights_recipe(case: Case, imported: dict, made: dict[str, generate.Plan]) -> dict:
+    """What decides the weights' bits, without the token count: their digest names the shared part."""
+    names = [s.name for s in case.input_specs() if s.role == "weight"]
+    return {
+        "generator_version": generate.version([made[name] for name in names]),
+        "op": case.op,
+        "dtype": case.dtype,
+        "seed": case.seed,
+        "weights": {name: {"shape": list(made[name].shape), "dtype": made[name].dtype.name} for name in names},
+        "distributions": {name: case.tensors[name] for name in names if name in case.tensors},
+        "imported": {name: source for name, (_, source) in imported.items()},
+    }
+
+
+_HASHED: set[tuple] = set()  # (file, its stat, its manifest's digests) whose bytes this process has hashed
+_HASHED_LOCK = threading.Lock()
+
+
 def verify(folder: Path) -> dict:
-    """Check every file and tensor against the manifest; return the manifest."""
+    """Check a case's folder and its weights in full (every tensor's sha256); return its manifest."""
+    manifest = _verify_case(folder, full=True)
+    if manifest.get("weights"):
+        _verify_part(Path(folder).parents[1] / WEIGHTS_DIR / manifest["weights"], WEIGHTS, full=True, cached=False)
+    return manifest
+
+
+def _verify_case(folder: Path, full: bool) -> dict:
+    manifest = _verify_part(folder, INPUTS, full=full, cached=False)
+    perturbed = manifest.get("perturbed")
+    if perturbed:
+        _check_file(folder, perturbed["file"], perturbed["tensors"], folder / MANIFEST, full, cached=False)
+    return manifest
+
+
+def _verify_part(folder: Path, file_name: str, full: bool, cached: bool = True) -> dict:
+    """The part's manifest, after checking its file against it (see the module docstring for what `full` adds)."""
     manifest_path = Path(folder) / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{manifest_path}: unreadable manifest: {error}") from None
     _check_manifest(manifest, manifest_path)
-    files = {INPUTS: manifest["tensors"]}
-    if manifest.get("perturbed"):
-        files[manifest["perturbed"]["file"]] = manifest["perturbed"]["tensors"]
-    for file_name, expected in files.items():
-        try:
-            file = paths.child(Path(folder), file_name, "checkpoint file")
-        except paths.UnsafeName as error:
-            raise CheckpointError(f"{manifest_path}: {error}; delete {folder} to regenerate it") from None
-        tensors = load_tensors(file)
-        if set(tensors) != set(expected):
-            raise CheckpointError(f"{Path(folder) / file_name}: holds tensors {sorted(tensors)}, "
-                                  f"manifest lists {sorted(expected)}")
-        for name, entry in expected.items():
-            actual = tensor_sha256(tensors[name])
-            if actual != entry["sha256"]:
-                raise CheckpointError(
-                    f"{Path(folder) / file_name}: tensor {name!r} has sha256 {actual[:16]}..., manifest "
-                    f"{manifest_path} says {entry['sha256'][:16]}...: the file was changed or corrupted. "
-                    f"Delete {folder} to regenerate it.")
+    _check_file(folder, file_name, manifest["tensors"], manifest_path, full, cached, manifest.get("file_bytes"))
     return manifest
 
 
+def _check_file(folder: Path, file_name: str, expected: dict, manifest_path: Path, full: bool, cached: bool,
+                size: int | None = None) -> None:
+    try:
+        file = paths.child(Path(folder), file_name, "checkpoint file")
+    except paths.UnsafeName as error:
+        raise CheckpointError(f"{manifest_path}: {error}; delete {folder} to regenerate it") from None
+    try:
+        header, _ = tensorfile.read_header(file)
+    except tensorfile.BadFile as error:
+        raise CheckpointError(f"{file}: not a readable safetensors file: {error}") from None
+    if set(header) != set(expected):
+        raise CheckpointError(f"{file}: holds tensors {sorted(header)}, manifest lists {sorted(expected)}")
+    for name, entry in expected.items():
+        if (header[name]["dtype"], header[name]["shape"]) != (entry["dtype"], entry["shape"]):
+            raise CheckpointError(f"{file}: tensor {name!r} is {header[name]['dtype']}{header[name]['shape']}, "
+                                  f"manifest {manifest_path} says {entry['dtype']}{entry['shape']}. "
+                                  f"Delete {folder} to regenerate it.")
+    stat = file.stat()
+    if size is not None and stat.st_size != size:
+        raise CheckpointError(f"{file}: {stat.st_size} bytes, manifest {manifest_path} says {size}: the file was "
+                              f"changed or corrupted. Delete {folder} to regenerate it.")
+    if not full:
+        return
+    key = (str(file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+           json.dumps({name: entry["sha256"] for name, entry in expected.items()}, sort_keys=True))
+    if cached and key in _HASHED:
+        return
+    actual = tensorfile.sha256s(file, hashlib.sha256)
+    for name, entry in expected.items():
+        if actual[name] != entry["sha256"]:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has sha256 {actual[name][:16]}..., manifest "
+                f"{manifest_path} says {entry['sha256'][:16]}...: the file was changed or corrupted. "
+                f"Delete {folder} to regenerate it.")
+    with _HASHED_LOCK:
+        _HASHED.add(key)
+
+
 MANIFEST_KEYS = {"digest": str, "generator_version": int, "tensors": dict}
+TENSOR_KEYS = {"sha256": str, "dtype": str, "shape": list}
 
 
 def _check_manifest(manifest, path: Path) -> None:
     """Every key the harness reads, of the right type: a hand-edited manifest fails here, naming the key."""
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: manifest must be a JSON object (got {type(manifest).__name__})")
+    if manifest.get("schema") != SCHEMA:
+        raise CheckpointError(f"{path}: key 'schema' is {manifest.get('schema')!r}, this harness reads {SCHEMA} "
+                              f"(weights in a part of their own); delete {path.parent} to regenerate it")
     for key, kind in MANIFEST_KEYS.items():
         if not isinstance(manifest.get(key), kind):
             problem = "is missing" if key not in manifest else f"must be {kind.__name__} (got {manifest[key]!r:.60})"
@@ -140,12 +260,20 @@ def _check_manifest(manifest, path: Path) -> None:
                 and isinstance(perturbed.get("tensors"), dict) and isinstance(perturbed.get("side"), str)):
             raise CheckpointError(f"{path}: key 'perturbed' must hold 'side', 'file' and 'tensors'; "
                                   f"delete {path.parent} to regenerate it")
+        try:
+            paths.child(path.parent, perturbed["file"], "checkpoint file")
+        except paths.UnsafeName as error:
+            raise CheckpointError(f"{path}: {error}; delete {path.parent} to regenerate it") from None
+        if perturbed.get("part") not in PARTS:
+            raise CheckpointError(f"{path}: key 'perturbed.part' must be one of {', '.join(PARTS)} (got "
+                                  f"{perturbed.get('part')!r}); delete {path.parent} to regenerate it")
         entries.append(perturbed["tensors"])
     for tensors in entries:
         for name, entry in tensors.items():
-            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-                raise CheckpointError(f"{path}: tensor {name!r} has no 'sha256'; delete {path.parent} to "
-                                      "regenerate it")
+            for key, kind in TENSOR_KEYS.items():
+                if not isinstance(entry, dict) or not isinstance(entry.get(key), kind):
+                    raise CheckpointError(f"{path}: tensor {name!r} has no {key!r}; delete {path.parent} to "
+                                          "regenerate it")
 
 
 def check_memory(case: Case) -> None:
@@ -191,105 +319,69 @@ def tensor_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
 
 
-def generate(case: Case) -> dict[str, np.ndarray]:
-    """Each tensor from its own stream, seeded by (case seed, tensor name): adding a tensor moves no other."""
-    tensors = {}
-    for spec in case.input_specs():
-        if spec.role == "labels":  # the next token of each position; the last predicts nothing (-100)
-            ids = tensors["input_ids"]
-            tensors[spec.name] = np.concatenate([ids[1:], np.array([-100], dtype=np.int64)])
-            continue
-        dist = case.tensors[spec.name]
-        rng = np.random.default_rng([case.seed, zlib.crc32(spec.name.encode())])
-        if dist["dist"] == "randint":
-            tensors[spec.name] = rng.integers(0, int(dist["high"]), spec.shape, dtype=np.int64)
-            continue
-        dtype = format_of(resolve_dtype(spec.dtype, case.dtype)).float_dtype
-        if dist["dist"] == "normal":
-            values = rng.standard_normal(spec.shape, dtype=np.float32) * dist["std"] + dist["mean"]
-        else:
-            values = rng.uniform(dist["low"], dist["high"], spec.shape).astype(np.float32)
-        tensors[spec.name] = values.astype(dtype)  # round to nearest even, once
-    return tensors
+def _write_case_part(case: Case, folder: Path, made: list[generate.Plan], manifest: dict,
+                     weights: Path | None) -> None:
+    """The case's folder: its inputs and, for a negative control, the flipped copy of the part holding its tensor."""
+
+    def flipped_copy(staging: Path, described: dict) -> dict:
+        if not case.perturb:
+            return {"perturbed": None}
+        part = "inputs" if case.perturb.tensor in described else "weights"
+        source = staging / INPUTS if part == "inputs" else weights / WEIGHTS
+        tensors = described if part == "inputs" else _verify_part(weights, WEIGHTS, full=False)["tensors"]
+        file_name = f"{part}.{case.perturb.side}.safetensors"
+        shutil.copyfile(source, staging / file_name)
+        tensorfile.flip_bit(staging / file_name, case.perturb.tensor, case.perturb.index, case.perturb.bit)
+        flipped = tensorfile.sha256s(staging / file_name, hashlib.sha256)[case.perturb.tensor]
+        return {"perturbed": {**vars(case.perturb), "index": list(case.perturb.index), "part": part, "file": file_name,
+                              "tensors": {**tensors, case.perturb.tensor: {**tensors[case.perturb.tensor],
+                                                                           "sha256": flipped}}}}
+
+    _write_part(folder, INPUTS, made, manifest, flipped_copy)
 
 
-def _recipe(case: Case, imported: dict[str, tuple[np.ndarray, dict]]) -> dict:
-    return {
-        "generator_version": GENERATOR_VERSION,
-        "op": case.op,
-        "dtype": case.dtype,
-        "seed": case.seed,
-        "inputs": {s.name: {"shape": list(s.shape), "role": s.role} for s in case.input_specs()},
-        "distributions": case.tensors,
-        "imported": {name: source for name, (_, source) in imported.items()},
-        "perturb": vars(case.perturb) if case.perturb else None,
-    }
-
-
-def _write(case: Case, folder: Path, recipe: dict, digest: str, imported: dict) -> None:
-    tensors = generate(case)
-    for name, (array, _) in imported.items():
-        tensors[name] = array
-    manifest = {
-        "schema": 1,
-        "case": case.name,
-        "digest": digest,
-        "generator_version": GENERATOR_VERSION,
-        "recipe": recipe,
-        "tensors": _describe(tensors),
-        "perturbed": None,
-    }
+def _write_part(folder: Path, file_name: str, made: list[generate.Plan], manifest: dict, extra=None) -> None:
+    """Write `made` into `folder`/`file_name` with its manifest, through a staging folder renamed into place
+    (atomic: a concurrent writer of the same digest wins, we reuse its files); `extra(staging, described)` may add
+    files beside it and returns what it adds to the manifest."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        _save(tensors, staging / INPUTS)
-        if case.perturb:
-            perturbed = _flip_bit(tensors, case.perturb)
-            file_name = f"inputs.{case.perturb.side}.safetensors"
-            _save(perturbed, staging / file_name)
-            manifest["perturbed"] = {**vars(case.perturb), "index": list(case.perturb.index), "file": file_name,
-                                     "tensors": _describe(perturbed)}
+        described = write_tensors(staging / file_name, made)
+        manifest = {"schema": SCHEMA, **manifest, **(extra(staging, described) if extra else {}),
+                    "generator_version": generate.version(made), "tensors": described,
+                    "file_bytes": (staging / file_name).stat().st_size}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     except BaseException:  # a full disk or a signal: leave no half-written staging folder behind
         shutil.rmtree(staging, ignore_errors=True)
         raise
     try:
-        os.rename(staging, folder)  # atomic: a concurrent writer of the same digest wins, we reuse its files
+        os.rename(staging, folder)
     except OSError:
-        for leftover in staging.iterdir():
-            leftover.unlink()
-        staging.rmdir()
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    stat = (folder / file_name).stat()  # hashed as it was written: this process need not hash it again
+    with _HASHED_LOCK:
+        _HASHED.add((str((folder / file_name).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                     stat.st_ctime_ns, json.dumps({n: e["sha256"] for n, e in described.items()}, sort_keys=True)))
 
 
-def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
-    """safetensors' writer reports a full disk as its own error type: give it back as the OSError it is."""
-    try:
-        save_file(tensors, str(path))
-    except OSError:
-        raise
-    except Exception as error:  # noqa: BLE001 - SafetensorError carries the OS's message only as text
-        raise OSError(_errno_in(str(error)), f"{error}", str(path)) from None
-
-
-def _errno_in(text: str) -> int:
-    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
-        if os.strerror(code).lower() in text.lower():
-            return code
-    return errno.EIO
-
-
-def _describe(tensors: dict[str, np.ndarray]) -> dict:
-    return {name: {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": tensor_sha256(array)}
-            for name, array in tensors.items()}
-
-
-def _flip_bit(tensors: dict[str, np.ndarray], perturb) -> dict[str, np.ndarray]:
-    flipped = dict(tensors)
-    array = tensors[perturb.tensor].copy()
-    bits = array.view(format_of(array.dtype).bits_dtype)
-    bits[perturb.index] ^= bits.dtype.type(1 << perturb.bit)
-    flipped[perturb.tensor] = array
-    return flipped
+def write_tensors(path: Path, made: list[generate.Plan]) -> dict:
+    """Draw every tensor of `made` block by block (``generate.blocks_in_order``), hashing and writing each block as
+    it comes; return each tensor's description (dtype, shape, sha256)."""
+    header, ranges = tensorfile.layout({plan.name: (plan.dtype, plan.shape) for plan in made})
+    order = sorted(made, key=lambda plan: ranges[plan.name])
+    described, hashes = {}, {plan.name: hashlib.sha256() for plan in order}
+    with open(path, "wb") as out:
+        out.write(header)
+        for plan, block in generate.blocks_in_order(order):
+            data = memoryview(np.ascontiguousarray(block).view(np.uint8).reshape(-1))
+            hashes[plan.name].update(data)
+            out.write(data)
+    for plan in made:
+        described[plan.name] = {"dtype": plan.dtype.name, "shape": list(plan.shape),
+                                "sha256": hashes[plan.name].hexdigest()}
+    return described
 
 
 def _import_weights(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray, dict]]:

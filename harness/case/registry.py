@@ -20,6 +20,8 @@ from harness.case import tolerance as tolerance_policy
 from harness.case.ops import KNOBS, MODEL_OPS, OPS, Op, resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
+# A case's name becomes its checkpoint folder, checkpoints/<case>/; this folder holds the weights cases share.
+SHARED_WEIGHTS = "weights"
 
 WIDTHS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
 DTYPES = tuple(WIDTHS)
@@ -186,6 +188,9 @@ class Registry:
                     paths.check(name, "case")  # it names the case's checkpoint folder and run folders
                 except paths.UnsafeName as error:
                     raise CaseError(f"{path}: {error}") from None
+                if name == SHARED_WEIGHTS:
+                    raise CaseError(f"{path}: case name {name!r} is taken: checkpoints/{SHARED_WEIGHTS}/ holds the "
+                                    "weights that cases share")
                 if name in raw:
                     raise CaseError(f"{path}: case {name!r} is already defined in {raw[name][0]}")
                 raw[name] = (path, table)

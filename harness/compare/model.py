@@ -40,7 +40,7 @@ _EXPERT = re.compile(r"\.experts\.\d+(?=\.|$)")
 
 def truth_side(checkpoint) -> SideSpec:
     """hf_model in float64 on the shared (unperturbed) checkpoint: the model's truth."""
-    return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.path, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64")
+    return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64")
 
 
 def compare_outputs(case: Case, sides: list[SideResult]) -> tuple[list[TensorComparison], dict, dict]:

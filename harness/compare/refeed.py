@@ -28,7 +28,7 @@ def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict
         return {"error": f"op {case.op} is a single op: re-feed applies to multi-op blocks"}
     side_a, side_b = sides
     a_outputs = checkpoints.load_tensors(side_a.outputs)
-    available = {**checkpoints.load_tensors(checkpoint.path_for("b")), **a_outputs}
+    available = {**checkpoint.tensors("b"), **a_outputs}
     full = {name: compare_tensor(name, a_outputs.get(name), b) for name, b in
             checkpoints.load_tensors(side_b.outputs).items()}
     report = {"runner": side_b.runner, "fed_from": f"side a ({side_a.runner})", "stages": [], "tensors": {}}
@@ -39,7 +39,7 @@ def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict
         save_file({name: available[source] for name, source in stage.inputs.items()}, str(inputs))
         stage_case = replace(case, name=f"{case.name}.{stage.name}", op=stage.op, shapes=dict(stage.shapes),
                              config=OPS[stage.op].resolve(stage.config), perturb=None, weights_from=None)
-        side = orchestrate.run_side("b", side_b.runner, stage_case, inputs, device, folder / f"b-{side_b.runner}",
+        side = orchestrate.run_side("b", side_b.runner, stage_case, (inputs,), device, folder / f"b-{side_b.runner}",
                                     pythons, timeout)
         entry = {"stage": stage.name, "op": stage.op, "status": side.status, "reason": side.reason,
                  "implementation": side.meta.get("implementation", ""), "inputs": dict(stage.inputs), "tensors": []}

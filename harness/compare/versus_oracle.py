@@ -16,7 +16,7 @@ from harness.run.orchestrate import SideResult, SideSpec
 
 
 def oracle_side(checkpoint: Checkpoint) -> SideSpec:
-    return SideSpec(ORACLE_LABEL, "oracle", checkpoint.path, 1, f"{ORACLE_LABEL}-oracle")
+    return SideSpec(ORACLE_LABEL, "oracle", checkpoint.files, 1, f"{ORACLE_LABEL}-oracle")
 
 
 def versus_oracle(case: Case, pair: list[SideResult], oracle: SideResult | None) -> dict:

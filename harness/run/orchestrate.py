@@ -89,7 +89,7 @@ class SideSpec(NamedTuple):
 
     label: str  # "a", "b", "oracle", "a.2" (second run of a)...
     runner: str
-    inputs: Path
+    inputs: tuple[Path, ...]  # the checkpoint files it reads (weights, inputs: harness.case.checkpoints)
     tp: int
     folder: str  # its folder under the run directory
     dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
@@ -100,7 +100,7 @@ def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None =
                impls: tuple[str, str] | None = None) -> list[SideSpec]:
     """The case's two sides, a and b, each at the case's TP size or, comparing TP sizes, at its own; comparing Paddle
     implementation levels, each with its own ``config.paddle_impl``."""
-    return [SideSpec(label, runner, checkpoint.path_for(label), tp,
+    return [SideSpec(label, runner, checkpoint.files_for(label), tp,
                      f"{label}-{runner}" + (f"-tp{tp}" if tps else "") + (f"-{impl}" if impls else ""),
                      config={"paddle_impl": impl} if impls else None)
             for label, runner, tp, impl in zip("ab", case.runners, tps or (case.tp, case.tp), impls or (None, None),
@@ -138,19 +138,21 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
                 raise
 
 
-def run_side(label: str, runner: str, case: Case, inputs: Path, device: str, folder: Path,
+def run_side(label: str, runner: str, case: Case, inputs: tuple[Path, ...], device: str, folder: Path,
              pythons: dict[str, str], timeout: float) -> SideResult:
-    """Run one runner alone on an inputs file (re-feed runs one op of a block on one side)."""
+    """Run one runner alone on inputs files (re-feed runs one op of a block on one side)."""
     return run_sides(case, [SideSpec(label, runner, inputs, case.tp, folder.name)], device, folder.parent,
                      pythons, timeout)[0]
 
 
-def _request(case: Case, checkpoint: Path, device: str, folder: Path, tp: int) -> dict:
+def _request(case: Case, checkpoint: tuple[Path, ...], device: str, folder: Path, tp: int) -> dict:
+    """The runner's request (docs/model-contract.md): ``checkpoint`` lists the files that together hold every input
+    tensor, each name in exactly one of them (``harness.run.protocol.read_checkpoint``)."""
     config = case.config if tp > 1 or "sequence_parallel" not in case.config else {**case.config,
                                                                                     "sequence_parallel": False}
     return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": tp,
             "tokens": case.tokens, "shapes": case.shapes, "config": config, "seed": case.seed,
-            "checkpoint": str(checkpoint.resolve()), "output_dir": str(folder.resolve())}
+            "checkpoint": [str(path.resolve()) for path in checkpoint], "output_dir": str(folder.resolve())}
 
 
 def _start(runner: str, python: str, folder: Path, device: str, tp: int):

@@ -85,6 +85,21 @@ def import_answer(package: str, error: BaseException) -> dict:
     return {"importable": False, "broken": isinstance(failure, BrokenInstall), "reason": str(failure)}
 
 
+def read_checkpoint(files: list[str], load: Callable[[str], dict]) -> dict:
+    """Every input tensor of a request: ``request["checkpoint"]`` lists the files that together hold them (the case's
+    weights, then what depends on the token count; docs/model-contract.md), each name in exactly one. `load(path)`
+    reads one file, in the runner's own framework; this is the one place each runner room reads a checkpoint."""
+    if isinstance(files, str) or not all(isinstance(path, str) for path in files):
+        raise ValueError(f"request field 'checkpoint' must be a list of safetensors files (got {files!r:.200})")
+    tensors: dict = {}
+    for path in files:
+        for name, tensor in load(path).items():
+            if name in tensors:
+                raise ValueError(f"{path}: tensor {name!r} is also in an earlier checkpoint file of {files}")
+            tensors[name] = tensor
+    return tensors
+
+
 class Phases:
     """Wall time per phase (import, setup, forward, backward, write), in seconds."""
 

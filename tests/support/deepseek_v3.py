@@ -103,7 +103,7 @@ def write_request(folder: Path, config: dict, tokens: int, dtype: str = "float32
                   for k, v in arrays.items()}
     save_file(arrays, str(path))
     request = {"case": "test_causal_lm", "op": "causal_lm", "dtype": dtype, "device": device, "tp": 1,
-               "tokens": tokens, "config": {"model": config, **(extra_config or {})}, "checkpoint": str(path),
+               "tokens": tokens, "config": {"model": config, **(extra_config or {})}, "checkpoint": [str(path)],
                "output_dir": str(folder / "out"), "shapes": {}}
     request_path = folder / "request.json"
     request_path.write_text(json.dumps(request))

@@ -80,7 +80,7 @@ def make_case(folder: Path, model: dict, dtype: str, tokens: int, seed: int = 0)
     save_file({**checkpoint_tensors(net, model), "input_ids": input_ids, "labels": labels},
               str(folder / "checkpoint.safetensors"))
     request = {"case": f"tiny_deepseek_v3_{dtype}", "op": "causal_lm", "dtype": dtype, "device": "cpu", "tp": 1,
-               "tokens": tokens, "config": {"model": model}, "checkpoint": str(folder / "checkpoint.safetensors"),
+               "tokens": tokens, "config": {"model": model}, "checkpoint": [str(folder / "checkpoint.safetensors")],
                "output_dir": str(folder / "out")}
     (folder / "request.json").write_text(json.dumps(request))
     return request, net, input_ids, labels

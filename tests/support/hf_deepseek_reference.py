@@ -33,7 +33,7 @@ def build(request: dict):
     config._experts_implementation = "eager"
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(config).to(DTYPES[request["dtype"]])
-    tensors = load_file(request["checkpoint"])
+    tensors = {name: tensor for path in request["checkpoint"] for name, tensor in load_file(path).items()}
     state = {}
     experts = cfg["n_routed_experts"]
     for layer in range(cfg["num_hidden_layers"]):

@@ -28,7 +28,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from harness.case.ops import OPS, combine_routing
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
+from harness.run.protocol import OUTPUTS, Phases, Unsupported, read_checkpoint, serve
 from harness.runners.oracle import exact
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -43,7 +43,8 @@ def run(request: dict, phases: Phases) -> dict:
         raise Unsupported(f"no truth oracle for op {request['op']!r} yet (oracles exist for {', '.join(covered)})")
     dtype = OUTPUT_DTYPES[request["dtype"]]
     with phases("setup"):
-        tensors = {name: array.astype(np.float64) for name, array in load_file(request["checkpoint"]).items()}
+        tensors = {name: array.astype(np.float64) for name, array in
+                   read_checkpoint(request["checkpoint"], load_file).items()}
     outputs, recomputed = {}, {}
     with phases("compute"):
         for name, (left, right, shift, shape) in formula(tensors, request).items():

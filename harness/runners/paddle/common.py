@@ -9,6 +9,15 @@ import numpy as np
 import paddle
 
 
+def load_checkpoint(files: list[str]) -> dict[str, np.ndarray]:
+    """The request's checkpoint (``request["checkpoint"]``: its files) as numpy arrays, bf16 as uint16 bits."""
+    from safetensors.paddle import load_file
+
+    from harness.run.protocol import read_checkpoint
+
+    return read_checkpoint(files, lambda path: {name: tensor.numpy() for name, tensor in load_file(path).items()})
+
+
 def as_tensor(array, trainable=True):
     tensor = paddle.to_tensor(array)
     tensor.stop_gradient = not trainable

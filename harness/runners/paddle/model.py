@@ -105,9 +105,9 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
                           "(apply_rotary_pos_emb reshapes [d/2, 2] -> [2, d/2]); it has no non-interleaved path")
     m.pop("family", None)
     with phases("setup"):
-        from safetensors.paddle import load_file
+        from harness.runners.paddle.common import load_checkpoint
 
-        checkpoint = {name: tensor.numpy() for name, tensor in load_file(request["checkpoint"]).items()}
+        checkpoint = load_checkpoint(request["checkpoint"])
         config = DeepseekV3Config(**m)
         for knob, (value, _) in KNOBS.items():
             setattr(config, knob, value)

@@ -60,12 +60,12 @@ def run(request: dict, phases: Phases) -> dict:
     gate = request["config"]["use_accuracy_compatible"]
     with phases("setup"):
         device = _select_device(request["device"])
-        from safetensors.paddle import load_file
+        from harness.runners.paddle.common import load_checkpoint
 
         rank, world = rank_and_world()
         partition = OPS[request["op"]].partition(request["config"])
-        tensors = {k: np.ascontiguousarray(v.numpy()[shard_index(v.shape, partition.get(k), rank, world)])
-                   for k, v in load_file(request["checkpoint"]).items()}  # bf16 -> uint16 bits
+        tensors = {k: np.ascontiguousarray(v[shard_index(v.shape, partition.get(k), rank, world)])
+                   for k, v in load_checkpoint(request["checkpoint"]).items()}  # bf16 as uint16 bits
     with phases("choose_level"):
         choice = paddle_levels.choose(request)  # UNSUPPORTED when the pinned level, or every level, is unavailable
     own_tp = choice.level == "paddlefleet"  # PaddleFleet's layers run on fleet's model-parallel group themselves

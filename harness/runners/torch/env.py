@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.run.cell_state import all_restored, attribute_restored, restored
-from harness.run.protocol import Unsupported
+from harness.run.protocol import Unsupported, read_checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 # torch refuses deterministic cuBLAS calls without a fixed workspace; the harness sets the same value (GPU_ENV).
@@ -29,9 +29,9 @@ def select_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def load_inputs(path: str, device: torch.device, take=None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (or the part `take(name, tensor)` selects: a rank's shard), each in a fresh
-    allocation on `device`.
+def load_inputs(files: list[str], device: torch.device, take=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (``request["checkpoint"]``: its files), or the part `take(name, tensor)` selects (a
+    rank's shard), each in a fresh allocation on `device`.
 
     Tensors read from a safetensors file sit at offsets set by its header (measured: 48 mod 64 bytes), and MKL's
     fp32 GEMM result depends on operand alignment (measured: one token of the fc1 shape changed 3,656 of 4,096
@@ -40,7 +40,7 @@ def load_inputs(path: str, device: torch.device, take=None) -> dict[str, torch.T
     """
     take = take or (lambda name, tensor: tensor)
     return {name: take(name, tensor).contiguous().to(device=device, copy=True)
-            for name, tensor in load_file(path).items()}
+            for name, tensor in read_checkpoint(files, load_file).items()}
 
 
 def apply_determinism(device: torch.device) -> dict:
