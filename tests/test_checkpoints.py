@@ -4,15 +4,17 @@ their bits."""
 import json
 import subprocess
 import sys
+import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
-from harness.case import checkpoints
+from harness.case import checkpoints, generate, tensorfile
 from harness.case.checkpoints import CheckpointError
-from harness.case.registry import Registry
+from harness.case.registry import CaseError, Registry
+from harness.run.protocol import read_checkpoint
 from tests.support.cases import tiny_case, write_cases
 
 REGISTRY_TABLES = (
@@ -174,3 +176,99 @@ def test_concurrent_generation_of_one_checkpoint_is_safe(tmp_path):
     assert [p.name for p in case_dir.iterdir()] == [checkpoints.Path(folders.pop()).name]  # no staging leftovers
     assert len(list(weights_dir.iterdir())) == 1
     checkpoints.verify(case_dir / next(case_dir.iterdir()).name)
+
+
+# ---------------------------------------------------------------- how the bits are made (harness.case.generate)
+
+def _plan(dtype, dist, shape=(5, 40), name="t", seed=11):
+    return generate.Plan(name, shape, np.dtype(dtype), seed, dist=dist)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dist", [{"dist": "normal", "mean": 0.5, "std": 0.02},
+                                  {"dist": "uniform", "low": -1.0, "high": 3.0}], ids=["normal", "uniform"])
+def test_a_tensor_of_one_block_is_one_draw_of_its_stream(monkeypatch, dtype, dist):
+    """Version 1's bits: one draw of (seed, crc32 of the name), in float32, rounded once to the dtype; the scratch
+    buffer (shrunk here to 7 elements) only continues the stream."""
+    monkeypatch.setattr(generate, "SCRATCH", 7)
+    plan = _plan(dtype, dist)
+    rng = np.random.default_rng([11, zlib.crc32(b"t")])
+    if dist["dist"] == "normal":
+        expected = rng.standard_normal(plan.shape, dtype=np.float32) * dist["std"] + dist["mean"]
+    else:
+        expected = rng.uniform(dist["low"], dist["high"], plan.shape).astype(np.float32)
+    expected = expected.astype(dtype)
+    got = generate.draw(plan)
+    assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+    assert generate.version([plan]) == 1
+
+
+def test_a_big_tensor_is_drawn_in_independent_blocks_the_same_on_any_number_of_threads(monkeypatch):
+    monkeypatch.setattr(generate, "BLOCK", 64)
+    monkeypatch.setattr(generate, "SCRATCH", 10)
+    plan = _plan(ml_dtypes.bfloat16, {"dist": "normal", "mean": 0.0, "std": 1.0}, shape=(3, 70))
+    whole = generate.draw(plan).reshape(-1)
+    first = np.random.default_rng([11, zlib.crc32(b"t")]).standard_normal(64, dtype=np.float32)
+    second = np.random.default_rng([11, zlib.crc32(b"t"), 1]).standard_normal(64, dtype=np.float32)
+    assert whole[:64].tobytes() == first.astype(ml_dtypes.bfloat16).tobytes()  # block 0: version 1's stream
+    assert whole[64:128].tobytes() == second.astype(ml_dtypes.bfloat16).tobytes()  # block 1: its own stream
+    assert generate.version([plan]) == 2 and list(plan.blocks()) == [0, 64, 128, 192]
+    small = _plan(np.float32, {"dist": "uniform", "low": 0.0, "high": 1.0}, shape=(9,), name="small")
+    for workers in (1, 3):
+        blocks = list(generate.blocks_in_order([plan, small], workers))
+        assert [p.name for p, _ in blocks] == ["t"] * 4 + ["small"]
+        assert np.concatenate([b for p, b in blocks if p is plan]).tobytes() == whole.tobytes()
+
+
+def test_bfloat16_rounding_is_ml_dtypes_cast_on_every_kind_of_value():
+    """Round to nearest even on the float32 bits, at each rounding edge (low half 0, 1, 0x7fff, 0x8000, 0x8001,
+    0xffff), odd and even kept bits, subnormals, the largest finite values (rounding up to infinity) and
+    infinities. All finite float32 were checked once against ml_dtypes (0 differences)."""
+    rng = np.random.default_rng(0)
+    high = np.concatenate([np.arange(0, 0x10000, dtype=np.uint32), rng.integers(0, 0x10000, 4096, dtype=np.uint32)])
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
+    values = ((high[:, None] << 16) | low[None, :]).reshape(-1).view(np.float32)
+    values = values[~np.isnan(values)]
+    out = np.empty(values.size, ml_dtypes.bfloat16)
+    generate._round_into(values, out)
+    assert out.view(np.uint16).tobytes() == values.astype(ml_dtypes.bfloat16).view(np.uint16).tobytes()
+
+
+def test_checkpoint_files_are_safetensors_with_every_tensor_aligned(registry, tmp_path):
+    case = registry.get("fc1").with_tokens(3)
+    made = list(generate.plans(case).values())
+    described = checkpoints.write_tensors(tmp_path / "x.safetensors", made)
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    expected = generate.generate(case)
+    assert {k: v.tobytes() for k, v in loaded.items()} == {k: v.tobytes() for k, v in expected.items()}
+    assert {k: d["sha256"] for k, d in described.items()} == {k: checkpoints.tensor_sha256(v)
+                                                              for k, v in expected.items()}
+    header, start = tensorfile.read_header(tmp_path / "x.safetensors")
+    assert start % 8 == 0 and all(entry["data_offsets"][0] % 2 == 0 for entry in header.values())
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[:5], lambda b: b[:-1], lambda b: b + b"x",
+                                    lambda b: (2**40).to_bytes(8, "little") + b[8:], lambda b: b[:8] + b"[" + b[9:]],
+                         ids=["no header length", "short data", "long data", "huge header", "not json"])
+def test_a_damaged_file_is_not_a_readable_safetensors_file(tmp_path, damage):
+    save_file({"a": np.arange(6, dtype=np.float32)}, str(tmp_path / "ok.safetensors"))
+    (tmp_path / "bad.safetensors").write_bytes(damage((tmp_path / "ok.safetensors").read_bytes()))
+    tensorfile.read_header(tmp_path / "ok.safetensors")
+    with pytest.raises(tensorfile.BadFile):
+        tensorfile.read_header(tmp_path / "bad.safetensors")
+
+
+def test_a_runner_reads_the_files_of_its_request_as_one_checkpoint(tmp_path):
+    save_file({"weight": np.ones(2, np.float32)}, str(tmp_path / "w.safetensors"))
+    save_file({"input": np.zeros(3, np.float32)}, str(tmp_path / "i.safetensors"))
+    files = [str(tmp_path / "w.safetensors"), str(tmp_path / "i.safetensors")]
+    assert sorted(read_checkpoint(files, load_file)) == ["input", "weight"]
+    with pytest.raises(ValueError, match=r"i.safetensors: tensor 'input' is also in an earlier checkpoint file"):
+        read_checkpoint([*files, files[1]], load_file)
+    with pytest.raises(ValueError, match="must be a list of safetensors files"):
+        read_checkpoint(files[0], load_file)
+
+
+def test_no_case_may_take_the_shared_weights_folder_name(tmp_path):
+    with pytest.raises(CaseError, match=r"case name 'weights' is taken: checkpoints/weights/ holds the weights"):
+        Registry.load(write_cases(tmp_path, tiny_case("weights")))
