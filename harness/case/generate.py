@@ -92,8 +92,9 @@ def draw(plan: Plan) -> np.ndarray:
     return (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(plan.shape)
 
 
-def draw_block(plan: Plan, start: int) -> np.ndarray:
-    """The flat elements of `plan` from `start` to the end of its block."""
+def draw_block(plan: Plan, start: int, into: np.ndarray | None = None) -> np.ndarray:
+    """The flat elements of `plan` from `start` to the end of its block; a drawn block is filled into the bytes of
+    `into` when given (a buffer the caller reuses: no fresh pages to fault in for every block)."""
     if plan.array is not None:
         return np.ascontiguousarray(plan.array).reshape(-1)
     if plan.ids is not None:
@@ -103,7 +104,8 @@ def draw_block(plan: Plan, start: int) -> np.ndarray:
     rng = np.random.default_rng([plan.seed, zlib.crc32(plan.name.encode())] + ([block] if block else []))
     if plan.dist["dist"] == "randint":
         return rng.integers(0, int(plan.dist["high"]), plan.size, dtype=np.int64)
-    out = np.empty(min(BLOCK, plan.size - start), plan.dtype)
+    count = min(BLOCK, plan.size - start)
+    out = np.empty(count, plan.dtype) if into is None else into[:count * plan.dtype.itemsize].view(plan.dtype)
     scratch = np.empty(min(SCRATCH, out.size), np.float32)
     for low in range(0, out.size, SCRATCH):
         values = scratch[:min(SCRATCH, out.size - low)]
@@ -140,20 +142,29 @@ def threads() -> int:
 
 def blocks_in_order(made: list[Plan], workers: int | None = None) -> Iterator[tuple[Plan, np.ndarray]]:
     """Every block of every plan, plan after plan and block after block, drawn ahead by `workers` threads with at
-    most two blocks per thread in flight: the caller hashes and writes each as it comes, so memory stays bounded
+    most two blocks per thread in flight, each into a buffer that comes back for a later block once the caller has
+    hashed and written it (a yielded block is valid until the caller asks for the next): memory stays bounded
     whatever the tensors' sizes."""
     workers = workers or threads()
     jobs = ((plan, start) for plan in made for start in plan.blocks())
+    free: list[np.ndarray] = []
+
+    def submit(pool, plan, start):
+        need = min(BLOCK, plan.size - start) * plan.dtype.itemsize
+        buffer = next((free.pop(i) for i, b in enumerate(free) if b.size >= need), None)
+        buffer = np.empty(need, np.uint8) if buffer is None else buffer
+        return plan, buffer, pool.submit(draw_block, plan, start, buffer)
+
     with ThreadPoolExecutor(workers) as pool:
-        pending = deque((plan, pool.submit(draw_block, plan, start))
-                        for plan, start in itertools.islice(jobs, 2 * workers))
+        pending = deque(submit(pool, *job) for job in itertools.islice(jobs, 2 * workers))
         try:
             while pending:
-                plan, future = pending.popleft()
+                plan, buffer, future = pending.popleft()
+                yield plan, future.result()
+                free.append(buffer)
                 following = next(jobs, None)
                 if following is not None:
-                    pending.append((following[0], pool.submit(draw_block, *following)))
-                yield plan, future.result()
+                    pending.append(submit(pool, *following))
         finally:  # the caller stopped early (a full disk): drop what was not started
-            for _, future in pending:
+            for _, _, future in pending:
                 future.cancel()
