@@ -145,8 +145,9 @@ def blocks_in_order(made: list[Plan], workers: int | None = None) -> Iterator[tu
     most two blocks per thread in flight, each into a buffer that comes back for a later block once the caller has
     hashed and written it (a yielded block is valid until the caller asks for the next): memory stays bounded
     whatever the tensors' sizes."""
-    workers = workers or threads()
-    jobs = ((plan, start) for plan in made for start in plan.blocks())
+    every = [(plan, start) for plan in made for start in plan.blocks()]
+    workers = max(1, min(workers or threads(), len(every)))  # a few small tensors: no idle threads to start
+    jobs = iter(every)
     free: list[np.ndarray] = []
 
     def submit(pool, plan, start):

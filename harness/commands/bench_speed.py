@@ -19,7 +19,9 @@ older tree (``git archive <commit> | tar -x -C DIR``; ``--repo DIR``) before a c
 whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
 --device DEVICE --tokens LIST`` would run each, one case after another, in one pool of runner workers; whole-model
 cases are left out (each is a model run per cell, with commands of its own), and so are cases of more GPUs than
-are visible. Tensors are deleted after each case (reports kept): full-size cases write GBs per cell.
+are visible. Runner outputs are deleted after each cell and a case's inputs after the case (reports kept):
+full-size cases write GBs per cell. Per case it prints where the time went (checkpoints, each side's phases, the
+harness's rest), and ``--json`` keeps it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,7 +138,8 @@ def measure_sweep(repo: Path, python: str, tokens: list[int], scratch: Path, ext
 
 
 def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list[str]) -> dict:
-    """Every op-level case of `device` swept over `tokens`, in this process, with one pool of runner workers."""
+    """Every op-level case of `device` swept over `tokens`, in this process, with one pool of runner workers; per case
+    its wall and where it went (checkpoints, each side's phases summed over its cells, the harness's own rest)."""
     from harness.case.ops import MODEL_OPS
     from harness.case.registry import Registry
     from harness.commands.compare import CompareOptions
@@ -148,18 +152,49 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
     options = CompareOptions(device=device, reports_dir=reports, checkpoints_dir=reports / "checkpoints",
                              oracle="--no-oracle" not in extra,
                              fresh_process="--fresh-process" in extra)
+
+    def drop_tensors(line: str) -> None:  # after each cell: full-size cells write GBs each; the reports stay
+        for tensors in reports.glob("2*/*/*/*.safetensors"):
+            tensors.unlink()
+
     started, summary = time.perf_counter(), {}
     with workers.fresh_processes(options.fresh_process), workers.serving(reports / "workers"):
         for name in cases:
             clock = time.perf_counter()
-            sweep, _ = run_sweep(name, tokens, options=options, progress=lambda line: None)
-            summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"]}
-            print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s", flush=True)
-            for tensors in [*reports.glob("*/*/*/*.safetensors"), *reports.glob("checkpoints/*/*.safetensors")]:
-                tensors.unlink()  # full-size cases at 4096 tokens write GBs per cell: keep the reports only
+            sweep, folder = run_sweep(name, tokens, options=options, progress=drop_tensors)
+            summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"],
+                             **_where_it_went(folder, sweep)}
+            print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s: "
+                  f"{_breakdown(summary[name])}", flush=True)
+            shutil.rmtree(reports / "checkpoints" / name, ignore_errors=True)  # its inputs; weights are shared
     return {"device": device, "tokens": tokens, "cases": len(cases), "cells": len(cases) * len(tokens),
             "wall_s": round(time.perf_counter() - started, 1), "oracle": options.oracle,
-            "fresh_process": options.fresh_process, "per_case": summary}
+            "fresh_process": options.fresh_process, "threads": os.cpu_count(), "per_case": summary}
+
+
+def _where_it_went(folder: Path, sweep: dict) -> dict:
+    """Seconds summed over a sweep's cells: checkpoints made or checked, each side's phases (from its meta.json), and
+    the rest of each cell's wall (the harness: worker round trips, output checks, reports)."""
+    harness: dict[str, float] = {}
+    sides: dict[str, float] = {}
+    for cell in sweep["cells"]:
+        report = json.loads((folder / cell["run_dir"] / "report.json").read_text())
+        for phase, seconds in report["harness"].get("seconds", {}).items():
+            harness[phase] = harness.get(phase, 0.0) + seconds
+        for side in cell["sides"]:
+            for phase, seconds in side["meta"].get("phases", {}).items():
+                key = f"{side['label']}.{phase}"
+                sides[key] = sides.get(key, 0.0) + seconds
+    walls = sum(cell["wall_seconds"] for cell in sweep["cells"])
+    return {**{f"{phase}_s": round(harness.get(phase, 0.0), 2) for phase in ("checkpoint", "runners", "compare")},
+            "rest_s": round(walls - sum(harness.values()), 2),
+            "side_phases_s": {k: round(v, 2) for k, v in sorted(sides.items())}}
+
+
+def _breakdown(entry: dict) -> str:
+    phases = ", ".join(f"{k} {v}" for k, v in entry["side_phases_s"].items() if v >= 0.05)
+    return (f"checkpoints {entry['checkpoint_s']} s, runners {entry['runners_s']} s ({phases}), compare "
+            f"{entry['compare_s']} s, reports and rest {entry['rest_s']} s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import platform
 import sys
+import time
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -101,7 +102,9 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             result.comparison = {"kind": "paddle_impl", "runner": case.runners[0], "impl_a": impls[0],
                                  "impl_b": impls[1]}
         result.case = describe_case(case)
+        clock = _Clock(result.harness.setdefault("seconds", {}))  # where this run's time went (docs/speed.md)
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
+        clock.lap("checkpoint")
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
@@ -119,6 +122,7 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
                 again = determinism.repeat_sides(first_round, pair, run)
                 with workers.fresh_processes(run > o.repeat):
                     result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
+        clock.lap("runners")
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
         skipped = {}
@@ -145,10 +149,23 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
                 _semantic_verdict(result, case)
         if tps is None and impls is None:  # the expectation is about the case's runners; TP sizes or levels: findings
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
+        clock.lap("compare")
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
     failsafe.finish(result, run_dir, report.write)
     return result, run_dir
+
+
+class _Clock:
+    """Wall seconds of each phase of a run, into `seconds` (report.json's harness.seconds)."""
+
+    def __init__(self, seconds: dict):
+        self.seconds, self.last = seconds, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self.last, 3)
+        self.last = now
 
 
 def _semantic_verdict(result: CaseResult, case: Case) -> None:

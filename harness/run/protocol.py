@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -280,6 +281,7 @@ def env_flags() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
 
 
+@functools.cache  # read once per process: /proc/cpuinfo on a many-core host takes milliseconds, every cell asks
 def _cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text()

@@ -4,6 +4,7 @@ shared by the torch-based runners (imports torch only)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import subprocess
@@ -174,6 +175,7 @@ def provenance(device: torch.device) -> dict:
     return info
 
 
+@functools.cache  # a worker's every cell asks; the libraries a process mapped do not change
 def cublas_versions() -> dict:
     """The cuBLAS and cuBLASLt this process loaded (read from the libraries torch mapped, not from headers)."""
     torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")  # make sure the libraries are mapped
@@ -203,6 +205,7 @@ def _library_version(path: str, getter: str) -> str:
     return ".".join(parts) + f" ({path})"
 
 
+@functools.cache  # one nvidia-smi per process, not one per cell
 def gpu_driver_version() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -212,6 +215,7 @@ def gpu_driver_version() -> str | None:
         return None
 
 
+@functools.cache
 def _torch_build_line(marker: str) -> str | None:
     for line in torch.__config__.show().splitlines():
         if marker in line:
