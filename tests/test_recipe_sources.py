@@ -98,3 +98,16 @@ def test_the_gated_swiglu_backward_is_paddlefleets_hand_written_one():
     gate, up = paddle.chunk(x, 2, axis=-1)
     (F.silu(gate) * up).backward(paddle.to_tensor(g))
     assert (x.grad.numpy().view(np.uint32) != expected.view(np.uint32)).any()  # autograd would give other bits
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 700), (513, 5), (4096, 7)])
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32, np.int64])
+def test_the_layout_transpose_moves_every_bit_and_changes_none(shape, dtype):
+    """Megatron's [out, in] <-> Paddle's [in, out], copied in blocks of rows (harness.runners.paddle.common)."""
+    from harness.runners.paddle.common import transposed
+
+    array = np.random.default_rng(0).integers(0, 1 << 15, shape).astype(dtype)
+    out = transposed(array)
+    assert out.flags.c_contiguous and out.tobytes() == np.ascontiguousarray(array.T).tobytes()
+    with pytest.raises(ValueError, match="2-D"):
+        transposed(array[None])

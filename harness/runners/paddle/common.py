@@ -18,6 +18,23 @@ def load_checkpoint(files: list[str]) -> dict[str, np.ndarray]:
     return read_checkpoint(files, lambda path: {name: tensor.numpy() for name, tensor in load_file(path).items()})
 
 
+TRANSPOSE_ROWS = 256  # rows per block: a block's columns still fit in cache when written as rows
+
+
+def transposed(array) -> np.ndarray:
+    """A 2-D array's transpose, contiguous (Megatron's [out, in] <-> Paddle's [in, out]: moves bits, changes none).
+    Copied in blocks of rows: numpy's one-shot copy of a strided 2-byte transpose is several times slower (measured
+    0.21 s against 0.04 s for the 4096 x 7168 fc1 weight), and every cell of a sweep pays it twice."""
+    array = np.asarray(array)
+    if array.ndim != 2:
+        raise ValueError(f"transposed() takes a 2-D array (got shape {array.shape})")
+    rows = array.shape[0]
+    out = np.empty(array.shape[::-1], array.dtype)
+    for start in range(0, rows, TRANSPOSE_ROWS):
+        out[:, start:start + TRANSPOSE_ROWS] = array[start:start + TRANSPOSE_ROWS].T
+    return out
+
+
 def as_tensor(array, trainable=True):
     tensor = paddle.to_tensor(array)
     tensor.stop_gradient = not trainable

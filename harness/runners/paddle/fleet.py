@@ -26,7 +26,7 @@ import paddle
 
 from harness.case import ops
 from harness.run.protocol import rank_and_world
-from harness.runners.paddle.common import as_tensor, set_param, sync
+from harness.runners.paddle.common import as_tensor, set_param, sync, transposed
 
 LABEL = "PaddleFleet"
 STAND_IN_ONLY = ("checked against a stand-in paddlefleet package only (tests/support/paddlefleet_stand_in), never "
@@ -144,9 +144,6 @@ def _config(request, gate, **fields):
                              **fields)
 
 
-def _t(x):
-    return np.ascontiguousarray(np.asarray(x).T)
-
 
 def _run(request, phases, forward, backward):
     with phases("forward"):
@@ -181,14 +178,14 @@ def linear(request, tensors, gate, phases, guard):
     else:
         layer = RowParallelLinear(n_in, n_out, config=config, init_method=lambda t: t, bias=bias,
                                   input_is_parallel=True, skip_bias_add=False, **group)
-    set_param(layer.weight, _t(tensors["weight"]))
+    set_param(layer.weight, transposed(tensors["weight"]))
     if bias:
         set_param(layer.bias, tensors["bias"])
     x = as_tensor(tensors["input"][:, None])  # [tokens, batch=1, hidden]: the [s, b, h] both libraries expect
     out = _run(request, phases, lambda: layer(x)[0],
                lambda o: o.backward(as_tensor(tensors["grad_output"][:, None], False)))
     outputs = {"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
-               "grad.weight": _t(layer.weight.grad.numpy())}
+               "grad.weight": transposed(layer.weight.grad.numpy())}
     if bias:
         outputs["grad.bias"] = layer.bias.grad.numpy()
     return outputs, _name(f"paddlefleet.tensor_parallel.{type(layer).__name__}", request, gate)
@@ -343,8 +340,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
 
     h, f = request["shapes"]["hidden_size"], request["shapes"]["ffn_hidden_size"]
     block = _mlp(request, gate, h, f, is_expert=False)
-    set_param(block.up_gate_proj.weight, _t(tensors["fc1_weight"]))
-    set_param(block.down_proj.weight, _t(tensors["fc2_weight"]))
+    set_param(block.up_gate_proj.weight, transposed(tensors["fc1_weight"]))
+    set_param(block.down_proj.weight, transposed(tensors["fc2_weight"]))
     captured = {}
 
     def keep(name, tensor):
@@ -367,8 +364,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
     finally:
         fleet_mlp.bias_swiglu_impl = original
     outputs = {**captured, "out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
-               "grad.fc1_weight": _t(block.up_gate_proj.weight.grad.numpy()),
-               "grad.fc2_weight": _t(block.down_proj.weight.grad.numpy())}
+               "grad.fc1_weight": transposed(block.up_gate_proj.weight.grad.numpy()),
+               "grad.fc2_weight": transposed(block.down_proj.weight.grad.numpy())}
     return outputs, _name("paddlefleet.transformer.mlp.MLP (ColumnParallelLinear -> bias_swiglu_impl -> "
                           "RowParallelLinear)", request, gate)
 
@@ -378,8 +375,8 @@ def routed_experts(request, tensors, gate, phases, guard):
     h, f, e = (request["shapes"][n] for n in ("hidden_size", "ffn_hidden_size", "num_local_experts"))
     experts = [_mlp(request, gate, h, f, is_expert=True) for _ in range(e)]
     for i, expert in enumerate(experts):
-        set_param(expert.up_gate_proj.weight, _t(tensors["fc1_weight"][i]))
-        set_param(expert.down_proj.weight, _t(tensors["fc2_weight"][i]))
+        set_param(expert.up_gate_proj.weight, transposed(tensors["fc1_weight"][i]))
+        set_param(expert.down_proj.weight, transposed(tensors["fc2_weight"][i]))
     counts = ops.uneven_split(tensors["input"].shape[0], e)
     x, probs = as_tensor(tensors["input"]), as_tensor(tensors["probs"])
 
@@ -389,8 +386,8 @@ def routed_experts(request, tensors, gate, phases, guard):
 
     out = _run(request, phases, forward, lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
-             "grad.fc1_weight": np.stack([_t(m.up_gate_proj.weight.grad.numpy()) for m in experts]),
-             "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in experts])},
+             "grad.fc1_weight": np.stack([transposed(m.up_gate_proj.weight.grad.numpy()) for m in experts]),
+             "grad.fc2_weight": np.stack([transposed(m.down_proj.weight.grad.numpy()) for m in experts])},
             _name(f"paddlefleet.transformer.mlp.MLP(is_expert=True) per expert with per_token_scale, tokens per "
                   f"expert {counts}", request, gate))
 

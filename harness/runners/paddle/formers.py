@@ -34,7 +34,7 @@ import paddle
 from harness.case import ops
 from harness.runners.paddle import kernels as paddle_kernels
 from harness.runners.paddle import paddlefleet_ops_shim
-from harness.runners.paddle.common import as_tensor, run_phases, set_param
+from harness.runners.paddle.common import as_tensor, run_phases, set_param, transposed
 
 LABEL = "PaddleFormers"
 SOURCE = "paddleformers 1.2.0: transformers/deepseek_v3/modeling.py, nn/{norm,mlp,linear,embedding}.py, " \
@@ -134,10 +134,6 @@ def _name(text, request):
            f"use_accuracy_compatible={request['config'].get('use_accuracy_compatible')} is not read)"
 
 
-def _t(x):
-    """[in, out] <-> [out, in]."""
-    return np.ascontiguousarray(np.asarray(x).T)
-
 
 def rms_norm(request, tensors, gate, phases, guard):
     """``paddleformers.nn.norm.RMSNorm`` (``Norm.create(config, norm_type="rms_norm")``, as the decoder builds its
@@ -204,7 +200,7 @@ def moe_router(request, tensors, gate, phases, guard):
     config = _config(request, hidden_size=h, n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1,
                      norm_topk_prob=True, routed_scaling_factor=request["config"]["topk_scaling_factor"])
     router = modeling.DeepseekV3TopkRouter(config)
-    set_param(router.weight, _t(paddle.to_tensor(tensors["weight"]).astype("float32").numpy()))  # exact
+    set_param(router.weight, transposed(paddle.to_tensor(tensors["weight"]).astype("float32").numpy()))  # exact
     router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))
     x = as_tensor(tensors["input"][None])
 
@@ -218,7 +214,7 @@ def moe_router(request, tensors, gate, phases, guard):
                          lambda o: o[0].backward(_grad(tensors, "grad_probs")))
     grad_weight = router.weight.grad.astype(paddle.to_tensor(tensors["weight"]).dtype).numpy()
     return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
-             "grad.input": x.grad[0].numpy(), "grad.weight": _t(grad_weight)},
+             "grad.input": x.grad[0].numpy(), "grad.weight": transposed(grad_weight)},
             _name("paddleformers.transformers.deepseek_v3.DeepseekV3TopkRouter (fp32 F.linear, sigmoid, top-k on "
                   "scores + bias, normalise, x routed_scaling_factor); weights scattered to dense probs", request))
 
@@ -265,13 +261,14 @@ def _mlp(request, h, f):
 
 def _load_mlp(mlp, fc1, fc2, f):
     """Megatron's fc1 [2f, h] = cat(gate, up) rows -> gate_proj / up_proj [h, f]; fc2 [h, f] -> down_proj [f, h]."""
-    set_param(mlp.gate_proj.weight, _t(fc1[:f]))
-    set_param(mlp.up_proj.weight, _t(fc1[f:]))
-    set_param(mlp.down_proj.weight, _t(fc2))
+    set_param(mlp.gate_proj.weight, transposed(fc1[:f]))
+    set_param(mlp.up_proj.weight, transposed(fc1[f:]))
+    set_param(mlp.down_proj.weight, transposed(fc2))
 
 
 def _fc1_grad(mlp):
-    return np.concatenate([_t(mlp.gate_proj.weight.grad.numpy()), _t(mlp.up_proj.weight.grad.numpy())], axis=0)
+    return np.concatenate([transposed(mlp.gate_proj.weight.grad.numpy()), transposed(mlp.up_proj.weight.grad.numpy())],
+                          axis=0)
 
 
 def shared_expert_mlp(request, tensors, gate, phases, guard):
@@ -298,7 +295,7 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
     outputs = {"intermediate.fc1_out": np.concatenate([seen["gate"][0].numpy(), seen["up"][0].numpy()], axis=-1),
                "intermediate.act_out": seen["act"][0].numpy(), "out": out[0].numpy(),
-               "grad.fc2_weight": _t(mlp.down_proj.weight.grad.numpy()),
+               "grad.fc2_weight": transposed(mlp.down_proj.weight.grad.numpy()),
                "intermediate.grad_act_out": grads["act"][0],
                "intermediate.grad_fc1_out": np.concatenate([grads["gate"][0], grads["up"][0]], axis=-1),
                "grad.fc1_weight": _fc1_grad(mlp), "grad.input": x.grad[0].numpy()}
@@ -326,7 +323,7 @@ def routed_experts(request, tensors, gate, phases, guard):
                lambda: moe.moe(x, owner, probs.unsqueeze(-1)),
                lambda o: o.backward(_grad(tensors, "grad_output")))
     return ({"out": out.numpy(),
-             "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in moe.experts]),
+             "grad.fc2_weight": np.stack([transposed(m.down_proj.weight.grad.numpy()) for m in moe.experts]),
              "grad.probs": probs.grad.numpy(), "grad.fc1_weight": np.stack([_fc1_grad(m) for m in moe.experts]),
              "grad.input": x.grad.numpy()},
             _name(f"paddleformers DeepseekV3MoE.moe over DeepseekV3MLP experts (routing weight applied after "
@@ -343,13 +340,14 @@ def linear(request, tensors, gate, phases, guard):
     config = _config(request, hidden_size=n_in)
     with _default_dtype(request["dtype"]):
         layer = modeling.GeneralLinear.create(n_in, n_out, has_bias=bias, config=config, tp_plan=plan)
-    set_param(layer.weight, _t(tensors["weight"]))
+    set_param(layer.weight, transposed(tensors["weight"]))
     if bias:
         set_param(layer.bias, tensors["bias"])
     x = as_tensor(tensors["input"][None])
     out = run_phases(request, phases, guard, f"paddleformers Linear ({plan})", lambda: layer(x),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
-    outputs = {"out": out[0].numpy(), "grad.input": x.grad[0].numpy(), "grad.weight": _t(layer.weight.grad.numpy())}
+    outputs = {"out": out[0].numpy(), "grad.input": x.grad[0].numpy(),
+               "grad.weight": transposed(layer.weight.grad.numpy())}
     if bias:
         outputs["grad.bias"] = layer.bias.grad.numpy()
     return outputs, _name(f"paddleformers.nn.linear.Linear.create(tp_plan={plan!r}) -> paddle.nn.Linear", request)
@@ -364,12 +362,13 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     with _default_dtype(request["dtype"]):
         layer = modeling.GeneralLinear.create(rank, heads * dim, has_bias=False, config=config, tp_plan="colwise",
                                               gather_output=False)
-    set_param(layer.weight, _t(tensors["weight"]))
+    set_param(layer.weight, transposed(tensors["weight"]))
     x = as_tensor(tensors["input"][None])
     out = run_phases(request, phases, guard, "paddleformers q_b/kv_b projection",
                lambda: layer(x).reshape([0, 0, heads, dim]),
                lambda o: o.backward(_grad(tensors, "grad_output")[None]))
-    return ({"out": out[0].numpy(), "grad.input": x.grad[0].numpy(), "grad.weight": _t(layer.weight.grad.numpy())},
+    return ({"out": out[0].numpy(), "grad.input": x.grad[0].numpy(),
+             "grad.weight": transposed(layer.weight.grad.numpy())},
             _name("DeepseekV3Attention q_b_proj / kv_b_proj: Linear.create(colwise) -> paddle.nn.Linear, "
                   "reshape([0, 0, heads, head_dim])", request))
 

@@ -23,7 +23,7 @@ import paddle.nn.functional as F
 
 from harness.case import ops
 from harness.run.protocol import Unsupported
-from harness.runners.paddle.common import as_tensor, run_phases, sync
+from harness.runners.paddle.common import as_tensor, run_phases, sync, transposed
 
 # The PaddleFleet code each recipe follows (PaddlePaddle/PaddleFleet, file@commit, read with the project's search
 # tool at these commits): SOURCES says which op follows which.
@@ -113,7 +113,7 @@ def _linear_function(gate, request):
 
 def _feeds(tensors, request):
     """Inputs in Paddle's layout: the weight becomes [in, out] (a transpose: exact)."""
-    weight = np.ascontiguousarray(tensors["weight"].T)
+    weight = transposed(tensors["weight"])
     return tensors["input"], weight, tensors.get("bias")
 
 
@@ -121,7 +121,7 @@ def _canonical(results):
     """Back to canonical names and layout: Paddle's weight grad is [in, out], Megatron's [out, in]."""
     names = ["out", "grad.input", "grad.weight", "grad.bias"]
     outputs = {name: np.asarray(r) for name, r in zip(names, results, strict=False)}
-    outputs["grad.weight"] = np.ascontiguousarray(outputs["grad.weight"].T)
+    outputs["grad.weight"] = transposed(outputs["grad.weight"])
     return outputs
 
 
@@ -262,8 +262,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard, activation=None):
     intermediates and their grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not
     registered."""
     x = as_tensor(tensors["input"])
-    w1 = as_tensor(np.ascontiguousarray(tensors["fc1_weight"].T))  # Paddle's [in, out]
-    w2 = as_tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
+    w1 = as_tensor(transposed(tensors["fc1_weight"]))  # Paddle's [in, out]
+    w2 = as_tensor(transposed(tensors["fc2_weight"]))
     if not gate:
         raise_if_cpu_gate_off(request)
     act, act_name = activation or ((lambda y: gated_swiglu(y, None)) if gate else F.swiglu,
@@ -286,8 +286,8 @@ def shared_expert_mlp(request, tensors, gate, phases, guard, activation=None):
     out = run_phases(request, phases, guard, f"F.linear -> {act_name} -> F.linear", forward,
                      lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     outputs = {**captured, "out": out.numpy(), "grad.input": x.grad.numpy(),
-               "grad.fc1_weight": np.ascontiguousarray(w1.grad.numpy().T),
-               "grad.fc2_weight": np.ascontiguousarray(w2.grad.numpy().T)}
+               "grad.fc1_weight": transposed(w1.grad.numpy()),
+               "grad.fc2_weight": transposed(w2.grad.numpy())}
     return outputs, f"paddle dygraph F.linear -> {act_name} -> F.linear (use_accuracy_compatible={gate})"
 
 
@@ -422,8 +422,8 @@ def routed_experts(request, tensors, gate, phases, guard, activation=None):
     act, act_name = activation or (expert_swiglu_prob, "SwiGLU * prob in fp32 (prob grad summed in fp64)")
     experts = request["shapes"]["num_local_experts"]
     x, probs = as_tensor(tensors["input"]), as_tensor(tensors["probs"])
-    w1 = [as_tensor(np.ascontiguousarray(tensors["fc1_weight"][i].T)) for i in range(experts)]
-    w2 = [as_tensor(np.ascontiguousarray(tensors["fc2_weight"][i].T)) for i in range(experts)]
+    w1 = [as_tensor(transposed(tensors["fc1_weight"][i])) for i in range(experts)]
+    w2 = [as_tensor(transposed(tensors["fc2_weight"][i])) for i in range(experts)]
     counts = uneven_split(tensors["input"].shape[0], experts)
 
     def forward():
@@ -435,8 +435,8 @@ def routed_experts(request, tensors, gate, phases, guard, activation=None):
     out = run_phases(request, phases, guard, "per-expert F.linear", forward,
                      lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
-             "grad.fc1_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w1]),
-             "grad.fc2_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w2])},
+             "grad.fc1_weight": np.stack([transposed(w.grad.numpy()) for w in w1]),
+             "grad.fc2_weight": np.stack([transposed(w.grad.numpy()) for w in w2])},
             f"paddle dygraph per-expert F.linear (input grad on the materialised transpose) -> {act_name} -> "
             f"F.linear, tokens per expert {counts} "
             f"(use_accuracy_compatible={gate})")
