@@ -6,11 +6,13 @@ ends with a report in its own new folder and an ERROR verdict that says why.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import platform
 import sys
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -82,12 +84,40 @@ FRESH_PROCESS_HELP = ("start every runner afresh for each cell and repeat, inste
 
 def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[CaseResult, Path]:
     """Compare the case's two runners as `options` say; the result and the run's own new folder."""
+    return finish_case(start_case(name, options))
+
+
+@dataclass
+class Started:
+    """A comparison whose framework sides have run (the truth oracle may still be running on a CPU): everything
+    ``finish_case`` needs, or the error that stopped it."""
+
+    result: CaseResult
+    run_dir: Path
+    options: CompareOptions
+    clock: _Clock
+    case: Case | None = None
+    checkpoint: checkpoints.Checkpoint | None = None
+    pair: list = field(default_factory=list)
+    extras: Future | None = None  # the oracle's (or a model's float64 truth's) round, run beside the pair
+    first_round: int = 0  # result.sides[:first_round] are the pair's first runs; repeats follow
+    runs: int = 1
+    versus: tuple = (None, None)  # (tps, impls)
+    error: BaseException | None = None
+
+
+def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
+    """The first half of a comparison: the case, its checkpoint, the framework sides (and their repeats). On a CPU the
+    truth oracle runs beside them and may still run when this returns, so a sweep starts its next cell while this
+    cell's oracle, comparisons and report are finished (``finish_case``). Never raises: an error is kept for
+    ``finish_case`` to record."""
     o = options
     pythons = dict(o.pythons)
     run_id, run_dir = new_run_dir(Path(o.reports_dir), name)
     result = CaseResult(run_id=run_id, case_name=name, device=o.device, started_at=now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "node": platform.node()})
+    started = Started(result, run_dir, o, _Clock(result.harness.setdefault("seconds", {})))
     try:
         case = _load_case(name, o.cases_dir, o.tokens, o.device, o.runners)
         case = case.with_tp(o.tp) if o.tp is not None else case
@@ -101,31 +131,54 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             case, impls = _versus_impl(case, o.versus_impl)
             result.comparison = {"kind": "paddle_impl", "runner": case.runners[0], "impl_a": impls[0],
                                  "impl_b": impls[1]}
+        started.case, started.versus = case, (tps, impls)
         result.case = describe_case(case)
-        clock = _Clock(result.harness.setdefault("seconds", {}))  # where this run's time went (docs/speed.md)
-        checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
-        clock.lap("checkpoint")
+        checkpoint = started.checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
+        started.clock.lap("checkpoint")
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
-        pair = orchestrate.pair_sides(case, checkpoint, tps, impls)
+        pair = started.pair = orchestrate.pair_sides(case, checkpoint, tps, impls)
         is_model = case.op in MODEL_OPS
         truth = model.truth_side(checkpoint) if is_model and case.dtype != "float64" else None
         extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
             oracle_side(checkpoint)]
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
+            if extra and o.device == "cpu":  # beside the pair; on a GPU every side has the device alone, in turn
+                started.extras = _beside(orchestrate.run_sides, case, extra, o.device, run_dir, pythons, o.timeout)
+                extra = []
             result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
             first_round, runs = list(result.sides), o.repeat + (1 if pool is not None and o.repeat > 1 else 0)
+            started.first_round, started.runs = len(first_round), runs
             # repeats in the worker, then one more in a fresh process: process-level nondeterminism shows too
             for run in range(2, runs + 1):
                 again = determinism.repeat_sides(first_round, pair, run)
                 with workers.fresh_processes(run > o.repeat):
                     result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
-        clock.lap("runners")
+            if o.repeat > 1 and started.extras:  # this run's own workers end with this block
+                started.extras.result()
+        started.clock.lap("runners")
+    except BaseException as error:  # every failure, the harness's own and a signal included: finish_case records it
+        started.error = error
+    return started
+
+
+def finish_case(started: Started) -> tuple[CaseResult, Path]:
+    """The second half: the oracle's round joined, comparisons, verdict, expectation, report (see ``start_case``)."""
+    result, run_dir, o, case, pair = started.result, started.run_dir, started.options, started.case, started.pair
+    tps, impls = started.versus
+    try:
+        extras = started.extras.result() if started.extras else []
+        started.clock.lap("oracle")
+        if started.error is not None:
+            raise started.error
+        result.sides[started.first_round:started.first_round] = extras  # a, b, the oracle, then repeats
+        is_model = case.op in MODEL_OPS
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
         skipped = {}
+        pythons = dict(o.pythons)
         if all(side.status == "ok" for side in framework):
             if is_model:
                 result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(case, framework)
@@ -135,10 +188,11 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             if o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
                 result.refeed = model_refeed.run(case, pair, result.tensors, o.device, run_dir, pythons, o.timeout)
             elif o.refeed_ops:
-                result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)
+                result.refeed = refeed.run(case, started.checkpoint, framework, o.device, run_dir, pythons,
+                                           o.timeout)
         result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
                                                                                     by_label.get(ORACLE_LABEL))
-        result.repeats = determinism.self_consistency(case, result.sides, runs)
+        result.repeats = determinism.self_consistency(case, result.sides, started.runs)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
@@ -149,11 +203,19 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
                 _semantic_verdict(result, case)
         if tps is None and impls is None:  # the expectation is about the case's runners; TP sizes or levels: findings
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
-        clock.lap("compare")
+        started.clock.lap("compare")
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
     failsafe.finish(result, run_dir, report.write)
     return result, run_dir
+
+
+def _beside(function, *args) -> Future:
+    """`function(*args)` in a thread of its own, in this context (the worker pool, fresh-process setting)."""
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oracle-round")
+    future = thread.submit(contextvars.copy_context().run, function, *args)
+    thread.shutdown(wait=False)  # the thread ends with its one task
+    return future
 
 
 class _Clock:

@@ -5,16 +5,19 @@ token counts and not at others; the matrix shows where. Each cell is an ordinary
 (``pipeline.compare_case``) with its own full report, in its own folder inside the sweep's folder; the sweep's
 ``report.json``, ``report.md`` and ``report.html`` hold the matrix, each cell's verdict and statistics, and
 the provenance (rendered by ``harness.report.sweep_report``). Each runner stays up across the cells
-(``harness.run.workers``) unless ``fresh_process`` is set.
+(``harness.run.workers``) unless ``fresh_process`` is set, and a cell's oracle, comparisons and report are finished
+while the next cell's framework sides run.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from harness.commands import run_folder
 from harness.compare.result import EXIT_CODES, CaseResult
 from harness.report import sweep_report
 from harness.report.sweep_report import console  # noqa: F401  (the CLI prints a sweep with sweep.console)
-from harness.run import workers
+from harness.run import supervisor, workers
 
 SWEEP_SCHEMA = 1
 # Provenance keys worth repeating in the sweep report (each cell's report.json has all of them).
@@ -40,16 +43,29 @@ def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str
     sweep_id, sweep_dir = run_folder.new_run_dir(Path(options.reports_dir), f"sweep-{name}")
     started = run_folder.now()
     cells, total = [], len(tokens) * len(pairs)
-    with workers.fresh_processes(options.fresh_process), workers.serving(sweep_dir / "workers"):
-        for pair in pairs:
-            for count in tokens:
-                clock = time.monotonic()
-                result, run_dir = pipeline.compare_case(name, replace(options, tokens=count, runners=pair,
-                                                                      reports_dir=sweep_dir))
-                cells.append(_cell(result, run_dir, pair, count, time.monotonic() - clock))
-                cell = cells[-1]
-                progress(f"[{len(cells)}/{total}] {name} {cell['pair']} tokens={count}: {cell['verdict']} "
-                         f"({cell['wall_seconds']:.1f} s) {_diff_summary(cell)}".rstrip())
+
+    def finish(begun: pipeline.Started, pair, count: int, clock: float) -> None:
+        result, run_dir = pipeline.finish_case(begun)
+        cells.append(_cell(result, run_dir, pair, count, time.monotonic() - clock))
+        cell = cells[-1]
+        progress(f"[{len(cells)}/{total}] {name} {cell['pair']} tokens={count}: {cell['verdict']} "
+                 f"({cell['wall_seconds']:.1f} s) {_diff_summary(cell)}".rstrip())
+
+    # Pipelined: a cell's oracle, comparisons and report are finished in the background while the next cell's
+    # checkpoint and framework sides run (one cell finishing at a time, so cells end in order).
+    with workers.fresh_processes(options.fresh_process), workers.serving(sweep_dir / "workers"), \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-finish") as finisher:
+        finishing = None
+        for pair, count in ((pair, count) for pair in pairs for count in tokens):
+            if supervisor.interrupted():  # a signal stopped the cell before: start no other
+                break
+            clock = time.monotonic()
+            begun = pipeline.start_case(name, replace(options, tokens=count, runners=pair, reports_dir=sweep_dir))
+            if finishing is not None:
+                finishing.result()  # the cell before: its report written (an interruption stops here)
+            finishing = finisher.submit(contextvars.copy_context().run, finish, begun, pair, count, clock)
+        if finishing is not None:
+            finishing.result()
     report = {"schema": SWEEP_SCHEMA, "kind": "sweep", "sweep_id": sweep_id, "case": name,
               "device": options.device, "tokens": list(tokens),
               "pairs": list(dict.fromkeys(cell["pair"] for cell in cells)),
