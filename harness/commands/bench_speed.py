@@ -1,4 +1,4 @@
-"""``make bench`` (second half): end-to-end speed ratios, each measured side by side in one run (issue 15).
+"""``make bench`` (second half): end-to-end speed ratios, each measured side by side in one run (issues 15, 23).
 
 Wall seconds on a shared machine mostly measure the neighbours, so every number here is a *ratio* of two
 things measured in the same run, one right after the other, on the same checkpoint:
@@ -8,12 +8,18 @@ things measured in the same run, one right after the other, on the same checkpoi
    other (interpreter start, framework import, fc1 forward + backward once, outputs written). Goal <= 0.8:
    the sides overlap and the oracle stays off the critical path.
 2. ``oracle / slower side``: the oracle runner alone against the slower framework runner alone. Goal <= 0.5.
-3. ``sweep cell / framework work``: an 8-token-count sweep of fc1 on the CPU, wall per cell against the
-   cell's framework work (the slower framework side's own phases from its meta.json: setup, forward,
-   backward, write; no interpreter start or import). Goal <= 1.5.
+3. ``sweep cell / framework work``: an 8-token-count sweep of fc1 on the CPU (``--no-oracle``, as issue 23 measured
+   it), wall per cell against the cell's framework work (the slower framework side's own phases from its
+   meta.json: setup, forward, backward, write; no interpreter start or import). Goal <= 1.5. The same sweep with
+   the oracle on is measured beside it (no goal: the oracle's exact float64 GEMMs are a third runner's work).
+4. ``model: compare / floor``: ``python -m harness compare kimi_k2_2layer --tokens 64`` (its float64 truth on)
+   against its two sides' runner processes alone, one after the other, less their write phases (each stack's
+   interpreter, imports, model build, weights loaded, one forward + backward). Goal <= 1.2.
 
-Everything runs as subprocesses of ``--repo`` (default: this checkout), so the same script measures an
-older tree (``git archive <commit> | tar -x -C DIR``; ``--repo DIR``) before a change and this one after.
+``--before DIR`` measures another tree too (e.g. today's main: ``git archive main | tar -x -C DIR``), each
+measurement of the two trees one right after the other, and prints both columns: before and after in one run.
+
+Everything runs as subprocesses of ``--repo`` (default: this checkout) and ``--before``.
 
 ``--catalogue DEVICE --catalogue-tokens LIST`` times instead every op-level case of DEVICE swept over LIST (the
 whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
@@ -40,7 +46,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CASE = "kimi_shared_fc1"
+MODEL_CASE, MODEL_TOKENS = "kimi_k2_2layer", 64
 GOALS = {"compare / floor": 0.8, "oracle / slower side": 0.5, "sweep cell / framework work": 1.5,
+         "sweep cell / framework work, oracle on": None, "model: compare / floor": 1.2,
          "cpu: compare / floor": None, "cpu: oracle / slower side": None}
 
 
@@ -73,13 +81,16 @@ def cpu_of(done: subprocess.CompletedProcess) -> float:
     return CPU_SECONDS.get(id(done), float("nan"))
 
 
-def prepare_checkpoint(repo: Path, python: str, tokens: int) -> dict:
-    """The case's request fields and checkpoint path, from the repository under test."""
+def prepare_checkpoint(repo: Path, python: str, tokens: int, case: str = CASE) -> dict:
+    """The case's request fields and checkpoint files, from the repository under test (a tree from before the
+    weights had a part of their own names one file)."""
     code = ("import json, sys\nfrom harness.case.registry import Registry\nfrom harness.case import checkpoints\n"
-            f"case = Registry.load().get({CASE!r}).with_tokens({tokens})\n"
+            f"case = Registry.load().get({case!r}).with_tokens({tokens})\n"
             "ck = checkpoints.prepare(case)\n"
+            "files = [str(f) for f in ck.files] if hasattr(ck, 'files') else str(ck.path)\n"
             "print(json.dumps({'case': case.name, 'op': case.op, 'dtype': case.dtype, 'tokens': case.tokens,"
-            " 'shapes': case.shapes, 'config': case.config, 'seed': case.seed, 'checkpoint': str(ck.path)}))")
+            " 'shapes': case.shapes, 'config': case.config, 'seed': case.seed, 'checkpoint': files,"
+            " 'runners': case.runners}))")
     _, done = timed([python, "-c", code], repo, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -87,7 +98,8 @@ def prepare_checkpoint(repo: Path, python: str, tokens: int) -> dict:
 def run_runner(repo: Path, python: str, runner: str, fields: dict, folder: Path) -> tuple[float, float, dict]:
     """One runner process alone on the case's request: its wall seconds, CPU seconds and meta.json."""
     folder.mkdir(parents=True)
-    request = {"schema": 1, "device": "cpu", "tp": 1, **fields, "output_dir": str(folder)}
+    request = {"schema": 1, "device": "cpu", "tp": 1, **{k: v for k, v in fields.items() if k != "runners"},
+               "output_dir": str(folder)}
     (folder / "request.json").write_text(json.dumps(request))
     seconds, done = timed([python, "-m", f"harness.runners.{runner}", "--request", str(folder / "request.json")],
                           repo, timeout=1800)
@@ -101,7 +113,7 @@ def framework_work(meta: dict) -> float:
     return sum(seconds for name, seconds in meta.get("phases", {}).items() if name != "import")
 
 
-def measure_compare(repo: Path, python: str, tokens: int, scratch: Path, round_number: int) -> dict:
+def measure_compare(repo: Path, python: str, tokens: int, scratch: Path, round_number: str) -> dict:
     fields = prepare_checkpoint(repo, python, tokens)
     floor, cpu = {}, {}
     for runner in ("megatron", "paddle", "oracle"):
@@ -123,7 +135,7 @@ def measure_compare(repo: Path, python: str, tokens: int, scratch: Path, round_n
 
 
 def measure_sweep(repo: Path, python: str, tokens: list[int], scratch: Path, extra: list[str]) -> dict:
-    reports = scratch / "sweep-reports"
+    reports = Path(tempfile.mkdtemp(prefix="sweep-reports-", dir=scratch))
     seconds, done = timed([python, "-m", "harness", "compare", CASE, "--tokens", ",".join(map(str, tokens)),
                            "--reports", str(reports), *extra], repo, timeout=3600)
     sweep = json.loads(next(reports.glob("*/report.json")).read_text())
@@ -135,6 +147,25 @@ def measure_sweep(repo: Path, python: str, tokens: list[int], scratch: Path, ext
             "wall_per_cell_s": per_cell,
             "framework_work_per_cell_s": mean_work, "sweep cell / framework work": per_cell / mean_work,
             "verdicts": sweep.get("verdicts")}
+
+
+def measure_model(repo: Path, python: str, scratch: Path) -> dict:
+    """``compare kimi_k2_2layer`` (truth on) against its sides' runner processes alone, less their write phases."""
+    fields = prepare_checkpoint(repo, python, MODEL_TOKENS, MODEL_CASE)
+    floor, sides = 0.0, {}
+    for runner in fields["runners"]:
+        seconds, cpu, meta = run_runner(repo, python, runner, fields, Path(tempfile.mkdtemp(dir=scratch)) / runner)
+        written = meta.get("phases", {}).get("write", 0.0)
+        sides[runner] = {"wall_s": seconds, "write_s": written, "cpu_s": cpu}
+        floor += seconds - written
+    reports = Path(tempfile.mkdtemp(prefix="model-reports-", dir=scratch))
+    compare_seconds, done = timed([python, "-m", "harness", "compare", MODEL_CASE, "--tokens", str(MODEL_TOKENS),
+                                   "--reports", str(reports)], repo, timeout=3600)
+    report = json.loads(next(reports.glob("*/report.json")).read_text())
+    return {"compare_s": compare_seconds, "cpu_s": cpu_of(done), "verdict": report.get("verdict"),
+            "exit": done.returncode, "floor_s": floor, "sides_alone": sides,
+            "model: compare / floor": compare_seconds / floor,
+            "sides_in_compare_s": {s["label"]: round(s["wall_seconds"], 2) for s in report.get("sides", [])}}
 
 
 def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list[str]) -> dict:
@@ -205,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=1, help="compare/floor rounds; ratios are per round")
     parser.add_argument("--sweep-tokens", default="8,16,24,32,40,48,56,64")
-    parser.add_argument("--sweep-args", default="", help="extra compare arguments for the sweep (e.g. --no-oracle)")
+    parser.add_argument("--sweep-args", default="", help="extra compare arguments for both sweeps (e.g. --device gpu)")
     parser.add_argument("--skip-sweep", action="store_true")
-    parser.add_argument("--skip-compare", action="store_true", help="only the sweep (e.g. on a GPU: "
+    parser.add_argument("--skip-compare", action="store_true", help="no single compare (e.g. on a GPU: "
                                                                     "--sweep-args='--device gpu')")
+    parser.add_argument("--skip-model", action="store_true", help="no model-level compare")
+    parser.add_argument("--before", type=Path, help="also measure this tree (e.g. today's main), side by side")
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     parser.add_argument("--catalogue", choices=("cpu", "gpu"), help="time the device's whole catalogue instead")
     parser.add_argument("--catalogue-tokens", default="1,7,60,61,64,127,128,255,256,1024,4096")
@@ -218,36 +251,60 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.catalogue:
         return _catalogue(args)
-    repo = args.repo.resolve()
+    trees = {"after": args.repo.resolve(), **({"before": args.before.resolve()} if args.before else {})}
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"speed bench on {repo} (commit {_commit(repo)}), {os.cpu_count()} CPUs, load average {load}")
-    results: dict = {"repo": str(repo), "commit": _commit(repo), "load_before": load, "rounds": []}
+    print(f"speed bench, {os.cpu_count()} CPUs, load average {load}; "
+          + "; ".join(f"{name}: {repo} (commit {_commit(repo)})" for name, repo in trees.items()))
+    results: dict = {name: {"repo": str(repo), "commit": _commit(repo), "rounds": []} for name, repo in trees.items()}
+    results["load_before"] = load
+    order = sorted(trees, reverse=True)  # before, then after: each measurement of the two trees back to back
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
         for number in range(0 if args.skip_compare else args.rounds):
-            measured = measure_compare(repo, args.python, args.tokens, Path(scratch), number)
-            results["rounds"].append(measured)
-            print(f"round {number + 1}: compare {measured['compare_s']:.1f} s ({measured['verdict']}); floor "
-                  f"megatron {measured['megatron_s']:.1f} s + paddle {measured['paddle_s']:.1f} s = "
-                  f"{measured['floor_s']:.1f} s; oracle alone {measured['oracle_s']:.1f} s; sides inside compare "
-                  f"{measured['sides_in_compare_s']}; CPU seconds {_rounded(measured['cpu_s'])}")
-        if not args.skip_sweep:
+            for name in order:
+                measured = measure_compare(trees[name], args.python, args.tokens, Path(scratch), f"{name}{number}")
+                results[name]["rounds"].append(measured)
+                print(f"{name} round {number + 1}: compare {measured['compare_s']:.1f} s ({measured['verdict']}); "
+                      f"floor megatron {measured['megatron_s']:.1f} s + paddle {measured['paddle_s']:.1f} s = "
+                      f"{measured['floor_s']:.1f} s; oracle alone {measured['oracle_s']:.1f} s; sides inside "
+                      f"compare {measured['sides_in_compare_s']}; CPU seconds {_rounded(measured['cpu_s'])}")
+        sweeps = {"sweep": ["--no-oracle"], "sweep_oracle": []}
+        for key, oracle in ({} if args.skip_sweep else sweeps).items():
             tokens = [int(t) for t in args.sweep_tokens.split(",")]
-            results["sweep"] = measure_sweep(repo, args.python, tokens, Path(scratch), args.sweep_args.split())
-            s = results["sweep"]
-            print(f"sweep of {s['cells']} token counts: {s['sweep_s']:.1f} s, {s['wall_per_cell_s']:.2f} s per cell "
-                  f"({s['cpu_s'] / s['cells']:.2f} CPU s per cell), framework work "
-                  f"{s['framework_work_per_cell_s']:.2f} s per cell; verdicts {s['verdicts']}")
-    print(f"{'ratio (wall unless cpu:)':<30} {'measured':>9} {'goal':>6}")
-    for name, goal in GOALS.items():
-        values = ([r[name] for r in results["rounds"]] if name != "sweep cell / framework work"
-                  else [results["sweep"][name]] if "sweep" in results else [])
-        if values:
-            print(f"{name:<30} {statistics.median(values):>9.2f} {'<= ' + str(goal) if goal else '':>6}"
-                  + (f"  (rounds: {', '.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else ""))
+            for name in order:
+                s = results[name][key] = measure_sweep(trees[name], args.python, tokens, Path(scratch),
+                                                       [*oracle, *args.sweep_args.split()])
+                print(f"{name} {key.replace('_', ' with ')} of {s['cells']} token counts: {s['sweep_s']:.1f} s, "
+                      f"{s['wall_per_cell_s']:.2f} s per cell ({s['cpu_s'] / s['cells']:.2f} CPU s per cell), "
+                      f"framework work {s['framework_work_per_cell_s']:.2f} s per cell; verdicts {s['verdicts']}")
+        for name in ([] if args.skip_model else order):
+            m = results[name]["model"] = measure_model(trees[name], args.python, Path(scratch))
+            alone = ", ".join(f"{runner} {v['wall_s']:.1f} s less write {v['write_s']:.1f} s"
+                              for runner, v in m["sides_alone"].items())
+            print(f"{name} model: compare {MODEL_CASE} {m['compare_s']:.1f} s ({m['verdict']}); floor "
+                  f"{m['floor_s']:.1f} s ({alone}); sides inside compare {m['sides_in_compare_s']}")
+    print(f"{'ratio (wall unless cpu:)':<40} {'goal':>6} " + " ".join(f"{name:>8}" for name in order))
+    for ratio, goal in GOALS.items():
+        row = {name: _ratio(results[name], ratio) for name in order}
+        if any(row.values()):
+            print(f"{ratio:<40} {'<= ' + str(goal) if goal else '':>6} "
+                  + " ".join(f"{statistics.median(v):>8.2f}" if v else f"{'-':>8}" for v in row.values())
+                  + "".join(f"  ({name} rounds: {', '.join(f'{x:.2f}' for x in v)})" for name, v in row.items()
+                            if len(v) > 1))
     results["load_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
+
+
+def _ratio(tree: dict, ratio: str) -> list[float]:
+    """Every measurement of `ratio` in one tree's results (one per round for the single compare)."""
+    if ratio == "sweep cell / framework work, oracle on":
+        return [tree["sweep_oracle"]["sweep cell / framework work"]] if "sweep_oracle" in tree else []
+    if ratio == "sweep cell / framework work":
+        return [tree["sweep"][ratio]] if "sweep" in tree else []
+    if ratio.startswith("model:"):
+        return [tree["model"][ratio]] if "model" in tree else []
+    return [r[ratio] for r in tree["rounds"]]
 
 
 def _catalogue(args) -> int:
