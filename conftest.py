@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness.case.ops import MODEL_OPS
@@ -22,7 +24,13 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def checkpoints_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("checkpoints")
+    """One checkpoints folder for the whole run, shared by the pytest-xdist workers too (each worker's base folder
+    sits in the run's): the weights every case shares are made once per run, not once per worker (a checkpoint is
+    written atomically, so two workers may make the same one at once)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "checkpoints"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="module")
