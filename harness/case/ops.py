@@ -103,6 +103,10 @@ KNOBS: dict[str, Knob] = {
 }
 # Knobs every op reads (the Paddle runner's implementation level), resolved for every case.
 COMMON_KNOBS = ("paddle_impl",)
+# Set by re-feed only, never by a case: "<block op>.<stage>" (e.g. "shared_expert_mlp.fc1"), so that a runner whose
+# implementation of the block splits a stage differently (PaddleFormers' gate_proj + up_proj for fc1) runs the stage
+# as the block ran it.
+REFEED_STAGE = "refeed_stage"
 
 
 @dataclass(frozen=True)
