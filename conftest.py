@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness.case.ops import MODEL_OPS
@@ -18,6 +20,17 @@ E2E_TOKENS = 16
 def pytest_generate_tests(metafunc):
     if "cpu_case" in metafunc.fixturenames:
         metafunc.parametrize("cpu_case", CPU_CASES, ids=[case.name for case in CPU_CASES])
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """What a test changes in os.environ does not outlive it: importing paddle in a test sets OMP_NUM_THREADS=1 in
+    the pytest process, which every runner started later in that process would inherit (measured: 79 e2e cases then
+    ran at 1 thread against baselines recorded at the harness's pinned 2)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
