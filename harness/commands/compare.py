@@ -16,11 +16,11 @@ from pathlib import Path
 
 from harness import __version__
 from harness.case import checkpoints
-from harness.case.ops import MODEL_OPS
+from harness.case.ops import MODEL_OPS, TRAIN_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
-from harness.compare import determinism, model, model_refeed, refeed, tolerance
+from harness.compare import determinism, model, model_refeed, refeed, tolerance, train
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
@@ -96,9 +96,12 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
-        pair = orchestrate.pair_sides(case, checkpoint, tps)
-        is_model = case.op in MODEL_OPS
-        truth = model.truth_side(checkpoint) if is_model and case.dtype != "float64" else None
+        is_model, is_train = case.op in MODEL_OPS, case.op in TRAIN_OPS
+        if is_train and (o.repeat > 1 or tps):
+            raise CaseError(f"case {name!r}: --repeat and --versus-tp are not implemented for training cases")
+        pair = train.sides(case, checkpoint) if is_train else orchestrate.pair_sides(case, checkpoint, tps)
+        truth = None if not is_model or case.dtype == "float64" else \
+            train.truth_side(case, checkpoint) if is_train else model.truth_side(checkpoint)
         extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
             oracle_side(checkpoint)]
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
@@ -114,23 +117,28 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         framework = [by_label["a"], by_label["b"]]
         skipped = {}
         if all(side.status == "ok" for side in framework):
-            if is_model:
+            if is_train:  # step files, one step at a time (harness.compare.train)
+                result.tensors, result.train = train.compare_steps(case, framework, by_label.get(ORACLE_LABEL))
+            elif is_model:
                 result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(case, framework)
             else:
                 result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
+            if o.refeed_ops and is_train:
+                raise CaseError(f"case {name!r}: --refeed of a training case is not built yet")
             if o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
                 result.refeed = model_refeed.run(case, pair, result.tensors, o.device, run_dir, pythons, o.timeout)
             elif o.refeed_ops:
                 result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)
-        result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
-                                                                                    by_label.get(ORACLE_LABEL))
+        if not is_train:  # a training run's truth is read per step, into result.train
+            result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
+                                                                                        by_label.get(ORACLE_LABEL))
         result.repeats = determinism.self_consistency(case, result.sides, runs)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
         result.message += tp_notes(result)
-        if is_model and result.tensors:
+        if is_model and not is_train and result.tensors:
             result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
             if case.dtype == "float64":
                 _semantic_verdict(result, case)
