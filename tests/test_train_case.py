@@ -32,7 +32,7 @@ def test_outputs_follow_a_step_in_its_own_order_and_masters_only_in_bf16(tmp_pat
     names = [s.name for s in registry.get("t32").output_specs()]
     step1 = [n for n in names if n.startswith("step1.")]
     kinds = [n.split(".")[1] for n in step1]
-    order = ["lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "param"]
+    order = ["lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "param", "expert_bias"]
     assert [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k] == order
     assert names.index("step1.param.lm_head.weight") < names.index("step2.lr")
     bf16 = {s.name: s for s in registry.get("t16").output_specs()}

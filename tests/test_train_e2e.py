@@ -16,12 +16,13 @@ import pytest
 
 from harness.commands.compare import CompareOptions, compare_case
 from tests.support.cases import write_cases
-from tests.support.train import TINY_TRAIN, tiny_train_case
+from tests.support.train import TINY_MODEL, TINY_TRAIN, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
 TENSOR = "model.layers.0.self_attn.q_a_proj.weight"
 FLIP = {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": TENSOR, "index": [5, 7], "bit": 20}
+ALIGNED = {"expert_bias_update": "off", "weight_decay_params": "not_1d"}  # the stacks' choices made the same
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,13 @@ def cases(tmp_path_factory):
         tiny_train_case("t_hf_kept", runners=["hf_model", "hf_model"],
                         train={**TINY_TRAIN, "flip": FLIP, "steps_kept": [1]}),
         tiny_train_case("t_paddle_bf16", runners=["paddle_model", "paddle_model"], dtype="bfloat16"),
+        tiny_train_case("t_float64", dtype="float64", train={**TINY_TRAIN, **ALIGNED}),
+        tiny_train_case("t_float64_dense", dtype="float64", train={**TINY_TRAIN, **ALIGNED},
+                        config={"model": {**TINY_MODEL, "first_k_dense_replace": 2}}),
+        tiny_train_case("t_float64_planted", dtype="float64", runners=["hf_model", "hf_model"],
+                        train={**TINY_TRAIN, **ALIGNED},
+                        perturb={"side": "b", "tensor": "model.layers.0.self_attn.kv_b_proj.weight", "index": [5, 3],
+                                 "bit": 50}),
     ])
 
 
@@ -52,7 +60,7 @@ def test_megatron_against_hf_gives_a_verdict_per_step_and_the_truth_per_step(cas
     assert [s["step"] for s in train["steps"]] == [1, 2] and train["parameters"] == 42
     for step in train["steps"]:
         assert step["verdict"] in ("DIFF", "BITWISE_PASS")
-        assert set(step["quantities"]) == {"grad", "exp_avg", "exp_avg_sq", "param"}
+        assert set(step["quantities"]) == {"grad", "exp_avg", "exp_avg_sq", "param", "expert_bias"}
         assert step["scalars"]["lr"]["equal"]  # both schedules give 1e-3, then the cosine floor's exact value
         assert set(step["truth"]) >= {"grad", "param", "loss"}, step["truth"]
     first = train["first_divergence"]
@@ -114,3 +122,26 @@ def test_megatron_against_paddle_gives_a_verdict_per_step(cases, tmp_path, check
 def test_paddle_cannot_train_bf16_on_a_cpu_and_says_which_kernel(cases, tmp_path, checkpoints_dir):
     result, run_dir, report, tails = _run("t_paddle_bf16", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "UNSUPPORTED" and "matmul" in result.message and "bfloat16" in result.message
+
+
+@pytest.mark.parametrize("case, pair", [("t_float64", ("megatron_model", "hf_model")),
+                                        ("t_float64_dense", ("paddle_model", "hf_model")),
+                                        ("t_float64_dense", ("megatron_model", "paddle_model"))])
+def test_float64_check_of_every_state_name_per_pair(cases, tmp_path, checkpoints_dir, case, pair):
+    result, run_dir, report, tails = _run(case, cases, tmp_path, checkpoints_dir, oracle=False, runners=pair,
+                                          fresh_process=True)
+    semantic = report["train"].get("semantic")
+    assert semantic, (result.verdict, result.message, tails)
+    assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
+    assert result.verdict in ("WITHIN_TOLERANCE", "BITWISE_PASS"), result.message
+    assert semantic["checked"] == sum(t["name"].startswith("step1.") for t in report["tensors"])
+
+
+def test_float64_disagreement_in_a_state_tensor_is_a_mapping_error_naming_it(cases, tmp_path, checkpoints_dir):
+    """A planted difference (bit 50 of one weight element on side b) stands in for a mapping error: step 1's loss,
+    the first output of the step, is beyond the agreement, and the run is an ERROR naming it, never a DIFF."""
+    result, run_dir, report, tails = _run("t_float64_planted", cases, tmp_path, checkpoints_dir, oracle=False,
+                                          fresh_process=True)
+    assert result.verdict == "ERROR", (result.message, tails)
+    assert "mapping error at step1.loss" in result.message, result.message
+    assert report["train"]["semantic"]["first_mismatch"] == "step1.loss"

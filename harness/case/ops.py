@@ -598,9 +598,16 @@ OPS[CAUSAL_LM.name] = CAUSAL_LM
 # in the order a step makes them and the report reads them: the lr the step used, each micro-batch's loss as
 # backpropagated (its mean cross entropy / micro_batches), the accumulated gradient the optimizer starts from (before
 # clipping), the global norm, the clip factor the gradients were multiplied by (1 when not clipped), both Adam moments,
-# the fp32 masters (bf16 cases), the parameters. State tensors use the canonical gradient names (gate and up fused).
+# the fp32 masters (bf16 cases), the parameters, each MoE layer's routing bias as the next step reads it. State tensors
+# use the canonical gradient names (gate and up fused); the routing bias its checkpoint name.
 
 STATE_QUANTITIES = ("grad", "exp_avg", "exp_avg_sq", "master", "param")  # per parameter, in the step's order
+
+
+def train_buffer_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
+    """The buffers training may change: each MoE layer's routing bias (Megatron updates it after every step:
+    aux-loss-free load balancing; HF's and Paddle's training code leave it)."""
+    return [(name, shape) for name, shape, kind in causal_lm_parameters(m) if kind == "expert_bias"]
 
 
 def train_state_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
@@ -620,7 +627,9 @@ def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec
         specs += [TensorSpec(f"{p}{quantity}.{name}", shape, "output", wide) for name, shape in states]
     if train["master_weights"]:
         specs += [TensorSpec(f"{p}master.{name}", shape, "output", "float32") for name, shape in states]
-    return specs + [TensorSpec(f"{p}param.{name}", shape, "output") for name, shape in states]
+    specs += [TensorSpec(f"{p}param.{name}", shape, "output") for name, shape in states]
+    biases = train_buffer_names(m)
+    return specs + [TensorSpec(f"{p}expert_bias.{name}", shape, "output", wide) for name, shape in biases]
 
 
 def _causal_lm_train_inputs(shapes, tokens, config):

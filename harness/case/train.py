@@ -23,6 +23,11 @@ WEIGHT_DECAY_PARAMS = {
               "apply_decay_param_fun)",
 }
 TORCH_ADAMW = ("default", "for_loop", "foreach", "fused")  # torch.optim.AdamW's foreach / fused flags (hf_model)
+EXPERT_BIAS_UPDATE = {
+    "default": "each stack's own: Megatron adds sign(mean load - load) x moe_router_bias_update_rate (1e-3) to each "
+               "routing bias after every step (finalize_model_grads); HF's and Paddle's training code leave it",
+    "off": "no stack updates it (Megatron: moe_router_bias_update_rate = 0)",
+}
 FLIP_FIELDS = {"side", "after_step", "state", "tensor", "index", "bit"}
 
 # field -> (accepted types, default); a default of None is resolved from other fields (below)
@@ -42,6 +47,7 @@ FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "master_weights": ((bool,), None),  # default: True for bfloat16, else False
     "distributed_optimizer": ((bool,), False),
     "torch_adamw": ((str,), "default"),
+    "expert_bias_update": ((str,), "default"),
     "steps_kept": ((str, list), "all"),
     "flip": ((dict,), None),
 }
@@ -89,7 +95,7 @@ def parse(f, dtype: str, model: dict) -> dict:
         bad("betas", "must be two numbers in [0, 1): [beta1, beta2]")
     train["betas"] = [float(b) for b in betas]
     for key, choices in (("decay_style", DECAY_STYLES), ("weight_decay_params", tuple(WEIGHT_DECAY_PARAMS)),
-                         ("torch_adamw", TORCH_ADAMW)):
+                         ("torch_adamw", TORCH_ADAMW), ("expert_bias_update", tuple(EXPERT_BIAS_UPDATE))):
         if train[key] not in choices:
             bad(key, f"must be one of {', '.join(choices)}")
     if train["master_weights"] != (dtype == "bfloat16"):

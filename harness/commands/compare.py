@@ -140,8 +140,9 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         result.message += tp_notes(result)
         if is_model and not is_train and result.tensors:
             result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
-            if case.dtype == "float64":
-                _semantic_verdict(result, case)
+        if is_model and case.dtype == "float64" and result.tensors:
+            _semantic_verdict(result, case, result.train if is_train else result.model,
+                              train.first_step(result.tensors) if is_train else result.tensors)
         if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
@@ -150,11 +151,12 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
     return result, run_dir
 
 
-def _semantic_verdict(result: CaseResult, case: Case) -> None:
+def _semantic_verdict(result: CaseResult, case: Case, summary: dict, tensors: list) -> None:
     """In float64 the sides must agree to ~1e-10 (model.semantic_check): beyond it is a mapping error (ERROR), within
-    it the rounding differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF."""
-    check = model.semantic_check(case, result.tensors, case.runners)
-    result.model["semantic"] = check
+    it the rounding differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF. `summary`: where the check
+    is kept (the model's or the training run's summary); `tensors`: those it checks (a training run: step 1's)."""
+    check = model.semantic_check(case, tensors, case.runners)
+    summary["semantic"] = check
     if result.verdict not in ("DIFF", "BITWISE_PASS"):
         return
     if not check["ok"]:

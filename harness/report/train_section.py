@@ -10,8 +10,8 @@ from harness.report.blocks import details, figure, h, p, table, ul
 
 QUANTITY_LABELS = {"lr": "lr", "loss": "loss", "grad": "gradients", "grad_norm": "grad norm",
                    "clip_coeff": "clip coefficient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
-                   "master": "masters", "param": "parameters"}
-STATES = ("grad", "exp_avg", "exp_avg_sq", "master", "param")
+                   "master": "masters", "param": "parameters", "expert_bias": "routing bias"}
+STATES = ("grad", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
 
 
 def headline(data: dict) -> list[str]:
@@ -27,6 +27,12 @@ def headline(data: dict) -> list[str]:
         lines.append(f"**first divergence in time: step {first['step']}, {QUANTITY_LABELS[first['quantity']]}** "
                      f"(`{first['tensor']}`; order within a step: "
                      f"{', '.join(QUANTITY_LABELS[q] for q in train['order'])})")
+    semantic = train.get("semantic")
+    if semantic:
+        state = ("passed" if semantic["ok"] else f"FAILED: mapping error at `{semantic['first_mismatch']}`")
+        floors = f"; floors stated for {len(semantic['floors'])} tensors" if semantic["floors"] else ""
+        lines.append(f"float64 check of every state name {state}: max relative error at scale "
+                     f"{semantic['max_relative_error']:.3g} (limit {semantic['agreement']:.0e}{floors})")
     truth = train.get("truth") or {}
     if truth and truth["status"] != "ok":
         lines.append(f"float64 truth: {truth['status']}: {truth['reason']}")

@@ -41,7 +41,8 @@ from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch.train_state import flip_state, load_state
 
-QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param")
+QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
+              "expert_bias")
 TRAIN_ADAPTERS = {
     "cuda_factory_to_cpu": "CPU only: a torch factory call with a literal device='cuda' (optimizer.py, clip_grads.py, "
                            "schedules.py, param_and_grad_buffer.py) makes its tensor on the CPU (a TorchFunctionMode "
@@ -49,24 +50,34 @@ TRAIN_ADAPTERS = {
     "tensor_type_cuda_names": "CPU only: Tensor.type() without arguments answers the torch.cuda.* type name "
                               "(optimizer.py, distrib_optimizer.py and clip_grads.py accept only those)",
 }
+FLOAT64_ADAPTER = {
+    "float64_as_fp32_type_name": "float64 cases only: Tensor.type() answers torch.cuda.FloatTensor for a float64 "
+                                 "tensor, so clip_grads.py's assert (fp32 main grads only) lets Megatron's optimizer "
+                                 "run on float64 parameters; the computation stays float64 (Megatron's norm itself "
+                                 "is rounded to fp32 by local_multi_tensor_l2_norm, stated in [megatron.float64])",
+}
 
 
 class CudaOnCpu(TorchFunctionMode):
     """The two CPU adapters of Megatron's training code (see the module docstring); `skip` names the ones left out
     (the ablation tests)."""
 
-    def __init__(self, skip=()):
+    def __init__(self, skip=(), on_cpu: bool = True, float64: bool = False):
         super().__init__()
-        self.factories, self.type_names = "cuda_factory_to_cpu" not in skip, "tensor_type_cuda_names" not in skip
+        self.factories = on_cpu and "cuda_factory_to_cpu" not in skip
+        self.type_names = on_cpu and "tensor_type_cuda_names" not in skip
+        self.float64 = float64 and "float64_as_fp32_type_name" not in skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if self.factories and isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
-        if self.type_names and func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+            if self.float64:
+                name = name.replace("DoubleTensor", "FloatTensor")
+            return name.replace("torch.", "torch.cuda.", 1) if self.type_names and ".cuda." not in name else name
         return func(*args, **kwargs)
 
 
@@ -104,14 +115,16 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         megatron_model.init_process_group(device)
         determinism = torch_env.apply_determinism(device)
         adapters = megatron_model.install_adapters(device, skip_adapters)
-        on_cpu = device.type == "cpu"
-        if on_cpu:
-            adapters += [{"name": n, "why": why, "changes_computation": False} for n, why in TRAIN_ADAPTERS.items()
-                         if n not in skip_adapters]
+        on_cpu, float64 = device.type == "cpu", dtype == torch.float64
+        named = {**(TRAIN_ADAPTERS if on_cpu else {}), **(FLOAT64_ADAPTER if float64 else {})}
+        adapters += [{"name": n, "why": why, "changes_computation": False} for n, why in named.items()
+                     if n not in skip_adapters]
         adapters.append({"name": "clip_scale", "why": clip_scale.__doc__.split("(")[0].strip() + " (an observer)",
                          "changes_computation": False})
-        mode = (lambda: CudaOnCpu(skip_adapters)) if on_cpu else _nothing
+        mode = (lambda: CudaOnCpu(skip_adapters, on_cpu, float64)) if on_cpu or float64 else _nothing
         config, knobs = megatron_model.translate_config(m, dtype, device)
+        if train["expert_bias_update"] == "off":  # read by finalize_model_grads after every step's backward
+            config.moe_router_bias_update_rate = 0.0
         model = megatron_model.build_model(config, m, device)
         dense, moe = megatron_model.layer_kinds(m)
         names = megatron_model.name_map(moe, dense, m["n_routed_experts"])
@@ -120,8 +133,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         model.train()
         beta1, beta2 = train["betas"]
         with mode():
-            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=train["distributed_optimizer"]), model)
+            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(  # float64 keeps float64 grads
+                grad_reduce_in_fp32=not float64, use_distributed_optimizer=train["distributed_optimizer"]), model)
             config.no_sync_func = ddp.no_sync
             config.finalize_model_grads_func = finalize_model_grads
             optimizer_config = OptimizerConfig(
@@ -229,6 +242,9 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         if quantity == "master" and not states.masters:
             continue
         tensors.update({f"{quantity}.{name}": t for name, t in states.canonical(quantity).items()})
+    # Megatron keeps the routing bias in float32 whatever the model's dtype (TopKRouter._maintain_float32_expert_bias):
+    # a float64 case gets it upcast, exactly
+    tensors.update({f"expert_bias.{name}": buffer.to(wide) for name, buffer in states.buffers.items()})
     return scalars, {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
 
 
@@ -259,6 +275,8 @@ class MegatronStates:
                     for param in group["params"]:
                         self.owner[param] = (inner, param)
         self.masters = any(p.dtype != torch.float32 and p.dtype != torch.float64 for p in self.rules.values())
+        buffers = dict(model.named_buffers())
+        self.buffers = {canonical: buffers[megatron] for canonical, (megatron, _) in names["buffers"].items()}
 
     def lr(self) -> float:
         lrs = {group["lr"] for inner in self.optimizer.chained_optimizers for group in inner.optimizer.param_groups}
@@ -319,7 +337,7 @@ def training_knobs(train: dict, optimizer) -> dict:
                                        + ("Megatron's standard overrides: 1-D parameters and biases"
                                           if train["weight_decay_params"] != "all" else "config_overrides={}")
                                        + ")"},
-        "DistributedDataParallelConfig": {"value": {"grad_reduce_in_fp32": True,
+        "DistributedDataParallelConfig": {"value": {"grad_reduce_in_fp32": "True (float64: False)",
                                                     "use_distributed_optimizer": train["distributed_optimizer"]},
                                           "why": "Megatron-LM accumulates and reduces gradients in fp32 for bf16 "
                                                  "(accumulate_allreduce_grads_in_fp32)"},
@@ -331,4 +349,8 @@ def training_knobs(train: dict, optimizer) -> dict:
                                            "micro-batch size 1 counted in steps"},
         "micro_batches": {"value": train["micro_batches"], "why": "forward_backward_no_pipelining's "
                                                                   "num_microbatches (gradient accumulation)"},
+        "moe_router_bias_update_rate": {"value": 0.0 if train["expert_bias_update"] == "off" else 1e-3,
+                                        "why": f"expert_bias_update = {train['expert_bias_update']!r}: "
+                                               "finalize_model_grads moves each routing bias by sign(mean load - "
+                                               "load) x this rate after every step's backward"},
     }

@@ -26,12 +26,13 @@ import paddle
 from safetensors import safe_open
 
 from harness.capture.paddle import apply_rule, to_host
-from harness.case.ops import train_state_names
+from harness.case.ops import train_buffer_names, train_state_names
 from harness.run.protocol import Phases
 from harness.run.steps import StepWriter, flip_bit, state_locations, step_file
 from harness.runners.paddle import model as paddle_model
 
-QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param")
+QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
+              "expert_bias")
 MOMENTS = {"exp_avg": "moment1", "exp_avg_sq": "moment2"}
 
 
@@ -119,8 +120,15 @@ def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
 class Trainer:
     def __init__(self, model, train: dict, m: dict, name_map):
         self.model, self.train, self.n = model, train, train["micro_batches"]
+        self.float64 = paddle.get_default_dtype() == "float64"
         self.params = dict(model.named_parameters())
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
+        wanted = {name for name, _ in train_buffer_names(m)}  # Paddle buffer -> canonical by [paddle.checkpoint]
+        self.buffers = {name_map.rule("checkpoint", paddle_name).sources[0]: buffer
+                        for paddle_name, buffer in model.named_buffers()
+                        if name_map.rule("checkpoint", paddle_name).sources[0] in wanted}
+        if set(self.buffers) != wanted:
+            raise RuntimeError(f"routing biases not found in the Paddle model: {sorted(wanted - set(self.buffers))}")
         self.scheduler = schedule(train)
         beta1, beta2 = train["betas"]
         one_d = {p.name for p in self.params.values() if len(p.shape) <= 1}
@@ -142,6 +150,9 @@ class Trainer:
                           "why": f"{train['decay_style']}, warmup {train['warmup_steps']} from 0, decay to "
                                  f"{train['min_lr']} over {train['decay_steps']} steps"},
             "gradient_accumulation": {"value": self.n, "why": "(loss / micro_batches).backward() per micro-batch"},
+            "expert_bias_update": {"value": train["expert_bias_update"], "why": "this training loop (Paddle's "
+                                                                                "optimizer) never changes "
+                                                                                "e_score_correction_bias"},
         }
 
     # --- one step --------------------------------------------------------------------------------------------------
@@ -174,12 +185,15 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.clear_grad()
         self.scheduler.step()
-        scalars = {"lr": np.asarray(lr, dtype=np.float64).reshape(()), "loss": np.stack(losses),
+        loss = np.stack(losses)  # float32 whatever the model's dtype (PaddleFormers' criterion): float64 exactly
+        scalars = {"lr": np.asarray(lr, dtype=np.float64).reshape(()),
+                   "loss": loss.astype(np.float64) if self.float64 else loss,
                    "grad_norm": np.asarray(norm, dtype=np.float64).reshape(()),
                    "clip_coeff": np.asarray(factor, dtype=np.float64).reshape(())}
         states = dict(grads)
         for quantity in ("exp_avg", "exp_avg_sq", "param"):
             states.update({f"{quantity}.{name}": value for name, value in self.canonical(quantity).items()})
+        states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.buffers.items()})
         return scalars, {name: np.require(value, requirements="C") for name, value in states.items()}
 
     # --- state in canonical names (numpy), both ways -------------------------------------------------------------
@@ -223,9 +237,13 @@ class Trainer:
         which the optimizer reads). The beta powers (Paddle's step count) stay this run's own."""
         if step > 1:
             names = [f"step{step - 1}.{q}.{n}" for q in ("exp_avg", "exp_avg_sq", "param") for n in self.rules]
+            names += [f"step{step - 1}.expert_bias.{n}" for n in self.buffers]
             for key, value in _read(refeed["from"], step - 1, names).items():
                 _, quantity, name = key.split(".", 2)
-                self.put(quantity, name, value)
+                if quantity == "expert_bias":
+                    self.buffers[name].set_value(paddle.to_tensor(value, place=paddle.CPUPlace()))
+                else:
+                    self.put(quantity, name, value)
         self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
 
 

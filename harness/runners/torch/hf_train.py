@@ -20,14 +20,15 @@ from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from harness.case.models import NameMap
-from harness.case.ops import train_state_names
+from harness.case.ops import train_buffer_names, train_state_names
 from harness.run.protocol import Phases, Unsupported
 from harness.run.steps import StepWriter, state_locations
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import hf_model
 from harness.runners.torch.train_state import TorchStates, flip_state, load_grads, load_state
 
-QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param")
+QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
+              "expert_bias")
 
 
 class ClipFactor(TorchFunctionMode):
@@ -120,10 +121,14 @@ class Trainer:
                                 f"decay to {train['min_lr']} over {train['decay_steps']} steps"},
             "gradient_accumulation": {"value": self.micro_batches, "why": "(loss / micro_batches).backward() per "
                                                                           "micro-batch, as HF's Trainer"},
+            "expert_bias_update": {"value": train["expert_bias_update"], "why": "HF's training code never changes "
+                                                                                "e_score_correction_bias"},
         })
         self.states = TorchStates({name: rule for name, _ in train_state_names(m)
                                    for rule in [name_map.rule("grads", name, m)]},
                                   params, self.masters, self.optimizer)
+        buffers = dict(model.named_buffers())  # HF's buffer names are the checkpoint's ([hf.checkpoint]: same)
+        self.states.buffers = {name: buffers[name] for name, _ in train_buffer_names(m)}
 
     @property
     def scheduler_source(self) -> str:
@@ -188,6 +193,7 @@ class Trainer:
             if quantity == "master" and not self.masters:
                 continue
             states.update({f"{quantity}.{name}": tensor for name, tensor in self.states.canonical(quantity).items()})
+        states.update({f"expert_bias.{name}": buffer for name, buffer in self.states.buffers.items()})
         return scalars, {name: tensor.detach().contiguous().cpu() for name, tensor in states.items()}
 
 

@@ -23,6 +23,7 @@ STATE = ("exp_avg", "exp_avg_sq", "master", "param")  # what a step hands to the
 class TorchStates:
     def __init__(self, rules: dict, params: dict, masters: dict, optimizer):
         self.rules, self.params, self.masters, self.optimizer = rules, params, masters, optimizer
+        self.buffers: dict[str, torch.Tensor] = {}  # canonical routing-bias name -> the model's buffer
 
     def source(self, quantity: str, name: str) -> torch.Tensor:
         optimized = self.masters.get(name, self.params[name])
@@ -97,15 +98,19 @@ def _read(folder, step: int, names) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_state(states, refeed: dict, step: int, set_lr) -> None:
-    """Side a's state after step - 1 (parameters, masters, both moments) into this run, and side a's lr for this
-    step. The step count stays this run's own: it made the same number of steps."""
+    """Side a's state after step - 1 (parameters, masters, both moments, the routing biases) into this run, and side
+    a's lr for this step. The step count stays this run's own: it made the same number of steps."""
     folder = refeed["from"]
     if step > 1:
         quantities = [q for q in STATE if q != "master" or getattr(states, "masters", True)]
         names = [f"step{step - 1}.{q}.{n}" for q in quantities for n in states.rules]
+        names += [f"step{step - 1}.expert_bias.{n}" for n in states.buffers]
         for key, value in _read(folder, step - 1, names).items():
             _, quantity, name = key.split(".", 2)
-            states.put(quantity, name, value)
+            if quantity == "expert_bias":
+                states.buffers[name].copy_(value)
+            else:
+                states.put(quantity, name, value)
     set_lr(float(_read(folder, step, [f"step{step}.lr"])[f"step{step}.lr"]))
 
 
