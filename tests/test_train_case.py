@@ -134,3 +134,28 @@ def test_step_files_are_validated_against_the_case(tmp_path):
     assert "kept is True, the request keeps steps [2]" in steps.validate(tmp_path / "side", case)
     write(drop="step2.exp_avg.lm_head.weight")
     assert "lacks tensor 'step2.exp_avg.lm_head.weight'" in steps.validate(tmp_path / "side", case)
+
+
+def test_refeed_attribution_names_what_made_each_difference():
+    """harness.compare.train_refeed.attribute on hand-made comparisons (a test double of three runs' verdicts)."""
+    from harness.compare.tensors import DIFF, EQUAL, TensorComparison
+    from harness.compare.train_refeed import attribute
+
+    names = ["step1.lr", "step1.loss", "step1.grad.w", "step1.grad_norm", "step1.exp_avg.w", "step1.param.w",
+             "step2.exp_avg.w", "step2.expert_bias.b"]
+
+    def run(differing):
+        return [TensorComparison(n, DIFF if n in differing else EQUAL) for n in names]
+
+    plain = run({"step1.lr", "step1.loss", "step1.grad.w", "step1.grad_norm", "step1.exp_avg.w", "step1.param.w",
+                 "step2.exp_avg.w", "step2.expert_bias.b"})
+    state = run({"step1.loss", "step1.grad.w", "step1.grad_norm", "step1.exp_avg.w", "step1.param.w",
+                 "step2.expert_bias.b"})
+    update = run({"step1.grad_norm", "step1.param.w"})
+    step1, step2 = attribute(plain, state, update)
+    assert step1["attribution"] == {
+        "lr": "1 made by the schedule", "loss": "1 made by the step's forward/backward",
+        "grad": "1 made by the step's forward/backward", "grad_norm": "1 made by the optimizer on side a's gradients",
+        "exp_avg": "1 made by the step's gradients", "param": "1 made by the optimizer on side a's gradients"}
+    assert step2["attribution"] == {"exp_avg": "1 carried in", "expert_bias": "1 made by the step"}
+    assert step1["made"]["grad"] == ["step1.grad.w"] and "exp_avg" not in step2["made"]

@@ -35,6 +35,7 @@ def cases(tmp_path_factory):
         tiny_train_case("t_hf_kept", runners=["hf_model", "hf_model"],
                         train={**TINY_TRAIN, "flip": FLIP, "steps_kept": [1]}),
         tiny_train_case("t_paddle_bf16", runners=["paddle_model", "paddle_model"], dtype="bfloat16"),
+        tiny_train_case("t_megatron_hf_aligned", train={**TINY_TRAIN, **ALIGNED, "clip_grad": 0.0}),
         tiny_train_case("t_float64", dtype="float64", train={**TINY_TRAIN, **ALIGNED}),
         tiny_train_case("t_float64_dense", dtype="float64", train={**TINY_TRAIN, **ALIGNED},
                         config={"model": {**TINY_MODEL, "first_k_dense_replace": 2}}),
@@ -145,3 +146,30 @@ def test_float64_disagreement_in_a_state_tensor_is_a_mapping_error_naming_it(cas
     assert result.verdict == "ERROR", (result.message, tails)
     assert "mapping error at step1.loss" in result.message, result.message
     assert report["train"]["semantic"]["first_mismatch"] == "step1.loss"
+
+
+def test_refeed_in_time_says_the_planted_bit_was_carried_into_step_2(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_control_megatron", cases, tmp_path, checkpoints_dir, oracle=False,
+                                          refeed_ops=True)
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    step1, step2 = refeed["steps"]
+    assert step1["attribution"] == {}  # step 1 is bitwise equal
+    assert step2["attribution"] == {"exp_avg": "1 carried in, 41 equal", "param": "1 carried in, 41 equal"}
+    assert "Re-feed in time" in (run_dir / "report.md").read_text()
+
+
+def test_refeed_with_side_a_gradients_shows_megatron_adam_is_torch_adamw(cases, tmp_path, checkpoints_dir):
+    """No clipping and the choices aligned: on side a's gradients Megatron's optimizer and torch's AdamW give the same
+    moments and parameters bit for bit at every step, so every moment or parameter difference is made by the
+    gradients (or carried in), never by the optimizer."""
+    result, run_dir, report, tails = _run("t_megatron_hf_aligned", cases, tmp_path, checkpoints_dir, oracle=False,
+                                          refeed_ops=True)
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    for step in refeed["steps"]:
+        for quantity in ("exp_avg", "exp_avg_sq", "param"):
+            assert "optimizer" not in step["attribution"].get(quantity, ""), (step["step"], step["attribution"])
+        assert "made by the step's forward/backward" in step["attribution"]["grad"]
+    assert all(s["attribution"]["grad_norm"] == "1 made by the optimizer on side a's gradients"
+               for s in refeed["steps"])  # Megatron's norm (per tensor, square root in double) is its own

@@ -20,7 +20,7 @@ from harness.case.ops import MODEL_OPS, TRAIN_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
-from harness.compare import determinism, model, model_refeed, refeed, tolerance, train
+from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_refeed
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
@@ -124,9 +124,10 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             else:
                 result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
-            if o.refeed_ops and is_train:
-                raise CaseError(f"case {name!r}: --refeed of a training case is not built yet")
-            if o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
+            if o.refeed_ops and is_train:  # re-feed in time: side b re-run from side a's state, step by step
+                result.train["refeed"] = train_refeed.run(case, checkpoint, pair, framework, result.tensors,
+                                                          o.device, run_dir, pythons, o.timeout)
+            elif o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
                 result.refeed = model_refeed.run(case, pair, result.tensors, o.device, run_dir, pythons, o.timeout)
             elif o.refeed_ops:
                 result.refeed = refeed.run(case, checkpoint, framework, o.device, run_dir, pythons, o.timeout)

@@ -101,6 +101,8 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     if result.train:
         for row in train_section.step_rows(result.train):
             out.print(escape("step " + " | ".join(str(cell).replace("`", "") for cell in row)), highlight=False)
+        for line in train_section.refeed_lines(result.train.get("refeed") or {}):
+            out.print(escape("re-feed, " + line), highlight=False)
     if result.refeed.get("kind") == "model":
         for line in refeed_section.model_items(result.refeed):
             out.print("re-feed: " + escape(line.replace("**", "").replace("`", "")), highlight=False)

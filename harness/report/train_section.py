@@ -36,9 +36,9 @@ def headline(data: dict) -> list[str]:
     truth = train.get("truth") or {}
     if truth and truth["status"] != "ok":
         lines.append(f"float64 truth: {truth['status']}: {truth['reason']}")
-    refeed = data.get("train_refeed") or train.get("refeed")
-    if refeed:
-        lines += refeed_lines(refeed)
+    refeed = train.get("refeed")
+    if refeed and refeed["status"] != "ok":
+        lines.append(f"re-feed in time: {refeed['status']}: {refeed['reason']}")
     return lines
 
 
@@ -81,11 +81,29 @@ def step_rows(train: dict) -> list[list]:
 
 
 def refeed_lines(refeed: dict) -> list[str]:
+    """One line per step: each differing quantity and what made its tensors' differences."""
     lines = []
     for step in refeed.get("steps", []):
         made = "; ".join(f"{QUANTITY_LABELS[q]}: {how}" for q, how in step["attribution"].items())
-        lines.append(f"re-feed, step {step['step']}: {made}")
+        lines.append(f"step {step['step']}: {made or 'nothing differs'}")
     return lines
+
+
+def refeed_blocks(train: dict) -> list[tuple]:
+    refeed = train.get("refeed")
+    if not refeed or refeed["status"] != "ok":
+        return []
+    order = [q for q in train["order"] if any(q in s["attribution"] for s in refeed["steps"])]
+    return [h(3, "Re-feed in time: what made each step's differences (tensors)"),
+            p("Side b re-run twice from side a's state after the previous step (parameters, masters, moments, routing "
+              "biases; side a's lr): once on its own gradients, once on side a's. Made by the step's "
+              "forward/backward: differs from side a's state already; made by the optimizer on side a's gradients: its "
+              "norm, clip and Adam differ even there; made by the step's gradients: differs on its own gradients only; "
+              "carried in: "
+              "equal once re-fed (the difference came with the state)."),
+            table(["step", *(QUANTITY_LABELS[q] for q in order)],
+                  [[s["step"], *(s["attribution"].get(q, "equal") for q in order)] for s in refeed["steps"]],
+                  "r" + "l" * len(order))]
 
 
 def blocks(data: dict, figures: dict) -> list[tuple]:
@@ -106,6 +124,7 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
                 table(["step", *(QUANTITY_LABELS[q] for q in train["order"])],
                       [[s["step"], *(_tally(s.get("truth", {}).get(q)) for q in train["order"])]
                        for s in train["steps"]], "r" + "l" * len(train["order"]))]
+    out += refeed_blocks(train)
     if "train" in figures:
         out += [h(3, "Mismatches per step and quantity"),
                 figure(figures["train"]["map"], "share of tensors differing per step and quantity")]
