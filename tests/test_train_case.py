@@ -159,3 +159,24 @@ def test_refeed_attribution_names_what_made_each_difference():
         "exp_avg": "1 made by the step's gradients", "param": "1 made by the optimizer on side a's gradients"}
     assert step2["attribution"] == {"exp_avg": "1 carried in", "expert_bias": "1 made by the step"}
     assert step1["made"]["grad"] == ["step1.grad.w"] and "exp_avg" not in step2["made"]
+
+
+def test_knob_matrix_counts_differences_per_quantity_and_says_what_a_knob_removed():
+    """harness.commands.train_matrix and its report on hand-made cells (test doubles of two runs' summaries)."""
+    from harness.commands.train_matrix import differing_per_quantity, knobs_for
+    from harness.report.train_matrix_report import markdown
+
+    step = {"scalars": {"lr": {"equal": True}, "grad_norm": {"equal": False}},
+            "quantities": {"param": {"equal": 30, "total": 42}, "expert_bias": {"equal": 0, "total": 1}}}
+    assert differing_per_quantity({"steps": [step, step]}) == {"lr": 0, "grad_norm": 2, "param": 24,
+                                                                "expert_bias": 2}
+    removed = {"scalars": step["scalars"], "quantities": {**step["quantities"],
+                                                          "expert_bias": {"equal": 1, "total": 1}}}
+    cells = [{"setting": {}, "verdict": "DIFF", "first_divergence": None, "report": "r0", "sides": "a vs b",
+              "differing": differing_per_quantity({"steps": [step, step]})},
+             {"setting": {"expert_bias_update": "off"}, "verdict": "DIFF", "first_divergence": None,
+              "report": "r1", "sides": "a vs b", "differing": differing_per_quantity({"steps": [removed, removed]})}]
+    rows = [line for line in markdown("case", cells).splitlines() if line.startswith("| ")]
+    assert any("expert_bias_update = off" in row and "| 0 (-2) |" in row for row in rows), rows
+    assert {"expert_bias_update": "off"} in knobs_for(("megatron_model", "hf_model"))
+    assert {"torch_adamw": "fused"} not in knobs_for(("megatron_model", "paddle_model"))

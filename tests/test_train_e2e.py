@@ -173,3 +173,17 @@ def test_refeed_with_side_a_gradients_shows_megatron_adam_is_torch_adamw(cases, 
         assert "made by the step's forward/backward" in step["attribution"]["grad"]
     assert all(s["attribution"]["grad_norm"] == "1 made by the optimizer on side a's gradients"
                for s in refeed["steps"])  # Megatron's norm (per tensor, square root in double) is its own
+
+
+def test_knob_matrix_shows_which_knob_removes_which_difference(cases, tmp_path, checkpoints_dir):
+    """Megatron moves its routing biases after every step, HF does not: the knob that turns Megatron's update off
+    removes those differences, and the matrix says so."""
+    from harness.commands import train_matrix
+
+    options = CompareOptions(cases_dir=cases, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
+                             oracle=False)
+    assert train_matrix.run("t_megatron_hf", options, knobs=[{"expert_bias_update": "off"}]) == 0
+    matrix = json.loads(next((tmp_path / "reports").glob("*knob-matrix*/matrix.json")).read_text())
+    written, off = matrix["cells"]
+    assert written["differing"]["expert_bias"] == 2 and off["differing"]["expert_bias"] == 0
+    assert "expert_bias_update = off" in (next((tmp_path / "reports").glob("*knob-matrix*/matrix.md")).read_text())
