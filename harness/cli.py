@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--paddle-impl", choices=KNOBS["paddle_impl"].choices,
                          help="the Paddle side's implementation level for this run (sets config.paddle_impl): auto, "
                               "paddlefleet, paddleformers or recipe; `python -m harness doctor` lists what exists here")
+    compare.add_argument("--steps-kept", metavar="all|last|K,L,...",
+                         help="training cases: the steps whose tensors stay on disk (default: the case's "
+                              "train.steps_kept); the other steps keep their scalars and one digest per tensor")
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
-        repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process,
+        repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process, steps_kept=args.steps_kept,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,

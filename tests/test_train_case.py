@@ -2,6 +2,8 @@
 case, field and value named), the op's per-step inputs and outputs, the per-step checkpoint tensors, and the step
 files' validation. Runs in about a second."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -180,3 +182,33 @@ def test_knob_matrix_counts_differences_per_quantity_and_says_what_a_knob_remove
     assert any("expert_bias_update = off" in row and "| 0 (-2) |" in row for row in rows), rows
     assert {"expert_bias_update": "off"} in knobs_for(("megatron_model", "hf_model"))
     assert {"torch_adamw": "fused"} not in knobs_for(("megatron_model", "paddle_model"))
+
+
+def test_truth_distance_counts_differing_bits_and_the_largest_difference():
+    import ml_dtypes
+
+    from harness.compare.tensors import compare_tensor
+    from harness.compare.train import distance
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float64):
+        a = rng.standard_normal((50, 7)).astype(dtype)
+        b = a.copy()
+        b[3, 4], b[10, 1] = b[3, 4] * 2, -b[10, 1]
+        full = compare_tensor("x", a, b)
+        assert distance(a, b) == (full.mismatches, full.max_abs_error) == (2, full.max_abs_error)
+        assert distance(a[0, 0], a[0, 0].copy()) == (0, 0.0)
+
+
+def test_steps_kept_is_refused_on_other_cases_and_outside_the_steps(tmp_path):
+    from harness.commands.compare import CompareOptions, compare_case
+    from tests.support.cases import tiny_case
+
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    (cases / "t.toml").write_text(tiny_case("lin") + tiny_train_case("tr"))
+    options = CompareOptions(cases_dir=cases, reports_dir=tmp_path / "reports", checkpoints_dir=tmp_path / "ck")
+    result, _ = compare_case("lin", replace(options, steps_kept="last"))
+    assert result.verdict == "ERROR" and "--steps-kept is for training cases" in result.message
+    result, _ = compare_case("tr", replace(options, steps_kept="3"))
+    assert result.verdict == "ERROR" and "--steps-kept 3: step 3 is outside 1..2" in result.message

@@ -18,6 +18,7 @@ from harness import __version__
 from harness.case import checkpoints
 from harness.case.ops import MODEL_OPS, TRAIN_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
+from harness.case.train import parse_steps_kept
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
 from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_refeed
@@ -55,6 +56,7 @@ class CompareOptions:
     fresh_process: bool = False
     config_overrides: Mapping[str, object] = field(default_factory=dict)
     weights_file: str | None = None
+    steps_kept: str | None = None  # training cases: "all", "last" or "1,3,100" over the case's train.steps_kept
     timeout: float = 1800.0
     pythons: Mapping[str, str] = field(default_factory=dict)
     cases_dir: Path = CASES_DIR
@@ -87,6 +89,8 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         case = case.with_tp(o.tp) if o.tp is not None else case
         if o.config_overrides:
             case = replace(case, config={**case.config, **o.config_overrides})
+        if o.steps_kept is not None:
+            case = _with_steps_kept(case, o.steps_kept)
         tps = None
         if o.versus_tp is not None:
             case, tps = _versus_tp(case, o.versus_tp, o.runner or case.runners[0])
@@ -171,6 +175,18 @@ def _semantic_verdict(result: CaseResult, case: Case, summary: dict, tensors: li
         result.message = (f"float64 semantic check passed: all {check['checked']} tensors agree to relative error "
                           f"{check['max_relative_error']:.3g} <= {check['agreement']:.0e} (bits differ: "
                           f"{result.message})")
+
+
+def _with_steps_kept(case: Case, text: str) -> Case:
+    """The case with ``--steps-kept`` over its train.steps_kept (a training case only)."""
+    train = case.config.get("train")
+    if train is None:
+        raise CaseError(f"case {case.name!r}: --steps-kept is for training cases (op causal_lm_train)")
+    try:
+        kept = parse_steps_kept(text, train["steps"])
+    except ValueError as error:
+        raise CaseError(f"case {case.name!r}: {error}") from None
+    return replace(case, config={**case.config, "train": {**train, "steps_kept": kept}})
 
 
 def describe_case(case: Case) -> dict:

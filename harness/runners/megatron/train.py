@@ -28,7 +28,7 @@ Observer (changes nothing): ``clip_scale``, the scale ``clip_grad_by_total_norm_
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from safetensors.torch import save_file
@@ -160,7 +160,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
             if refeed:
                 load_state(states, refeed, step, states.set_lr)
             scalars, tensors = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype, refeed)
-            writer.write(step, scalars, tensors)
+            if scalars:
+                writer.write(step, scalars, tensors)
             flip = train.get("flip")
             if flip and flip["after_step"] == step:
                 flip_state(states, flip)
@@ -225,14 +226,17 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         from harness.runners.torch.train_state import load_grads
         load_grads(states, refeed, step)
     lr = states.lr()
-    grads = {f"grad.{name}": tensor.clone() for name, tensor in states.canonical("grad").items()}
-    with clip_scale() as scales:
+    bare = train.get("bare")  # bench_speed: Megatron's calls alone, nothing observed or written
+    grads = {} if bare else {f"grad.{n}": t.clone() for n, t in states.canonical("grad").items()}
+    with nullcontext([]) if bare else clip_scale() as scales:
         update_successful, grad_norm, _ = optimizer.step()
     if not update_successful:
         raise RuntimeError(f"Megatron skipped step {step} (found inf/nan in the gradients)")
     if len(set(scales)) > 1:
         raise RuntimeError(f"chained optimizers clipped by different scales: {scales}")
     scheduler.step(increment=1)
+    if bare:
+        return {}, {}
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": torch.stack(losses).detach().to(wide),
                "grad_norm": torch.tensor(float(grad_norm), dtype=torch.float64),

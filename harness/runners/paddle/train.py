@@ -91,7 +91,8 @@ def run(request: dict, phases: Phases) -> dict:
                 trainer.load_state(refeed, step)
             scalars, states = paddle_model._kernel_guard(
                 lambda step=step: trainer.step(step, checkpoint, refeed), f"training step {step}", request)
-            writer.write(step, scalars, states)
+            if scalars:
+                writer.write(step, scalars, states)
             flip = train.get("flip")
             if flip and flip["after_step"] == step:
                 value = flip_bit(trainer.one(flip["state"], flip["tensor"]), flip["index"], flip["bit"])
@@ -169,6 +170,11 @@ class Trainer:
             for key, value in _read(refeed["from"], step, [f"step{step}.grad.{n}" for n in self.rules]).items():
                 self.put("grad", key.split(".", 2)[2], value)
         lr = self.optimizer.get_lr()
+        if self.train.get("bare"):  # bench_speed: Paddle's calls alone, nothing observed or written
+            self.optimizer.step()
+            self.optimizer.clear_grad()
+            self.scheduler.step()
+            return {}, {}
         grads = {f"grad.{name}": value.copy() for name, value in self.canonical("grad").items()}
         if self.clip is not None:
             with clip_norm_and_factor(self.clip) as seen:

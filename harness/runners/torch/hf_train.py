@@ -15,6 +15,8 @@ Where each quantity lives: ``[hf.train]`` of the name map, copied into meta.json
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
@@ -44,6 +46,13 @@ class ClipFactor(TorchFunctionMode):
         if func is torch.clamp:
             self.seen.append(out.detach().clone())
         return out
+
+    class Bare:
+        """No observer (a bare training loop): no factor."""
+
+        @staticmethod
+        def factor():
+            return None
 
     def factor(self) -> torch.Tensor:
         if len(self.seen) != 1:
@@ -76,7 +85,8 @@ def run(request: dict, phases: Phases) -> dict:
             if refeed:  # side a's state after the previous step, and its lr for this one
                 load_state(trainer.states, refeed, step, trainer.set_lr)
             scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed)
-            writer.write(step, scalars, states)
+            if scalars:
+                writer.write(step, scalars, states)
             flip = train.get("flip")
             if flip and flip["after_step"] == step:
                 flip_state(trainer.states, flip)
@@ -169,10 +179,11 @@ class Trainer:
         lrs = {group["lr"] for group in self.optimizer.param_groups}
         if len(lrs) != 1:
             raise RuntimeError(f"param groups disagree on the lr: {sorted(lrs)}")
-        grads = {f"grad.{name}": tensor.clone() for name, tensor in self.states.canonical("grad").items()}
+        bare = self.train.get("bare")  # bench_speed: the stack's calls alone, nothing observed or written
+        grads = {} if bare else {f"grad.{n}": t.clone() for n, t in self.states.canonical("grad").items()}
         optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.train["clip_grad"] > 0:
-            with ClipFactor() as observer:
+            with nullcontext(ClipFactor.Bare) if bare else ClipFactor() as observer:
                 norm = torch.nn.utils.clip_grad_norm_(optimized, self.train["clip_grad"])
             factor = observer.factor()
         else:
@@ -184,6 +195,8 @@ class Trainer:
             params = dict(model.named_parameters())
             for name, master in self.masters.items():
                 params[name].copy_(master)
+        if bare:
+            return {}, {}
         loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": torch.stack(losses).to(loss_dtype),
                    "grad_norm": norm.detach().to(torch.float64).reshape(()),
