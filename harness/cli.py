@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--paddle-impl", choices=KNOBS["paddle_impl"].choices,
                          help="the Paddle side's implementation level for this run (sets config.paddle_impl): auto, "
                               "paddlefleet, paddleformers or recipe; `python -m harness doctor` lists what exists here")
-    compare.add_argument("--steps-kept", metavar="all|last|K,L,...",
+    compare.add_argument("--steps-kept", metavar="all|last|none|K,L,...",
                          help="training cases: the steps whose tensors stay on disk (default: the case's "
                               "train.steps_kept); the other steps keep their scalars and one digest per tensor")
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)

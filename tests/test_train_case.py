@@ -104,7 +104,8 @@ def test_steps_kept_on_the_command_line():
     assert parse_steps_kept("3,1,3", 4) == [1, 3]
     with pytest.raises(ValueError, match="--steps-kept 5: step 5 is outside 1..4"):
         parse_steps_kept("5", 4)
-    with pytest.raises(ValueError, match="expected all, last or step numbers"):
+    assert parse_steps_kept("none", 4) == []
+    with pytest.raises(ValueError, match="expected all, last, none or step numbers"):
         parse_steps_kept("first", 4)
 
 

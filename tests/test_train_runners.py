@@ -19,25 +19,31 @@ from tests.support.train import tiny_train_case  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def request_file(tmp_path_factory):
+def requests(tmp_path_factory):
+    """A tiny training request per dtype (float32, float64) on its own checkpoint."""
     folder = tmp_path_factory.mktemp("train-request")
-    case = registry_from(folder, tiny_train_case()).get("tiny_train")
-    checkpoint = checkpoints.prepare(case, folder / "checkpoints")
-    return folder, _request(case, checkpoint.path, "cpu", folder / "out", 1)
+    made = {}
+    for dtype in ("float32", "float64"):
+        (folder / dtype).mkdir()
+        case = registry_from(folder / dtype, tiny_train_case(dtype=dtype)).get("tiny_train")
+        checkpoint = checkpoints.prepare(case, folder / "checkpoints")
+        made[dtype] = _request(case, checkpoint.path, "cpu", folder / "out", 1)
+    return made
 
 
-@pytest.mark.parametrize("adapter, error, where", [
+@pytest.mark.parametrize("adapter, dtype, error, where", [
     # torch refuses the literal device="cuda" of Megatron's buffers
-    ("cuda_factory_to_cpu", "Torch not compiled with CUDA enabled", "torch/cuda/__init__.py"),
+    ("cuda_factory_to_cpu", "float32", "Torch not compiled with CUDA enabled", "torch/cuda/__init__.py"),
     # clip_grads.py: assert param.grad.type() == 'torch.cuda.FloatTensor' (a bare assert: no message)
-    ("tensor_type_cuda_names", "", "megatron/core/optimizer/clip_grads.py"),
+    ("tensor_type_cuda_names", "float32", "", "megatron/core/optimizer/clip_grads.py"),
+    # the same assert, for float64 main grads
+    ("float64_as_fp32_type_name", "float64", "", "megatron/core/optimizer/clip_grads.py"),
 ])
-def test_each_megatron_training_adapter_is_needed(request_file, tmp_path, adapter, error, where):
+def test_each_megatron_training_adapter_is_needed(requests, tmp_path, adapter, dtype, error, where):
     from harness.runners.megatron import train
     from harness.runners.megatron.runner import reset
 
-    folder, request = request_file
-    request = {**request, "output_dir": str(tmp_path / "out")}
+    request = {**requests[dtype], "output_dir": str(tmp_path / "out")}
     try:
         with pytest.raises((AssertionError, RuntimeError), match=error) as raised:
             train.run(request, Phases(), skip_adapters={adapter})
@@ -46,21 +52,41 @@ def test_each_megatron_training_adapter_is_needed(request_file, tmp_path, adapte
     assert raised.traceback[-1].path.as_posix().endswith(where), raised.traceback[-1]
 
 
-def test_megatron_trains_with_both_adapters_and_records_the_clip_scale_it_applied(request_file, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_megatron_trains_with_its_adapters_and_writes_every_step(requests, tmp_path, dtype):
     from harness.run.steps import read_header, step_file
     from harness.runners.megatron import train
     from harness.runners.megatron.runner import reset
 
-    folder, request = request_file
-    request = {**request, "output_dir": str(tmp_path / "out")}
+    request = {**requests[dtype], "output_dir": str(tmp_path / "out")}
     try:
         meta = train.run(request, Phases())
     finally:
         reset()
-    assert {"cuda_factory_to_cpu", "tensor_type_cuda_names", "clip_scale"} <= {a["name"] for a in meta["adapters"]}
-    kept, layouts, _ = read_header(step_file(tmp_path / "out", 1))
-    assert kept and "step1.clip_coeff" in layouts
+    expected = {"cuda_factory_to_cpu", "tensor_type_cuda_names", "clip_scale"} | (
+        {"float64_as_fp32_type_name"} if dtype == "float64" else set())
+    assert {a["name"] for a in meta["adapters"]} >= expected
+    kept, layouts, _ = read_header(step_file(tmp_path / "out", 2))
+    assert kept and layouts["step2.param.lm_head.weight"][0] == dtype
     json.dumps(meta)  # meta.json must be writable
+
+
+def test_a_bare_loop_trains_without_observing_or_writing(requests, tmp_path):
+    """bench_speed's bare loop: Megatron's calls only; no step file, no observer."""
+    from harness.run.steps import step_file
+    from harness.runners.megatron import train
+    from harness.runners.megatron.runner import reset
+
+    request = requests["float32"]
+    request = {**request, "output_dir": str(tmp_path / "out"),
+               "config": {**request["config"], "train": {**request["config"]["train"], "bare": True}}}
+    phases = Phases()
+    try:
+        train.run(request, phases)
+    finally:
+        reset()
+    assert "step 2" in phases.seconds
+    assert not step_file(tmp_path / "out", 1).exists() and not step_file(tmp_path / "out", 2).exists()
 
 
 def test_megatron_clip_scale_observer_sees_the_factor_megatron_multiplies_by():

@@ -109,14 +109,16 @@ def parse(f, dtype: str, model: dict) -> dict:
 
 
 def steps_kept(value, steps: int, error) -> list[int]:
-    """"all", "last", or a list of step numbers -> the sorted steps whose tensors stay on disk (the others keep their
-    scalars and a digest per tensor). `error(problem)` builds the exception to raise."""
+    """"all", "last", "none", or a list of step numbers -> the sorted steps whose tensors stay on disk (the others keep
+    their scalars and a digest per tensor). `error(problem)` builds the exception to raise."""
     if value == "all":
         return list(range(1, steps + 1))
     if value == "last":
         return [steps]
+    if value == "none":  # a full-size model's state (tens of GB per step) as digests only
+        return []
     if isinstance(value, str) or not value or not all(isinstance(s, int) and not isinstance(s, bool) for s in value):
-        raise error('must be "all", "last" or a non-empty list of step numbers')
+        raise error('must be "all", "last", "none" or a non-empty list of step numbers')
     outside = [s for s in value if not 1 <= s <= steps]
     if outside:
         raise error(f"step {outside[0]} is outside 1..{steps}")
@@ -124,13 +126,14 @@ def steps_kept(value, steps: int, error) -> list[int]:
 
 
 def parse_steps_kept(text: str, steps: int) -> list[int]:
-    """``--steps-kept all|last|1,3,100`` (the command line's form of the field)."""
-    if text in ("all", "last"):
+    """``--steps-kept all|last|none|1,3,100`` (the command line's form of the field)."""
+    if text in ("all", "last", "none"):
         return steps_kept(text, steps, ValueError)
     try:
         value = [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"--steps-kept: expected all, last or step numbers like 1,3,100 (got {text!r})") from None
+        raise ValueError(f"--steps-kept: expected all, last, none or step numbers like 1,3,100 (got {text!r})") \
+            from None
     return steps_kept(value, steps, lambda problem: ValueError(f"--steps-kept {text}: {problem}"))
 
 

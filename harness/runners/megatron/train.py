@@ -31,7 +31,6 @@ import os
 from contextlib import contextmanager, nullcontext
 
 import torch
-from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import train_state_names
@@ -39,7 +38,7 @@ from harness.run.protocol import Phases
 from harness.run.steps import StepWriter, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
-from harness.runners.torch.train_state import flip_state, load_state
+from harness.runners.torch.train_state import flip_state, host_bytes, load_state, save_on_host
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
               "expert_bias")
@@ -152,8 +151,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         states = MegatronStates(names, model, optimizer)
         if set(states.rules) != {name for name, _ in train_state_names(m)}:
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
-    writer = StepWriter(request["output_dir"], train["steps_kept"], save_file,
-                        lambda t: t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes)
     refeed = request["config"].get("train_refeed")
     for step in range(1, train["steps"] + 1):
         with phases(f"step {step}"), mode():
@@ -249,7 +247,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     # Megatron keeps the routing bias in float32 whatever the model's dtype (TopKRouter._maintain_float32_expert_bias):
     # a float64 case gets it upcast, exactly
     tensors.update({f"expert_bias.{name}": buffer.to(wide) for name, buffer in states.buffers.items()})
-    return scalars, {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    return scalars, {name: t.detach() for name, t in tensors.items()}  # on the device: host copies one at a time
 
 
 class MegatronStates:

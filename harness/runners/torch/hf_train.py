@@ -18,7 +18,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
 from harness.case.models import NameMap
@@ -27,7 +26,7 @@ from harness.run.protocol import Phases, Unsupported
 from harness.run.steps import StepWriter, state_locations
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import hf_model
-from harness.runners.torch.train_state import TorchStates, flip_state, load_grads, load_state
+from harness.runners.torch.train_state import TorchStates, flip_state, host_bytes, load_grads, load_state, save_on_host
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
               "expert_bias")
@@ -77,8 +76,7 @@ def run(request: dict, phases: Phases) -> dict:
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
         trainer = Trainer(model, train, m, name_map, dtype, transformers)
-    writer = StepWriter(request["output_dir"], train["steps_kept"], save_file,
-                        lambda t: t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes)
     refeed = request["config"].get("train_refeed")
     for step in range(1, train["steps"] + 1):
         with phases(f"step {step}"):
@@ -207,7 +205,7 @@ class Trainer:
                 continue
             states.update({f"{quantity}.{name}": tensor for name, tensor in self.states.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": buffer for name, buffer in self.states.buffers.items()})
-        return scalars, {name: tensor.detach().contiguous().cpu() for name, tensor in states.items()}
+        return scalars, {name: tensor.detach() for name, tensor in states.items()}  # host copies: one at a time
 
 
 def param_groups(optimized: dict, train: dict) -> tuple[list[dict], dict]:

@@ -74,6 +74,18 @@ def put_rule(rule, targets: list[torch.Tensor], value: torch.Tensor) -> None:
         raise ValueError(f"rule {rule.kind!r} cannot be written back")
 
 
+def host_bytes(tensor: torch.Tensor):
+    """A tensor's raw bytes on the host (for its digest), one tensor at a time: a full-size step's state does not fit
+    the host's memory at once."""
+    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+
+
+def save_on_host(tensors: dict[str, torch.Tensor], path: str, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, path, metadata)
+
+
 @torch.no_grad()
 def flip_state(states, flip: dict) -> None:
     """The negative control: one bit of one element of one state tensor, through the framework's own tensor."""
