@@ -46,13 +46,6 @@ class ClipFactor(TorchFunctionMode):
             self.seen.append(out.detach().clone())
         return out
 
-    class Bare:
-        """No observer (a bare training loop): no factor."""
-
-        @staticmethod
-        def factor():
-            return None
-
     def factor(self) -> torch.Tensor:
         if len(self.seen) != 1:
             raise RuntimeError(f"clip_grad_norm_ called torch.clamp {len(self.seen)} times; the observer expects "
@@ -181,9 +174,10 @@ class Trainer:
         grads = {} if bare else {f"grad.{n}": t.clone() for n, t in self.states.canonical("grad").items()}
         optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.train["clip_grad"] > 0:
-            with nullcontext(ClipFactor.Bare) if bare else ClipFactor() as observer:
+            observer = ClipFactor()
+            with nullcontext() if bare else observer:
                 norm = torch.nn.utils.clip_grad_norm_(optimized, self.train["clip_grad"])
-            factor = observer.factor()
+            factor = None if bare else observer.factor()
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in optimized if p.grad is not None])
             factor = torch.tensor(1.0)
