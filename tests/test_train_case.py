@@ -213,3 +213,14 @@ def test_steps_kept_is_refused_on_other_cases_and_outside_the_steps(tmp_path):
     assert result.verdict == "ERROR" and "--steps-kept is for training cases" in result.message
     result, _ = compare_case("tr", replace(options, steps_kept="3"))
     assert result.verdict == "ERROR" and "--steps-kept 3: step 3 is outside 1..2" in result.message
+
+
+def test_the_command_line_passes_steps_kept(tmp_path, capsys):
+    from harness.cli import main
+
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    (cases / "t.toml").write_text(tiny_train_case("tr"))
+    code = main(["--cases", str(cases), "compare", "tr", "--steps-kept", "9", "--reports", str(tmp_path / "r"),
+                 "--checkpoints", str(tmp_path / "ck")])
+    assert code == 2 and "--steps-kept 9: step 9 is outside 1..2" in capsys.readouterr().out
