@@ -14,6 +14,7 @@ from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
+from harness.case.select import SELECT_HELP, SelectError, select
 from harness.commands import (
     baseline,
     doctor,
@@ -32,11 +33,19 @@ from harness.report import case_report as report
 
 @failsafe.guarded  # signals, storage errors, harness failures: one line and an exit code, never a traceback
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run(parser, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option (tests/test_docs.py parses each command the docs quote with it)."""
     parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     parser.add_argument("--cases", type=Path, default=CASES_DIR, help="folder of case TOML files")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    commands.add_parser("list", help="print the case registry")
+    listing = commands.add_parser("list", help="print the case registry")
+    listing.add_argument("-k", dest="select", metavar="EXPRESSION", help=SELECT_HELP)
 
     compare = commands.add_parser("compare", help="run one case on both runners and compare bit for bit")
     compare.add_argument("case")
@@ -56,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--versus-tp", type=int, metavar="N",
                          help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
     compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
+    compare.add_argument("--versus-impl", metavar="LEVEL", choices=KNOBS["paddle_impl"].choices,
+                         help="compare the Paddle runner at the case's implementation level (side a; --paddle-impl "
+                              "sets it) with itself at LEVEL (side b) on the same inputs: "
+                              + ", ".join(KNOBS["paddle_impl"].choices))
     compare.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                          help="also run the framework-free truth oracle and show each side's distance from it "
                               "(default: on; ops without an oracle say so)")
@@ -92,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument("--as-dtype", action="append", default=[], metavar="[NAME=]DTYPE",
                       help="read integer arrays (e.g. Paddle's uint16 bf16 bits) as DTYPE bit patterns")
     diff.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "list":
-        return _list(args.cases)
+        return _list(args.cases, args.select)
     if args.command == "publish":
         return publish.main(args)
     if args.command == "baseline":
@@ -120,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
+        versus_impl=args.versus_impl,
         repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process, steps_kept=args.steps_kept,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
-                                                  runner=None, tp=None, runners=(args.runners or [None])[0]))
+                                                  runner=None, tp=None, versus_impl=None,
+                                                  runners=(args.runners or [None])[0]))
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, options)
@@ -169,16 +186,16 @@ def _diff(args) -> int:
     return result.exit_code
 
 
-def _list(cases_dir: Path) -> int:
+def _list(cases_dir: Path, expression: str | None) -> int:
     try:
-        registry = Registry.load(cases_dir)
-    except CaseError as error:
+        cases = select(Registry.load(cases_dir).cases.values(), expression)
+    except (CaseError, SelectError) as error:
         Console(stderr=True).print(f"[red]error:[/] {error}", highlight=False)
         return EXIT_CODES["ERROR"]
     table = Table(title=f"cases in {cases_dir}")
     for column in ("case", "family", "op", "dtype", "tp", "tokens", "shapes", "runners", "devices", "expect"):
         table.add_column(column)
-    for case in registry.cases.values():
+    for case in cases:
         shapes = " ".join(f"{k}={v}" for k, v in case.shapes.items())
         table.add_row(case.name, case.family, case.op, case.dtype, str(case.tp), str(case.tokens), shapes,
                       " vs ".join(case.runners), ",".join(case.devices), case.expect.verdict)

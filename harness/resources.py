@@ -101,3 +101,15 @@ def human_bytes(count: int | float) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
         value /= 1024
     return f"{value:.1f} EiB"
+
+
+def safetensors_keys(file: Path, error: type[Exception] = ValueError) -> list[str]:
+    """The tensor names of a safetensors file, reading its header only; a file that is not one raises `error` (the
+    caller's own error type) naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as handle:
+            return list(handle.keys())
+    except Exception as problem:  # safetensors raises several unrelated types for a bad file
+        raise error(f"{file}: not a readable safetensors file: {problem}") from None

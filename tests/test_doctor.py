@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from harness.cli import main
-from tests.support.doubles import fake_interpreter
+from tests.support.doubles import broken_install_python, fake_interpreter, missing_package_python
 
 
 def torchless_python(folder):
@@ -56,9 +56,8 @@ def test_paddle_names_the_level_for_every_op_and_why_the_others_are_unavailable(
     for op, by_dtype in ops.items():
         for dtype, survey in by_dtype.items():
             levels = survey["levels"]
-            written = "implementation of op" not in levels["paddlefleet"]  # ops added since lack this level
-            assert ("GPU only" in levels["paddlefleet"] and "paddlefleet is not importable" in levels["paddlefleet"]
-                    if written else "is written" in levels["paddlefleet"]), (op, levels)
+            fleet = levels["paddlefleet"]  # not installed here; where it is, a CPU run is no place for it
+            assert fleet.startswith("paddlefleet is not installed for ") or "GPU only" in fleet, (op, levels)
             assert survey["would_run"] in ("paddleformers", "recipe", None), (op, dtype, survey)
     assert ops["rms_norm"]["float32"]["would_run"] == "paddleformers"
     linear = ops["column_parallel_linear"]["bfloat16"]
@@ -74,3 +73,29 @@ def test_the_markdown_lists_every_op(doctor):
     text = markdown(doctor)
     assert "## What would run, op by op" in text and "runner not usable" in text
     assert all(f"| {op} | bfloat16 |" in text for op in doctor["runners"]["paddle"]["ops"])
+
+
+@pytest.mark.e2e
+def test_a_broken_install_is_reported_broken_and_a_missing_one_not_usable(tmp_path):
+    """Installed but not importing (a dependency of its own missing: test doubles) is BROKEN, whose cells would be
+    ERRORs; not installed is not usable. The old doctor called both "not importable" and, for a PaddleFormers that
+    does not import, answered ok with the recipe running instead."""
+    from harness.commands import doctor
+    from harness.report.doctor_report import markdown
+
+    broken = doctor.run("cpu", {"megatron": broken_install_python(tmp_path, "megatron"),
+                                "paddle": broken_install_python(tmp_path, "paddleformers")},
+                        runners=("megatron", "paddle"))
+    megatron, paddle = broken["runners"]["megatron"], broken["runners"]["paddle"]
+    assert not megatron["ok"] and megatron["broken"], megatron
+    assert megatron["reason"].startswith("megatron.core is installed for ") and "does not import" in megatron["reason"]
+    assert not paddle["ok"] and paddle["broken"] and set(paddle["broken_levels"]) == {"paddleformers"}, paddle
+    assert "paddleformers is installed but does not import" in paddle["reason"]
+    assert paddle["ops"]["rms_norm"]["float32"]["would_run"] is None
+    text = markdown(broken)
+    assert "**megatron**" in text and "BROKEN (installed, does not import" in text
+    assert "| rms_norm | float32 | runner broken | ERROR (broken level) |" in text
+    missing = doctor.run("cpu", {"megatron": missing_package_python(tmp_path, "megatron")}, runners=("megatron",))
+    megatron = missing["runners"]["megatron"]
+    assert not megatron["ok"] and not megatron["broken"] and "is not installed" in megatron["reason"], megatron
+    assert "NOT USABLE: megatron.core is not installed" in markdown(missing)

@@ -1,18 +1,17 @@
 """`--device gpu` where the GPU stack is missing ends UNSUPPORTED with the reason, never ERROR or a crash.
 
 On this project's CPU machines torch sees no CUDA device and Paddle is a CPU build, so the real runners must
-say exactly that. A Paddle-less environment is simulated by a test double interpreter (named fake_*) that runs
-this Python with a `paddle` package on its path that fails to import; it tests the harness's handling only.
+say exactly that. A Paddle-less environment is simulated by a test double interpreter
+(``tests.support.doubles.missing_package_python``: this Python, with paddle hidden as Python hides a package it cannot
+find); it tests the harness's handling only.
 """
-
-import stat
-import textwrap
 
 import pytest
 import torch
 
 from harness.commands.compare import CompareOptions, compare_case
 from tests.support.cases import tiny_case, write_cases
+from tests.support.doubles import missing_package_python
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(torch.cuda.is_available(), reason="tests a machine without a CUDA device")]
@@ -44,22 +43,9 @@ def test_plain_torch_on_gpu_is_unsupported(env):
     assert all(s.status == "unsupported" and "sees no CUDA device" in s.reason for s in result.sides)
 
 
-def fake_paddleless_python(folder):
-    """This interpreter, with a `paddle` package first on its path whose import fails like a missing package."""
-    hidden = folder / "fake_paddleless_site" / "paddle"
-    hidden.mkdir(parents=True)
-    (hidden / "__init__.py").write_text('raise ImportError("No module named \'paddle\' (hidden by a test double)")\n')
-    wrapper = folder / "fake_paddleless_python"
-    wrapper.write_text(textwrap.dedent(f"""\
-        #!/bin/sh
-        PYTHONPATH="{hidden.parent}:$PYTHONPATH" exec {__import__('sys').executable} "$@"
-        """))
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
-
-
 def test_gpu_environment_without_paddle_is_unsupported(env):
-    result, _ = run(env, ("paddle", "paddle"), {"paddle": fake_paddleless_python(env)})
+    """Paddle not installed (a test double hides it from the runner's interpreter): UNSUPPORTED naming it."""
+    result, _ = run(env, ("paddle", "paddle"), {"paddle": missing_package_python(env, "paddle")})
     assert result.verdict == "UNSUPPORTED", result.message
-    assert all("paddle is not importable" in s.reason and "hidden by a test double" in s.reason
-               for s in result.sides)
+    assert all(s.reason.startswith("paddle is not installed for ") and "hidden by a test double" in s.reason
+               for s in result.sides), [s.reason for s in result.sides]

@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 
 from harness.run.protocol import Phases  # noqa: E402
 from tests.support.deepseek_v3_case import DEFAULT, TINY, make_case  # noqa: E402
+from tests.support.doubles import broken_install_python, missing_package_python  # noqa: E402
 from tests.support.hf_deepseek_v3 import group_of, lift_hf_fp32_islands, relative_error, run_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,17 +218,27 @@ def test_runner_default_size_writes_the_contract(tmp_path):
     print("\nphases (s):", meta["phases"])
 
 
-def test_missing_megatron_is_unsupported(tmp_path):
-    """megatron.core not importable -> exit 3 with the reason in meta.json."""
-    fake = tmp_path / "fake"
-    (fake / "megatron").mkdir(parents=True)
-    (fake / "megatron" / "__init__.py").write_text("raise ImportError('simulated: no megatron here')\n")
+def _run_without_megatron(tmp_path, python):
     request = {"case": "x", "op": "causal_lm", "dtype": "float32", "device": "cpu", "tp": 1, "tokens": 4,
                "config": {"model": TINY}, "checkpoint": "none", "output_dir": str(tmp_path / "out")}
     (tmp_path / "request.json").write_text(json.dumps(request))
-    env = {**ENV, "PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"}
-    done = subprocess.run([sys.executable, "-m", "harness.runners.megatron_model", "--request",
-                           str(tmp_path / "request.json")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([python, "-m", "harness.runners.megatron_model", "--request", str(tmp_path / "request.json")],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_megatron_not_installed_is_unsupported(tmp_path):
+    """megatron not installed (a test double hides it) -> exit 3, meta.json naming the package."""
+    done = _run_without_megatron(tmp_path, missing_package_python(tmp_path, "megatron"))
     assert done.returncode == 3, done.stderr[-2000:]
-    assert "simulated: no megatron here" in json.loads((tmp_path / "out" / "meta.json").read_text())["unsupported"]
+    unsupported = json.loads((tmp_path / "out" / "meta.json").read_text())["unsupported"]
+    assert unsupported.startswith("megatron.core is not installed for ") and "hidden by a test double" in unsupported
+
+
+def test_megatron_installed_but_broken_is_an_error_with_its_traceback(tmp_path):
+    """megatron installed but missing a dependency of its own -> a crash (ERROR), never UNSUPPORTED: the old runner
+    said UNSUPPORTED for any ImportError."""
+    done = _run_without_megatron(tmp_path, broken_install_python(tmp_path, "megatron"))
+    assert done.returncode == 1 and not (tmp_path / "out" / "meta.json").exists(), done.stderr[-2000:]
+    assert "BrokenInstall: megatron.core is installed for " in done.stderr
+    assert "No module named 'megatron_test_double_missing_dependency'" in done.stderr
+    assert "Traceback" in done.stderr

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
-from harness.capture import GRAD, INPUT, part_of, refeed_units
+from harness.capture import GRAD, INPUT, input_key, part_of, refeed_units
 from harness.case.models import Rule
 from harness.case.registry import Registry
 from harness.commands.compare import CompareOptions, compare_case
@@ -52,7 +52,9 @@ def test_attribution_tells_made_carried_equal_and_not_refed(case):
     del b["logits"]  # written by one run only
     full = {name: compare_tensor(name, a[name], a[name] + (0 if name.startswith("module.model.embed") else 1))
             for name in a}
-    report = attribute(case, full, a, b, {"units": UNITS, "not_refed": {"model.layers.{L}.mlp.experts.{E}": "why"}})
+    everything = {unit: ["input", "output", "output gradient"] for unit in UNITS}
+    report = attribute(case, full, a, b, {"units": UNITS, "replaced": everything,
+                                          "not_refed": {"model.layers.{L}.mlp.experts.{E}": "why"}})
     how = report["tensors"]
     assert how["module.model.embed_tokens"] == "equal"
     assert how["module.model.layers.1.mlp"].startswith("made by model.layers.1.mlp")
@@ -76,6 +78,124 @@ def test_attribution_tells_made_carried_equal_and_not_refed(case):
                                                          "fed_from": "side a (megatron_model)", **report}}, {}), "t")
     assert_same_text(lines, page)
     assert "made by `model.layers.1.mlp`" in lines
+
+
+def test_a_unit_with_nothing_replaced_is_not_refed_and_never_counted(case):
+    """Side b's run replaced nothing of model.norm (side a recorded nothing for it): the unit is not re-fed, its
+    output is "not re-fed: why" (no re-fed unit holds it), never "made by" it. The old attribution counted every
+    unit the runner listed."""
+    a = _arrays()
+    b = {k: v.copy() for k, v in a.items()}
+    b["module.model.norm"][0, 0] += 1
+    full = {name: compare_tensor(name, a[name], b[name]) for name in a}
+    replaced = {unit: ["input", "output", "output gradient"] for unit in UNITS if unit != "model.norm"}
+    report = attribute(case, full, a, b, {"units": UNITS, "replaced": replaced, "not_refed": {}})
+    assert "model.norm" not in report["units"] and len(report["units"]) == len(UNITS) - 1
+    assert report["not_refed"]["model.norm"] == "side b's run replaced nothing of it"
+    assert report["tensors"].get("module.model.norm") is None
+    rows = {r["name"]: r for r in report["rows"]}
+    assert rows["module.model.norm"]["attribution"] == "not re-fed: side b's run replaced nothing of it"
+    assert report["first_local_divergence"] is None
+    # a reason from side b's run (capture's RefeedBook) is kept as it said it
+    said = "nothing of it was replaced (input: side a recorded no input for it)"
+    report = attribute(case, full, a, b, {"units": UNITS, "replaced": replaced, "not_refed": {"model.norm": said}})
+    assert {r["name"]: r for r in report["rows"]}["module.model.norm"]["attribution"] == f"not re-fed: {said}"
+
+
+def test_core_attention_rows_are_its_query_key_and_value(case):
+    """A unit taking several tensor arguments (Megatron's core attention) gets one input row per argument, before
+    its output, each attributed to the code feeding it."""
+    unit = "model.layers.0.self_attn.core_attention"
+    rng = np.random.default_rng(1)
+    a = {input_key(unit, arg): rng.standard_normal((4, 2, 3)).astype(np.float32) for arg in ("query", "key", "value")}
+    a["module." + unit] = rng.standard_normal((4, 6)).astype(np.float32)
+    b = {k: v.copy() for k, v in a.items()}
+    b[input_key(unit, "key")][1, 0, 2] *= 2  # a RoPE difference: made before core attention, not by it
+    full = {"module." + unit: compare_tensor("x", a["module." + unit], a["module." + unit] + 1)}
+    meta = {"units": ["model.layers.0", unit], "arguments": {unit: ["query", "key", "value"]},
+            "replaced": {"model.layers.0": ["input"], unit: ["query", "key", "value", "output", "output gradient"]},
+            "not_refed": {}}
+    report = attribute(case, full, a, b, meta)
+    names = [r["name"] for r in report["rows"]]
+    assert names[:4] == ["refeed.query." + unit, "refeed.key." + unit, "refeed.value." + unit, "module." + unit]
+    assert report["first_local_divergence"] == "refeed.key." + unit
+    assert report["first_local_unit"] == f"the code feeding {unit} (key) (inside model.layers.0)"
+    assert report["tensors"]["module." + unit].startswith("carried in")
+
+
+def _attention_block(torch, shift: float):
+    """Test double: a block whose "RoPE" scales the key by 1 + `shift` before its core attention (query, key, value
+    as three positional arguments, as Megatron's MLA calls its core attention)."""
+    class CoreAttention(torch.nn.Module):
+        def forward(self, query, key, value, mask=None):
+            return torch.softmax(query @ key.transpose(-1, -2), dim=-1) @ value
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4, bias=False)
+            self.core_attention = CoreAttention()
+            with torch.no_grad():
+                self.proj.weight.copy_(torch.arange(16.0).view(4, 4) / 16)
+
+        def forward(self, x):
+            h = self.proj(x)
+            return self.core_attention(h * 2, h * (1 + shift), h * 3, None)
+
+    return Block()
+
+
+def _step(torch, model, refeed):
+    x = torch.linspace(-1, 1, 12).view(1, 3, 4)
+    local = {}
+    handle = model.core_attention.register_forward_hook(lambda m, a, o: local.__setitem__("out", o.detach().clone()))
+    from harness.capture.torch import Refeed
+    hooks = Refeed(model, {"proj": ["proj"], "core_attention": ["core_attention"]}, refeed["mode"],
+                   refeed.get("from"), arguments={"core_attention": ("query", "key", "value")})
+    model(x).sum().backward()
+    tensors = hooks.finish()
+    handle.remove()
+    return tensors, hooks, local["out"]
+
+
+def test_core_attention_replay_replaces_query_key_and_value(tmp_path):
+    """Side b's key differs before core attention (its "RoPE"); replayed with side a's query, key and value, side
+    b's core attention computes side a's bits, so the difference is not blamed on it. The old re-feed replaced the
+    query only and core attention's output differed."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    recorded, _, a_out = _step(torch, _attention_block(torch, 0.0), {"mode": "record"})
+    save_file(recorded, str(tmp_path / "a.safetensors"))
+    assert {"refeed.query.core_attention", "refeed.key.core_attention", "refeed.value.core_attention"} <= set(recorded)
+    replayed, hooks, b_out = _step(torch, _attention_block(torch, 0.5), {"mode": "replay",
+                                                                        "from": tmp_path / "a.safetensors"})
+    assert torch.equal(b_out, a_out)
+    assert hooks.replaced["core_attention"] == ["query", "key", "value", "output", "output gradient"]
+    assert not torch.equal(replayed["refeed.key.core_attention"], recorded["refeed.key.core_attention"])
+    assert torch.equal(replayed["refeed.query.core_attention"], recorded["refeed.query.core_attention"])
+    assert hooks.not_refed == {} and hooks.meta()["arguments"] == {"core_attention": ["query", "key", "value"]}
+
+
+@pytest.mark.parametrize("dropped, said", [
+    ("refeed.", "nothing of it was replaced (query: side a recorded no query for it; key: side a recorded no key "
+                "for it; value: side a recorded no value for it; output: side a recorded no output for it; output "
+                "gradient: side a recorded no output gradient for it)"),
+    ("refeed.grad_output.", "not all of it was replaced (output gradient: side a recorded no output gradient for "
+                            "it)"),
+])
+def test_a_unit_side_a_recorded_nothing_or_part_of_is_not_refed(tmp_path, dropped, said):
+    """Side a's file lacks the unit's tensors (all, or its output gradient): side b's run says the unit is not
+    re-fed and why. The old Refeed listed it among the re-fed units."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    recorded, _, _ = _step(torch, _attention_block(torch, 0.0), {"mode": "record"})
+    kept = {k: v for k, v in recorded.items() if not (k.startswith(dropped) and k.endswith(".core_attention"))}
+    save_file(kept, str(tmp_path / "a.safetensors"))
+    _, hooks, _ = _step(torch, _attention_block(torch, 0.0), {"mode": "replay", "from": tmp_path / "a.safetensors"})
+    assert hooks.not_refed == {"core_attention": said}
+    assert "proj" not in hooks.not_refed
 
 
 def test_units_come_from_the_name_map_rules():
@@ -154,3 +274,6 @@ def test_a_runner_against_itself_replays_bit_exactly(runner, tmp_path, checkpoin
     assert replaced["model.layers.1.mlp"] == ["input", "output", "output gradient"]
     assert replaced["lm_head"] == ["input", "output gradient"]
     assert "model.layers.1.mlp.experts.{E}" in refeed["not_refed"] and len(refeed["not_refed"]) <= 2
+    if runner == "megatron_model":  # MLA's core attention takes query, key and value: all three replaced
+        assert replaced["model.layers.0.self_attn.core_attention"] == ["query", "key", "value", "output",
+                                                                         "output gradient"]

@@ -90,9 +90,7 @@ def test_negative_control_is_found_at_its_step_in_its_parameter(cases, tmp_path,
 
 
 def test_a_stack_against_itself_keeps_its_bits_and_digests_stand_for_unkept_steps(cases, tmp_path, checkpoints_dir):
-    # fresh processes: an hf_model worker that served a float64 truth keeps HF's float64 mode (issue 20, item 1)
-    result, run_dir, report, tails = _run("t_hf_kept", cases, tmp_path, checkpoints_dir, oracle=False,
-                                          fresh_process=True)
+    result, run_dir, report, tails = _run("t_hf_kept", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "DIFF", (result.message, tails)
     step1, step2 = report["train"]["steps"]
     assert step1["verdict"] == "BITWISE_PASS" and step1["kept"] and not step2["kept"]
@@ -129,8 +127,7 @@ def test_paddle_cannot_train_bf16_on_a_cpu_and_says_which_kernel(cases, tmp_path
                                         ("t_float64_dense", ("paddle_model", "hf_model")),
                                         ("t_float64_dense", ("megatron_model", "paddle_model"))])
 def test_float64_check_of_every_state_name_per_pair(cases, tmp_path, checkpoints_dir, case, pair):
-    result, run_dir, report, tails = _run(case, cases, tmp_path, checkpoints_dir, oracle=False, runners=pair,
-                                          fresh_process=True)
+    result, run_dir, report, tails = _run(case, cases, tmp_path, checkpoints_dir, oracle=False, runners=pair)
     semantic = report["train"].get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
@@ -141,8 +138,7 @@ def test_float64_check_of_every_state_name_per_pair(cases, tmp_path, checkpoints
 def test_float64_disagreement_in_a_state_tensor_is_a_mapping_error_naming_it(cases, tmp_path, checkpoints_dir):
     """A planted difference (bit 50 of one weight element on side b) stands in for a mapping error: step 1's loss,
     the first output of the step, is beyond the agreement, and the run is an ERROR naming it, never a DIFF."""
-    result, run_dir, report, tails = _run("t_float64_planted", cases, tmp_path, checkpoints_dir, oracle=False,
-                                          fresh_process=True)
+    result, run_dir, report, tails = _run("t_float64_planted", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "ERROR", (result.message, tails)
     assert "mapping error at step1.loss" in result.message, result.message
     assert report["train"]["semantic"]["first_mismatch"] == "step1.loss"

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import numpy as np
 import paddle
 
-from harness.capture import RefeedBook, module_sources
+from harness.capture import RefeedBook, input_key, module_sources
 
 
 def to_host(tensor) -> np.ndarray:
@@ -229,10 +229,10 @@ class Refeed(RefeedBook):
     the local tensors (Paddle runs hooks in registration order, each one's result feeding the next)."""
 
     def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
-                 keep_output=("lm_head",)):
+                 keep_output=("lm_head",), arguments: dict | None = None):
         from safetensors.paddle import load_file
 
-        super().__init__(mode, batch_dim, keep_output, load_file(str(source)) if mode == "replay" else {})
+        super().__init__(mode, batch_dim, keep_output, load_file(str(source)) if mode == "replay" else {}, arguments)
         self.substitute = _substitute()
 
         def hook(unit, index, parts, layer):
@@ -254,18 +254,23 @@ class Refeed(RefeedBook):
         def hook(_layer, inputs):
             if not self.first_call(unit, index, "sublayer"):
                 return None
-            x = inputs[0] if inputs else None
-            if not isinstance(x, paddle.Tensor) or not x.is_floating_point():
-                return None  # token ids: the same checkpoint tensor on both sides
-            if index == 0:
-                self.tensors[self.keys[0] + unit] = self._canonical(x)
-            if self.mode != "replay":
-                return None
-            value = self._fit(self.keys[0], unit, 0, 1, x, "input")
-            if value is None:
-                return None
-            self.note(unit, "input")
-            return (self.substitute.apply(x, [value, None, None]), *inputs[1:])
+            inputs, changed = list(inputs), False
+            for at, name in enumerate(self.arguments_of(unit)[:len(inputs)]):  # positional: Paddle's pre-hooks
+                x = inputs[at]
+                if not isinstance(x, paddle.Tensor) or not x.is_floating_point():
+                    continue  # token ids: the same checkpoint tensor on both sides
+                key = input_key(unit, name)
+                if index == 0:
+                    self.tensors[key] = self._canonical(x)
+                if self.mode != "replay":
+                    continue
+                value = self._fit(key, unit, 0, 1, x, name)
+                if value is None:
+                    continue
+                self.note(unit, name)
+                inputs[at] = self.substitute.apply(x, [value, None, None])
+                changed = True
+            return tuple(inputs) if changed else None
         return hook
 
     def _post(self, unit: str, index: int, parts: int):
@@ -282,8 +287,10 @@ class Refeed(RefeedBook):
                     y.register_hook(lambda g: self.parts.setdefault(self.keys[2] + unit, {}).__setitem__(
                         index, self._canonical(g)))
                 return None
-            value = None if unit in self.keep_output else self._fit(self.keys[1], unit, index, parts, y, "output")
-            grad = None if y.stop_gradient else self._fit(self.keys[2], unit, index, parts, y, "output gradient")
+            value = None if unit in self.keep_output else self._fit(self.keys[1] + unit, unit, index, parts, y,
+                                                                    "output")
+            grad = None if y.stop_gradient else self._fit(self.keys[2] + unit, unit, index, parts, y,
+                                                          "output gradient")
             if value is None and grad is None:
                 return None
 

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 from safetensors.torch import save_file
 
-from harness.capture import RefeedBook, main_input, module_sources
+from harness.capture import RefeedBook, input_key, main_input, module_sources
 from harness.case.models import NameMap, Rule
 
 
@@ -187,13 +187,15 @@ class _Substitute(torch.autograd.Function):
 class Refeed(RefeedBook):
     """Hooks for one re-feed run; see harness.capture (REFEED_FILE). Register after ``capture`` so that its hooks
     see the local tensors (torch runs hooks in registration order). `units`: {canonical: [module paths]};
-    `keep_output`: units whose output goes on unreplaced (lm_head: the logits are the loss's input)."""
+    `keep_output`: units whose output goes on unreplaced (lm_head: the logits are the loss's input); `arguments`:
+    {unit: names of its first positional tensor arguments} for a unit taking several (Megatron's core attention:
+    query, key, value), else its one input (the first argument or ``hidden_states``)."""
 
     def __init__(self, model, units: dict[str, list[str]], mode: str, source=None, batch_dim: int = 0,
-                 keep_output=("lm_head",)):
+                 keep_output=("lm_head",), arguments: dict | None = None):
         from safetensors.torch import load_file
 
-        super().__init__(mode, batch_dim, keep_output, load_file(str(source)) if mode == "replay" else {})
+        super().__init__(mode, batch_dim, keep_output, load_file(str(source)) if mode == "replay" else {}, arguments)
 
         def hook(unit, index, parts, module):
             self._handles.append(module.register_forward_pre_hook(self._pre(unit, index, parts), with_kwargs=True))
@@ -210,28 +212,39 @@ class Refeed(RefeedBook):
         value = self.fitted(key, unit, index, parts, local, what)
         return None if value is None else value.reshape(local.shape).to(local.device)
 
+    def _slots(self, unit: str, args: tuple, kwargs: dict) -> list[tuple[str, tuple]]:
+        """(argument name, where) of each tensor argument to replace: ("arg", i) or ("kw", name)."""
+        names = self.arguments_of(unit)
+        if len(names) > 1:
+            return [(name, ("arg", i)) for i, name in enumerate(names) if i < len(args)]
+        where = main_input(args, kwargs)
+        return [] if where is None else [(names[0], where)]
+
     def _pre(self, unit: str, index: int, parts: int):
         def hook(module, args, kwargs):
             if not self.first_call(unit, index, "module"):
                 return None
-            where = main_input(args, kwargs)
-            if where is None:
-                return None
-            x = args[0] if where[0] == "arg" else kwargs[where[1]]
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                return None  # token ids: the same checkpoint tensor on both sides
-            if index == 0:
-                self.tensors[self.keys[0] + unit] = self._canonical(x)  # record: a's input; replay: the local one
-            if self.mode != "replay":
-                return None
-            value = self._fit(self.keys[0], unit, 0, 1, x, "input")
-            if value is None:
-                return None
-            self.note(unit, "input")
-            new = _Substitute.apply(x, value)
-            if where[0] == "arg":
-                return (new, *args[1:]), kwargs
-            return args, {**kwargs, where[1]: new}
+            args, kwargs, changed = list(args), dict(kwargs), False
+            for name, (kind, at) in self._slots(unit, args, kwargs):
+                x = args[at] if kind == "arg" else kwargs[at]
+                if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                    continue  # token ids: the same checkpoint tensor on both sides
+                key = input_key(unit, name)
+                if index == 0:
+                    self.tensors[key] = self._canonical(x)  # record: a's input; replay: the local one
+                if self.mode != "replay":
+                    continue
+                value = self._fit(key, unit, 0, 1, x, name)
+                if value is None:
+                    continue
+                self.note(unit, name)
+                new = _Substitute.apply(x, value)
+                if kind == "arg":
+                    args[at] = new
+                else:
+                    kwargs[at] = new
+                changed = True
+            return (tuple(args), kwargs) if changed else None
         return hook
 
     def _post(self, unit: str, index: int, parts: int):
@@ -250,11 +263,12 @@ class Refeed(RefeedBook):
                 return None
             new = y
             if unit not in self.keep_output:
-                value = self._fit(self.keys[1], unit, index, parts, y, "output")
+                value = self._fit(self.keys[1] + unit, unit, index, parts, y, "output")
                 if value is not None:
                     new = _Substitute.apply(y, value)
                     self.note(unit, "output")
-            grad = self._fit(self.keys[2], unit, index, parts, y, "output gradient")
+            grad = self._fit(self.keys[2] + unit, unit, index, parts, y, "output gradient") if y.requires_grad \
+                else None
             if grad is not None and new.requires_grad:
                 def swap(g, key=self.keys[2] + unit):  # keep the local gradient (the code after the unit made it)
                     self.parts.setdefault(key, {})[index] = self._canonical(g)

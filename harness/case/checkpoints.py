@@ -377,18 +377,11 @@ def _model_files(path: Path) -> dict[str, Path]:
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{path}: a folder without model.safetensors.index.json or *.safetensors files")
-        return {name: shard for shard in shards for name in _keys(shard)}
+        return {name: shard for shard in shards for name in resources.safetensors_keys(shard, CheckpointError)}
     if not path.is_file():
         raise CheckpointError(f"weights {path} do not exist")
-    return dict.fromkeys(_keys(path), path)
+    return dict.fromkeys(resources.safetensors_keys(path, CheckpointError), path)
 
-
-def _keys(file: Path) -> list[str]:
-    try:
-        with safe_open(str(file), framework="numpy") as handle:
-            return list(handle.keys())
-    except Exception as error:  # safetensors raises several unrelated types for a bad file
-        raise CheckpointError(f"{file}: not a readable safetensors file: {error}") from None
 
 
 def _read(file: Path, name: str) -> np.ndarray:

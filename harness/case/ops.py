@@ -12,8 +12,8 @@ Adding an op:
 1. a record here (``Op(...)``, added to ``OPS``), with the knobs it reads;
 2. one function per runner, in the runner's table keyed by the record (``harness/runners/megatron/ops.py``
    ``IMPLEMENTATIONS``, ``harness/runners/paddle/recipe.py`` ``IMPLEMENTATIONS``); a runner without one answers
-   UNSUPPORTED. The Paddle side has three levels (``harness/runners/paddle/levels.py``): PaddleFleet's module
-   (``paddle_fleet.py``), PaddleFormers' module (``paddle_formers.py``) and the recipe (``paddle_ops.py``); an op
+   UNSUPPORTED. The Paddle side has three levels (``harness/runners/paddle/levels.py``): PaddleFleet (``fleet.py``),
+   PaddleFormers' module (``formers.py``) and the recipe (``recipe.py``, its ``SOURCES`` naming what it follows); an op
    missing from a level's table makes that level unavailable for it (the doctor says so);
 3. cases in ``cases/*.toml``: a reduced CPU case, a negative control (``perturb``) and a ``_full`` GPU twin
    (``tests/test_catalogue.py`` checks every family has them);
@@ -84,9 +84,10 @@ KNOBS: dict[str, Knob] = {
     "swiglu_impl": Knob((str,), "fused", "Megatron's SwiGLU: fused (hand-written backward) or eager",
                         ("fused", "eager")),
     "paddle_impl": Knob((str,), "auto", "which Paddle implementation runs: auto (the highest level available "
-                        "here), paddlefleet (PaddleFleet's own module), paddleformers (PaddleFormers' module), "
-                        "recipe (plain Paddle ops, not PaddleFleet)", ("auto", "paddlefleet", "paddleformers",
-                                                                       "recipe")),
+                        "here), paddlefleet (PaddleFleet's modules), paddleformers (PaddleFormers' module), "
+                        "recipe (plain Paddle ops computing what PaddleFleet's code computes, not PaddleFleet), "
+                        "fp32_islands (the recipe with the seed PR's FP32-island SwiGLU)",
+                        ("auto", "paddlefleet", "paddleformers", "recipe", "fp32_islands")),
     "model": Knob((dict,), {}, "model cases: the model's config in HF DeepseekV3Config key names, `family` naming "
                   "its defaults and name map (harness/case/models/); every default resolved when the case loads"),
     # YaRN rotary embedding (Kimi-K2's rope_scaling: type yarn)

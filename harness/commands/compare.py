@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.case import checkpoints
-from harness.case.ops import MODEL_OPS, TRAIN_OPS
+from harness.case.ops import KNOBS, MODEL_OPS, TRAIN_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
 from harness.case.train import parse_steps_kept
 from harness.commands import failsafe
@@ -36,8 +36,10 @@ class CompareOptions:
 
     `runners`: another pair than the case's (``--runners A,B``); `tp`: another TP size; `versus_tp`: one runner
     (`runner`, default the case's first) at the case's TP size (side a) against itself at `versus_tp` (side b),
-    on the same checkpoint; `oracle`: also run the truth oracle and measure each side's distance from it (skipped
-    when a side already is the oracle); `repeat`: run each side that many times and check it agrees with itself;
+    on the same checkpoint; `versus_impl`: the Paddle runner at the case's implementation level
+    (``config.paddle_impl``, side a) against itself at another (side b), on the same checkpoint; `oracle`: also
+    run the truth oracle and measure each side's distance from it (skipped when a side already is the oracle);
+    `repeat`: run each side that many times and check it agrees with itself;
     `config_overrides`: knobs set over the case's (the gate matrix); `refeed_ops`: for multi-op blocks, re-run
     each op on side b from side a's tensors (model cases: each module, harness.compare.model_refeed);
     `pythons`: an interpreter per runner (``--python RUNNER=PATH``); `fresh_process`: every side in a process of
@@ -50,6 +52,7 @@ class CompareOptions:
     tp: int | None = None
     versus_tp: int | None = None
     runner: str | None = None
+    versus_impl: str | None = None
     oracle: bool = True
     repeat: int = 1
     refeed_ops: bool = False
@@ -69,6 +72,8 @@ class CompareOptions:
             raise ValueError(f"CompareOptions.timeout must be a positive number of seconds (got {self.timeout!r})")
         if not (isinstance(self.repeat, int) and self.repeat >= 1):
             raise ValueError(f"CompareOptions.repeat must be an integer of at least 1 (got {self.repeat!r})")
+        if self.versus_tp is not None and self.versus_impl is not None:
+            raise ValueError("CompareOptions.versus_tp and versus_impl compare one thing at a time: give one of them")
 
 
 DEFAULT_OPTIONS = CompareOptions()
@@ -91,19 +96,24 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
             case = replace(case, config={**case.config, **o.config_overrides})
         if o.steps_kept is not None:
             case = _with_steps_kept(case, o.steps_kept)
-        tps = None
+        tps = impls = None
         if o.versus_tp is not None:
             case, tps = _versus_tp(case, o.versus_tp, o.runner or case.runners[0])
             result.comparison = {"kind": "tensor_parallel", "runner": case.runners[0], "tp_a": tps[0], "tp_b": tps[1]}
+        if o.versus_impl is not None:
+            case, impls = _versus_impl(case, o.versus_impl)
+            result.comparison = {"kind": "paddle_impl", "runner": case.runners[0], "impl_a": impls[0],
+                                 "impl_b": impls[1]}
         result.case = describe_case(case)
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
         is_model, is_train = case.op in MODEL_OPS, case.op in TRAIN_OPS
-        if is_train and (o.repeat > 1 or tps):
-            raise CaseError(f"case {name!r}: --repeat and --versus-tp are not implemented for training cases")
-        pair = train.sides(case, checkpoint) if is_train else orchestrate.pair_sides(case, checkpoint, tps)
+        if is_train and (o.repeat > 1 or tps or impls):
+            raise CaseError(f"case {name!r}: --repeat, --versus-tp and --versus-impl are not implemented for "
+                            "training cases")
+        pair = train.sides(case, checkpoint) if is_train else orchestrate.pair_sides(case, checkpoint, tps, impls)
         truth = None if not is_model or case.dtype == "float64" else \
             train.truth_side(case, checkpoint) if is_train else model.truth_side(checkpoint)
         extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
@@ -142,13 +152,13 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
-        result.message += tp_notes(result)
+        result.message += comparison_notes(result)
         if is_model and not is_train and result.tensors:
             result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
         if is_model and case.dtype == "float64" and result.tensors:
             _semantic_verdict(result, case, result.train if is_train else result.model,
                               train.first_step(result.tensors) if is_train else result.tensors)
-        if tps is None:  # a case's expectation is about its two runners; TP invariance is a finding, not a contract
+        if tps is None and impls is None:  # the expectation is about the case's runners; TP sizes or levels: findings
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
@@ -206,16 +216,40 @@ def _versus_tp(case: Case, versus_tp: int, runner: str) -> tuple[Case, tuple[int
     return replace(case, runners=(runner, runner), perturb=None), (case.tp, versus_tp)
 
 
-def tp_notes(result: CaseResult) -> str:
-    """What the reader must know about tensor parallelism beyond the verdict: TP invariance, ranks that disagree."""
+PADDLE = "paddle"
+
+
+def _versus_impl(case: Case, level: str) -> tuple[Case, tuple[str, str]]:
+    where = f"{case.source}: case {case.name!r}"
+    choices = KNOBS["paddle_impl"].choices
+    if level not in choices:
+        raise CaseError(f"{where}: --versus-impl must be one of {', '.join(choices)} (got {level!r})")
+    if case.op in MODEL_OPS:
+        raise CaseError(f"{where}: --versus-impl compares the op-level Paddle runner's implementation levels; op "
+                        f"{case.op!r} runs a whole model")
+    level_a = case.config["paddle_impl"]
+    if level == level_a:
+        raise CaseError(f"{where}: --versus-impl {level!r} is side a's level already (config.paddle_impl); give side "
+                        "a another with --paddle-impl")
+    return replace(case, runners=(PADDLE, PADDLE), perturb=None), (level_a, level)
+
+
+def comparison_notes(result: CaseResult) -> str:
+    """What the reader must know beyond the verdict: which tensors one runner keeps bitwise across TP sizes or
+    implementation levels, ranks that disagree."""
     notes = []
     if result.comparison and result.tensors:
         c = result.comparison
-        invariant = [t.name for t in result.tensors if t.status == "EQUAL"]
-        variant = [t.name for t in result.tensors if t.status != "EQUAL"]
-        c["tp_invariant"], c["not_tp_invariant"] = invariant, variant
-        notes.append(f"{c['runner']} TP={c['tp_a']} vs TP={c['tp_b']}: bitwise TP-invariant: "
-                     f"{', '.join(invariant) or 'none'}; not: {', '.join(variant) or 'none'}")
+        equal = [t.name for t in result.tensors if t.status == "EQUAL"]
+        differ = [t.name for t in result.tensors if t.status != "EQUAL"]
+        if c["kind"] == "paddle_impl":
+            c["equal"], c["differ"] = equal, differ
+            notes.append(f"{c['runner']} at {c['impl_a']} vs {c['impl_b']}: bitwise equal: "
+                         f"{', '.join(equal) or 'none'}; differ: {', '.join(differ) or 'none'}")
+        else:
+            c["tp_invariant"], c["not_tp_invariant"] = equal, differ
+            notes.append(f"{c['runner']} TP={c['tp_a']} vs TP={c['tp_b']}: bitwise TP-invariant: "
+                         f"{', '.join(equal) or 'none'}; not: {', '.join(differ) or 'none'}")
     for side in result.sides:
         differing = shards.inconsistent(side.meta.get("gather", {}))
         if differing:

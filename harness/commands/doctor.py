@@ -5,8 +5,9 @@ Each runner is asked in its own subprocess, with its own interpreter and the env
 (``python -m harness.runners.<name> --probe --device D``, harness.run.protocol): the answer is what that
 environment really has (versions, CPU ISA or GPU, which bf16 kernels exist), and per op the implementation it would
 run, with, on the Paddle side, each implementation level and why it is unavailable. A runner whose interpreter is
-missing or whose framework does not import is listed with the reason. It computes nothing; the nightly records it
-as ``doctor.json``.
+missing or whose framework is not installed is listed as not usable, with the reason; one whose framework (or a Paddle
+level) is installed but does not import is listed as BROKEN: its cells would be ERRORs, not skips. It computes
+nothing; the nightly records it as ``doctor.json``.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ def probe(runner: str, python: str, device: str, timeout: float) -> dict:
         why = last[-1] if last else f"no answer on stdout (exit code {done.returncode})"
         return {**base, "ok": False, "reason": f"the runner does not start in this interpreter: {why}",
                 "returncode": done.returncode, "stderr_tail": done.stderr[-TAIL:]}
-    ok = answer.get("importable", True) and "probe_error" not in answer
+    ok = answer.get("importable", True) and not answer.get("broken") and "probe_error" not in answer
     reason = answer.get("reason") or answer.get("probe_error") or ""
-    return {**base, **answer, "ok": bool(ok), "reason": reason}
+    return {**base, **answer, "ok": bool(ok), "broken": bool(answer.get("broken")), "reason": reason}
 
 
 def _last_json(stdout: str) -> dict | None:

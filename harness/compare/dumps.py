@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from harness import bits
 from harness.compare.tensors import MISSING, TensorComparison, compare_tensor
+from harness.resources import safetensors_keys
 
 LAYOUTS = ("transpose",)
 
@@ -48,12 +49,12 @@ class Dump:
     def open(cls, path: Path) -> Dump:
         path = Path(path)
         if path.is_file():
-            return cls(path, dict.fromkeys(_safetensors_keys(path), path))
+            return cls(path, dict.fromkeys(safetensors_keys(path, DumpError), path))
         if not path.is_dir():
             raise DumpError(f"{path}: no such file or folder")
         files: dict[str, Path] = {}
         for file in sorted(path.rglob("*")):
-            names = (_safetensors_keys(file) if file.suffix == ".safetensors"
+            names = (safetensors_keys(file, DumpError) if file.suffix == ".safetensors"
                      else [file.relative_to(path).with_suffix("").as_posix()] if file.suffix == ".npy" else [])
             for name in names:
                 if name in files:
@@ -164,11 +165,3 @@ def _reinterpret(array: np.ndarray, hint: str | None, file: Path, name: str) -> 
         raise DumpError(f"{file}: tensor {name!r}: dtype hint {hint} needs {fmt.width}-bit integers, "
                         f"got {array.dtype.name}")
     return np.ascontiguousarray(array).view(fmt.float_dtype)
-
-
-def _safetensors_keys(file: Path) -> list[str]:
-    try:
-        with safe_open(str(file), framework="numpy") as handle:
-            return list(handle.keys())
-    except Exception as error:  # safetensors raises several unrelated types for a bad file
-        raise DumpError(f"{file}: not a readable safetensors file: {error}") from None

@@ -10,6 +10,11 @@ with side a's says whether the code that makes it differs (made by) or not (carr
 A tensor belongs to the innermost re-fed unit holding it (a parameter's gradient: its module; a routed expert: the
 MoE block). Rows ``refeed.input.<unit>`` compare the input side b's own code built for a unit from side a's
 tensors: a difference there is made by the code between re-fed modules (a residual add, RoPE, an activation).
+Megatron's core attention takes query, key and value (rows ``refeed.query.``, ``refeed.key.``, ``refeed.value.``):
+all three are replaced, so a RoPE difference shows in the query and key rows, not as core attention's.
+A unit counts as re-fed only when side b's run replaced all it had (its inputs, output, output gradient): one with
+anything missing (side a recorded none of it, shapes that do not fit) is listed as not re-fed with why, and a
+tensor of it, with no re-fed unit around it, is "not re-fed" too, never "made by" it.
 
 Not attributed yet: the local gradient arriving at each unit's output before side a's replaces it (the replay run
 writes it as ``refeed.grad_output.<unit>``). Measured on hf_model against itself (kimi_k2_2layer_fp32, 16 tokens):
@@ -26,7 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from harness.capture import GRAD, INPUT, REFEED_FILE
+from harness.capture import GRAD, REFEED_FILE, input_key, split_input_key
 from harness.case import checkpoints
 from harness.case.registry import Case
 from harness.compare.model import module_path
@@ -71,14 +76,23 @@ def _status(side) -> dict:
 
 
 def attribute(case: Case, full: dict, a: dict, b: dict, meta: dict) -> dict:
-    """Per tensor, in topological order (a unit's input row before its output): its unit and attribution."""
-    units = [u for u in meta.get("units", []) if u not in meta.get("not_refed", {})]
+    """Per tensor, in topological order (a unit's input rows before its output): its unit and attribution. A unit is
+    re-fed only if side b's run says it replaced something of it and named it in no "not re-fed" reason; a tensor
+    of a unit that is not, with no re-fed unit around it, is "not re-fed: why"."""
     not_refed = dict(meta.get("not_refed", {}))
+    replaced = meta.get("replaced", {})
+    for unit in meta.get("units", []):
+        if unit not in not_refed and not replaced.get(unit):
+            not_refed[unit] = "side b's run replaced nothing of it"
+    units = [u for u in meta.get("units", []) if u not in not_refed]
     rows, tensors = [], {}
-    for name in _order(case, units):
+    for name in _order(case, units, meta.get("arguments", {})):
         unit = owner(name, units)
-        if name.startswith(INPUT):
-            where = f"the code feeding {name[len(INPUT):]} (inside {unit or 'the model'})"
+        feeding = split_input_key(name)
+        if feeding:
+            argument, fed = feeding
+            what = fed if argument == "input" else f"{fed} ({argument})"
+            where = f"the code feeding {what} (inside {unit or 'the model'})"
         elif name.startswith(GRAD):
             where = f"the backward of the code using {name[len(GRAD):]}'s output"
         else:
@@ -87,8 +101,9 @@ def attribute(case: Case, full: dict, a: dict, b: dict, meta: dict) -> dict:
             where = LOSS_UNIT
         if name not in a and name not in b:
             continue  # written by neither run (an expert no token went to, a tensor neither side captures)
-        if name not in a or name not in b:
-            why = _why_missing(name, a, b, not_refed)
+        own = None if unit or feeding or name == "loss" else _why_not_refed(name, not_refed)
+        if name not in a or name not in b or own:
+            why = own or _why_not_refed(name, not_refed) or f"written only by side {'a' if name in a else 'b'}'s run"
             rows.append({"name": name, "unit": where, "full": _status_of(full.get(name)), "local": None,
                          "attribution": f"not re-fed: {why}"})
             continue
@@ -110,12 +125,13 @@ def _status_of(t) -> str | None:
     return None if t is None else t.status
 
 
-def _why_missing(name: str, a: dict, b: dict, not_refed: dict) -> str:
+def _why_not_refed(name: str, not_refed: dict) -> str | None:
+    """Why the unit holding `name` is not re-fed (None: no such unit)."""
     path = module_path(name)
     for unit, why in not_refed.items():
         if path == unit or path.startswith(unit + ".") or _pattern_match(unit, path):
             return why
-    return f"written only by side {'a' if name in a else 'b'}'s run"
+    return None
 
 
 def _pattern_match(pattern: str, path: str) -> bool:
@@ -128,11 +144,11 @@ def _pattern_match(pattern: str, path: str) -> bool:
 
 def owner(name: str, units: list[str]) -> str | None:
     """The innermost re-fed unit holding a canonical tensor: its module, else the closest unit above it."""
-    path = name[len(INPUT):] if name.startswith(INPUT) else name[len(GRAD):] if name.startswith(GRAD) else \
-        module_path(name)
+    feeding = split_input_key(name)
+    path = feeding[1] if feeding else name[len(GRAD):] if name.startswith(GRAD) else module_path(name)
     if name == "logits":
         path = "lm_head"
-    if name.startswith(INPUT):  # the code feeding a unit sits in the unit above it
+    if feeding:  # the code feeding a unit sits in the unit above it
         path = path.rsplit(".", 1)[0] if "." in path else ""
     best = None
     for unit in units:
@@ -141,15 +157,15 @@ def owner(name: str, units: list[str]) -> str | None:
     return best
 
 
-def _order(case: Case, units: list[str]) -> list[str]:
-    """Forward (each unit's input row before its output), then backward: units in reverse, each one's output
-    gradient row before the parameter gradients it holds."""
+def _order(case: Case, units: list[str], arguments: dict[str, list[str]]) -> list[str]:
+    """Forward (each unit's input rows before its output: its one input, or each tensor argument it takes), then
+    backward: units in reverse, each one's output gradient row before the parameter gradients it holds."""
     names = [spec.name for spec in case.output_specs()]
     out = []
     for name in (n for n in names if not n.startswith("grad.")):
         unit = "lm_head" if name == "logits" else name[len("module."):] if name.startswith("module.") else None
         if unit in units:
-            out.append(INPUT + unit)
+            out += [input_key(unit, argument) for argument in arguments.get(unit, ["input"])]
         out.append(name)
     grads = [n for n in names if n.startswith("grad.")]
     held = {}

@@ -12,7 +12,9 @@ def markdown(doctor: dict) -> str:
              f"Host: {host.get('cpu')}; ISA: {' '.join(host.get('cpu_isa', [])) or 'none listed'}; "
              f"{host.get('logical_cpus')} logical CPUs.", "", "## Runners", ""]
     for name, answer in doctor["runners"].items():
-        state = "ok" if answer.get("ok") else f"NOT USABLE: {answer.get('reason')}"
+        state = ("ok" if answer.get("ok") else
+                 f"BROKEN (installed, does not import; its cells are ERRORs): {answer.get('reason')}"
+                 if answer.get("broken") else f"NOT USABLE: {answer.get('reason')}")
         lines.append(f"- **{name}** ({answer.get('python')}): {state}")
         versions = answer.get("versions") or {}
         if versions:
@@ -39,7 +41,9 @@ def markdown(doctor: dict) -> str:
         lines += ["", "## Paddle levels: why each is or is not available", ""]
         for op, by_dtype in paddle["ops"].items():
             for dtype, survey in by_dtype.items():
-                lines.append(f"- `{op}` {dtype}: runs **{survey['would_run'] or 'nothing (UNSUPPORTED)'}**")
+                runs = survey["would_run"] or ("nothing (ERROR: broken level)" if survey.get("broken") else
+                                               "nothing (UNSUPPORTED)")
+                lines.append(f"- `{op}` {dtype}: runs **{runs}**")
                 for level, why in survey["levels"].items():
                     lines.append(f"  - {level}: {why}")
     return "\n".join(lines) + "\n"
@@ -55,7 +59,9 @@ def _ops(doctor: dict) -> list[str]:
 
 
 def _cell(answer: dict, op: str, dtype: str) -> str:
-    if not answer.get("ok"):
+    if answer.get("broken") and not answer.get("ops"):
+        return "runner broken"
+    if not answer.get("ok") and not answer.get("broken"):
         return "runner not usable"
     table = answer.get("ops") or {}
     entry = table.get(op, table.get(op.split("+")[0]))  # a variant (swiglu+per_token_scale) of a runner's op
@@ -63,5 +69,5 @@ def _cell(answer: dict, op: str, dtype: str) -> str:
         return "-"
     if dtype in entry:  # per dtype (the Paddle side)
         entry = entry[dtype]
-        return entry["would_run"] or "UNSUPPORTED"
+        return entry["would_run"] or ("ERROR (broken level)" if entry.get("broken") else "UNSUPPORTED")
     return (entry.get("would_run") or "none").split(".")[-1] if entry.get("would_run") else "none"

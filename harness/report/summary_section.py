@@ -15,7 +15,7 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
     if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
         items.append(f"expected: {expectation['verdict']}; {met}")
-    items += tensor_parallel(data)
+    items += tensor_parallel(data) + paddle_levels(data)
     case = data["case"]
     if case:
         items.append(f"runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
@@ -37,7 +37,7 @@ def tensor_parallel(data: dict) -> list[str]:
     """How the sides were launched and gathered, and, for a TP=N vs TP=M run, which tensors are TP-invariant."""
     items = []
     c = data["comparison"]
-    if c:
+    if c and c.get("kind") == "tensor_parallel":
         items.append(f"comparison: {c['runner']} at TP={c['tp_a']} (side a) against {c['runner']} at "
                      f"TP={c['tp_b']} (side b); no case expectation applies")
         if "tp_invariant" in c:
@@ -53,4 +53,16 @@ def tensor_parallel(data: dict) -> list[str]:
                  for name, g in gather.items()]
         items.append(f"side {side['label']} launched by {launch['launcher']} with {launch['tp']} ranks at "
                      f"{launch.get('master', '')}" + (f"; gathered: {'; '.join(parts)}" if parts else ""))
+    return items
+
+
+def paddle_levels(data: dict) -> list[str]:
+    """For a level against level run (``--versus-impl``): the two levels and which tensors they give bitwise equal."""
+    c = data["comparison"]
+    if not c or c.get("kind") != "paddle_impl":
+        return []
+    items = [f"comparison: {c['runner']} at implementation level {c['impl_a']} (side a) against level {c['impl_b']} "
+             "(side b), on the same inputs; no case expectation applies"]
+    if "equal" in c:
+        items.append(f"bitwise equal: {', '.join(c['equal']) or 'none'}; differ: {', '.join(c['differ']) or 'none'}")
     return items

@@ -88,13 +88,19 @@ class SideSpec(NamedTuple):
     tp: int
     folder: str  # its folder under the run directory
     dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
-    config: dict | None = None  # knobs over the case's for this side only (a training run's flip or re-feed)
+    config: dict | None = None  # knobs set over the case's for this side only (comparing Paddle levels; a training
+    # run's flip or re-feed)
 
 
-def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None) -> list[SideSpec]:
-    """The case's two sides, a and b, each at the case's TP size or, comparing TP sizes, at its own."""
-    return [SideSpec(label, runner, checkpoint.path_for(label), tp, f"{label}-{runner}" + (f"-tp{tp}" if tps else ""))
-            for label, runner, tp in zip("ab", case.runners, tps or (case.tp, case.tp), strict=True)]
+def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
+               impls: tuple[str, str] | None = None) -> list[SideSpec]:
+    """The case's two sides, a and b, each at the case's TP size or, comparing TP sizes, at its own; comparing Paddle
+    implementation levels, each with its own ``config.paddle_impl``."""
+    return [SideSpec(label, runner, checkpoint.path_for(label), tp,
+                     f"{label}-{runner}" + (f"-tp{tp}" if tps else "") + (f"-{impl}" if impls else ""),
+                     config={"paddle_impl": impl} if impls else None)
+            for label, runner, tp, impl in zip("ab", case.runners, tps or (case.tp, case.tp), impls or (None, None),
+                                               strict=True)]
 
 
 def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,

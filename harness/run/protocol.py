@@ -6,7 +6,9 @@ A runner started with ``--worker`` serves many requests in one process (``serve_
 is the harness's end); each request's files are the same as a process of its own would write.
 
 Exit codes: 0 outputs written; 3 the framework lacks a kernel or package for this request
-(``meta.json`` says which); anything else is a crash, which the harness reports as ERROR.
+(``meta.json`` says which): a package that is not installed (``import_failure``) or a kernel the framework says is
+not registered, nothing else; anything else is a crash (a broken install included), which the harness reports as
+ERROR with the traceback's tail.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+
+from harness.run.cell_state import environment_restored, patches_undone
 
 EXIT_UNSUPPORTED = 3
 OUTPUTS = "outputs.safetensors"
@@ -59,6 +63,28 @@ class Unsupported(Exception):
     """The framework cannot run this request here (missing package or kernel); the message says which."""
 
 
+class BrokenInstall(Exception):
+    """A package that is installed but does not import (a dependency missing inside it, an error in its code): the
+    runner's environment is broken. Never UNSUPPORTED: the cell ends as a crash (ERROR) with the import's traceback."""
+
+
+def import_failure(package: str, error: BaseException) -> Exception:
+    """What a failed ``import package`` means: Unsupported when `package` itself is not installed (Python's
+    ModuleNotFoundError names it, or a package above it), else BrokenInstall (raise it ``from error``)."""
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing and (package == missing or package.startswith(missing + ".")):
+        return Unsupported(f"{package} is not installed for {sys.executable} ({error})")
+    return BrokenInstall(f"{package} is installed for {sys.executable} but does not import: "
+                         f"{type(error).__name__}: {error}")
+
+
+def import_answer(package: str, error: BaseException) -> dict:
+    """A probe's answer for a framework that does not import: not installed, or installed and broken (the doctor
+    says which)."""
+    failure = import_failure(package, error)
+    return {"importable": False, "broken": isinstance(failure, BrokenInstall), "reason": str(failure)}
+
+
 class Phases:
     """Wall time per phase (import, setup, forward, backward, write), in seconds."""
 
@@ -75,11 +101,14 @@ class Phases:
 
 
 def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str], dict] | None = None,
-          reset: Callable[[], None] | None = None) -> None:
+          reset: Callable[[], None] | None = None,
+          cell_state: Callable[[], AbstractContextManager] | None = None) -> None:
     """Run the request named on the command line (``--request``), or serve many (``--worker``), then exit.
 
     `run(request, phases)` writes the outputs file and returns the framework's provenance; `reset()` (optional)
-    clears what a cell may leave in the framework (a process group, cached device memory) before the next one.
+    clears what a cell may leave in the framework (a process group, cached device memory) before the next one;
+    `cell_state()` (optional) is entered around each cell and puts back every process-wide setting the runner's
+    framework room may change (``harness.run.cell_state``); ``os.environ`` is put back for every runner.
     With ``--probe`` the runner computes nothing: it prints one JSON object (``probe_answer``) saying what this
     interpreter has and which implementation each op would get on ``--device`` (the doctor's question), and exits 0.
     """
@@ -97,18 +126,20 @@ def serve(runner: str, run: Callable[[dict, Phases], dict], probe: Callable[[str
     if args.worker:
         if args.reply_fd is None:
             parser.error("--worker needs --reply-fd FD")
-        code = serve_cells(lambda path, cell: run_cell(runner, run, path, cell, reset), args.reply_fd)
+        code = serve_cells(lambda path, cell: run_cell(runner, run, path, cell, reset, cell_state), args.reply_fd)
         _flush_all()
         os._exit(code)  # every cell's files are written and closed: skip the frameworks' slow interpreter teardown
     if args.request is None:
         parser.error("--request FILE is required (or --worker, or --probe)")
-    sys.exit(run_cell(runner, run, args.request))
+    sys.exit(run_cell(runner, run, args.request, cell_state=cell_state))
 
 
 def run_cell(runner: str, run: Callable[[dict, Phases], dict], request_path: Path, cell: int | None = None,
-             reset: Callable[[], None] | None = None) -> int:
+             reset: Callable[[], None] | None = None,
+             cell_state: Callable[[], AbstractContextManager] | None = None) -> int:
     """One request: outputs (by `run`) and meta.json written; the contract's exit code. `cell`: its number in a
-    worker (None: a process of its own), recorded in meta.json."""
+    worker (None: a process of its own), recorded in meta.json. What the cell changes in the process (the
+    environment, and what `cell_state` covers) is put back when it ends, however it ends."""
     request = json.loads(Path(request_path).read_text())
     output_dir = Path(request["output_dir"])
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +152,8 @@ def run_cell(runner: str, run: Callable[[dict, Phases], dict], request_path: Pat
             "executable": sys.executable, "rank": rank, "world_size": world, "process": process}
     code = 0
     try:
-        meta.update(run(request, phases))
+        with environment_restored(), patches_undone(), (cell_state or nullcontext)():
+            meta.update(run(request, phases))
     except Unsupported as reason:
         meta["unsupported"] = str(reason)
         code = EXIT_UNSUPPORTED

@@ -4,6 +4,7 @@ handling of failures. They never produce a reported verdict of a real comparison
 from __future__ import annotations
 
 import stat
+import sys
 import textwrap
 import time
 
@@ -28,3 +29,44 @@ def alive(pid, wait=5.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def python_with(folder, name, packages: dict[str, str]) -> str:
+    """An interpreter (this one) with a folder of `packages` ({package: its ``__init__.py`` text}) first on its path:
+    a package there shadows the installed one (a broken install, when its text fails to import)."""
+    site = folder / f"{name}_site"
+    for package, text in packages.items():
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text(text)
+    return fake_interpreter(folder, name, f'#!/bin/sh\nPYTHONPATH="{site}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+
+
+def broken_install_python(folder, package: str) -> str:
+    """Test double: this interpreter with `package` installed but broken (a dependency missing inside it: a
+    ModuleNotFoundError for another name), the way a partial or mismatched install fails."""
+    return python_with(folder, f"broken_{package}_python",
+                       {package: f"import {package}_test_double_missing_dependency\n"})
+
+
+def missing_package_python(folder, package: str) -> str:
+    """Test double: this interpreter in which `package` is not installed (a finder first on ``sys.meta_path``, put
+    there by a ``sitecustomize`` module, answers ModuleNotFoundError for it, as Python does for a package it cannot
+    find)."""
+    hide = textwrap.dedent(f"""\
+        import sys
+
+
+        class HideForTest:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == {package!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by a test double)", name=name)
+                return None
+
+
+        sys.meta_path.insert(0, HideForTest())
+        """)
+    site = folder / f"no_{package}_site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(hide)
+    return fake_interpreter(folder, f"no_{package}_python",
+                            f'#!/bin/sh\nPYTHONPATH="{site}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')

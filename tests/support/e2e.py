@@ -13,7 +13,7 @@ LINEAR_OPS = tuple(name for name, op in OPS.items() if op.oracle == "linear")  #
 
 # Ops whose Paddle side runs in dygraph and needs a bf16 kernel Paddle 3.3.1 does not register on any CPU, with the
 # kernel its UNSUPPORTED message names (measured): GEMMs, and the elementwise add / scatter of RoPE and the MoE combine.
-PADDLE_CPU_BF16_MISSING = {"shared_expert_mlp": "matmul", "attention_scores": "matmul", "routed_experts": "matmul",
+PADDLE_CPU_BF16_MISSING = {"shared_expert_mlp": "matmul", "attention_scores": "baddbmm", "routed_experts": "matmul",
                            "core_attention": "baddbmm", "lm_head_loss": "matmul", "yarn_rope": "add",
                            "moe_combine": "scatter"}
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from pathlib import Path
 
 import tomllib
@@ -33,18 +32,26 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, rank_and_world, serve  # noqa: E402
+from harness.run.cell_state import patch  # noqa: E402
+from harness.run.protocol import (  # noqa: E402
+    OUTPUTS,
+    Phases,
+    Unsupported,
+    import_failure,
+    rank_and_world,
+    serve,
+)
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 try:
     from megatron.core import __version__ as megatron_version
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-except ImportError as error:  # reported as UNSUPPORTED: the user's environment lacks Megatron-Core
-    MEGATRON_IMPORT_ERROR = str(error)
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (in run)
+    MEGATRON_IMPORT_ERROR: Exception | None = error
     DotProductAttention = object
 else:
-    MEGATRON_IMPORT_ERROR = ""
+    MEGATRON_IMPORT_ERROR = None
 
 NAME_MAP = Path(__file__).resolve().parents[2] / "case" / "models" / "deepseek_v3.toml"
 DTYPES = {**torch_env.DTYPES, "float64": torch.float64}
@@ -80,26 +87,22 @@ ADAPTER_DOCS = {
 }
 
 
-_PATCHED: set[str] = set()
-
-
 def install_adapters(device: torch.device, skip=()) -> list[dict]:
     """The shims (the CPU ones only on a CPU), each returned as a meta.json entry; `skip` is for the tests that
-    show each one is needed."""
+    show each one is needed. Each patch lasts for this cell only (``harness.run.cell_state.patch``)."""
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     names = [] if "MLADotProductAttention" in skip else ["MLADotProductAttention"]
     if not te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
-        multi_latent_attention.HAVE_TE = False
-        _PATCHED.add("mla_have_te_false")
+        patch(multi_latent_attention, "HAVE_TE", False)
+        names.append("mla_have_te_false")
     if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
-        moe_utils.te_general_gemm = None
-        _PATCHED.add("te_general_gemm_none")
-    names += sorted(_PATCHED)  # module-level patches stay for the process: listed by every run in it
+        patch(moe_utils, "te_general_gemm", None)
+        names.append("te_general_gemm_none")
     if device.type == "cpu":
         if "cpu_current_device" not in skip:
-            torch.cuda.current_device = lambda: "cpu"
+            patch(torch.cuda, "current_device", lambda: "cpu")
             names.append("cpu_current_device")
         if "cpu_rng_tracker" not in skip:
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -340,6 +343,10 @@ def layer_kinds(model_cfg: dict) -> tuple[list[int], list[int]]:
     return list(range(min(dense, layers))), list(range(dense, layers))
 
 
+# MultiLatentAttention.forward calls self.core_attention(query, key, value, attention_mask, packed_seq_params=...,
+# attn_mask_type=...): megatron-core 0.16.1 as installed, and NVIDIA/Megatron-LM
+# megatron/core/transformer/multi_latent_attention.py @ 003b4ce2615f4e501ecbc39e01e0f76d237a35d9.
+CORE_ATTENTION_ARGUMENTS = ("query", "key", "value")
 ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidden-state tensor: it is recomputed "
               "inside the MoE block from side a's input")
 
@@ -355,7 +362,11 @@ def refeed_hooks(model, names: dict, request: dict):
     units["lm_head"] = ["output_layer"]
     experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
     not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")}}
-    return Refeed(model, units, request["mode"], request.get("from"), batch_dim=1), units, not_refed
+    # MLASelfAttention calls core_attention(query, key, value, attention_mask, ...): all three are replaced, so a
+    # difference made before them (RoPE, the kv up-projection's split) shows in their rows, not in core attention's
+    attention = {c: CORE_ATTENTION_ARGUMENTS for c in units if c.endswith(".self_attn.core_attention")}
+    return (Refeed(model, units, request["mode"], request.get("from"), batch_dim=1, arguments=attention), units,
+            not_refed)
 
 
 def forward_backward(model, names, tensors, device, phases, loss_path: str = "megatron", refeed: dict | None = None):
@@ -433,8 +444,8 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
 
 
 def run(request: dict, phases: Phases) -> dict:
-    if MEGATRON_IMPORT_ERROR:
-        raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
+    if MEGATRON_IMPORT_ERROR is not None:
+        raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
         raise Unsupported(f"megatron_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
     rank, world = rank_and_world()
@@ -471,6 +482,6 @@ def init_process_group(device: torch.device) -> None:
 
 
 def main() -> None:
-    from harness.runners.megatron.runner import reset
+    from harness.runners.megatron.runner import cell_state, reset
 
-    serve("megatron_model", run, reset=reset)
+    serve("megatron_model", run, reset=reset, cell_state=cell_state)

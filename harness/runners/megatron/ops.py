@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from harness.case import ops
+from harness.run.cell_state import patch
 from harness.runners.torch import env as torch_env
 
 
@@ -184,9 +185,9 @@ def moe_router(request, tensors, config, device, phases):
     from megatron.core.transformer.moe.router import TopKRouter
 
     if getattr(moe_utils, "te_general_gemm", None) is None:
-        moe_utils.te_general_gemm = None  # 0.16.1 references it unguarded without Transformer Engine
+        patch(moe_utils, "te_general_gemm", None)  # 0.16.1 references it unguarded without Transformer Engine
     if device.type == "cpu":
-        torch.cuda.current_device = lambda: torch.device("cpu")  # the router places its buffers "on the GPU"
+        patch(torch.cuda, "current_device", lambda: torch.device("cpu"))  # the router's buffers go "on the GPU"
     shapes = request["shapes"]
     tconfig = _transformer_config(
         request, config, num_moe_experts=shapes["num_experts"], moe_router_topk=shapes["topk"],
@@ -287,7 +288,8 @@ def mla_up_projection(request, tensors, config, device, phases):
             "linear_q_up_proj / linear_kv_up_proj (no Transformer Engine)")
 
 
-# Module-level patches an implementation applied in this process; the runner writes them to meta.json ("shims").
+# The patches an implementation applied in this cell (undone when it ends); the runner writes them to meta.json
+# ("shims") and clears the list before each cell.
 SHIMS: list[str] = []
 
 
@@ -295,7 +297,7 @@ def _cpu_current_device(device):
     """Megatron asks torch.cuda.current_device() for buffers it means to put on "the GPU" (YaRN's inv_freq,
     the global memory buffer attention's QK^T writes into): on a CPU-only run that must name the CPU."""
     if device.type == "cpu":
-        torch.cuda.current_device = lambda: "cpu"
+        patch(torch.cuda, "current_device", lambda: "cpu")
         SHIMS.append("CPU only: torch.cuda.current_device() returns 'cpu' (YarnRotaryEmbedding moves inv_freq to "
                      "it; DotProductAttention's global memory buffer is allocated on it)")
         return "; CPU shim: torch.cuda.current_device() -> 'cpu'"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: keep eager numerics
 
@@ -22,10 +21,13 @@ import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from harness.case.ops import OPS  # noqa: E402
+from harness.run.cell_state import all_restored, attribute_restored, patch  # noqa: E402
 from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
     Phases,
     Unsupported,
+    import_answer,
+    import_failure,
     rank_and_world,
     rank_file_name,
     serve,
@@ -38,15 +40,16 @@ try:
     from megatron.core import __version__ as megatron_version
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
-except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Megatron-Core
-    MEGATRON_IMPORT_ERROR = str(error)
+    from megatron.core.tensor_parallel import random as tp_random
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (run, probe)
+    MEGATRON_IMPORT_ERROR: Exception | None = error
 else:
-    MEGATRON_IMPORT_ERROR = ""
+    MEGATRON_IMPORT_ERROR = None
 
 
 def run(request: dict, phases: Phases) -> dict:
-    if MEGATRON_IMPORT_ERROR:
-        raise Unsupported(f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}")
+    if MEGATRON_IMPORT_ERROR is not None:
+        raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     rank, world = rank_and_world()
     sequence_parallel = request["config"].get("sequence_parallel", False)  # linears only
     with phases("setup"):
@@ -54,7 +57,7 @@ def run(request: dict, phases: Phases) -> dict:
         determinism = torch_env.apply_determinism(device)
         init_process_group(device)
         if sequence_parallel and device.type == "cpu":
-            torch.cuda.current_device = lambda: "cpu"  # Megatron allocates gather buffers on the "current" GPU
+            patch(torch.cuda, "current_device", lambda: "cpu")  # Megatron allocates gather buffers on the "current" GPU
         dtype = torch_env.DTYPES[request["dtype"]]
         partition = OPS[request["op"]].partition(request["config"])
         tensors = torch_env.load_inputs(request["checkpoint"], device,
@@ -66,6 +69,7 @@ def run(request: dict, phases: Phases) -> dict:
     implementation_of = megatron_ops.IMPLEMENTATIONS.get(OPS[request["op"]])
     if implementation_of is None:
         raise Unsupported(f"the Megatron-Core runner has no implementation of op {request['op']!r}")
+    megatron_ops.SHIMS.clear()  # this cell's, in meta.json
     outputs, implementation = implementation_of(request, tensors, config, device, phases)
     with phases("write"):
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
@@ -88,6 +92,19 @@ def init_process_group(device: torch.device) -> None:
     # On a GPU everything runs over NCCL; Megatron's extra gloo groups would only add a TCP rendezvous.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(),
                                              create_gloo_process_groups=device.type == "cpu")
+
+
+def cell_state():
+    """Around one cell: torch's process-wide settings (``torch_env.CELL_STATE``) and Megatron's RNG tracker
+    (``initialize_rng_tracker`` replaces its module globals; core attention and the model runner call it per cell)
+    put back when the cell ends. Patches (``torch.cuda.current_device``, ``te_general_gemm``) are undone by the
+    protocol (``harness.run.cell_state.patch``)."""
+    settings = dict(torch_env.CELL_STATE)
+    if MEGATRON_IMPORT_ERROR is None:
+        settings["Megatron RNG tracker"] = lambda: attribute_restored(tp_random, "_CUDA_RNG_STATE_TRACKER")
+        settings["Megatron RNG tracker initialised"] = lambda: attribute_restored(
+            tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+    return all_restored(settings)
 
 
 def reset() -> None:
@@ -122,9 +139,8 @@ def probe(device: str) -> dict:
               "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         answer["gpu"] = torch.cuda.get_device_name(0)
-    if MEGATRON_IMPORT_ERROR:
-        return {**answer, "importable": False,
-                "reason": f"megatron.core is not importable by {sys.executable}: {MEGATRON_IMPORT_ERROR}"}
+    if MEGATRON_IMPORT_ERROR is not None:
+        return {**answer, **import_answer("megatron.core", MEGATRON_IMPORT_ERROR)}
     answer["versions"]["megatron-core"] = megatron_version
     if device == "gpu" and not torch.cuda.is_available():
         answer["device_problem"] = f"torch {torch.__version__} sees no GPU"
@@ -132,4 +148,4 @@ def probe(device: str) -> dict:
 
 
 def main() -> None:
-    serve("megatron", run, probe, reset)
+    serve("megatron", run, probe, reset, cell_state)

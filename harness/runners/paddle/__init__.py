@@ -1,8 +1,10 @@
 """PaddlePaddle (paddle only, plus PaddleFleet or PaddleFormers where they import).
 
-``runner.py`` is the op-level entry; ``levels.py`` picks PaddleFleet's own module (``fleet.py``), else PaddleFormers'
-(``formers.py``), else the reference recipe (``recipe.py``: plain Paddle ops, not PaddleFleet); ``kernels.py`` asks
-Paddle which kernels exist here; ``common.py`` is what every level shares. ``model.py`` runs a whole model.
+``runner.py`` is the op-level entry; ``levels.py`` picks PaddleFleet (``fleet.py``), else PaddleFormers'
+(``formers.py``), else the reference recipe (``recipe.py``: plain Paddle ops, not PaddleFleet; ``islands.py`` is its
+FP32-island variant, pinned only); ``kernels.py`` asks Paddle which kernels exist here; ``guard.py`` turns what Paddle
+says is a missing kernel into UNSUPPORTED; ``state.py`` puts back what a cell changes in the process; ``common.py`` is
+what every level shares. ``model.py`` runs a whole model.
 Adapter: ``paddlefleet_ops_shim.py`` stands in for PaddleFleet's GPU-only ``paddlefleet_ops`` package, which
 PaddleFormers imports only to ask whether DeepEP exists (it answers no; named in meta.json).
 """

@@ -1,54 +1,104 @@
-"""Level 1 of the Paddle side: PaddleFleet's own modules with the case's ``use_accuracy_compatible``
-(``IMPLEMENTATIONS``, keyed by the op record). GPU only, where ``paddlefleet`` imports.
+"""Level 1 of the Paddle side: PaddleFleet with the case's ``use_accuracy_compatible`` (``IMPLEMENTATIONS``, keyed
+by the op record). GPU only, where ``paddlefleet`` imports.
 
 Written against PaddleFleet's public source (PaddlePaddle/PaddleFleet, read through the project's code index; its
-snapshot cannot be fetched), file by file at the commit read, named beside each function:
-- linears: ``src/paddlefleet/tensor_parallel/layers.py`` ``ColumnParallelLinear`` / ``RowParallelLinear``
-  (@023ee66c6bd20101d946d14fef24588df4d515ac, the API in /work/shared/platform-notes.md);
-- RMSNorm: ``src/paddlefleet/transformer/paddle_norm.py`` ``WrappedPaddleNorm`` -> ``RMSNorm``
-  (@0534a45160925fcef9a133986ce3655f04cc997e: ``fused_rms_norm_ext(x, weight, eps)[0].astype(weight.dtype)``);
-- SwiGLU (with and without per-token scale) and the shared-expert block: ``src/paddlefleet/transformer/mlp.py``
-  ``MLP`` / ``MLPSublayersSpec`` (@05da5a93356cb6d7a9ea875f33c9d4a77634a6ef): with
-  ``FLAGS_use_accuracy_compatible_kernel=1``
-  (read from the environment when the module is imported) ``_accuracy_compatible_swiglu`` then
-  ``(act * scale.unsqueeze(-1)).to(dtype)``; otherwise ``bias_swiglu_impl`` / ``weighted_bias_swiglu_impl``
-  (``src/paddlefleet/fusions/fused_bias_swiglu.py``);
-- embedding: ``tensor_parallel.VocabParallelEmbedding`` as ``src/paddlefleet/models/common/embeddings/
-  language_model_embedding.py`` builds it (@0c97629616ff4c58eb42c4e654ee7450e7aafce2);
-- attention scores: ``src/paddlefleet/transformer/dot_product_attention.py`` ``DotProductAttention`` unfused core
-  (@00a9f175a76aa0dc93c445746a3c90efa5566069: ``paddle.baddbmm(buffer, q, k, beta=0, alpha=softmax_scale)`` then
-  ``FusedScaleMaskSoftmax`` from ``src/paddlefleet/fusions/fused_softmax.py`` @3ca20b50f66310b722b2b507d54830b82da1c950
-  with ``attention_mask_func`` and the causal mask it makes itself). In bf16 the module's own forward calls the
-  fused ``scaled_dot_product_attention``, which exposes no probabilities; this level runs the unfused core;
-- MoE router: ``src/paddlefleet/transformer/moe/moe_router.py`` ``TopKRouter``
-  (@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e:
-  ``gate_detach_matmul`` -> ``FusedGateDetachMatmul`` with ``use_accuracy_compatible``, sigmoid, ``noaux_tc`` top-k on
-  scores + ``e_score_correction_bias``, fp64 sum for the normalisation under the gate, x ``routed_scaling_factor``;
-  ``forward`` returns ``(None, top_gate, top_idx, probs, mask, None, l_aux, l_zloss)``);
-- routed experts: each local expert is ``mlp.MLP(..., is_expert=True)`` called with ``per_token_scale`` (the routing
-  probability), tokens split by ``ops.uneven_split`` (``moe_expert.py`` itself was not read);
-- MLA up-projections: ``q_up_proj`` / ``kv_up_proj`` are its ColumnParallelLinear, output viewed per head
-  (``src/paddlefleet/transformer/multi_latent_attention.py`` @023ee66c6bd20101d946d14fef24588df4d515ac).
-None of it has run on this project's machines (no Paddle 3.x GPU build or PaddleFleet can be installed here); on them
+snapshot cannot be fetched), file by file at the commit read. ``PATHS`` says, per op, whether the harness calls
+PaddleFleet's own module end to end (``module``), one of its functions as the cited module calls it (``function``), or
+composes several PaddleFleet pieces in its own way (``composition``), and names each piece, file and commit; the
+runner writes it to meta.json as ``paddle_source``.
+
+None of it has run on real PaddleFleet: no Paddle 3.x GPU build or PaddleFleet can be installed on this project's
+machines. Every path is checked against a stand-in ``paddlefleet`` package written from the cited source
+(``tests/support/paddlefleet_stand_in``, a test double: class names, constructor arguments, forward signatures;
+``tests/test_fleet_contract.py``), and every report at this level says so (``STAND_IN_ONLY``). On a CPU
 ``unavailable`` answers why, and the side is UNSUPPORTED.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 import paddle
 
 from harness.case import ops
 from harness.run.protocol import rank_and_world
-from harness.runners.paddle.common import as_tensor, set_param
+from harness.runners.paddle.common import as_tensor, set_param, sync
 
 LABEL = "PaddleFleet"
-GATE_FLAG = "FLAGS_use_accuracy_compatible_kernel"
+STAND_IN_ONLY = ("checked against a stand-in paddlefleet package only (tests/support/paddlefleet_stand_in), never "
+                 "run on real PaddleFleet")
+
+LAYERS = "src/paddlefleet/tensor_parallel/layers.py@021152f8ba60d370b43f7e110fdbabe75e873b13"
+NORM = "src/paddlefleet/transformer/paddle_norm.py@0534a45160925fcef9a133986ce3655f04cc997e"
+MLP = "src/paddlefleet/transformer/mlp.py@9f9bd7b9952d3cbfdd48f80138cf4d794c753979"
+SWIGLU = "src/paddlefleet/fusions/fused_bias_swiglu.py@d522e07b5b81991b306b74cac0ba232a21c69d52"
+SOFTMAX = "src/paddlefleet/fusions/fused_softmax.py@3ca20b50f66310b722b2b507d54830b82da1c950"
+ATTENTION = "src/paddlefleet/transformer/dot_product_attention.py@00a9f175a76aa0dc93c445746a3c90efa5566069"
+ROUTER = "src/paddlefleet/transformer/moe/moe_router.py@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e"
+MLA = "src/paddlefleet/transformer/multi_latent_attention.py@023ee66c6bd20101d946d14fef24588df4d515ac"
+
+
+class FleetPath(NamedTuple):
+    """How one op reaches PaddleFleet: `kind` (module, function or composition), `calls` (the PaddleFleet names it
+    calls, itself or through the modules it builds: the contract test checks them), `pieces` (each with its
+    file@commit, for the reader)."""
+
+    kind: str
+    calls: tuple[str, ...]
+    pieces: tuple[str, ...]
+
+
+TP = "paddlefleet.tensor_parallel."
+FUSED_SWIGLU = "paddlefleet.fusions.fused_bias_swiglu."
+PATHS = {
+    ops.COLUMN_PARALLEL_LINEAR: FleetPath("module", (TP + "ColumnParallelLinear",),
+                                          (f"{TP}ColumnParallelLinear ({LAYERS})",)),
+    ops.ROW_PARALLEL_LINEAR: FleetPath("module", (TP + "RowParallelLinear",), (f"{TP}RowParallelLinear ({LAYERS})",)),
+    ops.RMS_NORM: FleetPath("module", ("paddlefleet.transformer.paddle_norm.WrappedPaddleNorm",
+                                       "paddlefleet.transformer.paddle_norm.RMSNorm"),
+                            (f"paddlefleet.transformer.paddle_norm.WrappedPaddleNorm -> RMSNorm ({NORM})",)),
+    ops.SWIGLU: FleetPath("function", (FUSED_SWIGLU + "bias_swiglu_impl", FUSED_SWIGLU + "weighted_bias_swiglu_impl"),
+                          (f"{FUSED_SWIGLU}bias_swiglu_impl, or with a per-token scale weighted_bias_swiglu_impl "
+                           f"({SWIGLU}), with the arguments MLP.forward passes them ({MLP})",)),
+    ops.EMBEDDING: FleetPath("module", (TP + "VocabParallelEmbedding",), (f"{TP}VocabParallelEmbedding ({LAYERS})",)),
+    ops.MOE_ROUTER: FleetPath("module", ("paddlefleet.transformer.moe.moe_router.TopKRouter",),
+                              (f"paddlefleet.transformer.moe.moe_router.TopKRouter ({ROUTER})",)),
+    ops.ATTENTION_SCORES: FleetPath(
+        "composition", ("paddlefleet.fusions.fused_softmax.FusedScaleMaskSoftmax",
+                        "paddlefleet.transformer.utils.attention_mask_func"),
+        (f"paddle.baddbmm(beta=0, alpha=1/sqrt(d)) as DotProductAttention.forward's explicit path writes it "
+         f"({ATTENTION}; DotProductAttention itself is not called: in bf16 it takes a fused kernel that exposes no "
+         "probabilities)",
+         f"paddlefleet.fusions.fused_softmax.FusedScaleMaskSoftmax with paddlefleet.transformer.utils."
+         f"attention_mask_func, causal ({SOFTMAX})")),
+    ops.SHARED_EXPERT_MLP: FleetPath(
+        "module", ("paddlefleet.transformer.mlp.MLP", TP + "ColumnParallelLinear", TP + "RowParallelLinear",
+                   FUSED_SWIGLU + "bias_swiglu_impl"),
+        (f"paddlefleet.transformer.mlp.MLP ({MLP}) with bias_activation_fusion: ColumnParallelLinear, "
+         f"bias_swiglu_impl, RowParallelLinear ({LAYERS}, {SWIGLU})",)),
+    ops.ROUTED_EXPERTS: FleetPath(
+        "composition", ("paddlefleet.transformer.mlp.MLP", TP + "ColumnParallelLinear", TP + "RowParallelLinear",
+                        FUSED_SWIGLU + "weighted_bias_swiglu_impl"),
+        (f"one paddlefleet.transformer.mlp.MLP(is_expert=True) per local expert, called with per_token_scale ({MLP})",
+         "tokens split by harness.case.ops.uneven_split (PaddleFleet's MoE layer and its expert node, which the "
+         "recipe follows, are not called)")),
+    ops.MLA_UP_PROJECTION: FleetPath(
+        "composition", (TP + "ColumnParallelLinear",),
+        (f"{TP}ColumnParallelLinear ({LAYERS}) as q_up_proj / kv_up_proj ({MLA})", "output viewed as [tokens, heads, "
+         "head_dim]")),
+}
+KINDS = {"module": "calls PaddleFleet's own module", "function": "calls PaddleFleet's own function",
+         "composition": "composes PaddleFleet pieces the harness's way"}
+
+
+def source(request) -> str:
+    """What this op's path calls (meta.json ``paddle_source``), and that it was checked against a stand-in only."""
+    path = PATHS[ops.OPS[request["op"]]]
+    return f"{KINDS[path.kind]}: {'; then '.join(path.pieces)}. {STAND_IN_ONLY}"
 
 
 @cache
@@ -83,16 +133,6 @@ def unavailable(request: dict) -> str | None:
     return "; ".join(reasons) or None
 
 
-def _gate_env(gate) -> None:
-    """mlp.py reads the gate from the environment into ``_ACCURACY_COMPATIBLE_KERNEL`` when it is imported, and its
-    forward reads that global at call time: set both to the case's gate (the harness's GPU environment sets the flag
-    to 1 for the whole process)."""
-    os.environ[GATE_FLAG] = "1" if gate else "0"
-    from paddlefleet.transformer import mlp
-
-    mlp._ACCURACY_COMPATIBLE_KERNEL = bool(gate)
-
-
 def _config(request, gate, **fields):
     from paddlefleet.transformer.transformer_config import TransformerConfig
 
@@ -111,20 +151,22 @@ def _t(x):
 def _run(request, phases, forward, backward):
     with phases("forward"):
         out = forward()
-        paddle.device.synchronize()
+        sync(request)
     with phases("backward"):
         backward(out)
-        paddle.device.synchronize()
+        sync(request)
     return out
 
 
-def _name(text, gate):
-    return f"{text} (use_accuracy_compatible={gate}; PaddleFleet {versions().get('paddlefleet')})"
+def _name(text, request, gate):
+    kind = KINDS[PATHS[ops.OPS[request["op"]]].kind]
+    return (f"{kind}: {text} (use_accuracy_compatible={gate}; PaddleFleet {versions().get('paddlefleet')}; "
+            f"{STAND_IN_ONLY})")
 
 
 def linear(request, tensors, gate, phases, guard):
-    """ColumnParallelLinear / RowParallelLinear (tensor_parallel/layers.py), input [s, b=1, h], weight [in, out]
-    (this rank's shard at TP > 1, on fleet's model-parallel group)."""
+    """ColumnParallelLinear / RowParallelLinear (LAYERS), input [s, b=1, h], weight [in, out] (this rank's shard at
+    TP > 1, on fleet's model-parallel group)."""
     from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     world = rank_and_world()[1]
@@ -149,7 +191,7 @@ def linear(request, tensors, gate, phases, guard):
                "grad.weight": _t(layer.weight.grad.numpy())}
     if bias:
         outputs["grad.bias"] = layer.bias.grad.numpy()
-    return outputs, _name(f"paddlefleet.tensor_parallel.{type(layer).__name__}", gate)
+    return outputs, _name(f"paddlefleet.tensor_parallel.{type(layer).__name__}", request, gate)
 
 
 def _tp_group(world):
@@ -179,31 +221,28 @@ def rms_norm(request, tensors, gate, phases, guard):
     out = _run(request, phases, lambda: norm(x), lambda o: o.backward(as_tensor(tensors["grad_output"][:, None],
                False)))
     return ({"out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(), "grad.weight": norm.weight.grad.numpy()},
-            _name("paddlefleet.transformer.paddle_norm.RMSNorm (fused_rms_norm_ext)", gate))
+            _name("paddlefleet.transformer.paddle_norm.RMSNorm (fused_rms_norm_ext)", request, gate))
 
 
-def _activation(gate, x, scale):
-    """MLP.forward's activation, as its branches pick it with no bias and hidden_act = F.silu, gated linear unit."""
-    from paddlefleet.transformer import mlp
+def _swiglu(gate, x, scale):
+    """The SwiGLU MLP.forward (MLP) calls with bias_activation_fusion, no bias and no clamp: its arguments."""
+    from paddlefleet.fusions import fused_bias_swiglu as fused
 
-    if mlp._ACCURACY_COMPATIBLE_KERNEL:
-        out = mlp._accuracy_compatible_swiglu(x)
-        return out if scale is None else (out * scale.unsqueeze(-1)).to(out.dtype), "_accuracy_compatible_swiglu"
     if scale is None:
-        return mlp.bias_swiglu_impl(x, None, fp8_input_store=False, cpu_offload_input=False,
-                                    clamp_value=None), "bias_swiglu_impl"
-    return mlp.weighted_bias_swiglu_impl(x, None, scale.unsqueeze(-1), False, None), "weighted_bias_swiglu_impl"
+        return fused.bias_swiglu_impl(x, None, fp8_input_store=False, cpu_offload_input=False, clamp_value=None,
+                                      use_accuracy_compatible=gate), "bias_swiglu_impl"
+    return fused.weighted_bias_swiglu_impl(x, None, scale.unsqueeze(-1), False, None,
+                                           use_accuracy_compatible=gate), "weighted_bias_swiglu_impl"
 
 
 def swiglu(request, tensors, gate, phases, guard):
     """The SwiGLU of mlp.MLP.forward (with per_token_scale when the case has one)."""
-    _gate_env(gate)
     x = as_tensor(tensors["input"])
     scale = as_tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
     used = []
 
     def forward():
-        out, name = _activation(gate, x, scale)
+        out, name = _swiglu(gate, x, scale)
         used.append(name)
         return out
 
@@ -211,8 +250,7 @@ def swiglu(request, tensors, gate, phases, guard):
     outputs = {"out": out.numpy(), "grad.input": x.grad.numpy()}
     if scale is not None:
         outputs["grad.per_token_scale"] = scale.grad.numpy()
-    return outputs, _name(f"paddlefleet.transformer.mlp {used[0]}" + (" * per_token_scale" if scale is not None
-                                                                       else ""), gate)
+    return outputs, _name(f"paddlefleet.fusions.fused_bias_swiglu.{used[0]}", request, gate)
 
 
 def embedding(request, tensors, gate, phases, guard):
@@ -228,7 +266,7 @@ def embedding(request, tensors, gate, phases, guard):
     out = _run(request, phases, lambda: layer(ids), lambda o: o.backward(as_tensor(tensors["grad_output"][None],
                False)))
     return ({"out": out[0].numpy(), "grad.weight": layer.weight.grad.numpy()},
-            _name("paddlefleet.tensor_parallel.VocabParallelEmbedding", gate))
+            _name("paddlefleet.tensor_parallel.VocabParallelEmbedding", request, gate))
 
 
 def attention_scores(request, tensors, gate, phases, guard):
@@ -256,8 +294,8 @@ def attention_scores(request, tensors, gate, phases, guard):
 
     out = _run(request, phases, forward, lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
-            _name("paddlefleet DotProductAttention core: paddle.baddbmm + fusions.FusedScaleMaskSoftmax (causal, "
-                  "softmax in fp32)", gate))
+            _name("paddle.baddbmm (as DotProductAttention's explicit path) + paddlefleet.fusions.FusedScaleMaskSoftmax "
+                  "(causal, softmax in fp32)", request, gate))
 
 
 def moe_router(request, tensors, gate, phases, guard):
@@ -282,15 +320,17 @@ def moe_router(request, tensors, gate, phases, guard):
     dtype = paddle.to_tensor(tensors["weight"]).dtype
     return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
              "grad.input": x.grad[0].numpy(), "grad.weight": router.weight.grad.astype(dtype).numpy()},
-            _name("paddlefleet.transformer.moe.moe_router.TopKRouter (noaux_tc, sigmoid, gate_detach_matmul)", gate))
+            _name("paddlefleet.transformer.moe.moe_router.TopKRouter (noaux_tc, sigmoid, gate_detach_matmul)", request,
+                  gate))
 
 
 def _mlp(request, gate, h, f, is_expert):
     from paddlefleet.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from paddlefleet.transformer.mlp import MLP, MLPSublayersSpec
 
+    # bias_activation_fusion: MLP.forward takes bias_swiglu_impl / weighted_bias_swiglu_impl, passing the gate
     config = _config(request, gate, hidden_size=h, gated_linear_unit=True, hidden_act=paddle.nn.functional.silu,
-                     use_bias=False, bias_activation_fusion=not gate, init_method=lambda t: t,
+                     use_bias=False, bias_activation_fusion=True, init_method=lambda t: t,
                      output_layer_init_method=lambda t: t)
     spec = MLPSublayersSpec(up_gate_proj=ColumnParallelLinear, down_proj=RowParallelLinear)
     return MLP(config, spec, is_expert=is_expert, intermediate_size=f)
@@ -298,8 +338,7 @@ def _mlp(request, gate, h, f, is_expert):
 
 def shared_expert_mlp(request, tensors, gate, phases, guard):
     """mlp.MLP (up_gate_proj ColumnParallelLinear, SwiGLU, down_proj RowParallelLinear); intermediates captured by
-    wrapping the activation function the forward calls."""
-    _gate_env(gate)
+    wrapping, for this call only, the activation function the forward calls."""
     from paddlefleet.transformer import mlp as fleet_mlp
 
     h, f = request["shapes"]["hidden_size"], request["shapes"]["ffn_hidden_size"]
@@ -312,33 +351,30 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
         captured[name] = tensor[:, 0].numpy()
         tensor.register_hook(lambda grad: captured.__setitem__("intermediate.grad_" + name[13:], grad[:, 0].numpy()))
 
-    def capturing(function):
-        def wrapped(x, *args, **kwargs):
-            keep("intermediate.fc1_out", x)
-            out = function(x, *args, **kwargs)
-            keep("intermediate.act_out", out)
-            return out
-        return wrapped
+    original = fleet_mlp.bias_swiglu_impl
 
-    originals = {n: getattr(fleet_mlp, n) for n in ("_accuracy_compatible_swiglu", "bias_swiglu_impl")}
-    for name, function in originals.items():
-        setattr(fleet_mlp, name, capturing(function))
+    def capturing(x, *args, **kwargs):
+        keep("intermediate.fc1_out", x)
+        out = original(x, *args, **kwargs)
+        keep("intermediate.act_out", out)
+        return out
+
+    fleet_mlp.bias_swiglu_impl = capturing
     x = as_tensor(tensors["input"][:, None])
     try:
         out = _run(request, phases, lambda: block(x)[0],
                    lambda o: o.backward(as_tensor(tensors["grad_output"][:, None], False)))
     finally:
-        for name, function in originals.items():
-            setattr(fleet_mlp, name, function)
+        fleet_mlp.bias_swiglu_impl = original
     outputs = {**captured, "out": out[:, 0].numpy(), "grad.input": x.grad[:, 0].numpy(),
                "grad.fc1_weight": _t(block.up_gate_proj.weight.grad.numpy()),
                "grad.fc2_weight": _t(block.down_proj.weight.grad.numpy())}
-    return outputs, _name("paddlefleet.transformer.mlp.MLP (ColumnParallelLinear -> SwiGLU -> RowParallelLinear)", gate)
+    return outputs, _name("paddlefleet.transformer.mlp.MLP (ColumnParallelLinear -> bias_swiglu_impl -> "
+                          "RowParallelLinear)", request, gate)
 
 
 def routed_experts(request, tensors, gate, phases, guard):
     """One mlp.MLP(is_expert=True) per local expert, each called with per_token_scale = its tokens' probabilities."""
-    _gate_env(gate)
     h, f, e = (request["shapes"][n] for n in ("hidden_size", "ffn_hidden_size", "num_local_experts"))
     experts = [_mlp(request, gate, h, f, is_expert=True) for _ in range(e)]
     for i, expert in enumerate(experts):
@@ -356,7 +392,7 @@ def routed_experts(request, tensors, gate, phases, guard):
              "grad.fc1_weight": np.stack([_t(m.up_gate_proj.weight.grad.numpy()) for m in experts]),
              "grad.fc2_weight": np.stack([_t(m.down_proj.weight.grad.numpy()) for m in experts])},
             _name(f"paddlefleet.transformer.mlp.MLP(is_expert=True) per expert with per_token_scale, tokens per "
-                  f"expert {counts}", gate))
+                  f"expert {counts}", request, gate))
 
 
 def mla_up_projection(request, tensors, gate, phases, guard):
@@ -365,10 +401,10 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     as_linear = {**request, "op": "column_parallel_linear",
                  "shapes": {"input_size": shapes["lora_rank"], "output_size": shapes["num_heads"] * shapes["head_dim"]},
                  "config": {**request["config"], "bias": False, "sequence_parallel": False}}
-    outputs, implementation = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate,
-                                     phases, guard)
+    outputs, _ = linear(as_linear, {**tensors, "grad_output": dy.reshape(dy.shape[0], -1)}, gate, phases, guard)
     outputs["out"] = outputs["out"].reshape(dy.shape)
-    return outputs, implementation + ", output viewed as [tokens, heads, head_dim] (multi_latent_attention.py)"
+    return outputs, _name("paddlefleet.tensor_parallel.ColumnParallelLinear, output viewed as [tokens, heads, "
+                          "head_dim] (multi_latent_attention.py)", request, gate)
 
 
 IMPLEMENTATIONS = {

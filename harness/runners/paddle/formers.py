@@ -51,6 +51,11 @@ KERNELS = {
 }
 
 
+def source(request) -> str:
+    """What this level runs (meta.json ``paddle_source``): PaddleFormers' own modules, no accuracy gate."""
+    return f"PaddleFormers' own modules ({SOURCE}); PaddleFormers has no accuracy gate"
+
+
 @cache
 def _import_problem() -> str | None:
     try:

@@ -32,15 +32,18 @@ def _fused_rms_norm(x):
 
 @cache
 def problem(kernel: str, dtype: str, device: str) -> str | None:
-    """None when `kernel` runs in `dtype` on `device` ("cpu" / "gpu"), else the framework's first line of error."""
+    """None when `kernel` runs in `dtype` on `device` ("cpu" / "gpu"), else Paddle's first line saying it is not
+    registered. Any other failure is no answer about the kernel (a broken install, a bug): it is raised."""
     place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(0)
+    x = paddle.to_tensor([[1.0, 2.0], [3.0, 4.0]], place=place).astype(dtype)
     try:
-        x = paddle.to_tensor([[1.0, 2.0], [3.0, 4.0]], place=place).astype(dtype)
         PROBES[kernel](x)
         return None
     except Exception as error:  # Paddle raises NotFoundError / RuntimeError from C++
-        text = str(error).strip()
-        return text.splitlines()[0][:300] if text else type(error).__name__
+        said = next((line.strip() for line in str(error).splitlines() if "not registered" in line), None)
+        if said is None:
+            raise
+        return said[:300]
 
 
 def missing(kernels, dtype: str, device: str) -> str | None:

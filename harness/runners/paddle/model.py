@@ -26,18 +26,17 @@ linears are ``[in, out]``: transposed). Loss: PaddleFormers' own criterion (``Cr
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve
+from harness.run.protocol import OUTPUTS, Phases, Unsupported, import_failure, serve
 
 try:
     import paddle
-except ImportError as error:  # reported as UNSUPPORTED, not a crash
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (in run)
     paddle = None
-    PADDLE_IMPORT_ERROR = f"{error}"
+    PADDLE_IMPORT_ERROR = error
 
 NAME_MAP = Path(__file__).resolve().parents[2] / "case" / "models" / "deepseek_v3.toml"
 DTYPES = ("float32", "float64", "bfloat16")
@@ -69,7 +68,7 @@ KNOBS = {
 
 def run(request: dict, phases: Phases) -> dict:
     if paddle is None:
-        raise Unsupported(f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}")
+        raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
         raise Unsupported(f"paddle_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
     if request.get("tp", 1) != 1:
@@ -343,10 +342,12 @@ def _probe_cpu_bf16_matmul() -> None:
     a = paddle.ones([2, 2], dtype="float32").astype("bfloat16")
     try:
         paddle.matmul(a, a)
-    except Exception as error:  # Paddle raises a bare NotFoundError/RuntimeError from C++
+    except Exception as error:  # Paddle raises a bare NotFoundError/RuntimeError from C++; anything else: ERROR
         first = next((line.strip() for line in str(error).splitlines() if "not registered" in line), "")
+        if not first:
+            raise
         raise Unsupported("matmul (CPU, bfloat16) not registered: Paddle dygraph has no CPU bf16 matmul kernel, "
-                          f"which every linear of the model needs ({first or type(error).__name__})") from None
+                          f"which every linear of the model needs ({first})") from None
 
 
 def _kernel_guard(call, what: str, request):
@@ -386,11 +387,13 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
     """PaddleFleet's GPTModel, required on a GPU. Nothing is built unless paddlefleet imports."""
     try:
         import paddlefleet  # noqa: F401
-    except ImportError as error:
-        raise Unsupported(f"paddlefleet is not importable by {sys.executable} ({error}): on a GPU the Paddle side is "
-                          "PaddleFleet's GPTModel (multi-latent attention, MoE, use_accuracy_compatible); install "
-                          "paddlefleet and paddlefleet-ops (Paddle's package index) next to paddlepaddle-gpu >= 3.3"
-                          ) from None
+    except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR
+        failure = import_failure("paddlefleet", error)
+        if not isinstance(failure, Unsupported):
+            raise failure from error
+        raise Unsupported(f"{failure}: on a GPU the Paddle side is PaddleFleet's GPTModel (multi-latent attention, "
+                          "MoE, use_accuracy_compatible); install paddlefleet and paddlefleet-ops (Paddle's package "
+                          "index) next to paddlepaddle-gpu >= 3.3") from None
     # The construction, as read (files and commits in the module docstring, plus
     # src/paddlefleet/models/gpt/gpt_config.py @ 6ab5862788a71923b445457b759180d29dcf9740 and
     # src/paddlefleet/transformer/transformer_config.py @ d045321053807ddaea2de00dc77e40e5d2039653):
@@ -417,6 +420,7 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
 
 
 def main() -> None:
-    from harness.runners.paddle.runner import release  # the Paddle runner's: it guards a missing paddle the same way
+    # the Paddle runner's: they guard a missing paddle the same way
+    from harness.runners.paddle.runner import cell_state, release
 
-    serve("paddle_model", run, reset=release)
+    serve("paddle_model", run, reset=release, cell_state=cell_state)

@@ -1,16 +1,16 @@
 """The reference recipe, the Paddle side's lowest level (``IMPLEMENTATIONS``, keyed by the op record): plain Paddle
-ops following PaddleFleet's paths with the accuracy gate on and off; not PaddleFleet's module (that level is
-``paddle_fleet.py``, PaddleFormers' is ``paddle_formers.py``; ``paddle_levels.py`` picks).
+ops that compute what PaddleFleet's code computes, with the accuracy gate on and off; not PaddleFleet's module (that
+level is ``fleet.py``, PaddleFormers' is ``formers.py``; ``levels.py`` picks).
 
-Plain Paddle ops (dygraph), written from PaddleFleet's public source and its documented gate behaviour:
-- gate on (``use_accuracy_compatible``): RMSNorm and SwiGLU (with or without a per-token scale) are FP32
-  islands: cast bf16 -> fp32, compute in fp32, cast back once; the embedding is ``weight[ids]`` (a gather whose
-  backward is deterministic); linears are ``F.linear``.
-- gate off: Paddle's fused kernels: ``fused_rms_norm_ext``, ``paddle.nn.functional.swiglu``, ``F.embedding``.
-On a CPU many bf16 kernels are not registered (silu, swiglu, rms_norm, matmul); the caller's kernel guard turns
-that into UNSUPPORTED naming the kernel. The islands only need bf16 casts, so they run on any CPU.
-Each function takes (request, tensors, gate, phases, guard) and returns (outputs as numpy, implementation);
-outputs are in canonical names and Megatron's layout.
+Each op follows the PaddleFleet file and commit ``SOURCES`` names (PaddlePaddle/PaddleFleet, read with the project's
+search tool; the runner writes it to meta.json as ``paddle_source``), or, where it follows something PaddleFleet's
+code does not contain, says that instead (RMSNorm: the seed PR's FP32 island). docs/paddle-levels.md says how and
+where each was checked against PaddleFleet's own code. The seed PR's FP32-island SwiGLU, which PaddleFleet's code
+no longer has, is its own level (``islands.py``).
+On a CPU many bf16 kernels are not registered (matmul, silu, sigmoid, swiglu, rms_norm); the caller's kernel guard
+turns that into UNSUPPORTED naming the kernel, except silu and sigmoid, computed in fp32 and rounded once (what
+Paddle's CUDA kernels do with a bf16 input). Each function takes (request, tensors, gate, phases, guard) and returns
+(outputs as numpy, implementation); outputs are in canonical names and Megatron's layout.
 """
 
 from __future__ import annotations
@@ -24,6 +24,28 @@ import paddle.nn.functional as F
 from harness.case import ops
 from harness.run.protocol import Unsupported
 from harness.runners.paddle.common import as_tensor, run_phases, sync
+
+# The PaddleFleet code each recipe follows (PaddlePaddle/PaddleFleet, file@commit, read with the project's search
+# tool at these commits): SOURCES says which op follows which.
+FLEET_ROUTER = "src/paddlefleet/transformer/moe/moe_router.py@01ae3ccf6d11a45944a64f77baa4cf1eb60a486e"
+FLEET_MLP = "src/paddlefleet/transformer/mlp.py@9f9bd7b9952d3cbfdd48f80138cf4d794c753979"
+FLEET_SWIGLU = "src/paddlefleet/fusions/fused_bias_swiglu.py@d522e07b5b81991b306b74cac0ba232a21c69d52"
+FLEET_NORM = "src/paddlefleet/transformer/paddle_norm.py@0534a45160925fcef9a133986ce3655f04cc997e"
+FLEET_EXPERTS = "src/paddlefleet/transformer/moe/fp8_utils.py@08efc32772b47402a0cddcd14ea28d8e23c2a0b4"
+FLEET_SOFTMAX = "src/paddlefleet/fusions/fused_softmax.py@3ca20b50f66310b722b2b507d54830b82da1c950"
+FLEET_EMBEDDING = "src/paddlefleet/tensor_parallel/layers.py@021152f8ba60d370b43f7e110fdbabe75e873b13"
+FLEET_LINEAR = "src/paddlefleet/tensor_parallel/layers.py@023ee66c6bd20101d946d14fef24588df4d515ac"
+FLEET_MLA = "src/paddlefleet/transformer/multi_latent_attention.py@023ee66c6bd20101d946d14fef24588df4d515ac"
+FLEET_YARN = ("src/paddlefleet/models/common/embeddings/yarn_rotary_pos_embedding.py"
+              "@2bb472d25dbbb6692b29a0ac078a6c16d4c3b7c1")
+FLEET_ROPE = "src/paddlefleet/models/common/embeddings/rope_utils.py@0341e9a6e420416138bfe624038e2239ce2cb51b"
+FLEET_ATTENTION = "src/paddlefleet/transformer/dot_product_attention.py@00a9f175a76aa0dc93c445746a3c90efa5566069"
+FLEET_MOE_LAYER = "src/paddlefleet/transformer/moe/moe_layer.py@0059136f0036f4278a0e45f48951d2b7c6c6e203"
+FLEET_MOE_UTILS = "src/paddlefleet/transformer/moe/moe_utils.py@01bc6d25b5b1d0e6315f53817f3b72207947e932"
+FLEET_LM_HEAD = "src/paddlefleet/models/gpt/lm_head.py@04cb7f3de0b5ef5cb811bf832c3146d1196a221f"
+FLEET_LOSS = "src/paddlefleet/models/common/language_loss/language_loss.py@00c72d67cc08c97ac2fb9f806120c71d14018216"
+SEED_ISLANDS = ("the seed PR's first revision (its description: \"the gate gives FP32 islands (RMSNorm, SwiGLU with "
+                "per-token scale, softmax)\"), not PaddleFleet's code")
 
 
 def linear(request, tensors, gate, phases, guard):
@@ -110,6 +132,8 @@ def _rms_norm_island(x, weight, eps):
 
 
 def rms_norm(request, tensors, gate, phases, guard):
+    """Gate on: the seed PR's FP32 island (PaddleFleet's RMSNorm has no gated branch: SOURCES). Gate off: PaddleFleet's
+    ``RMSNorm.forward``, ``fused_rms_norm_ext`` cast to the weight's dtype (GPU only)."""
     eps = request["config"]["eps"]
     x, w = as_tensor(tensors["input"]), as_tensor(tensors["weight"])
     if gate:
@@ -128,22 +152,79 @@ def rms_norm(request, tensors, gate, phases, guard):
             f"paddle dygraph {name} (use_accuracy_compatible={gate})")
 
 
-def _swiglu_island(x, scale):
-    gate_half, up = paddle.chunk(x.astype("float32"), 2, axis=-1)
-    out = F.silu(gate_half) * up
-    if scale is not None:
-        out = out * scale.unsqueeze(-1)
-    return out.astype(x.dtype)
+def in_dtype(function, x):
+    """``function`` (F.silu or F.sigmoid) of x in x's dtype. Paddle's CPU build registers neither in bf16: there it
+    is computed in fp32 and rounded once, as Paddle's CUDA kernels compute it for a bf16 input (CudaSiluFunctor,
+    CudaSigmoidFunctor: float math, one rounding; paddle/phi/kernels/funcs/activation_functor.h)."""
+    if x.dtype == paddle.bfloat16 and not x.place.is_gpu_place():
+        return function(x.astype("float32")).astype(x.dtype)
+    return function(x)
+
+
+def _swiglu_eager(y):
+    """``swiglu_eager`` (FLEET_SWIGLU): silu(gate) * up in y's dtype (two roundings in bf16)."""
+    gate_half, up = paddle.chunk(y, 2, axis=-1)
+    return in_dtype(F.silu, gate_half) * up
+
+
+def _swiglu_back_eager(g, y):
+    """``swiglu_back_eager`` (FLEET_SWIGLU): the hand-written SwiGLU backward, term by term in the operands' dtypes."""
+    gate_half, up = paddle.chunk(y, 2, axis=-1)
+    sigmoid = in_dtype(F.sigmoid, gate_half)
+    return paddle.concat((g * sigmoid * (1 + gate_half * (1 - sigmoid)) * up, g * in_dtype(F.silu, gate_half)),
+                         axis=-1)
+
+
+class _SwiGLU(paddle.autograd.PyLayer):
+    """``SwiGLUFunction`` with ``use_accuracy_compatible`` (FLEET_SWIGLU): swiglu_eager, hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        return _swiglu_eager(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensor()
+        return _swiglu_back_eager(grad, y)
+
+
+class _WeightedSwiGLU(paddle.autograd.PyLayer):
+    """``WeightedSwiGLUFunction`` with ``use_accuracy_compatible`` (FLEET_SWIGLU): (swiglu_eager(y) * weights) cast
+    to y's dtype (fp32 weights promote the product); backward ``weighted_swiglu_back_eager``."""
+
+    @staticmethod
+    def forward(ctx, y, weights):
+        ctx.save_for_backward(y, weights)
+        return (_swiglu_eager(y) * weights).astype(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensor()
+        grad_input = _swiglu_back_eager(grad * weights, y)
+        grad_weights = (_swiglu_eager(y) * grad.astype(weights.dtype)).sum(axis=-1, keepdim=True)
+        return grad_input.astype(y.dtype), grad_weights.astype(weights.dtype)
+
+
+def gated_swiglu(y, scale):
+    """The SwiGLU ``MLP.forward`` (FLEET_MLP) runs under the gate with bias_activation_fusion:
+    ``bias_swiglu_impl`` without a scale, ``weighted_bias_swiglu_impl(y, None, scale.unsqueeze(-1))`` with one."""
+    return _SwiGLU.apply(y) if scale is None else _WeightedSwiGLU.apply(y, scale.unsqueeze(-1))
+
+
+GATED_SWIGLU = "PaddleFleet's gated SwiGLU: silu(gate) * up in the input dtype, hand-written backward"
 
 
 def swiglu(request, tensors, gate, phases, guard):
+    """Gate on: ``gated_swiglu``. Gate off: Paddle's fused ``F.swiglu`` (GPU only), the scale in fp32 under autograd
+    (not PaddleFleet's hand-written ``weighted_swiglu_back``: SOURCES)."""
     x = as_tensor(tensors["input"])
     scale = as_tensor(tensors["per_token_scale"]) if "per_token_scale" in tensors else None
     if gate:
         def forward():
-            return _swiglu_island(x, scale)
-        kernel = "FP32-island SwiGLU"
-        name = "FP32 island: cast fp32, silu(gate) * up" + (" * scale" if scale is not None else "")
+            return gated_swiglu(x, scale)
+        kernel = "gated SwiGLU"
+        name = GATED_SWIGLU + (", * scale in fp32, cast once" if scale is not None else "")
     else:
         def forward():
             out = F.swiglu(x)
@@ -158,6 +239,8 @@ def swiglu(request, tensors, gate, phases, guard):
 
 
 def embedding(request, tensors, gate, phases, guard):
+    """``VocabParallelEmbedding.forward`` at TP=1 (FLEET_EMBEDDING): ``weight[ids]`` under the gate, else
+    ``F.embedding``."""
     ids, w = as_tensor(tensors["ids"], False), as_tensor(tensors["weight"])
     if gate:
         def forward():
@@ -173,14 +256,18 @@ def embedding(request, tensors, gate, phases, guard):
             f"paddle dygraph {kernel} (use_accuracy_compatible={gate})")
 
 
-def shared_expert_mlp(request, tensors, gate, phases, guard):
-    """fc1 (F.linear) -> SwiGLU -> fc2 (F.linear) on Paddle's [in, out] weights; intermediates and their
-    grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not registered."""
+def shared_expert_mlp(request, tensors, gate, phases, guard, activation=None):
+    """``MLP.forward`` at TP=1 (FLEET_MLP): fc1 (F.linear) -> SwiGLU -> fc2 (F.linear) on Paddle's [in, out] weights,
+    the SwiGLU ``gated_swiglu`` under the gate (``activation``, with its name, replaces it: the FP32-island level);
+    intermediates and their grads captured with tensor hooks. Dygraph only: on a CPU its bf16 matmul kernel is not
+    registered."""
     x = as_tensor(tensors["input"])
     w1 = as_tensor(np.ascontiguousarray(tensors["fc1_weight"].T))  # Paddle's [in, out]
     w2 = as_tensor(np.ascontiguousarray(tensors["fc2_weight"].T))
     if not gate:
         raise_if_cpu_gate_off(request)
+    act, act_name = activation or ((lambda y: gated_swiglu(y, None)) if gate else F.swiglu,
+                                   GATED_SWIGLU if gate else "paddle.nn.functional.swiglu")
     captured = {}
 
     def keep(name):
@@ -190,24 +277,42 @@ def shared_expert_mlp(request, tensors, gate, phases, guard):
 
     def forward():
         fc1_out = F.linear(x, w1)
-        act_out = _swiglu_island(fc1_out, None) if gate else F.swiglu(fc1_out)
+        act_out = act(fc1_out)
         captured["intermediate.fc1_out"], captured["intermediate.act_out"] = fc1_out.numpy(), act_out.numpy()
         fc1_out.register_hook(keep("intermediate.grad_fc1_out"))
         act_out.register_hook(keep("intermediate.grad_act_out"))
         return F.linear(act_out, w2)
 
-    act = "FP32-island SwiGLU" if gate else "paddle.nn.functional.swiglu"
-    out = run_phases(request, phases, guard, f"F.linear -> {act} -> F.linear", forward,
-               lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
+    out = run_phases(request, phases, guard, f"F.linear -> {act_name} -> F.linear", forward,
+                     lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     outputs = {**captured, "out": out.numpy(), "grad.input": x.grad.numpy(),
                "grad.fc1_weight": np.ascontiguousarray(w1.grad.numpy().T),
                "grad.fc2_weight": np.ascontiguousarray(w2.grad.numpy().T)}
-    return outputs, f"paddle dygraph F.linear -> {act} -> F.linear (use_accuracy_compatible={gate})"
+    return outputs, f"paddle dygraph F.linear -> {act_name} -> F.linear (use_accuracy_compatible={gate})"
+
+
+class _GateMatmul(paddle.autograd.PyLayer):
+    """``FusedGateDetachMatmul`` with ``use_accuracy_compatible`` (FLEET_ROUTER): the logits F.linear in fp32; the
+    backward as two GEMMs, each grad cast to its tensor's dtype (x_grad = dy @ w, w_grad = dy^T @ x)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x.astype("float32"), w.T.astype("float32"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensor()
+        x_grad = paddle.matmul(grad, w.astype("float32")).astype(x.dtype)
+        w_grad = paddle.matmul(grad, x.astype("float32"), transpose_x=True).astype(w.dtype)
+        return x_grad, w_grad
 
 
 def moe_router(request, tensors, gate, phases, guard):
-    """Gated router: an unfused fp32 GEMM for the logits, then sigmoid, bias for the choice only, top-k,
-    normalisation over the k, scaling; grads by autograd in fp32. The gate-off path (fused gating) is not written."""
+    """``TopKRouter.forward`` under the gate (FLEET_ROUTER; noaux_tc, one group, sigmoid, norm_topk_prob, no aux or
+    z loss): ``FusedGateDetachMatmul``, sigmoid, top-k of scores + expert bias, the chosen scores by ``gather_nd``,
+    normalised by their sum taken in float64 and cast to float32 (+1e-20), times the scaling factor, scattered into
+    the dense probs. The gate-off router (fused gating) is not written."""
     if not gate:
         raise Unsupported("the gate-off router (PaddleFleet's fused gating GEMM) is not implemented in this runner")
     k = request["shapes"]["topk"]
@@ -216,52 +321,105 @@ def moe_router(request, tensors, gate, phases, guard):
     bias = as_tensor(tensors["expert_bias"], False)
 
     def forward():
-        logits = paddle.matmul(x.astype("float32"), w.astype("float32"), transpose_y=True)
-        scores = F.sigmoid(logits)
-        _, chosen = paddle.topk(scores + bias, k, axis=-1)
-        picked = paddle.take_along_axis(scores, chosen, axis=-1)
-        probs = picked / (picked.sum(axis=-1, keepdim=True) + 1e-20) * scaling
-        return paddle.put_along_axis(paddle.zeros_like(scores), chosen, probs, axis=-1), chosen
+        scores = F.sigmoid(_GateMatmul.apply(x, w).astype("float32"))
+        _, chosen = paddle.topk(scores + bias.unsqueeze(0), k, axis=-1, sorted=True)
+        rows = paddle.arange(scores.shape[0], dtype=chosen.dtype).unsqueeze(-1).expand(chosen.shape)
+        picked = paddle.gather_nd(scores, paddle.stack([rows, chosen], axis=-1))
+        denominator = picked.astype("float64").sum(axis=-1, keepdim=True).astype("float32") + 1e-20
+        probs = picked / denominator * scaling
+        return paddle.zeros_like(scores, dtype=probs.dtype).put_along_axis_(chosen, probs, axis=1), chosen
 
     probs, chosen = run_phases(request, phases, guard, "fp32 router (matmul, sigmoid, topk)", forward,
-                         lambda o: o[0].backward(as_tensor(tensors["grad_probs"], False)))
+                               lambda o: o[0].backward(as_tensor(tensors["grad_probs"], False)))
     return ({"topk_indices": np.sort(chosen.numpy().astype(np.int64), axis=-1), "probs": probs.numpy(),
              "grad.input": x.grad.numpy(), "grad.weight": w.grad.numpy()},
-            "paddle dygraph fp32 router: matmul, sigmoid, topk on scores + expert_bias, take_along_axis, "
-            f"normalise, x{scaling} (use_accuracy_compatible={gate})")
+            "paddle dygraph, PaddleFleet's gated TopKRouter: fp32 gating GEMM (two-GEMM backward), sigmoid, topk on "
+            f"scores + expert_bias, gather_nd, normalise by a float64 sum, x{scaling} (use_accuracy_compatible={gate})")
 
 
 def attention_scores(request, tensors, gate, phases, guard):
-    """QK^T * 1/sqrt(d) (batched matmul), causal mask filled with -10000 as Megatron's mask_func, softmax as an FP32
-    island cast back to the input dtype. Gate off: paddle's softmax in the input dtype."""
+    """``DotProductAttention``'s unfused core (FLEET_ATTENTION: ``baddbmm(beta=0, alpha=1/sqrt(d))``), then
+    ``FusedScaleMaskSoftmax``'s unfused path (FLEET_SOFTMAX): causal mask filled with -10000, softmax in fp32, cast
+    back to the input dtype. Gate off: paddle's softmax in the input dtype."""
     d = request["shapes"]["head_dim"]
     q, k = as_tensor(tensors["query"]), as_tensor(tensors["key"])
-    t = tensors["query"].shape[0]
+    n, t = tensors["query"].shape[1], tensors["query"].shape[0]
     mask = paddle.to_tensor(np.triu(np.ones((t, t), dtype=bool), 1))
     captured = {}
 
     def forward():
-        scores = paddle.matmul(q.transpose([1, 0, 2]), k.transpose([1, 0, 2]), transpose_y=True) * (1.0 / d ** 0.5)
+        buffer = paddle.empty([n, t, t], dtype=q.dtype)
+        scores = paddle.baddbmm(buffer, q.transpose([1, 0, 2]), k.transpose([1, 2, 0]), beta=0.0, alpha=1.0 / d ** 0.5)
         captured["intermediate.scores"] = scores.numpy()
         if gate:
             masked = paddle.where(mask, paddle.full_like(scores, -10000.0, "float32"), scores.astype("float32"))
             return F.softmax(masked, axis=-1).astype(scores.dtype)
         return F.softmax(paddle.where(mask, paddle.full_like(scores, -10000.0), scores), axis=-1)
 
-    name = "matmul * scale, where(causal, -10000), " + ("FP32-island softmax" if gate else "softmax")
+    name = "baddbmm(alpha = 1/sqrt(d)), where(causal, -10000), " + ("FP32 softmax cast back" if gate else "softmax")
     out = run_phases(request, phases, guard, name, forward, lambda o: o.backward(as_tensor(tensors["grad_output"],
                      False)))
     return ({**captured, "out": out.numpy(), "grad.query": q.grad.numpy(), "grad.key": k.grad.numpy()},
             f"paddle dygraph {name} (use_accuracy_compatible={gate})")
 
 
-def routed_experts(request, tensors, gate, phases, guard):
-    """Per-expert GEMMs (PaddleFleet's gated path issues one TN GEMM per expert instead of the grouped kernel):
-    split the permuted tokens by expert, F.linear -> FP32-island SwiGLU times the routing probability -> F.linear,
-    concatenate. Gate off (the grouped/fused expert GEMM) is not written here."""
+class _ExpertSwiGLUProb(paddle.autograd.PyLayer):
+    """SwiGLU times the routing probability as PaddleFleet's MoE expert node runs it under the gate (FLEET_EXPERTS,
+    ``fwd_down_bf16`` / ``bwd_down_input_bf16``): silu(gate) * up * prob in fp32, rounded once; backward: the gate
+    and up grads by autograd over the same fp32 expression, the probability's grad summed in float64."""
+
+    @staticmethod
+    def forward(ctx, o1, probs):
+        ctx.save_for_backward(o1, probs)
+        gate_half, up = paddle.chunk(o1, 2, axis=-1)
+        return (F.silu(gate_half.astype("float32")) * up.astype("float32")
+                * probs.unsqueeze(-1).astype("float32")).astype(o1.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        o1, probs = ctx.saved_tensor()
+        gate_half, up = paddle.chunk(o1, 2, axis=-1)
+        with paddle.enable_grad():
+            gate32, up32 = gate_half.astype("float32").detach(), up.astype("float32").detach()
+            scale32 = probs.unsqueeze(-1).astype("float32").detach()
+            for t in (gate32, up32, scale32):
+                t.stop_gradient = False
+            paddle.autograd.backward([F.silu(gate32) * up32 * scale32], [grad.astype("float32").detach()])
+        grad_probs = (F.silu(gate32.detach().astype("float64")) * up32.detach().astype("float64")
+                      * grad.astype("float64")).sum(axis=-1, keepdim=True)
+        return (paddle.concat([gate32.grad, up32.grad], axis=-1).astype(o1.dtype),
+                grad_probs.reshape(probs.shape).astype("float32").astype(probs.dtype))
+
+
+def expert_swiglu_prob(o1, probs):
+    return _ExpertSwiGLUProb.apply(o1, probs)
+
+
+class _ExpertLinear(paddle.autograd.PyLayer):
+    """One expert's GEMM as the expert node runs it (FLEET_EXPERTS): F.linear forward; the input grad as
+    ``matmul(dy, w.T.contiguous())`` (``bwd_down_input_bf16``, ``bwd_gate_up_input_bf16``: a materialised transpose),
+    the weight grad as autograd's (x^T @ dy)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensor()
+        return paddle.matmul(grad, w.T.contiguous()), paddle.matmul(x, grad, transpose_x=True)
+
+
+def routed_experts(request, tensors, gate, phases, guard, activation=None):
+    """Per-expert GEMMs (PaddleFleet's gated expert node, FLEET_EXPERTS, with split per-expert GEMMs instead of the
+    grouped kernel): split the permuted tokens by expert, ``_ExpertLinear`` -> ``expert_swiglu_prob`` ->
+    ``_ExpertLinear``, concatenate; ``activation`` (with its name) replaces the SwiGLU x prob. Gate off (the
+    grouped/fused expert GEMM) is not written here."""
     from harness.case.ops import uneven_split
     if not gate:
         raise Unsupported("the gate-off routed experts (PaddleFleet's grouped expert GEMM) are not implemented here")
+    act, act_name = activation or (expert_swiglu_prob, "SwiGLU * prob in fp32 (prob grad summed in fp64)")
     experts = request["shapes"]["num_local_experts"]
     x, probs = as_tensor(tensors["input"]), as_tensor(tensors["probs"])
     w1 = [as_tensor(np.ascontiguousarray(tensors["fc1_weight"][i].T)) for i in range(experts)]
@@ -271,15 +429,16 @@ def routed_experts(request, tensors, gate, phases, guard):
     def forward():
         outs = []
         for i, (tokens, scale) in enumerate(zip(paddle.split(x, counts), paddle.split(probs, counts), strict=True)):
-            outs.append(F.linear(_swiglu_island(F.linear(tokens, w1[i]), scale), w2[i]))
+            outs.append(_ExpertLinear.apply(act(_ExpertLinear.apply(tokens, w1[i]), scale), w2[i]))
         return paddle.concat(outs, axis=0)
 
     out = run_phases(request, phases, guard, "per-expert F.linear", forward,
-               lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
+                     lambda o: o.backward(as_tensor(tensors["grad_output"], False)))
     return ({"out": out.numpy(), "grad.input": x.grad.numpy(), "grad.probs": probs.grad.numpy(),
              "grad.fc1_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w1]),
              "grad.fc2_weight": np.stack([np.ascontiguousarray(w.grad.numpy().T) for w in w2])},
-            f"paddle dygraph per-expert F.linear -> FP32-island SwiGLU * prob -> F.linear, tokens per expert {counts} "
+            f"paddle dygraph per-expert F.linear (input grad on the materialised transpose) -> {act_name} -> "
+            f"F.linear, tokens per expert {counts} "
             f"(use_accuracy_compatible={gate})")
 
 
@@ -303,17 +462,6 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     outputs["out"] = outputs["out"].reshape(dy.shape)
     return outputs, implementation + ", output viewed as [tokens, heads, head_dim]"
 
-
-# PaddleFleet sources these ops follow (PaddlePaddle/PaddleFleet, read with the project's search tool):
-FLEET_MLA = "src/paddlefleet/transformer/multi_latent_attention.py@023ee66c6bd20101d946d14fef24588df4d515ac"
-FLEET_YARN = ("src/paddlefleet/models/common/embeddings/yarn_rotary_pos_embedding.py"
-              "@2bb472d25dbbb6692b29a0ac078a6c16d4c3b7c1")
-FLEET_ROPE = "src/paddlefleet/models/common/embeddings/rope_utils.py@0341e9a6e420416138bfe624038e2239ce2cb51b"
-FLEET_ATTENTION = "src/paddlefleet/transformer/dot_product_attention.py@00a9f175a76aa0dc93c445746a3c90efa5566069"
-FLEET_MOE_LAYER = "src/paddlefleet/transformer/moe/moe_layer.py@0059136f0036f4278a0e45f48951d2b7c6c6e203"
-FLEET_MOE_UTILS = "src/paddlefleet/transformer/moe/moe_utils.py@01bc6d25b5b1d0e6315f53817f3b72207947e932"
-FLEET_LM_HEAD = "src/paddlefleet/models/gpt/lm_head.py@04cb7f3de0b5ef5cb811bf832c3146d1196a221f"
-FLEET_LOSS = "src/paddlefleet/models/common/language_loss/language_loss.py@00c72d67cc08c97ac2fb9f806120c71d14018216"
 
 
 def _yarn_mscale(scale, mscale):
@@ -485,6 +633,50 @@ def lm_head_loss(request, tensors, gate, phases, guard):
              "grad.weight": w.grad.numpy()},
             "paddle dygraph F.linear(x, weight.T) -> CrossEntropyLoss(reduction='none') on fp32 logits, "
             f"sum(loss * mask) / mask.sum(), as GPTLMHead + LanguageLoss (use_accuracy_compatible={gate})")
+
+
+def _linear_source(what):
+    return (f"{what}: F.linear under the gate, as PaddleFleet's column/row-parallel linear calls it at TP=1 "
+            f"({FLEET_LINEAR}; that commit is not stored where the project reads PaddleFleet's code), its grads by "
+            "autograd; gate off: fused_linear (GPU only)")
+
+
+# What each op's recipe follows (meta.json ``paddle_source``; docs/paddle-levels.md: how and where it was checked).
+SOURCES = {
+    ops.COLUMN_PARALLEL_LINEAR: _linear_source("ColumnParallelLinear"),
+    ops.ROW_PARALLEL_LINEAR: _linear_source("RowParallelLinear"),
+    ops.MLA_UP_PROJECTION: _linear_source(f"q_up_proj / kv_up_proj of {FLEET_MLA}, viewed per head"),
+    ops.RMS_NORM: (f"gate on: {SEED_ISLANDS} (PaddleFleet's RMSNorm, {FLEET_NORM}, has no gated branch: with the gate "
+                   "on or off it calls fused_rms_norm_ext, a GPU kernel); gate off: fused_rms_norm_ext cast to the "
+                   "weight's dtype, as that file's RMSNorm.forward"),
+    ops.SWIGLU: (f"{FLEET_MLP} MLP.forward -> {FLEET_SWIGLU}: gate on, bias_swiglu_impl / weighted_bias_swiglu_impl "
+                 "with use_accuracy_compatible (swiglu_eager, swiglu_back_eager / weighted_swiglu_back_eager; bf16 "
+                 "silu and sigmoid on a CPU computed in fp32 and rounded once); gate off: F.swiglu, the scale in fp32 "
+                 "under autograd (not that file's weighted_swiglu_back)"),
+    ops.SHARED_EXPERT_MLP: (f"{FLEET_MLP} MLP.forward at TP=1: fc1 and fc2 as the linears (F.linear, autograd; "
+                            f"PaddleFleet's layers run their own backward), the gated SwiGLU of {FLEET_SWIGLU}"),
+    ops.ROUTED_EXPERTS: (f"{FLEET_EXPERTS} FusionMoeNode under the gate with split per-expert GEMMs: fwd_down_bf16's "
+                         "fp32 SwiGLU x prob and bwd_down_input_bf16's backward (fp32 autograd, prob grad in float64), "
+                         "each GEMM's input grad on the materialised transpose; the weight grads as autograd's (the "
+                         "node's own bf16 weight-grad path is not followed), tokens split by "
+                         "harness.case.ops.uneven_split"),
+    ops.MOE_ROUTER: (f"{FLEET_ROUTER} TopKRouter.forward with use_accuracy_compatible (noaux_tc, one group, sigmoid, "
+                     "norm_topk_prob, no aux or z loss): FusedGateDetachMatmul, gather_nd, float64 normalisation sum"),
+    ops.EMBEDDING: f"{FLEET_EMBEDDING} VocabParallelEmbedding.forward at TP=1: weight[ids] under the gate, else "
+                   "F.embedding",
+    ops.ATTENTION_SCORES: (f"{FLEET_ATTENTION} DotProductAttention's unfused core (baddbmm, alpha = 1/sqrt(d)) and "
+                           f"{FLEET_SOFTMAX} FusedScaleMaskSoftmax's unfused path (causal mask -10000, fp32 softmax)"),
+    ops.CORE_ATTENTION: f"{FLEET_ATTENTION} DotProductAttention's explicit path (baddbmm, fp32 softmax, bmm)",
+    ops.YARN_ROPE: f"{FLEET_MLA} rope path without fusion: {FLEET_YARN} table, {FLEET_ROPE} rotation",
+    ops.MOE_COMBINE: (f"{FLEET_MOE_LAYER} custom_forward combine: {FLEET_MOE_UTILS} permute / unpermute, plus the "
+                      "shared expert's output"),
+    ops.LM_HEAD_LOSS: f"{FLEET_LM_HEAD} GPTLMHead (F.linear under the gate) and {FLEET_LOSS} LanguageLoss at TP=1",
+}
+
+
+def source(request) -> str:
+    """What this op's recipe follows (meta.json ``paddle_source``)."""
+    return SOURCES[ops.OPS[request["op"]]]
 
 
 def unavailable(request):

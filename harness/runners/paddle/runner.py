@@ -1,13 +1,14 @@
 """Paddle runner: the Paddle side of every op, at the highest implementation level available here.
 
-Levels (``harness.runners.paddle.levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet's own module
-with the case's ``use_accuracy_compatible`` (``paddle_fleet.py``; GPU, where ``paddlefleet`` imports);
-2. PaddleFormers' module (``paddle_formers.py``; DeepseekV3 and its shared modules, non-fused where the fused kernel
-does not exist on the device); 3. the reference recipe, plain Paddle ops following PaddleFleet's gated path, not
-PaddleFleet (``paddle_ops.py``). ``meta.json`` records the level that ran, why each higher one was passed over, and
-the implementation (prefixed with the level's label, which the report shows); a verdict is only about that
-implementation. ``python -m harness.runners.paddle --probe --device cpu|gpu`` answers, computing nothing, what would
-run here (``python -m harness doctor`` asks it).
+Levels (``harness.runners.paddle.levels`` picks; ``config.paddle_impl`` pins one): 1. PaddleFleet with the case's
+``use_accuracy_compatible`` (``fleet.py``; GPU, where ``paddlefleet`` imports); 2. PaddleFormers' module
+(``formers.py``; DeepseekV3 and its shared modules, non-fused where the fused kernel does not exist on the device);
+3. the reference recipe, plain Paddle ops computing what the PaddleFleet code it cites computes, not PaddleFleet
+(``recipe.py``); pinned only, its FP32-island variant (``islands.py``). ``meta.json`` records the level that ran,
+why each higher one was passed over, what the level follows or calls (``paddle_source``) and the implementation
+(prefixed with the level's label, which the report shows); a verdict is only about that implementation.
+``python -m harness.runners.paddle --probe --device cpu|gpu`` answers, computing nothing, what would run here
+(``python -m harness doctor`` asks it).
 - GPU: dygraph on a CUDA build of paddle (paddlepaddle-gpu >= 3.3) that sees a GPU, else UNSUPPORTED saying which.
   TF32 is kept off with ``NVIDIA_TF32_OVERRIDE=0`` (read by cuBLAS itself); ``FLAGS_use_accuracy_compatible_kernel=1``
   comes from the harness (orchestrate.GPU_ENV).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -36,24 +37,26 @@ from harness.run.protocol import (
     OUTPUTS,
     Phases,
     Unsupported,
-    cpu_isa_flags,
+    import_answer,
+    import_failure,
     rank_and_world,
     rank_file_name,
     serve,
     shard_index,
 )
 from harness.runners.paddle import levels as paddle_levels
+from harness.runners.paddle.guard import kernel_guard
 
 try:
     import paddle
-except ImportError as error:  # reported as UNSUPPORTED, not a crash: the user's environment lacks Paddle
+except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (run, probe)
     paddle = None
-    PADDLE_IMPORT_ERROR = f"{error}"
+    PADDLE_IMPORT_ERROR = error
 
 
 def run(request: dict, phases: Phases) -> dict:
     if paddle is None:
-        raise Unsupported(f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}")
+        raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
     gate = request["config"]["use_accuracy_compatible"]
     with phases("setup"):
         device = _select_device(request["device"])
@@ -69,16 +72,18 @@ def run(request: dict, phases: Phases) -> dict:
     if world > 1 and not own_tp:
         _check_plain_tp(request)
         paddle.distributed.init_parallel_env()
-    outputs, implementation = choice.implementation(request, tensors, gate, phases, _kernel_guard)
+    outputs, implementation = choice.implementation(request, tensors, gate, phases, kernel_guard)
     if world > 1 and not own_tp:
         with phases("all_reduce"):
             implementation += _all_reduce_partials(outputs, request, world)
     with phases("write"):
         _write(outputs, request, rank_file_name(OUTPUTS, rank, world))
-    level_versions = getattr(paddle_levels.import_level(choice.level), "versions", dict)()
+    level = paddle_levels.import_level(choice.level)
+    source = {"paddle_source": level.source(request)} if hasattr(level, "source") else {}
     return {"framework": "paddle", "implementation": f"[{paddle_levels.LABELS[choice.level]}] {implementation}",
-            "tensor_parallel": world, **choice.meta(),
-            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit, **level_versions},
+            "tensor_parallel": world, **choice.meta(), **source,
+            "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
+                         **getattr(level, "versions", dict)()},
             "paddlefleet_importable": importlib.util.find_spec("paddlefleet") is not None,
             "use_accuracy_compatible": gate, **_device_provenance(device),
             **({"tf32": f"NVIDIA_TF32_OVERRIDE={os.environ['NVIDIA_TF32_OVERRIDE']}"} if device == "gpu" else {})}
@@ -88,8 +93,7 @@ def probe(device: str) -> dict:
     """What this environment would run, computing nothing: versions, device, kernels, and per op and dtype the level
     that would run with each level's reason (``python -m harness.runners.paddle --probe``; the doctor asks it)."""
     if paddle is None:
-        return {"framework": "paddle", "importable": False,
-                "reason": f"paddle is not importable by {sys.executable}: {PADDLE_IMPORT_ERROR}"}
+        return {"framework": "paddle", **import_answer("paddle", PADDLE_IMPORT_ERROR)}
     answer = {"framework": "paddle", "importable": True, "versions": {"paddlepaddle": paddle.__version__,
                                                                       "paddle_commit": paddle.version.commit},
               "compiled_with_cuda": paddle.is_compiled_with_cuda()}
@@ -116,6 +120,10 @@ def probe(device: str) -> dict:
         if "device_problem" in answer:  # nothing runs on this device, whatever the levels say
             for survey in answer["ops"][key].values():
                 survey.update(would_run=None, label=f"UNSUPPORTED: {answer['device_problem']}")
+    broken = {s["broken"]: s["levels"][s["broken"]] for by_dtype in answer["ops"].values()
+              for s in by_dtype.values() if "broken" in s}
+    if broken:  # an installed level that does not import: every request reaching it is an ERROR
+        answer.update(broken=True, broken_levels=broken, reason="; ".join(broken.values()))
     return answer
 
 
@@ -152,22 +160,6 @@ def _write(outputs, request, file_name):
             raise RuntimeError(f"output {name!r} came back as {tensor.dtype}, expected {dtype}")
         tensors[name] = tensor
     save_file(tensors, os.path.join(request["output_dir"], file_name))
-
-
-def _kernel_guard(call, kernel: str, request):
-    """Turn 'no such kernel here' into UNSUPPORTED with the kernel and the CPU named; re-raise anything else."""
-    try:
-        return call()
-    except Exception as error:  # Paddle raises bare RuntimeError/NotFoundError from C++
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        where = f"{kernel} on {request['device']} in {request['dtype']}: {message}"
-        isa = cpu_isa_flags()
-        if "not registered" in str(error):
-            raise Unsupported(where) from error
-        if request["device"] == "cpu" and request["dtype"] == "bfloat16" and "avx512f" not in isa:
-            raise Unsupported(f"{where}. oneDNN's bf16 matmul needs AVX-512 (avx512_core; native with "
-                              f"avx512_bf16); this CPU has {' '.join(isa) or 'no listed vector ISA'}") from error
-        raise
 
 
 def _synchronize(request) -> None:
@@ -213,5 +205,14 @@ def release() -> None:
         paddle_release()
 
 
+def cell_state():
+    """Around one cell: Paddle's process-wide settings put back when it ends (``harness.runners.paddle.state``)."""
+    if paddle is None:
+        return nullcontext()
+    from harness.runners.paddle import state
+
+    return state.cell_state()
+
+
 def main() -> None:
-    serve("paddle", run, probe, release)
+    serve("paddle", run, probe, release, cell_state)

@@ -1,4 +1,5 @@
-"""Device setup, determinism settings and provenance shared by the torch-based runners (imports torch only)."""
+"""Device setup, determinism settings, provenance, and the process-wide settings a cell gets back (``CELL_STATE``),
+shared by the torch-based runners (imports torch only)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
+from harness.run.cell_state import all_restored, attribute_restored, restored
 from harness.run.protocol import Unsupported
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -80,6 +82,71 @@ def _has_fp32_precision_api() -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _precision_flags():
+    """The TF32 / reduced-precision switches ``apply_determinism`` writes, read the way it writes them."""
+    matmul = torch.backends.cuda.matmul
+    flags = {"allow_bf16_reduced_precision_reduction": matmul.allow_bf16_reduced_precision_reduction,
+             "allow_fp16_reduced_precision_reduction": matmul.allow_fp16_reduced_precision_reduction}
+    if _has_fp32_precision_api():
+        backends = {"cuda.matmul": matmul, "cudnn": torch.backends.cudnn, "cudnn.conv": torch.backends.cudnn.conv,
+                    "cudnn.rnn": torch.backends.cudnn.rnn}
+        return {**flags, **{name: backend.fp32_precision for name, backend in backends.items()}}
+    return {**flags, "matmul.allow_tf32": matmul.allow_tf32, "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32}
+
+
+def _write_precision_flags(flags: dict) -> None:
+    matmul = torch.backends.cuda.matmul
+    owners = {"cuda.matmul": matmul, "cudnn": torch.backends.cudnn, "cudnn.conv": torch.backends.cudnn.conv,
+              "cudnn.rnn": torch.backends.cudnn.rnn}
+    for name, value in flags.items():
+        if name in owners:
+            owners[name].fp32_precision = value
+        elif name == "matmul.allow_tf32":
+            matmul.allow_tf32 = value
+        elif name == "cudnn.allow_tf32":
+            torch.backends.cudnn.allow_tf32 = value
+        else:
+            setattr(matmul, name, value)
+
+
+def _deterministic():
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _random_state():
+    """The CPU generator's state, and each CUDA device's where CUDA is initialised (a fresh process starts both
+    from their defaults; a worker must not hand a cell the state the last one left)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# Every process-wide torch setting a torch-based runner may change in a cell (itself or through the library it
+# runs), one `restored` each: harness.run.cell_state.
+CELL_STATE = {
+    "default dtype": lambda: restored(torch.get_default_dtype, torch.set_default_dtype),
+    "intra-op threads": lambda: restored(torch.get_num_threads, torch.set_num_threads),
+    "grad mode": lambda: restored(torch.is_grad_enabled, torch.set_grad_enabled),
+    "deterministic algorithms": lambda: restored(_deterministic, lambda s: torch.use_deterministic_algorithms(
+        s[0], warn_only=s[1])),
+    "TF32 and reduced-precision switches": lambda: restored(_precision_flags, _write_precision_flags),
+    "cudnn.deterministic": lambda: attribute_restored(torch.backends.cudnn, "deterministic"),
+    "cudnn.benchmark": lambda: attribute_restored(torch.backends.cudnn, "benchmark"),
+    "random generators": lambda: restored(_random_state, _set_random_state),
+}
+
+
+def cell_state():
+    """Around one cell: every setting of ``CELL_STATE`` put back when it ends."""
+    return all_restored(CELL_STATE)
 
 
 def release() -> None:

@@ -17,7 +17,8 @@ path; sdpa would pick a CPU kernel by shape), eager experts (a loop of per-exper
 Float64 (the truth and the semantic check): HF computes RMSNorm, the router GEMM, the RoPE tables, the attention
 softmax and the loss in float32 whatever the model's dtype. In a float64 request the runner replaces exactly those
 five places with the same formulas in float64 (listed in meta.json under ``float64_mode``); nothing else changes,
-and nothing changes at all for bfloat16 and float32.
+and nothing changes at all for bfloat16 and float32. Three of them are class and module attributes of transformers:
+``float64_mode`` puts HF's own back when the cell ends, so a worker's next cell runs HF's code.
 
 A request whose dtype is wider than the checkpoint's (the float64 truth of a bf16 case) upcasts the weights,
 which is exact.
@@ -28,6 +29,8 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -39,6 +42,7 @@ from harness.capture import EXPERT_WHY, REFEED_FILE, refeed_units  # noqa: E402
 from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.models import NameMap, expand_stack, moe_layers  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
+from harness.run.cell_state import attribute_restored  # noqa: E402
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
@@ -67,8 +71,14 @@ def run(request: dict, phases: Phases) -> dict:
     if request["tp"] != 1:
         raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
     with phases("import"):
-        import transformers
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+    with float64_mode(hf, on=request["dtype"] == "float64") as replaced:
+        return _run(request, phases, hf, replaced)
+
+
+def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
+    import transformers
+
     m = request["config"]["model"]
     dtype = torch_env.DTYPES[request["dtype"]]
     name_map = NameMap.load(m["family"], "hf")
@@ -76,7 +86,6 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("setup"):
         device = torch_env.select_device(request["device"])
         determinism = torch_env.apply_determinism(device)
-        float64_mode = _float64_mode(hf) if dtype == torch.float64 else {}
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = build_model(hf, m, dtype, device, checkpoint, name_map)
         ids = checkpoint["input_ids"].view(1, -1)
@@ -125,7 +134,7 @@ def run(request: dict, phases: Phases) -> dict:
                           f"{model.config._attn_implementation}, experts {model.config._experts_implementation}",
         "adapters": [],
         "knobs": {k: {"value": v, "why": why} for k, (v, why) in KNOBS.items()},
-        "float64_mode": float64_mode,
+        "float64_mode": float64_replaced,
         "not_captured": group_by_expert(cap.not_captured),
         "zero_grads": cap.zero_grads,
         "routing": {f"layer {layer}": {"experts_with_tokens": int(torch.unique(idx).numel())}
@@ -217,7 +226,20 @@ def canonical_routing(indices: torch.Tensor, weights: torch.Tensor, experts: int
 
 # --- float64 mode: the five places HF computes in float32 whatever the model's dtype ---------------------------------
 
-def _float64_mode(hf) -> dict:
+@contextmanager
+def float64_mode(hf, on: bool = True) -> Iterator[dict]:
+    """Inside: HF's RMSNorm, router and eager attention compute in float64 (when `on`); yields {what: how} for
+    meta.json ({} when off). They are class and module attributes, so the originals are put back when the block
+    ends, however it ends: the next cell of a worker gets HF's own code (tests/test_worker_state.py)."""
+    if not on:
+        yield {}
+        return
+    with attribute_restored(hf.DeepseekV3RMSNorm, "forward"), attribute_restored(hf.DeepseekV3TopkRouter, "forward"), \
+            attribute_restored(hf, "eager_attention_forward"):
+        yield _replace_float32_islands(hf)
+
+
+def _replace_float32_islands(hf) -> dict:
     def rms_norm(self, hidden_states):
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float64)
@@ -296,4 +318,4 @@ def _rotary_in_float64(rotary, config) -> None:
 
 
 def main() -> None:
-    serve("hf_model", run, reset=torch_env.release)
+    serve("hf_model", run, reset=torch_env.release, cell_state=torch_env.cell_state)

@@ -59,13 +59,17 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("import"):
         import transformers
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+    with hf_model.float64_mode(hf, on=request["dtype"] == "float64") as replaced:  # put back when the cell ends
+        return _run(request, phases, hf, transformers, replaced)
+
+
+def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) -> dict:
     m, train = request["config"]["model"], request["config"]["train"]
     dtype = torch_env.DTYPES[request["dtype"]]
     name_map = NameMap.load(m["family"], "hf")
     with phases("setup"):
         device = torch_env.select_device(request["device"])
         determinism = torch_env.apply_determinism(device)
-        float64_mode = hf_model._float64_mode(hf) if dtype == torch.float64 else {}
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
         trainer = Trainer(model, train, m, name_map, dtype, transformers)

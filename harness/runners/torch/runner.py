@@ -95,4 +95,4 @@ def probe(device: str) -> dict:
 
 
 def main() -> None:
-    serve("torch", runner("tn"), probe, torch_env.release)
+    serve("torch", runner("tn"), probe, torch_env.release, torch_env.cell_state)
