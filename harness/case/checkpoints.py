@@ -196,7 +196,7 @@ def generate(case: Case) -> dict[str, np.ndarray]:
     tensors = {}
     for spec in case.input_specs():
         if spec.role == "labels":  # the next token of each position; the last predicts nothing (-100)
-            ids = tensors["input_ids"]
+            ids = tensors[spec.name.removesuffix("labels") + "input_ids"]  # step{k}.mb{m}.labels: that micro-batch's
             tensors[spec.name] = np.concatenate([ids[1:], np.array([-100], dtype=np.int64)])
             continue
         dist = case.tensors[spec.name]

@@ -17,7 +17,8 @@ import tomllib
 from harness import paths
 from harness.case import models
 from harness.case import tolerance as tolerance_policy
-from harness.case.ops import KNOBS, MODEL_OPS, OPS, Op, resolve_dtype
+from harness.case import train as train_table
+from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 
@@ -41,7 +42,7 @@ DEFAULT_DISTRIBUTION = {
 }
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
-    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance",
+    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance", "train",
 }
 
 
@@ -124,7 +125,8 @@ class Case:
                             f"(got {','.join(runners)!r})")
         if tuple(runners) == self.runners:
             return self
-        return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
+        control = self.perturb or (self.config.get("train") or {}).get("flip")
+        return replace(self, runners=tuple(runners), expect=self.expect if control else Expectation())
 
     def with_tp(self, tp: int) -> Case:
         self.check_tp(tp, self.tokens)
@@ -298,6 +300,10 @@ def _build(name: str, path: Path, table: dict) -> Case:
             config = {**config, "model": models.resolve_config(given.get("family", "deepseek_v3"), given)}
         except models.ModelConfigError as error:
             raise f.error("config.model", str(error), given) from None
+    if "train" in table and op not in TRAIN_OPS:
+        raise f.error("train", f"is only for training ops ({', '.join(TRAIN_OPS)})", table["train"])
+    if op in TRAIN_OPS:  # stored complete in the config, so the request carries it to every runner
+        config = {**config, "train": train_table.parse(f, dtype, config["model"])}
     config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, shapes, tp, tokens, config)

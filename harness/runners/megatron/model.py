@@ -446,11 +446,14 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
 def run(request: dict, phases: Phases) -> dict:
     if MEGATRON_IMPORT_ERROR is not None:
         raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
-    if request["op"] != "causal_lm":
-        raise Unsupported(f"megatron_model runs op causal_lm only (got {request['op']!r})")
+    if request["op"] not in ("causal_lm", "causal_lm_train"):
+        raise Unsupported(f"megatron_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
     rank, world = rank_and_world()
     if world != 1 or int(request.get("tp", 1)) != 1:
         raise Unsupported("megatron_model runs at tensor-parallel size 1 only")
+    if request["op"] == "causal_lm_train":  # N optimizer steps: harness.runners.megatron.train
+        from harness.runners.megatron.train import run as train
+        return train(request, phases)
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(device)

@@ -63,6 +63,9 @@ KNOBS = {
 
 
 def run(request: dict, phases: Phases) -> dict:
+    if request["op"] == "causal_lm_train":  # N optimizer steps: harness.runners.torch.hf_train
+        from harness.runners.torch.hf_train import run as train
+        return train(request, phases)
     if request["op"] != "causal_lm":
         raise Unsupported(f"hf_model runs whole models (op causal_lm), not {request['op']!r}")
     if request["tp"] != 1:
@@ -83,20 +86,8 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
     with phases("setup"):
         device = torch_env.select_device(request["device"])
         determinism = torch_env.apply_determinism(device)
-        config = hf_config(m, hf)
-        with torch.device("meta"):
-            model = hf.DeepseekV3ForCausalLM(config)
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
-        model.load_state_dict(_state_dict(model, checkpoint, name_map, m, dtype), strict=True, assign=True)
-        model.model.rotary_emb = hf.DeepseekV3RotaryEmbedding(config=config, device=device)
-        if dtype == torch.float64:
-            _rotary_in_float64(model.model.rotary_emb, config)
-        model.train()
-        for param in model.parameters():
-            param.requires_grad_(True)
-        leftover = [n for n, b in model.named_buffers() if b.is_meta]
-        if leftover:
-            raise RuntimeError(f"buffers left on the meta device: {leftover}")
+        model = build_model(hf, m, dtype, device, checkpoint, name_map)
         ids = checkpoint["input_ids"].view(1, -1)
         labels = checkpoint["labels"].view(1, -1)
         gates = {}
@@ -150,6 +141,25 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
                     for layer, (idx, _) in gates.items()},
         "determinism": determinism, **torch_env.provenance(device),
     }
+
+
+def build_model(hf, m: dict, dtype: torch.dtype, device, checkpoint: dict, name_map: NameMap):
+    """DeepseekV3ForCausalLM from the case's config, every parameter and buffer from the checkpoint, in train mode
+    (also the training runner's model: harness.runners.torch.hf_train)."""
+    config = hf_config(m, hf)
+    with torch.device("meta"):
+        model = hf.DeepseekV3ForCausalLM(config)
+    model.load_state_dict(_state_dict(model, checkpoint, name_map, m, dtype), strict=True, assign=True)
+    model.model.rotary_emb = hf.DeepseekV3RotaryEmbedding(config=config, device=device)
+    if dtype == torch.float64:
+        _rotary_in_float64(model.model.rotary_emb, config)
+    model.train()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    leftover = [n for n, b in model.named_buffers() if b.is_meta]
+    if leftover:
+        raise RuntimeError(f"buffers left on the meta device: {leftover}")
+    return model
 
 
 def group_by_expert(names: dict[str, str]) -> dict[str, str]:
