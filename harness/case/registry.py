@@ -422,7 +422,7 @@ def _expectation(f: _Fields, input_roles: dict, output_specs, has_tolerance: boo
         names = f.get(key, list, [], where=table, label=f"expect.{key}")
         for tensor_name in names:
             if tensor_name not in outputs:
-                raise f.error(f"expect.{key}", f"no such output; outputs: {', '.join(outputs)}", tensor_name)
+                raise f.error(f"expect.{key}", f"no such output; {_some(outputs, tensor_name)}", tensor_name)
         lists[key] = tuple(names)
     for key in set(table) - {"verdict", "differs", "equal"}:
         raise f.error(f"expect.{key}", "unknown field; known: verdict, differs, equal", table[key])
@@ -473,3 +473,13 @@ def _weight_import(f: _Fields, input_roles: dict) -> WeightImport | None:
     if package is not None and file is None:
         raise f.error("weights_from.file", "is required with weights_from.package (a path inside the package)", None)
     return WeightImport(file, resolved, concat_dim, package)
+
+
+def _some(names: list[str], wanted: str, shown: int = 8) -> str:
+    """A few of `names` for an error message: the closest to `wanted` first, and how many there are (a model case has
+    thousands of outputs)."""
+    close = difflib.get_close_matches(wanted, names, n=shown, cutoff=0.5)
+    listed = close or names[:shown]
+    more = f" (of {len(names)} outputs)" if len(names) > len(listed) else ""
+    return f"{'closest' if close else 'outputs'}: {', '.join(listed)}{more}"
+
