@@ -97,7 +97,8 @@ def test_base_cycle_is_reported(tmp_path):
 def test_an_unknown_tensor_in_expect_names_the_closest_outputs_not_all_of_them(tmp_path):
     """A model or training case has thousands of outputs: the error names the closest few and the count."""
     with pytest.raises(CaseError) as raised:
-        registry_from(tmp_path, GOOD + '[fc1_bad]\nbase = "fc1"\nexpect = { verdict = "DIFF", differs = ["grad.weigth"] }\n')
+        bad = '[fc1_bad]\nbase = "fc1"\nexpect = { verdict = "DIFF", differs = ["grad.weigth"] }\n'
+        registry_from(tmp_path, GOOD + bad)
     message = str(raised.value)
     assert "fc1_bad" in message and "expect.differs" in message and "grad.weigth" in message
     assert "closest: grad.weight" in message and len(message) < 400, message
