@@ -102,3 +102,10 @@ def test_an_unknown_tensor_in_expect_names_the_closest_outputs_not_all_of_them(t
     message = str(raised.value)
     assert "fc1_bad" in message and "expect.differs" in message and "grad.weigth" in message
     assert "closest: grad.weight" in message and len(message) < 400, message
+
+
+def test_truth_is_on_unless_a_case_turns_it_off(tmp_path):
+    registry = registry_from(tmp_path, GOOD + '[fc1_no_truth]\nbase = "fc1"\ntruth = false\n')
+    assert registry.get("fc1").truth and not registry.get("fc1_no_truth").truth
+    with pytest.raises(CaseError, match="truth"):
+        registry_from(tmp_path, GOOD + '[fc1_bad]\nbase = "fc1"\ntruth = "no"\n')

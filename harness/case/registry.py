@@ -42,7 +42,7 @@ DEFAULT_DISTRIBUTION = {
 }
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
-    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance", "train",
+    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance", "train", "truth",
 }
 
 
@@ -98,6 +98,7 @@ class Case:
     perturb: Perturbation | None = None
     weights_from: WeightImport | None = None
     tolerance: tolerance_policy.Tolerance | None = None  # None: bitwise
+    truth: bool = True  # False: the case never runs the truth (a 100-step float64 training run costs too much)
 
     @property
     def op_spec(self) -> Op:
@@ -350,7 +351,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
                             tolerance is not None or (op in MODEL_OPS and dtype == "float64")),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
                               {s.name: WIDTHS.get(resolve_dtype(s.dtype, dtype), 0) for s in input_specs}),
-        weights_from=_weight_import(f, input_roles), tolerance=tolerance,
+        weights_from=_weight_import(f, input_roles), tolerance=tolerance, truth=f.get("truth", bool, True),
     )
 
 

@@ -116,8 +116,8 @@ def compare_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> tuple[
         pair = train.sides(case, checkpoint) if is_train else orchestrate.pair_sides(case, checkpoint, tps, impls)
         truth = None if not is_model or case.dtype == "float64" else \
             train.truth_side(case, checkpoint) if is_train else model.truth_side(checkpoint)
-        extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
-            oracle_side(checkpoint)]
+        wants_truth = o.oracle and case.truth and "oracle" not in case.runners
+        extra = [] if not wants_truth else [truth] if truth else [] if is_model else [oracle_side(checkpoint)]
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
             result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
