@@ -473,12 +473,12 @@ def run(request: dict, phases: Phases) -> dict:
             **torch_env.provenance(device)}
 
 
-def init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device, gloo_groups: bool = False) -> None:
     """Gloo on the CPU, NCCL on a GPU, world size 1 (the existing Megatron runner's setup)."""
     from harness.runners.megatron.runner import init_process_group
 
     if not dist.is_initialized():
-        init_process_group(device)
+        init_process_group(device, gloo_groups)
 
 
 def main() -> None:

@@ -111,7 +111,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     dtype = megatron_model.DTYPES[request["dtype"]]
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
-        megatron_model.init_process_group(device)
+        # get_megatron_optimizer (0.19.2) asks for the data-parallel gloo group even on a GPU (measured on the H200)
+        megatron_model.init_process_group(device, gloo_groups=True)
         determinism = torch_env.apply_determinism(device)
         adapters = megatron_model.install_adapters(device, skip_adapters)
         on_cpu, float64 = device.type == "cpu", dtype == torch.float64
