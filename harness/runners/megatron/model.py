@@ -39,7 +39,6 @@ from harness.run.protocol import (  # noqa: E402
     Unsupported,
     import_failure,
     rank_and_world,
-    serve,
 )
 from harness.runners.torch import env as torch_env  # noqa: E402
 
@@ -443,7 +442,8 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
     return outputs, meta, device
 
 
-def run(request: dict, phases: Phases) -> dict:
+def admit(request: dict) -> None:
+    """What both ops need (one step here, N optimizer steps in ``train``): Megatron-Core importable, TP=1."""
     if MEGATRON_IMPORT_ERROR is not None:
         raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
@@ -451,9 +451,10 @@ def run(request: dict, phases: Phases) -> dict:
     rank, world = rank_and_world()
     if world != 1 or int(request.get("tp", 1)) != 1:
         raise Unsupported("megatron_model runs at tensor-parallel size 1 only")
-    if request["op"] == "causal_lm_train":  # N optimizer steps: harness.runners.megatron.train
-        from harness.runners.megatron.train import run as train
-        return train(request, phases)
+
+
+def run(request: dict, phases: Phases) -> dict:
+    admit(request)
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(device)
@@ -479,9 +480,3 @@ def init_process_group(device: torch.device, gloo_groups: bool = False) -> None:
 
     if not dist.is_initialized():
         init_process_group(device, gloo_groups)
-
-
-def main() -> None:
-    from harness.runners.megatron.runner import cell_state, reset
-
-    serve("megatron_model", run, reset=reset, cell_state=cell_state)

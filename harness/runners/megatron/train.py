@@ -107,6 +107,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    megatron_model.admit(request)
     m, train = request["config"]["model"], request["config"]["train"]
     dtype = megatron_model.DTYPES[request["dtype"]]
     with phases("setup"):
