@@ -32,11 +32,17 @@ def environment_restored():
     """Every test starts and ends with the session's environment: importing paddle (at a test module's import, or in
     a test) sets OMP_NUM_THREADS=1 in the pytest process, which every runner started later would inherit (measured:
     79 e2e cases then ran at 1 thread against baselines recorded at the harness's pinned 2)."""
-    os.environ.clear()
-    os.environ.update(SESSION_ENVIRONMENT)
+    _reset_environment()
     yield
+    _reset_environment()
+
+
+def _reset_environment():
+    current = os.environ.get("PYTEST_CURRENT_TEST")  # pytest's own, which it deletes after each phase
     os.environ.clear()
     os.environ.update(SESSION_ENVIRONMENT)
+    if current is not None:
+        os.environ["PYTEST_CURRENT_TEST"] = current
 
 
 @pytest.fixture(scope="session")
