@@ -21,7 +21,7 @@ from harness.commands import (
     failsafe,
     gate_matrix,
     nightly,
-    nightly_shards,
+    nightly_merge,
     publish,
     run_folder,
     sweep,
@@ -85,10 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--paddle-impl", choices=KNOBS["paddle_impl"].choices,
                          help="the Paddle side's implementation level for this run (sets config.paddle_impl): auto, "
                               "paddlefleet, paddleformers or recipe; `python -m harness doctor` lists what exists here")
+    compare.add_argument("--steps-kept", metavar="all|last|none|K,L,...",
+                         help="training cases: the steps whose tensors stay on disk (default: the case's "
+                              "train.steps_kept); the other steps keep their scalars and one digest per tensor")
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
-    nightly_shards.add_parser(commands)
+    nightly_merge.add_parser(commands)
     publish.add_parser(commands)
     baseline.add_parser(commands)
     doctor.add_parser(commands)
@@ -113,7 +116,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "diff":
         return _diff(args)
     if args.command == "nightly-merge":
-        return nightly_shards.main(args)
+        return nightly_merge.main(args)
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")
@@ -133,11 +136,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
         versus_impl=args.versus_impl,
-        repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process,
+        repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process, steps_kept=args.steps_kept,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
-                                                  runner=None, tp=None, versus_impl=None))
+                                                  runner=None, tp=None, versus_impl=None,
+                                                  runners=(args.runners or [None])[0]))
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, options)

@@ -92,3 +92,20 @@ def test_a_control_swept_to_fewer_tokens_than_its_flip_needs_is_refused(tmp_path
 def test_base_cycle_is_reported(tmp_path):
     with pytest.raises(CaseError, match="cycle"):
         registry_from(tmp_path, '[x]\nbase = "y"\n[y]\nbase = "x"\n')
+
+
+def test_an_unknown_tensor_in_expect_names_the_closest_outputs_not_all_of_them(tmp_path):
+    """A model or training case has thousands of outputs: the error names the closest few and the count."""
+    with pytest.raises(CaseError) as raised:
+        bad = '[fc1_bad]\nbase = "fc1"\nexpect = { verdict = "DIFF", differs = ["grad.weigth"] }\n'
+        registry_from(tmp_path, GOOD + bad)
+    message = str(raised.value)
+    assert "fc1_bad" in message and "expect.differs" in message and "grad.weigth" in message
+    assert "closest: grad.weight" in message and len(message) < 400, message
+
+
+def test_truth_is_on_unless_a_case_turns_it_off(tmp_path):
+    registry = registry_from(tmp_path, GOOD + '[fc1_no_truth]\nbase = "fc1"\ntruth = false\n')
+    assert registry.get("fc1").truth and not registry.get("fc1_no_truth").truth
+    with pytest.raises(CaseError, match="truth"):
+        registry_from(tmp_path, GOOD + '[fc1_bad]\nbase = "fc1"\ntruth = "no"\n')

@@ -20,7 +20,9 @@ SHAPES = {"hidden_size": 64, "ffn_hidden_size": 16}
 def test_every_family_has_a_cpu_negative_control():
     registry = Registry.load()
     families = {case.family for case in registry.cases.values()}
-    controlled = {case.family for case in registry.for_device("cpu") if case.perturb}
+    # a planted bit in an input (perturb), or in a training run's optimizer state after a step (train.flip)
+    controlled = {case.family for case in registry.for_device("cpu")
+                  if case.perturb or (case.config.get("train") or {}).get("flip")}
     assert families <= controlled, f"families without a negative control: {sorted(families - controlled)}"
 
 

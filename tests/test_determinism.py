@@ -107,3 +107,11 @@ def test_oracle_side_shows_which_side_is_closer(env):
     assert all(t["mismatches"] > 0 for t in report["sides"]["b"]["tensors"])
     assert report["closer"] == {"out": "a", "grad.input": "a", "grad.weight": "a"}
     assert "## Distance from the truth oracle" in (run_dir / "report.md").read_text()
+
+
+def test_a_case_that_turns_the_truth_off_runs_no_oracle_side(tmp_path):
+    write_cases(tmp_path, tiny_case(truth=False))
+    pythons = {"megatron": fake_runner(tmp_path, "fake_exact_python", exact=True),
+               "paddle": fake_runner(tmp_path, "fake_steady_python")}
+    result, _ = run(tmp_path, pythons)
+    assert [s.label for s in result.sides] == ["a", "b"] and result.verdict == "DIFF"

@@ -112,6 +112,7 @@ def test_sweep_gate_matrix_and_nightly_md_and_html_say_the_same(tmp_path):
     nightly_report.write(night, tmp_path)
     markdown = (tmp_path / "report.md").read_text()
     assert "### New failures (1)" in markdown and "[b paddle] Traceback" in markdown
+    assert "## Failures: unmet expectation (1)" in markdown
     assert_same_text(markdown, (tmp_path / "report.html").read_text())
 
 
@@ -122,7 +123,7 @@ def _night(run_id: str, outcome: str, verdict: str, mismatches: int) -> dict:
     tensor = {"name": "out", "status": "DIFF" if mismatches else "EQUAL", "mismatches": mismatches, "max_ulp": 3}
     case = {"case": "fc1", "outcome": outcome, "verdict": verdict, "expected": "BITWISE_PASS", "wall_seconds": 1.0,
             "message": f"{mismatches} elements differ", "problems": [f"verdict {verdict}, expected BITWISE_PASS"],
-            "report": "cases/fc1/report.md",
+            "report": "cases/fc1/report.md", "failure": "unmet" if outcome == "fail" else None,
             "result": {"case": {"tokens": 16}, "sides": [side], "tensors": [tensor]}}
     return {"schema": 1, "kind": "nightly", "run_id": run_id, "device": "cpu", "cases": [case]}
 

@@ -136,7 +136,10 @@ def _imports(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray
 
 
 def _digest(recipe: dict) -> str:
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    """Names the bytes, not where they were read: an imported tensor counts by its sha256, so two clones (or two
+    virtual environments) holding the same weights at different paths make one checkpoint and one baseline digest."""
+    imported = {name: {k: v for k, v in source.items() if k != "file"} for name, source in recipe["imported"].items()}
+    return hashlib.sha256(json.dumps({**recipe, "imported": imported}, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _recipe(case: Case, imported: dict, made: dict[str, generate.Plan]) -> dict:
@@ -277,8 +280,11 @@ def _check_manifest(manifest, path: Path) -> None:
 
 
 def check_memory(case: Case) -> None:
-    """Refuse, with the size it would need, a case whose tensors cannot fit in memory (before making any)."""
-    specs = [*case.input_specs(), *case.output_specs()]
+    """Refuse, with the size it would need, a case whose tensors cannot fit in memory (before making any). A training
+    case's outputs count one step: each side writes, and the comparator reads, one step at a time."""
+    outputs = [spec for spec in case.output_specs() if not spec.name.startswith("step") or
+               spec.name.startswith("step1.")]
+    specs = [*case.input_specs(), *outputs]
     # a data-dependent dim (-1: a routed expert's tokens) counts as the case's token count, its upper bound
     need = sum(math.prod(case.tokens if d == -1 else d for d in spec.shape) * _itemsize(resolve_dtype(spec.dtype,
                                                                                                      case.dtype))

@@ -103,6 +103,10 @@ KNOBS: dict[str, Knob] = {
 }
 # Knobs every op reads (the Paddle runner's implementation level), resolved for every case.
 COMMON_KNOBS = ("paddle_impl",)
+# Set by re-feed only, never by a case: "<block op>.<stage>" (e.g. "shared_expert_mlp.fc1"), so that a runner whose
+# implementation of the block splits a stage differently (PaddleFormers' gate_proj + up_proj for fc1) runs the stage
+# as the block ran it.
+REFEED_STAGE = "refeed_stage"
 
 
 @dataclass(frozen=True)
@@ -591,4 +595,66 @@ def _causal_lm_outputs(shapes, tokens, config):
 # The whole model: TP=1 (tp_split_field None); its one knob is the model config (harness/case/models/).
 CAUSAL_LM = Op("causal_lm", "model", (), _causal_lm_inputs, _causal_lm_outputs, None, ("model",))
 OPS[CAUSAL_LM.name] = CAUSAL_LM
-MODEL_OPS = (CAUSAL_LM.name,)
+
+
+# --- the training level: N optimizer steps of the whole causal LM (docs/training.md) --------------------------------
+# `config["train"]` is the case's `train` table, resolved by harness/case/train.py (steps, micro_batches,
+# master_weights, ...). Per step k (1-based) and micro-batch m: inputs `step{k}.mb{m}.input_ids` / `.labels`; outputs
+# in the order a step makes them and the report reads them: the lr the step used, each micro-batch's loss as
+# backpropagated (its mean cross entropy / micro_batches), the accumulated gradient the optimizer starts from (before
+# clipping), the global norm, the clip factor the gradients were multiplied by (1 when not clipped), both Adam moments,
+# the fp32 masters (bf16 cases), the parameters, each MoE layer's routing bias as the next step reads it. State tensors
+# use the canonical gradient names (gate and up fused); the routing bias its checkpoint name.
+
+STATE_QUANTITIES = ("grad", "exp_avg", "exp_avg_sq", "master", "param")  # per parameter, in the step's order
+
+
+def train_buffer_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
+    """The buffers training may change: each MoE layer's routing bias (Megatron updates it after every step:
+    aux-loss-free load balancing; HF's and Paddle's training code leave it)."""
+    return [(name, shape) for name, shape, kind in causal_lm_parameters(m) if kind == "expert_bias"]
+
+
+def train_state_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
+    """(canonical parameter name, shape) of every trained parameter: the gradient names without "grad."."""
+    return [(name[len("grad."):], shape) for name, shape in causal_lm_gradients(m)]
+
+
+def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec]:
+    wide = FLOAT32_OR_WIDER
+    states = train_state_names(m)
+    p = f"step{step}."
+    specs = [TensorSpec(p + "lr", (), "output", "float64"),
+             TensorSpec(p + "loss", (int(train["micro_batches"]),), "output", wide)]
+    specs += [TensorSpec(f"{p}grad.{name}", shape, "output", wide) for name, shape in states]
+    specs += [TensorSpec(p + scalar, (), "output", "float64") for scalar in ("grad_norm", "clip_coeff")]
+    for quantity in ("exp_avg", "exp_avg_sq"):
+        specs += [TensorSpec(f"{p}{quantity}.{name}", shape, "output", wide) for name, shape in states]
+    if train["master_weights"]:
+        specs += [TensorSpec(f"{p}master.{name}", shape, "output", "float32") for name, shape in states]
+    specs += [TensorSpec(f"{p}param.{name}", shape, "output") for name, shape in states]
+    biases = train_buffer_names(m)
+    return specs + [TensorSpec(f"{p}expert_bias.{name}", shape, "output", wide) for name, shape in biases]
+
+
+def _causal_lm_train_inputs(shapes, tokens, config):
+    m, train = model_of(config), config["train"]
+    specs = [s for s in _causal_lm_inputs(shapes, tokens, config) if s.role not in ("ids", "labels")]
+    for step in range(1, int(train["steps"]) + 1):
+        for mb in range(int(train["micro_batches"])):
+            p = f"step{step}.mb{mb}."
+            specs += [TensorSpec(p + "input_ids", (tokens,), "ids", "int64", high=m["vocab_size"]),
+                      TensorSpec(p + "labels", (tokens,), "labels", "int64")]
+    return specs
+
+
+def _causal_lm_train_outputs(shapes, tokens, config):
+    m, train = model_of(config), config["train"]
+    return [spec for step in range(1, int(train["steps"]) + 1) for spec in train_step_outputs(m, train, step)]
+
+
+CAUSAL_LM_TRAIN = Op("causal_lm_train", "train", (), _causal_lm_train_inputs, _causal_lm_train_outputs, None,
+                     ("model",))
+OPS[CAUSAL_LM_TRAIN.name] = CAUSAL_LM_TRAIN
+MODEL_OPS = (CAUSAL_LM.name, CAUSAL_LM_TRAIN.name)
+TRAIN_OPS = (CAUSAL_LM_TRAIN.name,)

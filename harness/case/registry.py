@@ -17,7 +17,8 @@ import tomllib
 from harness import paths
 from harness.case import models
 from harness.case import tolerance as tolerance_policy
-from harness.case.ops import KNOBS, MODEL_OPS, OPS, Op, resolve_dtype
+from harness.case import train as train_table
+from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 # A case's name becomes its checkpoint folder, checkpoints/<case>/; this folder holds the weights cases share.
@@ -43,7 +44,7 @@ DEFAULT_DISTRIBUTION = {
 }
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
-    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance",
+    "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance", "train", "truth",
 }
 
 
@@ -99,6 +100,7 @@ class Case:
     perturb: Perturbation | None = None
     weights_from: WeightImport | None = None
     tolerance: tolerance_policy.Tolerance | None = None  # None: bitwise
+    truth: bool = True  # False: the case never runs the truth (a 100-step float64 training run costs too much)
 
     @property
     def op_spec(self) -> Op:
@@ -126,7 +128,8 @@ class Case:
                             f"(got {','.join(runners)!r})")
         if tuple(runners) == self.runners:
             return self
-        return replace(self, runners=tuple(runners), expect=self.expect if self.perturb else Expectation())
+        control = self.perturb or (self.config.get("train") or {}).get("flip")
+        return replace(self, runners=tuple(runners), expect=self.expect if control else Expectation())
 
     def with_tp(self, tp: int) -> Case:
         self.check_tp(tp, self.tokens)
@@ -303,6 +306,10 @@ def _build(name: str, path: Path, table: dict) -> Case:
             config = {**config, "model": models.resolve_config(given.get("family", "deepseek_v3"), given)}
         except models.ModelConfigError as error:
             raise f.error("config.model", str(error), given) from None
+    if "train" in table and op not in TRAIN_OPS:
+        raise f.error("train", f"is only for training ops ({', '.join(TRAIN_OPS)})", table["train"])
+    if op in TRAIN_OPS:  # stored complete in the config, so the request carries it to every runner
+        config = {**config, "train": train_table.parse(f, dtype, config["model"])}
     config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, shapes, tp, tokens, config)
@@ -315,7 +322,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
         given = tensors_table.get(tensor_name, {})
         if not isinstance(given, dict):
             raise f.error(f"tensors.{tensor_name}", "must be a table like {dist = 'normal', std = 0.02}", given)
-        if role == "labels":  # derived from the ids (checkpoints.generate), no distribution of its own
+        if role == "labels":  # derived from the ids (harness.case.generate), no distribution of its own
             if tensor_name in tensors_table:
                 raise f.error(f"tensors.{tensor_name}", "is derived from the ids (next token), not drawn", given)
             continue
@@ -349,7 +356,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
                             tolerance is not None or (op in MODEL_OPS and dtype == "float64")),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
                               {s.name: WIDTHS.get(resolve_dtype(s.dtype, dtype), 0) for s in input_specs}),
-        weights_from=_weight_import(f, input_roles), tolerance=tolerance,
+        weights_from=_weight_import(f, input_roles), tolerance=tolerance, truth=f.get("truth", bool, True),
     )
 
 
@@ -421,7 +428,7 @@ def _expectation(f: _Fields, input_roles: dict, output_specs, has_tolerance: boo
         names = f.get(key, list, [], where=table, label=f"expect.{key}")
         for tensor_name in names:
             if tensor_name not in outputs:
-                raise f.error(f"expect.{key}", f"no such output; outputs: {', '.join(outputs)}", tensor_name)
+                raise f.error(f"expect.{key}", f"no such output; {_some(outputs, tensor_name)}", tensor_name)
         lists[key] = tuple(names)
     for key in set(table) - {"verdict", "differs", "equal"}:
         raise f.error(f"expect.{key}", "unknown field; known: verdict, differs, equal", table[key])
@@ -472,3 +479,13 @@ def _weight_import(f: _Fields, input_roles: dict) -> WeightImport | None:
     if package is not None and file is None:
         raise f.error("weights_from.file", "is required with weights_from.package (a path inside the package)", None)
     return WeightImport(file, resolved, concat_dim, package)
+
+
+def _some(names: list[str], wanted: str, shown: int = 8) -> str:
+    """A few of `names` for an error message: the closest to `wanted` first, and how many there are (a model case has
+    thousands of outputs)."""
+    close = difflib.get_close_matches(wanted, names, n=shown, cutoff=0.5)
+    listed = close or names[:shown]
+    more = f" (of {len(names)} outputs)" if len(names) > len(listed) else ""
+    return f"{'closest' if close else 'outputs'}: {', '.join(listed)}{more}"
+

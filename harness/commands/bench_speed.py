@@ -21,6 +21,13 @@ measurement of the two trees one right after the other, and prints both columns:
 
 Everything runs as subprocesses of ``--repo`` (default: this checkout) and ``--before``.
 
+``--train CASE`` (default ``kimi_k2_2layer_train_100``) times a training case instead: ``python -m harness compare
+CASE --runners A,B --no-oracle`` (``--train-runners``) against the stacks' bare training loops, each runner process
+alone on the same checkpoint with ``train.bare`` (its framework's training calls only: no state read back, nothing
+observed or written), one after the other. Ratios: ``train: compare / bare floor`` (the compare's wall over the two
+bare loops' sum: below 1 when the sides overlap) and, per side, ``dumps: steps / bare steps`` (the side's step phases
+inside the compare over its bare loop's: what canonical names, digests and step files cost).
+
 ``--catalogue DEVICE --catalogue-tokens LIST`` times instead every op-level case of DEVICE swept over LIST (the
 whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
 --device DEVICE --tokens LIST`` would run each, one case after another, in one pool of runner workers; whole-model
@@ -81,11 +88,12 @@ def cpu_of(done: subprocess.CompletedProcess) -> float:
     return CPU_SECONDS.get(id(done), float("nan"))
 
 
-def prepare_checkpoint(repo: Path, python: str, tokens: int, case: str = CASE) -> dict:
-    """The case's request fields and checkpoint files, from the repository under test (a tree from before the
-    weights had a part of their own names one file)."""
+def prepare_checkpoint(repo: Path, python: str, tokens: int | None, case: str = CASE) -> dict:
+    """The case's request fields (at `tokens`, or its own count) and checkpoint files, from the repository under test
+    (a tree from before the weights had a part of their own names one file)."""
     code = ("import json, sys\nfrom harness.case.registry import Registry\nfrom harness.case import checkpoints\n"
-            f"case = Registry.load().get({case!r}).with_tokens({tokens})\n"
+            f"case = Registry.load().get({case!r})\n"
+            + (f"case = case.with_tokens({tokens})\n" if tokens else "") +
             "ck = checkpoints.prepare(case)\n"
             "files = [str(f) for f in ck.files] if hasattr(ck, 'files') else str(ck.path)\n"
             "print(json.dumps({'case': case.name, 'op': case.op, 'dtype': case.dtype, 'tokens': case.tokens,"
@@ -228,6 +236,36 @@ def _breakdown(entry: dict) -> str:
             f"{entry['compare_s']} s, reports and rest {entry['rest_s']} s")
 
 
+def step_seconds(meta: dict) -> float:
+    return sum(seconds for name, seconds in meta.get("phases", {}).items() if name.startswith("step "))
+
+
+def measure_train(repo: Path, python: str, case: str, runners: list[str], scratch: Path) -> dict:
+    """The compare of a training case against each stack's bare loop alone (see the module docstring)."""
+    fields = prepare_checkpoint(repo, python, None, case)
+    bare_fields = {**fields, "config": {**fields["config"], "train": {**fields["config"]["train"], "bare": True}}}
+    bare = {}
+    for runner in runners:
+        seconds, cpu, meta = run_runner(repo, python, runner, bare_fields, scratch / f"bare-{runner}")
+        bare[runner] = {"wall_s": seconds, "cpu_s": cpu, "steps_s": step_seconds(meta)}
+    reports = scratch / "train-reports"
+    seconds, done = timed([python, "-m", "harness", "compare", case, "--runners", ",".join(runners), "--no-oracle",
+                           "--reports", str(reports)], repo, timeout=7200)
+    report = json.loads(next(reports.glob("*/report.json")).read_text())
+    sides = {s["label"]: s for s in report.get("sides", [])}
+    floor = sum(b["wall_s"] for b in bare.values())
+    steps = fields["config"]["train"]["steps"]
+    measured = {"case": case, "runners": runners, "steps": steps, "compare_s": seconds, "cpu_s": cpu_of(done),
+                "verdict": report.get("verdict"), "exit": done.returncode, "bare": bare, "bare_floor_s": floor,
+                "train: compare / bare floor": seconds / floor,
+                "first_divergence": (report.get("train") or {}).get("first_divergence")}
+    for label, runner in zip("ab", runners, strict=True):
+        inside = step_seconds(sides.get(label, {}).get("meta", {}))
+        measured[f"{label}: dumps: steps / bare steps"] = inside / bare[runner]["steps_s"]
+        measured[f"{label}_steps_s"] = inside
+    return measured
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.commands.bench_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,9 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue-args", default="--no-oracle", help="--no-oracle and/or --fresh-process")
     parser.add_argument("--reports", type=Path, help="with --catalogue: keep the reports here (default: a temporary "
                                                      "folder, removed)")
+    parser.add_argument("--train", nargs="?", const="kimi_k2_2layer_train_100", metavar="CASE",
+                        help="time a training case against the stacks' bare loops (default case: "
+                             "kimi_k2_2layer_train_100)")
+    parser.add_argument("--train-runners", default="megatron_model,paddle_model")
     args = parser.parse_args(argv)
     if args.catalogue:
         return _catalogue(args)
+    if args.train:
+        return _train(args)
     trees = {"after": args.repo.resolve(), **({"before": args.before.resolve()} if args.before else {})}
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"speed bench, {os.cpu_count()} CPUs, load average {load}; "
@@ -316,6 +360,26 @@ def _catalogue(args) -> int:
           f"{measured['wall_s']} s ({measured['wall_s'] / max(1, measured['cells']):.2f} s per cell)")
     if args.json:
         args.json.write_text(json.dumps(measured, indent=2) + "\n")
+    return 0
+
+
+def _train(args) -> int:
+    repo = args.repo.resolve()
+    runners = args.train_runners.split(",")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"training bench on {repo} (commit {_commit(repo)}): {args.train}, {' vs '.join(runners)}, "
+          f"{os.cpu_count()} CPUs, load average {load}")
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as scratch:
+        measured = measure_train(repo, args.python, args.train, runners, Path(scratch))
+    measured["load_before"], measured["load_after"] = load, os.getloadavg() if hasattr(os, "getloadavg") else None
+    bare = ", ".join(f"{r} {b['wall_s']:.1f} s ({b['steps_s'] / measured['steps']:.2f} s per step)"
+                     for r, b in measured["bare"].items())
+    print(f"compare: {measured['compare_s']:.1f} s for {measured['steps']} steps ({measured['verdict']}); bare loops "
+          f"alone: {bare}")
+    for name in ("train: compare / bare floor", "a: dumps: steps / bare steps", "b: dumps: steps / bare steps"):
+        print(f"{name:<32} {measured[name]:>7.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(measured, indent=2, default=str) + "\n")
     return 0
 
 

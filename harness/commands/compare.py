@@ -19,11 +19,12 @@ from pathlib import Path
 
 from harness import __version__
 from harness.case import checkpoints
-from harness.case.ops import KNOBS, MODEL_OPS
+from harness.case.ops import KNOBS, MODEL_OPS, TRAIN_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
+from harness.case.train import parse_steps_kept
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
-from harness.compare import determinism, model, model_refeed, refeed, tolerance
+from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_refeed
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
@@ -61,6 +62,7 @@ class CompareOptions:
     fresh_process: bool = False
     config_overrides: Mapping[str, object] = field(default_factory=dict)
     weights_file: str | None = None
+    steps_kept: str | None = None  # training cases: "all", "last" or "1,3,100" over the case's train.steps_kept
     timeout: float = 1800.0
     pythons: Mapping[str, str] = field(default_factory=dict)
     cases_dir: Path = CASES_DIR
@@ -123,6 +125,8 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         case = case.with_tp(o.tp) if o.tp is not None else case
         if o.config_overrides:
             case = replace(case, config={**case.config, **o.config_overrides})
+        if o.steps_kept is not None:
+            case = _with_steps_kept(case, o.steps_kept)
         tps = impls = None
         if o.versus_tp is not None:
             case, tps = _versus_tp(case, o.versus_tp, o.runner or case.runners[0])
@@ -138,11 +142,16 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
-        pair = started.pair = orchestrate.pair_sides(case, checkpoint, tps, impls)
-        is_model = case.op in MODEL_OPS
-        truth = model.truth_side(checkpoint) if is_model and case.dtype != "float64" else None
-        extra = [] if not o.oracle or "oracle" in case.runners else [truth] if truth else [] if is_model else [
-            oracle_side(checkpoint)]
+        is_model, is_train = case.op in MODEL_OPS, case.op in TRAIN_OPS
+        if is_train and (o.repeat > 1 or tps or impls):
+            raise CaseError(f"case {name!r}: --repeat, --versus-tp and --versus-impl are not implemented for "
+                            "training cases")
+        pair = started.pair = train.sides(case, checkpoint) if is_train else \
+            orchestrate.pair_sides(case, checkpoint, tps, impls)
+        truth = None if not is_model or case.dtype == "float64" else \
+            train.truth_side(case, checkpoint) if is_train else model.truth_side(checkpoint)
+        wants_truth = o.oracle and case.truth and "oracle" not in case.runners
+        extra = [] if not wants_truth else [truth] if truth else [] if is_model else [oracle_side(checkpoint)]
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
             if extra and o.device == "cpu":  # beside the pair; on a GPU every side has the device alone, in turn
@@ -174,33 +183,40 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         if started.error is not None:
             raise started.error
         result.sides[started.first_round:started.first_round] = extras  # a, b, the oracle, then repeats
-        is_model = case.op in MODEL_OPS
+        is_model, is_train = case.op in MODEL_OPS, case.op in TRAIN_OPS
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
         skipped = {}
         pythons = dict(o.pythons)
         if all(side.status == "ok" for side in framework):
-            if is_model:
+            if is_train:  # step files, one step at a time (harness.compare.train)
+                result.tensors, result.train = train.compare_steps(case, framework, by_label.get(ORACLE_LABEL))
+            elif is_model:
                 result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(case, framework)
             else:
                 result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
-            if o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
+            if o.refeed_ops and is_train:  # re-feed in time: side b re-run from side a's state, step by step
+                result.train["refeed"] = train_refeed.run(case, started.checkpoint, pair, framework, result.tensors,
+                                                          o.device, run_dir, pythons, o.timeout)
+            elif o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
                 result.refeed = model_refeed.run(case, pair, result.tensors, o.device, run_dir, pythons, o.timeout)
             elif o.refeed_ops:
                 result.refeed = refeed.run(case, started.checkpoint, framework, o.device, run_dir, pythons,
                                            o.timeout)
-        result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
-                                                                                    by_label.get(ORACLE_LABEL))
+        if not is_train:  # a training run's truth is read per step, into result.train
+            result.versus_oracle = (model.versus_truth if is_model else versus_oracle)(case, framework,
+                                                                                        by_label.get(ORACLE_LABEL))
         result.repeats = determinism.self_consistency(case, result.sides, started.runs)
         result.tolerance = tolerance.judge(case.tolerance, result.tensors)
         result.verdict, result.message = decide(result.sides, result.tensors, determinism.unstable(result.repeats),
                                                 result.tolerance)
         result.message += comparison_notes(result)
-        if is_model and result.tensors:
+        if is_model and not is_train and result.tensors:
             result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
-            if case.dtype == "float64":
-                _semantic_verdict(result, case)
+        if is_model and case.dtype == "float64" and result.tensors:
+            _semantic_verdict(result, case, result.train if is_train else result.model,
+                              train.first_step(result.tensors) if is_train else result.tensors)
         if tps is None and impls is None:  # the expectation is about the case's runners; TP sizes or levels: findings
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
         started.clock.lap("compare")
@@ -230,11 +246,12 @@ class _Clock:
         self.last = now
 
 
-def _semantic_verdict(result: CaseResult, case: Case) -> None:
+def _semantic_verdict(result: CaseResult, case: Case, summary: dict, tensors: list) -> None:
     """In float64 the sides must agree to ~1e-10 (model.semantic_check): beyond it is a mapping error (ERROR), within
-    it the rounding differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF."""
-    check = model.semantic_check(case, result.tensors, case.runners)
-    result.model["semantic"] = check
+    it the rounding differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF. `summary`: where the check
+    is kept (the model's or the training run's summary); `tensors`: those it checks (a training run: step 1's)."""
+    check = model.semantic_check(case, tensors, case.runners)
+    summary["semantic"] = check
     if result.verdict not in ("DIFF", "BITWISE_PASS"):
         return
     if not check["ok"]:
@@ -248,6 +265,18 @@ def _semantic_verdict(result: CaseResult, case: Case) -> None:
         result.message = (f"float64 semantic check passed: all {check['checked']} tensors agree to relative error "
                           f"{check['max_relative_error']:.3g} <= {check['agreement']:.0e} (bits differ: "
                           f"{result.message})")
+
+
+def _with_steps_kept(case: Case, text: str) -> Case:
+    """The case with ``--steps-kept`` over its train.steps_kept (a training case only)."""
+    train = case.config.get("train")
+    if train is None:
+        raise CaseError(f"case {case.name!r}: --steps-kept is for training cases (op causal_lm_train)")
+    try:
+        kept = parse_steps_kept(text, train["steps"])
+    except ValueError as error:
+        raise CaseError(f"case {case.name!r}: {error}") from None
+    return replace(case, config={**case.config, "train": {**train, "steps_kept": kept}})
 
 
 def describe_case(case: Case) -> dict:

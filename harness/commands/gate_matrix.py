@@ -23,6 +23,12 @@ SETTINGS = (True, False)
 
 
 def run(name: str, options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS) -> int:
+    from harness.case.ops import TRAIN_OPS
+    from harness.case.registry import Registry
+
+    if Registry.load(Path(options.cases_dir)).get(name).op in TRAIN_OPS:  # a training case: its knobs instead
+        from harness.commands import train_matrix
+        return train_matrix.run(name, replace(options, oracle=False))
     cells = []
     _, matrix_dir = run_folder.new_run_dir(Path(options.reports_dir), f"{name}-gate-matrix")
     with workers.fresh_processes(options.fresh_process), workers.serving(matrix_dir / "workers"):

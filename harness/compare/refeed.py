@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors.numpy import save_file
 
 from harness.case import checkpoints
-from harness.case.ops import OPS
+from harness.case.ops import OPS, REFEED_STAGE
 from harness.case.registry import Case
 from harness.compare.tensors import DIFF, EQUAL, compare_tensor
 from harness.run import orchestrate
@@ -37,8 +37,11 @@ def run(case: Case, checkpoint, sides, device: str, run_dir: Path, pythons: dict
         folder.mkdir(parents=True)
         inputs = folder / "inputs.safetensors"
         save_file({name: available[source] for name, source in stage.inputs.items()}, str(inputs))
+        # refeed_stage: the runner computes the stage as its implementation of the block does (PaddleFormers' MLP
+        # runs the shared expert's fc1 as two GEMMs, gate_proj and up_proj; the linear op alone would run one)
+        config = OPS[stage.op].resolve({**stage.config, REFEED_STAGE: f"{case.op}.{stage.name}"})
         stage_case = replace(case, name=f"{case.name}.{stage.name}", op=stage.op, shapes=dict(stage.shapes),
-                             config=OPS[stage.op].resolve(stage.config), perturb=None, weights_from=None)
+                             config=config, perturb=None, weights_from=None)
         side = orchestrate.run_side("b", side_b.runner, stage_case, (inputs,), device, folder / f"b-{side_b.runner}",
                                     pythons, timeout)
         entry = {"stage": stage.name, "op": stage.op, "status": side.status, "reason": side.reason,

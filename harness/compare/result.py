@@ -34,6 +34,7 @@ class CaseResult:
     first_divergence: str | None = None  # first differing output in the op's topological order
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
     model: dict = field(default_factory=dict)  # model cases: harness.compare.model.summarise (+ "semantic")
+    train: dict = field(default_factory=dict)  # training cases: harness.compare.train.compare_steps' summary
     started_at: str = ""
     finished_at: str = ""
     interrupted: int | None = None  # the signal that stopped the run (its exit code is 128 + it)
@@ -60,7 +61,7 @@ class CaseResult:
             "versus_oracle": self.versus_oracle, "repeats": self.repeats, "tolerance": self.tolerance,
             "harness": self.harness, "started_at": self.started_at, "finished_at": self.finished_at,
             "first_divergence": self.first_divergence, "refeed": self.refeed, "interrupted": self.interrupted,
-            "model": self.model,
+            "model": self.model, "train": self.train,
         }
 
 

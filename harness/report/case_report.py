@@ -26,11 +26,14 @@ from harness.report import (
     refeed_section,
     summary_section,
     tensor_sections,
+    train_pictures,
+    train_section,
 )
 
 VERDICT_STYLE = {"BITWISE_PASS": "bold green", "DIFF": "bold red", "UNSUPPORTED": "bold yellow", "ERROR": "bold red",
                  "WITHIN_TOLERANCE": "bold green", "NONDETERMINISTIC": "bold magenta"}
-SECTIONS = (summary_section.blocks, model_section.blocks, tensor_sections.runners, tensor_sections.tensors,
+SECTIONS = (summary_section.blocks, model_section.blocks, train_section.blocks, tensor_sections.runners,
+            tensor_sections.tensors,
             refeed_section.blocks,
             check_sections.versus_oracle, check_sections.tolerance, check_sections.determinism,
             provenance_section.provenance, provenance_section.stderr_tails)
@@ -41,9 +44,10 @@ MODEL_PICTURES = 6  # a model case: pictures of its first differing tensors only
 
 def write(result: CaseResult, run_dir: Path) -> None:
     tensors = result.tensors
-    if result.model:
+    if result.model or result.train:
         tensors = [t for t in tensors if t.mismatch_map is not None][:MODEL_PICTURES]
     figures = pictures.render(tensors, run_dir / "pictures")
+    figures.update(train_pictures.render(result.train, run_dir / "pictures"))
     data = result.to_dict()
     (run_dir / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     document = blocks(data, figures)
@@ -76,12 +80,12 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     for column in ("tensor", "status", "mismatches", "share", "max ULP", "p99 ULP", "sign flips",
                    "max abs err", "ULPs at scale"):
         table.add_column(column, justify="left" if column in ("tensor", "status") else "right")
-    rows = [t.to_dict() for t in result.tensors]
+    rows = [t.to_dict() for t in result.tensors] if not result.train else []  # a training run: per step, below
     for t in model_level.group_rows(rows) if result.model else rows:  # a model: one row per expert family
         table.add_row(t["name"], t["status"], str(t["mismatches"]), f"{t['mismatch_share']:.4%}", str(t["max_ulp"]),
                       str(t["p99_ulp"]), str(t["sign_flips"]), f"{t['max_abs_error']:.3g}",
                       f"{t['max_error_in_scale_ulps']:.3g}", style="green" if t["status"] == "EQUAL" else "red")
-    if result.tensors:
+    if rows:
         out.print(table)
     for side in result.sides:
         implementation = side.meta.get("implementation", "")
@@ -92,8 +96,13 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     out.print(f"[{VERDICT_STYLE[result.verdict]}]{result.verdict}[/] {escape(result.message)}", highlight=False)
     if result.first_divergence:
         out.print(f"first divergence: {result.first_divergence}")
-    for line in model_section.items(result.to_dict()):
+    for line in model_section.items(result.to_dict()) + train_section.headline(result.to_dict()):
         out.print(escape(line.replace("**", "").replace("`", "")), highlight=False)
+    if result.train:
+        for row in train_section.step_rows(result.train):
+            out.print(escape("step " + " | ".join(str(cell).replace("`", "") for cell in row)), highlight=False)
+        for line in train_section.refeed_lines(result.train.get("refeed") or {}):
+            out.print(escape("re-feed, " + line), highlight=False)
     if result.refeed.get("kind") == "model":
         for line in refeed_section.model_items(result.refeed):
             out.print("re-feed: " + escape(line.replace("**", "").replace("`", "")), highlight=False)

@@ -23,7 +23,7 @@ def runners(data: dict, figures: dict) -> list[tuple]:
 
 
 def tensors(data: dict, figures: dict) -> list[tuple]:
-    if not data["tensors"]:
+    if not data["tensors"] or data.get("train"):  # a training run's tensors: per step, in its own section
         return []
     rows = []
     for t in _rows(data, data["tensors"]):

@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 from harness import paths, resources
 from harness.case.checkpoints import Checkpoint, CheckpointError, tensor_layouts
-from harness.case.ops import resolve_dtype
+from harness.case.ops import TRAIN_OPS, resolve_dtype
 from harness.case.registry import Case
-from harness.run import launch, placement, shards, supervisor, workers
+from harness.run import launch, placement, shards, steps, supervisor, workers
 from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
@@ -93,7 +93,8 @@ class SideSpec(NamedTuple):
     tp: int
     folder: str  # its folder under the run directory
     dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
-    config: dict | None = None  # knobs set over the case's for this side only (comparing Paddle levels)
+    config: dict | None = None  # knobs set over the case's for this side only (comparing Paddle levels; a training
+    # run's flip or re-feed)
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
@@ -253,6 +254,8 @@ def _gather(side: SideResult, case: Case, tp: int) -> str:
 def _validate_outputs(side: SideResult, case: Case) -> str:
     if not side.meta:
         return f"{side.folder / META} is missing or unreadable"
+    if case.op in TRAIN_OPS:  # one file per step (harness.run.steps)
+        return steps.validate(side.folder, case)
     try:
         tensors = tensor_layouts(side.outputs)
     except CheckpointError as error:

@@ -333,6 +333,8 @@ def routed_experts(request, tensors, gate, phases, guard):
 def linear(request, tensors, gate, phases, guard):
     """``paddleformers.nn.linear.Linear.create(..., tp_plan="colwise" | "rowwise")``: a ``paddle.nn.Linear`` at TP=1
     (F.linear on the [in, out] weight), as the model's projections are built."""
+    if request["config"].get(ops.REFEED_STAGE) == "shared_expert_mlp.fc1":
+        return _shared_expert_fc1(request, tensors, phases, guard)
     _, modeling = _modules()
     n_in, n_out = request["shapes"]["input_size"], request["shapes"]["output_size"]
     bias = request["config"].get("bias", False)
@@ -351,6 +353,21 @@ def linear(request, tensors, gate, phases, guard):
     if bias:
         outputs["grad.bias"] = layer.bias.grad.numpy()
     return outputs, _name(f"paddleformers.nn.linear.Linear.create(tp_plan={plan!r}) -> paddle.nn.Linear", request)
+
+
+def _shared_expert_fc1(request, tensors, phases, guard):
+    """Re-feed's fc1 stage of ``shared_expert_mlp`` as that block runs here: ``DeepseekV3MLP``'s gate_proj and
+    up_proj, two GEMMs on one input (outputs and weight grads concatenated, the input grad their dgrads' sum)."""
+    h, f = request["shapes"]["input_size"], request["shapes"]["output_size"] // 2
+    mlp = _mlp(request, h, f)
+    _load_mlp(mlp, tensors["weight"], np.zeros((h, f), tensors["weight"].dtype), f)
+    x = as_tensor(tensors["input"][None])
+    out = run_phases(request, phases, guard, "paddleformers DeepseekV3MLP gate_proj + up_proj",
+                     lambda: paddle.concat([mlp.gate_proj(x), mlp.up_proj(x)], axis=-1),
+                     lambda o: o.backward(_grad(tensors, "grad_output")[None]))
+    return ({"out": out[0].numpy(), "grad.input": x.grad[0].numpy(), "grad.weight": _fc1_grad(mlp)},
+            _name("paddleformers DeepseekV3MLP (fuse_up_gate=False) gate_proj and up_proj (nn.Linear): the shared "
+                  "expert block's fc1, re-fed", request))
 
 
 def mla_up_projection(request, tensors, gate, phases, guard):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, import_failure, serve
+from harness.run.protocol import OUTPUTS, Phases, Unsupported, import_failure
 
 try:
     import paddle
@@ -66,11 +66,13 @@ KNOBS = {
 }
 
 
-def run(request: dict, phases: Phases) -> dict:
+def admit(request: dict) -> dict:
+    """What both ops need (one step here, N optimizer steps in ``train``): paddle importable, TP=1, a dtype it runs,
+    on the CPU a bf16 matmul kernel where the case is bf16; returns the provenance both write."""
     if paddle is None:
         raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
-    if request["op"] != "causal_lm":
-        raise Unsupported(f"paddle_model runs op causal_lm only (got {request['op']!r})")
+    if request["op"] not in ("causal_lm", "causal_lm_train"):
+        raise Unsupported(f"paddle_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
     if request.get("tp", 1) != 1:
         raise Unsupported(f"paddle_model runs TP=1 only (got tp={request['tp']})")
     if request["dtype"] not in DTYPES:
@@ -78,11 +80,17 @@ def run(request: dict, phases: Phases) -> dict:
     provenance = {"framework": "paddle", "versions": {"paddlepaddle": paddle.__version__,
                                                       "paddle_commit": paddle.version.commit},
                   "use_accuracy_compatible": request["config"].get("use_accuracy_compatible", True)}
+    if request["device"] == "cpu":
+        paddle.set_device("cpu")
+        if request["dtype"] == "bfloat16":
+            _probe_cpu_bf16_matmul()
+    return provenance
+
+
+def run(request: dict, phases: Phases) -> dict:
+    provenance = admit(request)
     if request["device"] == "gpu":
         return {**provenance, **_fleet_model(request, phases)}
-    paddle.set_device("cpu")
-    if request["dtype"] == "bfloat16":
-        _probe_cpu_bf16_matmul()
     return {**provenance, **_paddleformers_model(request, phases)}
 
 
@@ -105,18 +113,8 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
                           "(apply_rotary_pos_emb reshapes [d/2, 2] -> [2, d/2]); it has no non-interleaved path")
     m.pop("family", None)
     with phases("setup"):
-        from harness.runners.paddle.common import load_checkpoint
-
-        checkpoint = load_checkpoint(request["checkpoint"])
-        config = DeepseekV3Config(**m)
-        for knob, (value, _) in KNOBS.items():
-            setattr(config, knob, value)
-        paddle.set_default_dtype(dtype)
-        paddle.seed(0)  # construction draws initial weights; all of them are overwritten from the checkpoint
-        model = DeepseekV3ForCausalLM(config)
-        model.train()  # the training path (dropout is 0): what a training step computes
-        name_map = load_name_map()
-        loaded = _load_weights(model, checkpoint, name_map)
+        model, checkpoint, name_map, loaded = build_model(m, dtype, request["checkpoint"], DeepseekV3Config,
+                                                         DeepseekV3ForCausalLM)
         input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(1, -1))
         labels = paddle.to_tensor(checkpoint["labels"].reshape(1, -1))
         routers = {layer: _record_router(model.model.layers[layer].mlp.gate)
@@ -169,6 +167,24 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         "upcast_exactly": upcast,
         "use_accuracy_compatible_note": "read by PaddleFleet only; PaddleFormers has no such switch",
     }
+
+
+def build_model(m: dict, dtype: str, checkpoint_files: list[str], config_class, model_class):
+    """PaddleFormers' DeepseekV3ForCausalLM with KNOBS, every weight from the checkpoint, in train mode; (model,
+    checkpoint arrays, name map, number of tensors loaded). Also the training runner's (harness.runners.paddle.train).
+    `m`: the case's model config without `family` and `rope_interleave`."""
+    from harness.runners.paddle.common import load_checkpoint
+
+    checkpoint = load_checkpoint(checkpoint_files)
+    config = config_class(**m)
+    for knob, (value, _) in KNOBS.items():
+        setattr(config, knob, value)
+    paddle.set_default_dtype(dtype)
+    paddle.seed(0)  # construction draws initial weights; all of them are overwritten from the checkpoint
+    model = model_class(config)
+    model.train()  # the training path (dropout is 0): what a training step computes
+    name_map = load_name_map()
+    return model, checkpoint, name_map, _load_weights(model, checkpoint, name_map)
 
 
 def _fold_experts(names: dict[str, str]) -> dict[str, str]:
@@ -406,10 +422,3 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
     # under names nobody checked.
     raise Unsupported("paddlefleet imports, but the PaddleFleet GPTModel path of paddle_model has not been run "
                       "anywhere yet (written from source only: see harness/runners/paddle/model.py); no verdict")
-
-
-def main() -> None:
-    # the Paddle runner's: they guard a missing paddle the same way
-    from harness.runners.paddle.runner import cell_state, release
-
-    serve("paddle_model", run, reset=release, cell_state=cell_state)

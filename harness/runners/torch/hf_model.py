@@ -43,7 +43,7 @@ from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.models import NameMap, expand_stack, moe_layers  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
 from harness.run.cell_state import attribute_restored  # noqa: E402
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
+from harness.run.protocol import OUTPUTS, Phases, Unsupported  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs")  # taken from route_tokens_to_experts' return value
@@ -83,20 +83,8 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
     with phases("setup"):
         device = torch_env.select_device(request["device"])
         determinism = torch_env.apply_determinism(device)
-        config = hf_config(m, hf)
-        with torch.device("meta"):
-            model = hf.DeepseekV3ForCausalLM(config)
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
-        model.load_state_dict(_state_dict(model, checkpoint, name_map, m, dtype), strict=True, assign=True)
-        model.model.rotary_emb = hf.DeepseekV3RotaryEmbedding(config=config, device=device)
-        if dtype == torch.float64:
-            _rotary_in_float64(model.model.rotary_emb, config)
-        model.train()
-        for param in model.parameters():
-            param.requires_grad_(True)
-        leftover = [n for n, b in model.named_buffers() if b.is_meta]
-        if leftover:
-            raise RuntimeError(f"buffers left on the meta device: {leftover}")
+        model = build_model(hf, m, dtype, device, checkpoint, name_map)
         ids = checkpoint["input_ids"].view(1, -1)
         labels = checkpoint["labels"].view(1, -1)
         gates = {}
@@ -150,6 +138,25 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
                     for layer, (idx, _) in gates.items()},
         "determinism": determinism, **torch_env.provenance(device),
     }
+
+
+def build_model(hf, m: dict, dtype: torch.dtype, device, checkpoint: dict, name_map: NameMap):
+    """DeepseekV3ForCausalLM from the case's config, every parameter and buffer from the checkpoint, in train mode
+    (also the training runner's model: harness.runners.torch.hf_train)."""
+    config = hf_config(m, hf)
+    with torch.device("meta"):
+        model = hf.DeepseekV3ForCausalLM(config)
+    model.load_state_dict(_state_dict(model, checkpoint, name_map, m, dtype), strict=True, assign=True)
+    model.model.rotary_emb = hf.DeepseekV3RotaryEmbedding(config=config, device=device)
+    if dtype == torch.float64:
+        _rotary_in_float64(model.model.rotary_emb, config)
+    model.train()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    leftover = [n for n, b in model.named_buffers() if b.is_meta]
+    if leftover:
+        raise RuntimeError(f"buffers left on the meta device: {leftover}")
+    return model
 
 
 def group_by_expert(names: dict[str, str]) -> dict[str, str]:
@@ -305,7 +312,3 @@ def _rotary_in_float64(rotary, config) -> None:
         return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
 
     rotary.forward = forward
-
-
-def main() -> None:
-    serve("hf_model", run, reset=torch_env.release, cell_state=torch_env.cell_state)

@@ -1,0 +1,201 @@
+"""The training level on the comparing side (op ``causal_lm_train``, docs/training.md): two sides' step files read
+one step and one tensor pair at a time, compared on raw bits, summarised along time. Returns data only;
+harness/report/train_section.py renders it.
+
+- ``sides`` / ``truth_side``: the runs a training comparison starts (the planted flip goes to its side only; the
+  float64 truth is ``hf_model``'s training run in float64, without masters or flip).
+- ``compare_steps``: every canonical tensor of every step: kept steps compared element by element
+  (``compare_tensor``), the others by digest (equal or not); per step the scalars (equal, or how far apart), "k of
+  794" per state quantity, and the step's first differing output; over the run the first divergence in time (the
+  first step, and in it the first quantity in the step's order: lr, loss, gradients, norm, clip, moments, masters,
+  parameters, then the routing biases the next step reads); with the truth, per step and quantity which side is
+  closer.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+
+import numpy as np
+from safetensors import safe_open
+
+from harness.bits import format_of
+from harness.case.ops import STATE_QUANTITIES, resolve_dtype, train_step_outputs
+from harness.case.registry import Case
+from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER, _numpy_dtype
+from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
+from harness.run.orchestrate import SideResult, SideSpec, pair_sides
+from harness.run.steps import digest, read_header, step_file
+from harness.runners.oracle.runner import round_once
+
+SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
+ORDER = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
+# The unit a scalar's distance is given in: lr is computed in double by every scheduler; the norm and the clip factor
+# in float32 by torch and Paddle (Megatron keeps both in double), so float32 ULPs say whether they differ at the
+# precision the gradients are scaled in.
+SCALAR_UNIT = {"lr": "float64", "loss": "float32", "grad_norm": "float32", "clip_coeff": "float32"}
+
+
+def sides(case: Case, checkpoint) -> list[SideSpec]:
+    """The pair; a planted flip (``train.flip``) goes into its own side's request only."""
+    pair = pair_sides(case, checkpoint)
+    flip = case.config["train"].get("flip")
+    other = {**case.config["train"], "flip": None}
+    return [side._replace(config={"train": case.config["train"] if flip and flip["side"] == side.label else other})
+            for side in pair]
+
+
+def truth_side(case: Case, checkpoint) -> SideSpec:
+    """hf_model's training run in float64 on the shared checkpoint: no masters, no flip."""
+    train = {**case.config["train"], "master_weights": False, "flip": None}
+    return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64",
+                    {"train": train})
+
+
+def quantity_of(name: str) -> str:
+    """step3.exp_avg.model.norm.weight -> exp_avg; step3.lr -> lr."""
+    return name.split(".")[1]
+
+
+def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None = None) -> tuple[list, dict]:
+    """(every comparison in time order, the summary along time)."""
+    train, m = case.config["train"], case.config["model"]
+    comparisons, steps = [], []
+    for step in range(1, train["steps"] + 1):
+        specs = train_step_outputs(m, train, step)
+        rows = _compare_step(step, specs, pair)
+        comparisons += rows
+        steps.append(_summarise_step(step, specs, rows, pair, truth, case))
+    first = next((s for s in steps if s["first_divergence"]), None)
+    parameters = sum(1 for s in train_step_outputs(m, train, 1) if quantity_of(s.name) == "param")
+    return comparisons, {
+        "steps": steps, "parameters": parameters, "steps_kept": train["steps_kept"],
+        "first_divergence": ({"step": first["step"], "quantity": quantity_of(first["first_divergence"]),
+                              "tensor": first["first_divergence"]} if first else None),
+        "order": list(ORDER), "truth": _truth_status(truth),
+    }
+
+
+def first_step(comparisons: list[TensorComparison]) -> list[TensorComparison]:
+    """What the float64 check reads: step 1, where both sides start from the same state, so every difference is made
+    by the step's own code (a later step carries Adam's amplification of the islands' errors into its parameters:
+    docs/training.md; re-fed steps start from side a's state again)."""
+    return [c for c in comparisons if c.name.startswith("step1.")]
+
+
+def _open(path, stack):
+    return stack.enter_context(safe_open(str(path), framework="numpy"))
+
+
+def _compare_step(step: int, specs, pair: list[SideResult]) -> list[TensorComparison]:
+    files = [step_file(side.folder, step) for side in pair]
+    headers = [read_header(path) for path in files]
+    rows = []
+    with ExitStack() as stack:
+        handles = [_open(path, stack) for path in files]
+        for spec in specs:
+            held = [spec.name in layouts for _, layouts, _ in headers]
+            if all(held):
+                rows.append(compare_tensor(spec.name, handles[0].get_tensor(spec.name),
+                                           handles[1].get_tensor(spec.name)))
+                continue
+            digests = [d.get(spec.name) or (digest(np.ascontiguousarray(h.get_tensor(spec.name)).view(np.uint8))
+                                            if spec.name in layouts else None)
+                       for (_, layouts, d), h in zip(headers, handles, strict=True)]
+            if None in digests:
+                rows.append(TensorComparison(spec.name, "MISSING", note="a side holds neither the tensor nor its "
+                                                                         "digest"))
+                continue
+            rows.append(TensorComparison(spec.name, EQUAL if digests[0] == digests[1] else DIFF,
+                                         shape=list(spec.shape), note="compared by digest (step not kept)"))
+    return rows
+
+
+def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth, case: Case) -> dict:
+    by_name = {row.name: row for row in rows}
+    quantities = {}
+    for quantity in (*STATE_QUANTITIES, "expert_bias"):
+        members = [row for row in rows if quantity_of(row.name) == quantity]
+        if members:
+            differing = [row.name for row in members if row.status != EQUAL]
+            quantities[quantity] = {"equal": len(members) - len(differing), "total": len(members),
+                                    "differing": differing[:20]}
+    first = next((row.name for row in rows if row.status != EQUAL), None)
+    summary = {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
+               "kept": step in case.config["train"]["steps_kept"],
+               "scalars": _scalars(step, pair, by_name), "quantities": quantities}
+    if truth is not None and truth.status == "ok":
+        summary["truth"] = _versus_truth(step, specs, pair, truth, case)
+    return summary
+
+
+def _scalars(step: int, pair, by_name: dict) -> dict:
+    out = {}
+    with ExitStack() as stack:
+        handles = [_open(step_file(side.folder, step), stack) for side in pair]
+        for scalar in SCALARS:
+            name = f"step{step}.{scalar}"
+            values = [h.get_tensor(name).astype(np.float64) for h in handles]
+            out[scalar] = {"a": values[0].tolist(), "b": values[1].tolist(), "equal": by_name[name].status == EQUAL,
+                           "ulps": ulps_apart(values[0], values[1], SCALAR_UNIT[scalar]),
+                           "unit": f"{SCALAR_UNIT[scalar]} ULP"}
+    return out
+
+
+def ulps_apart(a: np.ndarray, b: np.ndarray, unit: str) -> float:
+    """The largest |a - b| over the spacing of `unit` at |b| (fractions kept: Megatron's double norm against torch's
+    float32 one is a fraction of a float32 ULP apart when their float32 roundings agree)."""
+    fmt = format_of(unit)
+    worst = 0.0
+    for x, y in zip(np.ravel(a), np.ravel(b), strict=True):
+        if x == y:
+            continue
+        spacing = float(np.spacing(np.abs(np.asarray(y, dtype=fmt.float_dtype))))
+        worst = max(worst, abs(float(x) - float(y)) / spacing if spacing else math.inf)
+    return worst
+
+
+def _versus_truth(step: int, specs, pair, truth: SideResult, case: Case) -> dict:
+    """Per quantity, how many tensors each side is closer to the truth on (fewer differing elements from the truth
+    rounded once to the tensor's dtype, then the smaller max error); per scalar the closer side."""
+    files = [step_file(side.folder, step) for side in (*pair, truth)]
+    headers = [read_header(path) for path in files]
+    counts: dict[str, dict[str, int]] = {}
+    with ExitStack() as stack:
+        handles = [_open(path, stack) for path in files]
+        for spec in specs:
+            quantity = quantity_of(spec.name)
+            source = spec.name.replace(".master.", ".param.", 1)  # the truth has no masters: its parameter is one
+            if not all(spec.name in layouts for _, layouts, _ in headers[:2]) or source not in headers[2][1]:
+                continue
+            exact = handles[2].get_tensor(source).astype(np.float64)
+            dtype = np.dtype(_numpy_dtype(resolve_dtype(spec.dtype, case.dtype)))
+            reference = round_once(exact, dtype) if dtype != np.float64 else exact
+            keys = [distance(handle.get_tensor(spec.name), reference) for handle in handles[:2]]
+            closer = "a" if keys[0] < keys[1] else "b" if keys[1] < keys[0] else "tie"
+            tally = counts.setdefault(quantity, {"a": 0, "b": 0, "tie": 0})
+            tally[closer] += 1
+    return counts
+
+
+def distance(value: np.ndarray, reference: np.ndarray) -> tuple[int, float]:
+    """(elements whose bits differ, the largest absolute difference in float64): the two numbers that say which side
+    is closer to the truth (versus_oracle.closer_side's order), without compare_tensor's ULP statistics."""
+    differ = np.ascontiguousarray(value).view(np.uint8).reshape(value.size, -1) != \
+        np.ascontiguousarray(reference).view(np.uint8).reshape(reference.size, -1)
+    differ = differ.any(axis=1) if differ.ndim == 2 else differ
+    count = int(np.count_nonzero(differ))
+    if not count:
+        return 0, 0.0
+    flat_a, flat_b = value.reshape(-1)[differ], reference.reshape(-1)[differ]
+    with np.errstate(invalid="ignore"):
+        return count, float(np.nanmax(np.abs(flat_a.astype(np.float64) - flat_b.astype(np.float64)), initial=0.0))
+
+
+def _truth_status(truth: SideResult | None) -> dict:
+    if truth is None:
+        return {}
+    return {"runner": truth.runner, "status": truth.status, "reason": truth.reason,
+            "what": f"{TRUTH_RUNNER} trained in float64 (float64 mode, no masters), rounded once to each tensor's "
+                    "dtype"}

@@ -1,0 +1,130 @@
+"""Per-step dumps of a training run (op ``causal_lm_train``, docs/training.md), framework-free: one safetensors file per
+step, written as the step ends, so a run of 100 steps never holds more than one step's state in memory.
+
+``steps/step00007.safetensors`` holds step 7's tensors in canonical names (``step7.lr``, ``step7.loss``,
+``step7.grad.<p>``, ...). For a step the request does not keep (``train.steps_kept``) it holds the scalars only and,
+in the file's metadata, one digest per state tensor (BLAKE2b-128 of its raw bytes in canonical layout and dtype): the
+comparator still says per step and tensor whether the bits are equal, without the disk a full dump needs.
+
+A training run's outputs contract, beside ``harness.run.protocol``: runners write with ``StepWriter`` (their framework
+gives ``save`` and ``raw_bytes``); the harness validates (``validate``) and the comparator reads (``read_header``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+STEPS_DIR = "steps"
+SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
+
+
+def step_file(folder, step: int) -> Path:
+    return Path(folder) / STEPS_DIR / f"step{step:05d}.safetensors"
+
+
+def digest(raw) -> str:
+    """The digest of a tensor's raw bytes (anything the buffer protocol reads: bytes, a numpy uint8 view)."""
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+DIGEST_THREADS = 4
+
+
+class StepWriter:
+    """Writes each step's file. `save(tensors, path, metadata)` is the framework's safetensors writer, `raw_bytes(t)`
+    the tensor's bytes in canonical layout (contiguous); `kept` the steps whose state tensors are written whole."""
+
+    def __init__(self, folder, kept, save, raw_bytes):
+        self.folder, self.kept, self.save, self.raw_bytes = Path(folder), set(kept), save, raw_bytes
+        (self.folder / STEPS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, scalars: dict, states: dict) -> None:
+        """`scalars` and `states` keyed by canonical names without the ``step{k}.`` prefix."""
+        prefix = f"step{step}."
+        if step in self.kept:
+            tensors, metadata = {**scalars, **states}, {"kept": "true"}
+        else:
+            # a few tensors at a time: the host copy and BLAKE2b both release the GIL (a full-size step is 79 GB per
+            # side: one thread hashed it in about 80 s on the H200's host); memory stays at a few tensors
+            with ThreadPoolExecutor(max_workers=DIGEST_THREADS) as pool:
+                hashed = pool.map(lambda tensor: digest(self.raw_bytes(tensor)), states.values())
+                digests = {prefix + name: value for name, value in zip(states, hashed, strict=True)}
+            tensors, metadata = scalars, {"kept": "false", "digests": json.dumps(digests)}
+        self.save({prefix + name: tensor for name, tensor in tensors.items()}, str(step_file(self.folder, step)),
+                  metadata)
+
+
+def read_header(path) -> tuple[bool, dict[str, tuple[str, list[int]]], dict[str, str]]:
+    """(whether the step's state tensors are kept, {tensor: (dtype, shape)} of what the file holds, {tensor: digest} of
+    the state tensors it holds as digests only); from the header alone."""
+    from safetensors import safe_open
+
+    from harness.case.checkpoints import SAFETENSORS_DTYPES
+
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = handle.metadata() or {}
+        layouts = {}
+        for name in handle.keys():
+            piece = handle.get_slice(name)
+            layouts[name] = (SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype()), list(piece.get_shape()))
+    return metadata.get("kept") == "true", layouts, json.loads(metadata.get("digests", "{}"))
+
+
+def state_locations(family: str, framework: str, quantities) -> dict[str, str]:
+    """[<fw>.train] of the family's name map: where the framework keeps each quantity. It must name exactly the
+    quantities the runner writes."""
+    import tomllib
+
+    from harness.case.models import FOLDER
+
+    table = tomllib.loads((FOLDER / f"{family}.toml").read_text())[framework].get("train", {})
+    if set(table) != set(quantities):
+        raise ValueError(f"[{framework}.train] of the {family} name map names {sorted(table)}; the runner writes "
+                         f"{sorted(quantities)}")
+    return dict(table)
+
+
+def flip_bit(array: np.ndarray, index, bit: int) -> np.ndarray:
+    """A copy of `array` with one bit of one element flipped (the negative control's planted difference)."""
+    from harness.bits import format_of
+
+    flipped = array.copy()
+    bits = flipped.view(format_of(array.dtype).bits_dtype)
+    bits[tuple(index)] ^= bits.dtype.type(1 << bit)
+    return flipped
+
+
+def validate(folder, case) -> str:
+    """What is wrong with a training side's step files for `case` (its request's steps_kept), or "": every step's file,
+    every kept tensor in its dtype and shape, every other state tensor's digest."""
+    from harness.case.ops import resolve_dtype, train_step_outputs
+
+    train, m = case.config["train"], case.config["model"]
+    for step in range(1, train["steps"] + 1):
+        path = step_file(folder, step)
+        if not path.exists():
+            return f"{path} is missing"
+        try:
+            kept, layouts, digests = read_header(path)
+        except Exception as error:  # safetensors raises several unrelated types for a bad file
+            return f"{path}: not a readable step file: {error}"
+        if kept != (step in train["steps_kept"]):
+            return f"{path}: kept is {kept}, the request keeps steps {train['steps_kept']}"
+        for spec in train_step_outputs(m, train, step):
+            scalar = spec.name.count(".") == 1
+            if not (kept or scalar):
+                if spec.name not in digests:
+                    return f"{path} has no digest of {spec.name!r}"
+                continue
+            if spec.name not in layouts:
+                return f"{path} lacks tensor {spec.name!r} (has {len(layouts)} tensors)"
+            dtype, shape = layouts[spec.name]
+            if dtype != resolve_dtype(spec.dtype, case.dtype) or tuple(shape) != tuple(spec.shape):
+                return (f"{path}: tensor {spec.name!r} is {dtype}{shape}, expected "
+                        f"{resolve_dtype(spec.dtype, case.dtype)}{list(spec.shape)}")
+    return ""

@@ -1,0 +1,360 @@
+"""megatron_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of the Megatron-Core
+``GPTModel`` of ``harness.runners.megatron.model`` with Megatron-Core's own training pieces, as Megatron-LM's
+``train_step`` drives them (megatron/training/training.py), every per-step quantity written in canonical names.
+
+- ``DistributedDataParallel`` (``grad_reduce_in_fp32``: Megatron-LM's ``accumulate_allreduce_grads_in_fp32``, which it
+  sets for bf16; gradients land in ``param.main_grad``), ``use_distributed_optimizer`` from the case;
+- ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", ...))``: a ``ChainedOptimizer`` over Megatron's
+  ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` (fp32 masters) / ``DistributedOptimizer``, whose inner
+  optimizer is ``torch.optim.AdamW`` without Transformer Engine or Apex; default param groups exempt 1-D parameters
+  from weight decay (``wd_mult`` 0), ``weight_decay_params = "all"`` passes ``config_overrides={}``;
+- ``OptimizerParamScheduler`` (linear warmup from 0, cosine or constant, ``step(increment=1)`` after each step);
+- ``get_forward_backward_func()`` (``forward_backward_no_pipelining``) over the micro-batches, with Megatron-LM's
+  ``no_sync_func`` and ``finalize_model_grads``; the loss function is Megatron-LM's GPT one (pretrain_gpt.py
+  ``loss_func``: the masked sum of per-token losses and the token count; Megatron divides by both counts in place).
+
+CPU adapters (listed in meta.json, none changes a computation; tests/test_train_runners.py ablates each): the model's
+(``harness.runners.megatron.model.install_adapters``) and two of the optimizer's, in one ``TorchFunctionMode`` active
+around Megatron's training calls on a CPU only:
+- ``cuda_factory_to_cpu``: a factory call with a literal ``device="cuda"`` makes its tensor on the CPU
+  (optimizer.py ``found_inf`` and scale buffers, clip_grads.py overflow buffers, schedules.py ``total_num_tokens``,
+  param_and_grad_buffer.py's warm-up tensor);
+- ``tensor_type_cuda_names``: ``Tensor.type()`` without arguments answers ``torch.cuda.FloatTensor`` (etc.) for a CPU
+  tensor: optimizer.py, distrib_optimizer.py and clip_grads.py sort parameters by these strings and refuse others.
+Observer (changes nothing): ``clip_scale``, the scale ``clip_grad_by_total_norm_fp32`` hands to
+``multi_tensor_applier`` (Megatron computes the clip coefficient inside and returns only the norm).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from harness.case.ops import train_state_names
+from harness.run.protocol import Phases
+from harness.run.steps import StepWriter, state_locations
+from harness.runners.megatron import model as megatron_model
+from harness.runners.torch import env as torch_env
+from harness.runners.torch.train_state import flip_state, host_bytes, load_state, save_on_host
+
+QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
+              "expert_bias")
+TRAIN_ADAPTERS = {
+    "cuda_factory_to_cpu": "CPU only: a torch factory call with a literal device='cuda' (optimizer.py, clip_grads.py, "
+                           "schedules.py, param_and_grad_buffer.py) makes its tensor on the CPU (a TorchFunctionMode "
+                           "around Megatron's training calls)",
+    "tensor_type_cuda_names": "CPU only: Tensor.type() without arguments answers the torch.cuda.* type name "
+                              "(optimizer.py, distrib_optimizer.py and clip_grads.py accept only those)",
+}
+FLOAT64_ADAPTER = {
+    "float64_as_fp32_type_name": "float64 cases only: Tensor.type() answers torch.cuda.FloatTensor for a float64 "
+                                 "tensor, so clip_grads.py's assert (fp32 main grads only) lets Megatron's optimizer "
+                                 "run on float64 parameters; the computation stays float64 (Megatron's norm itself "
+                                 "is rounded to fp32 by local_multi_tensor_l2_norm, stated in [megatron.float64])",
+}
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """The two CPU adapters of Megatron's training code (see the module docstring); `skip` names the ones left out
+    (the ablation tests)."""
+
+    def __init__(self, skip=(), on_cpu: bool = True, float64: bool = False):
+        super().__init__()
+        self.factories = on_cpu and "cuda_factory_to_cpu" not in skip
+        self.type_names = on_cpu and "tensor_type_cuda_names" not in skip
+        self.float64 = float64 and "float64_as_fp32_type_name" not in skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if self.factories and isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if self.float64:
+                name = name.replace("DoubleTensor", "FloatTensor")
+            return name.replace("torch.", "torch.cuda.", 1) if self.type_names and ".cuda." not in name else name
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def clip_scale():
+    """Observe the scale Megatron's clip_grad_by_total_norm_fp32 multiplies the main grads by (one call per chained
+    optimizer that clips; none when its coefficient is >= 1)."""
+    from megatron.core.optimizer import clip_grads
+
+    seen: list[float] = []
+    original = clip_grads.multi_tensor_applier
+
+    def applier(op, noop_flag, tensor_lists, *args):
+        if op is clip_grads.multi_tensor_scale_impl:
+            seen.append(args[0])
+        return original(op, noop_flag, tensor_lists, *args)
+
+    clip_grads.multi_tensor_applier = applier
+    try:
+        yield seen
+    finally:
+        clip_grads.multi_tensor_applier = original
+
+
+def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    megatron_model.admit(request)
+    m, train = request["config"]["model"], request["config"]["train"]
+    dtype = megatron_model.DTYPES[request["dtype"]]
+    with phases("setup"):
+        device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
+        # get_megatron_optimizer (0.19.2) asks for the data-parallel gloo group even on a GPU (measured on the H200)
+        megatron_model.init_process_group(device, gloo_groups=True)
+        determinism = torch_env.apply_determinism(device)
+        adapters = megatron_model.install_adapters(device, skip_adapters)
+        on_cpu, float64 = device.type == "cpu", dtype == torch.float64
+        named = {**(TRAIN_ADAPTERS if on_cpu else {}), **(FLOAT64_ADAPTER if float64 else {})}
+        adapters += [{"name": n, "why": why, "changes_computation": False} for n, why in named.items()
+                     if n not in skip_adapters]
+        adapters.append({"name": "clip_scale", "why": clip_scale.__doc__.split("(")[0].strip() + " (an observer)",
+                         "changes_computation": False})
+        mode = (lambda: CudaOnCpu(skip_adapters, on_cpu, float64)) if on_cpu or float64 else _nothing
+        config, knobs = megatron_model.translate_config(m, dtype, device)
+        if train["expert_bias_update"] == "off":  # read by finalize_model_grads after every step's backward
+            config.moe_router_bias_update_rate = 0.0
+        model = megatron_model.build_model(config, m, device)
+        dense, moe = megatron_model.layer_kinds(m)
+        names = megatron_model.name_map(moe, dense, m["n_routed_experts"])
+        checkpoint = torch_env.load_inputs(request["checkpoint"], device)
+        megatron_model.load_weights(model, names, checkpoint)
+        model.train()
+        beta1, beta2 = train["betas"]
+        with mode():
+            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(  # float64 keeps float64 grads
+                grad_reduce_in_fp32=not float64, use_distributed_optimizer=train["distributed_optimizer"]), model)
+            config.no_sync_func = ddp.no_sync
+            config.finalize_model_grads_func = finalize_model_grads
+            optimizer_config = OptimizerConfig(
+                optimizer="adam", lr=train["lr"], min_lr=train["min_lr"], weight_decay=train["weight_decay"],
+                adam_beta1=beta1, adam_beta2=beta2, adam_eps=train["eps"], clip_grad=train["clip_grad"],
+                bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                use_distributed_optimizer=train["distributed_optimizer"])
+            overrides = {} if train["weight_decay_params"] == "all" else None  # None: Megatron's standard groups
+            optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
+            scheduler = OptimizerParamScheduler(
+                optimizer, init_lr=0.0, max_lr=train["lr"], min_lr=train["min_lr"],
+                lr_warmup_steps=train["warmup_steps"], lr_decay_steps=train["decay_steps"],
+                lr_decay_style=train["decay_style"], start_wd=train["weight_decay"], end_wd=train["weight_decay"],
+                wd_incr_steps=train["decay_steps"], wd_incr_style="constant")
+        states = MegatronStates(names, model, optimizer)
+        if set(states.rules) != {name for name, _ in train_state_names(m)}:
+            raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
+    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes)
+    refeed = request["config"].get("train_refeed")
+    for step in range(1, train["steps"] + 1):
+        with phases(f"step {step}"), mode():
+            if refeed:
+                load_state(states, refeed, step, states.set_lr)
+            scalars, tensors = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype, refeed)
+            if scalars:
+                writer.write(step, scalars, tensors)
+            flip = train.get("flip")
+            if flip and flip["after_step"] == step:
+                flip_state(states, flip)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    from megatron.core import __version__ as megatron_version
+
+    from harness.runners.megatron.runner import te_version
+
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()},
+            "implementation": "megatron.core GPTModel (local spec) trained with DistributedDataParallel, "
+                              "get_megatron_optimizer (" + " + ".join(type(o).__name__ for o in
+                                                                      optimizer.chained_optimizers)
+                              + ", inner " + type(optimizer.chained_optimizers[0].optimizer).__name__
+                              + "), OptimizerParamScheduler, forward_backward_no_pipelining",
+            "adapters": adapters, "knobs": {**knobs, **training_knobs(train, optimizer)},
+            "state_locations": state_locations(m["family"], "megatron", QUANTITIES),
+            "steps_kept": train["steps_kept"], "refeed": refeed or {}, "determinism": determinism,
+            "tensor_parallel": 1, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
+            **torch_env.provenance(device)}
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: dict, dtype, refeed):
+    """Megatron-LM's train_step: zero the grad buffer, forward/backward over the micro-batches, optimizer.step(),
+    scheduler.step(increment=1)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n = train["micro_batches"]
+    losses = []
+
+    def forward_step(batches, model):
+        ids, labels = next(batches)
+        t = ids.shape[1]
+        position_ids = torch.arange(t, device=ids.device).view(1, -1)
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device), diagonal=1).view(1, 1, t, t)
+        mask = labels != megatron_model.IGNORE_INDEX
+        per_token = model(ids, position_ids, causal, labels=torch.where(mask, labels, torch.zeros_like(labels)))
+
+        def loss_func(output):  # pretrain_gpt.py loss_func: masked sum and token count (Megatron divides in place)
+            loss_mask = mask.view(-1).to(output.dtype)
+            loss = torch.sum(output.view(-1) * loss_mask)
+            num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+            losses.append(loss)  # divided in place by num_tokens and num_microbatches once Megatron returns
+            return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
+                                                            num_tokens.view(1).to(loss.dtype)])}
+        return per_token, loss_func
+
+    device = next(ddp.parameters()).device
+    batches = iter([(checkpoint[f"step{step}.mb{mb}.input_ids"].to(device).view(1, -1),
+                     checkpoint[f"step{step}.mb{mb}.labels"].to(device).view(1, -1)) for mb in range(n)])
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[ddp],
+                                num_microbatches=n, seq_length=checkpoint["step1.mb0.input_ids"].numel(),
+                                micro_batch_size=1, forward_only=False)
+    if refeed and refeed.get("mode") == "update":  # side a's gradients into this optimizer
+        from harness.runners.torch.train_state import load_grads
+        load_grads(states, refeed, step)
+    lr = states.lr()
+    bare = train.get("bare")  # bench_speed: Megatron's calls alone, nothing observed or written
+    grads = {} if bare else {f"grad.{n}": t.clone() for n, t in states.canonical("grad").items()}
+    with nullcontext([]) if bare else clip_scale() as scales:
+        update_successful, grad_norm, _ = optimizer.step()
+    if not update_successful:
+        raise RuntimeError(f"Megatron skipped step {step} (found inf/nan in the gradients)")
+    if len(set(scales)) > 1:
+        raise RuntimeError(f"chained optimizers clipped by different scales: {scales}")
+    scheduler.step(increment=1)
+    if bare:
+        return {}, {}
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": torch.stack(losses).detach().to(wide),
+               "grad_norm": torch.tensor(float(grad_norm), dtype=torch.float64),
+               "clip_coeff": torch.tensor(scales[0] if scales else 1.0, dtype=torch.float64)}
+    tensors = dict(grads)
+    for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
+        if quantity == "master" and not states.masters:
+            continue
+        tensors.update({f"{quantity}.{name}": t for name, t in states.canonical(quantity).items()})
+    # Megatron keeps the routing bias in float32 whatever the model's dtype (TopKRouter._maintain_float32_expert_bias):
+    # a float64 case gets it upcast, exactly
+    tensors.update({f"expert_bias.{name}": buffer.to(wide) for name, buffer in states.buffers.items()})
+    return scalars, {name: t.detach() for name, t in tensors.items()}  # on the device: host copies one at a time
+
+
+class MegatronStates:
+    """The per-parameter state of Megatron's optimizer in canonical names (the interface of
+    harness.runners.torch.train_state): Megatron's parameters are canonical already ([megatron.parameters]); a
+    parameter's main param and Adam moments come from the chained optimizer that owns it."""
+
+    def __init__(self, names: dict, model, optimizer):
+        params = dict(model.named_parameters())
+        self.rules = {canonical: params[megatron] for canonical, (megatron, _) in names["parameters"].items()}
+        self.optimizer = optimizer
+        self.owner: dict[torch.Tensor, tuple] = {}  # model param -> (chained optimizer, main param or None)
+        for inner in optimizer.chained_optimizers:
+            if hasattr(inner, "model_param_group_index_map"):  # DistributedOptimizer
+                for param in inner.model_param_group_index_map:
+                    self.owner[param] = (inner, None)
+            elif hasattr(inner, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+                for model_group, main_group in zip(inner.float16_groups, inner.fp32_from_float16_groups,
+                                                   strict=True):
+                    for param, main in zip(model_group, main_group, strict=True):
+                        self.owner[param] = (inner, main)
+                for group in inner.fp32_from_fp32_groups:
+                    for param in group:
+                        self.owner[param] = (inner, param)
+            else:  # FP32Optimizer: AdamW on the model parameters
+                for group in inner.optimizer.param_groups:
+                    for param in group["params"]:
+                        self.owner[param] = (inner, param)
+        self.masters = any(p.dtype != torch.float32 and p.dtype != torch.float64 for p in self.rules.values())
+        buffers = dict(model.named_buffers())
+        self.buffers = {canonical: buffers[megatron] for canonical, (megatron, _) in names["buffers"].items()}
+
+    def lr(self) -> float:
+        lrs = {group["lr"] for inner in self.optimizer.chained_optimizers for group in inner.optimizer.param_groups}
+        if len(lrs) != 1:
+            raise RuntimeError(f"param groups disagree on the lr: {sorted(lrs)}")
+        return lrs.pop()
+
+    def set_lr(self, lr: float) -> None:
+        for inner in self.optimizer.chained_optimizers:
+            for group in inner.optimizer.param_groups:
+                group["lr"] = lr
+
+    def _main(self, param) -> tuple[torch.Tensor, dict]:
+        inner, main = self.owner[param]
+        if main is None:  # the distributed optimizer's shard: the whole parameter at data-parallel size 1
+            tensors = inner._get_main_param_and_optimizer_states(param)
+            if tensors["param"].numel() != param.numel():
+                raise RuntimeError(f"distributed optimizer shard of {tuple(param.shape)} has "
+                                   f"{tensors['param'].numel()} elements (data-parallel size 1 expected)")
+            return tensors["param"].view(param.shape), {k: v.view(param.shape) for k, v in tensors.items()
+                                                        if k != "param" and isinstance(v, torch.Tensor)
+                                                        and v.numel() == param.numel()}
+        state = inner.optimizer.state.get(main, {})
+        return main, {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
+
+    def one(self, quantity: str, name: str) -> torch.Tensor:
+        param = self.rules[name]
+        if quantity == "param":
+            return param
+        if quantity == "grad":
+            return param.main_grad.view(param.shape)
+        main, moments = self._main(param)
+        if quantity == "master":
+            return main
+        if quantity not in moments:
+            raise RuntimeError(f"Megatron's optimizer keeps no {quantity!r} for {name}")
+        return moments[quantity]
+
+    def canonical(self, quantity: str) -> dict[str, torch.Tensor]:
+        return {name: self.one(quantity, name) for name in self.rules}
+
+    @torch.no_grad()
+    def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
+        self.one(quantity, name).copy_(value)
+
+
+def training_knobs(train: dict, optimizer) -> dict:
+    groups = [(inner.optimizer.param_groups) for inner in optimizer.chained_optimizers]
+    exempt = sum(len(g["params"]) for gs in groups for g in gs if g.get("wd_mult", 1.0) == 0.0)
+    return {
+        "OptimizerConfig": {"value": {"optimizer": "adam", "lr": train["lr"], "min_lr": train["min_lr"],
+                                      "weight_decay": train["weight_decay"], "betas": train["betas"],
+                                      "eps": train["eps"], "clip_grad": train["clip_grad"],
+                                      "use_distributed_optimizer": train["distributed_optimizer"]},
+                            "why": "Megatron's Adam is torch.optim.AdamW (decoupled weight decay) without TE/Apex"},
+        "weight_decay_params": {"value": train["weight_decay_params"],
+                                "why": f"{exempt} parameters in groups with wd_mult 0 ("
+                                       + ("Megatron's standard overrides: 1-D parameters and biases"
+                                          if train["weight_decay_params"] != "all" else "config_overrides={}")
+                                       + ")"},
+        "DistributedDataParallelConfig": {"value": {"grad_reduce_in_fp32": "True (float64: False)",
+                                                    "use_distributed_optimizer": train["distributed_optimizer"]},
+                                          "why": "Megatron-LM accumulates and reduces gradients in fp32 for bf16 "
+                                                 "(accumulate_allreduce_grads_in_fp32)"},
+        "OptimizerParamScheduler": {"value": {"init_lr": 0.0, "max_lr": train["lr"], "min_lr": train["min_lr"],
+                                              "lr_warmup_steps": train["warmup_steps"],
+                                              "lr_decay_steps": train["decay_steps"],
+                                              "lr_decay_style": train["decay_style"]},
+                                    "why": "step(increment=1) after every optimizer step, as Megatron-LM with "
+                                           "micro-batch size 1 counted in steps"},
+        "micro_batches": {"value": train["micro_batches"], "why": "forward_backward_no_pipelining's "
+                                                                  "num_microbatches (gradient accumulation)"},
+        "moe_router_bias_update_rate": {"value": 0.0 if train["expert_bias_update"] == "off" else 1e-3,
+                                        "why": f"expert_bias_update = {train['expert_bias_update']!r}: "
+                                               "finalize_model_grads moves each routing bias by sign(mean load - "
+                                               "load) x this rate after every step's backward"},
+    }

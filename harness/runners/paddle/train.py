@@ -1,0 +1,280 @@
+"""paddle_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of PaddleFormers'
+``DeepseekV3ForCausalLM`` (the model of ``harness.runners.paddle.model``, CPU, float32) with Paddle's own training
+pieces, every per-step quantity written in canonical names.
+
+- ``paddle.optimizer.AdamW`` (``multi_precision`` off: float32 parameters have no masters), weight decay on every
+  parameter unless the case says ``not_1d`` (then ``apply_decay_param_fun`` leaves the 1-D ones out);
+- ``paddle.nn.ClipGradByGlobalNorm`` as the optimizer's ``grad_clip`` (clip_norm / max(norm, clip_norm), no 1e-6);
+- ``paddle.optimizer.lr``: ``LinearWarmup`` (from 0) around ``CosineAnnealingDecay`` (which LinearWarmup steps with
+  an explicit epoch: its closed form), the bare ``CosineAnnealingDecay`` without warmup (its recursive form), or a
+  constant; ``scheduler.step()`` after every optimizer step;
+- per micro-batch ``(loss / micro_batches).backward()`` (PaddleFormers' Trainer's gradient accumulation), gradients
+  accumulating in ``param.grad``; then ``optimizer.step()``, ``optimizer.clear_grad()``.
+
+Paddle's Adam keeps its step count as fp32 running products (``beta1_pow_acc``, ``beta2_pow_acc``); its formula scales
+eps by sqrt(1 - beta2^t) and folds the bias correction into the lr (docs/training.md). Observers (change nothing):
+``clip_norm_and_factor`` records the outputs of the one ``paddle.sqrt`` (the global norm) and the one ``paddle.divide``
+(the clip factor) that ``ClipGradByGlobalNorm._dygraph_clip`` calls, since Paddle exposes neither.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+from safetensors import safe_open
+
+from harness.capture.paddle import apply_rule, to_host
+from harness.case.ops import train_buffer_names, train_state_names
+from harness.run.protocol import Phases
+from harness.run.steps import StepWriter, flip_bit, state_locations, step_file
+from harness.runners.paddle import model as paddle_model
+from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
+
+QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
+              "expert_bias")
+MOMENTS = {"exp_avg": "moment1", "exp_avg_sq": "moment2"}
+
+
+@contextmanager
+def clip_norm_and_factor(clip):
+    """Record what ``paddle.sqrt`` and ``paddle.divide`` return while `clip`'s ``_dygraph_clip`` runs."""
+    seen = {"sqrt": [], "divide": []}
+    original_clip = clip._dygraph_clip
+
+    def observed(params_grads):
+        originals = {name: getattr(paddle, name) for name in seen}
+
+        def recorder(name):
+            def call(*args, **kwargs):
+                out = originals[name](*args, **kwargs)
+                seen[name].append(to_host(out))
+                return out
+            return call
+
+        for name in seen:
+            setattr(paddle, name, recorder(name))
+        try:
+            return original_clip(params_grads)
+        finally:
+            for name, function in originals.items():
+                setattr(paddle, name, function)
+
+    clip._dygraph_clip = observed
+    try:
+        yield seen
+    finally:
+        del clip._dygraph_clip
+
+
+def run(request: dict, phases: Phases) -> dict:
+    from harness.runners.paddle import paddlefleet_ops_shim
+
+    provenance = paddle_model.admit(request)
+    if request["device"] == "gpu":
+        raise paddle_model.Unsupported("paddle_model trains PaddleFormers' DeepseekV3 on the CPU only: on a GPU the "
+                                       "Paddle side is PaddleFleet's GPTModel, whose training loop is not written")
+    with phases("import"):
+        adapter = paddlefleet_ops_shim.install()
+        import paddleformers
+        from paddleformers.transformers.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    train, dtype = request["config"]["train"], request["dtype"]
+    m = {k: v for k, v in request["config"]["model"].items() if k not in ("family", "rope_interleave")}
+    if not request["config"]["model"].get("rope_interleave", True):
+        raise paddle_model.Unsupported("rope_interleave = False: PaddleFormers' DeepseekV3 always de-interleaves")
+    with phases("setup"):
+        model, checkpoint, name_map, loaded = paddle_model.build_model(m, dtype, request["checkpoint"],
+                                                                       DeepseekV3Config, DeepseekV3ForCausalLM)
+        trainer = Trainer(model, train, request["config"]["model"], name_map)
+    writer = StepWriter(request["output_dir"], train["steps_kept"], _save,
+                        lambda a: np.ascontiguousarray(a).view(np.uint8))
+    refeed = request["config"].get("train_refeed")
+    for step in range(1, train["steps"] + 1):
+        with phases(f"step {step}"):
+            if refeed:
+                trainer.load_state(refeed, step)
+            scalars, states = paddle_model._kernel_guard(
+                lambda step=step: trainer.step(step, checkpoint, refeed), f"training step {step}", request)
+            if scalars:
+                writer.write(step, scalars, states)
+            flip = train.get("flip")
+            if flip and flip["after_step"] == step:
+                value = flip_bit(trainer.one(flip["state"], flip["tensor"]), flip["index"], flip["bit"])
+                trainer.put(flip["state"], flip["tensor"], value)
+    return {**provenance,
+        "implementation": "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM (Paddle dygraph, CPU) "
+                          "trained with paddle.optimizer.AdamW, paddle.nn.ClipGradByGlobalNorm and "
+                          f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",
+        "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
+                     "paddleformers": getattr(paddleformers, "__version__", "unknown")},
+        "adapters": ([adapter] if adapter else []) + [
+            {"name": "clip_norm_and_factor", "why": "observer: " + clip_norm_and_factor.__doc__.strip(),
+             "changes_computation": False}],
+        "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_model.KNOBS.items()}, **trainer.knobs},
+        "state_locations": state_locations(request["config"]["model"]["family"], "paddle", QUANTITIES),
+        "weights_loaded": loaded, "steps_kept": train["steps_kept"], "refeed": refeed or {},
+    }
+
+
+def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({name: np.require(a, requirements="C") for name, a in tensors.items()}, path, metadata)
+
+
+class Trainer:
+    def __init__(self, model, train: dict, m: dict, name_map):
+        self.model, self.train, self.n = model, train, train["micro_batches"]
+        self.float64 = paddle.get_default_dtype() == "float64"
+        self.params = dict(model.named_parameters())
+        self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
+        wanted = {name for name, _ in train_buffer_names(m)}  # Paddle buffer -> canonical by [paddle.checkpoint]
+        self.buffers = {name_map.rule("checkpoint", paddle_name).sources[0]: buffer
+                        for paddle_name, buffer in model.named_buffers()
+                        if name_map.rule("checkpoint", paddle_name).sources[0] in wanted}
+        if set(self.buffers) != wanted:
+            raise RuntimeError(f"routing biases not found in the Paddle model: {sorted(wanted - set(self.buffers))}")
+        self.scheduler = schedule(train)
+        beta1, beta2 = train["betas"]
+        one_d = {p.name for p in self.params.values() if len(p.shape) <= 1}
+        decay = (lambda name: name not in one_d) if train["weight_decay_params"] == "not_1d" else None
+        self.clip = paddle.nn.ClipGradByGlobalNorm(train["clip_grad"]) if train["clip_grad"] > 0 else None
+        self.optimizer = paddle.optimizer.AdamW(
+            learning_rate=self.scheduler, beta1=beta1, beta2=beta2, epsilon=train["eps"],
+            parameters=list(self.params.values()), weight_decay=train["weight_decay"],
+            apply_decay_param_fun=decay, grad_clip=self.clip, multi_precision=False)
+        self.knobs = {
+            "AdamW": {"value": {"beta1": beta1, "beta2": beta2, "epsilon": train["eps"],
+                                "weight_decay": train["weight_decay"], "multi_precision": False},
+                      "why": "paddle.optimizer.AdamW (decoupled weight decay, eps scaled by sqrt(1 - beta2^t))"},
+            "weight_decay_params": {"value": train["weight_decay_params"],
+                                    "why": f"apply_decay_param_fun leaves the {len(one_d)} 1-D parameters out"
+                                    if decay else "Paddle decays every parameter (no apply_decay_param_fun)"},
+            "grad_clip": {"value": train["clip_grad"], "why": "ClipGradByGlobalNorm (0: none)"},
+            "scheduler": {"value": type(self.scheduler).__name__,
+                          "why": f"{train['decay_style']}, warmup {train['warmup_steps']} from 0, decay to "
+                                 f"{train['min_lr']} over {train['decay_steps']} steps"},
+            "gradient_accumulation": {"value": self.n, "why": "(loss / micro_batches).backward() per micro-batch"},
+            "expert_bias_update": {"value": train["expert_bias_update"], "why": "this training loop (Paddle's "
+                                                                                "optimizer) never changes "
+                                                                                "e_score_correction_bias"},
+        }
+
+    # --- one step --------------------------------------------------------------------------------------------------
+    def step(self, step: int, checkpoint: dict, refeed: dict | None):
+        losses = []
+        for mb in range(self.n):
+            ids = paddle.to_tensor(checkpoint[f"step{step}.mb{mb}.input_ids"].reshape(1, -1))
+            labels = paddle.to_tensor(checkpoint[f"step{step}.mb{mb}.labels"].reshape(1, -1))
+            out = self.model(input_ids=ids, labels=labels, return_dict=True)
+            scaled = out.loss / self.n
+            scaled.backward()
+            losses.append(to_host(scaled).reshape(()))
+        if refeed and refeed.get("mode") == "update":  # side a's gradients into this optimizer
+            for key, value in _read(refeed["from"], step, [f"step{step}.grad.{n}" for n in self.rules]).items():
+                self.put("grad", key.split(".", 2)[2], value)
+        lr = self.optimizer.get_lr()
+        if self.train.get("bare"):  # bench_speed: Paddle's calls alone, nothing observed or written
+            self.optimizer.step()
+            self.optimizer.clear_grad()
+            self.scheduler.step()
+            return {}, {}
+        grads = {f"grad.{name}": value.copy() for name, value in self.canonical("grad").items()}
+        if self.clip is not None:
+            with clip_norm_and_factor(self.clip) as seen:
+                self.optimizer.step()
+            if len(seen["sqrt"]) != 1 or len(seen["divide"]) != 1:
+                raise RuntimeError(f"ClipGradByGlobalNorm called paddle.sqrt {len(seen['sqrt'])} and paddle.divide "
+                                   f"{len(seen['divide'])} times; the observer expects once each (Paddle changed)")
+            norm, factor = seen["sqrt"][0], seen["divide"][0]
+        else:
+            from paddle.nn.clip import _squared_l2_norm  # the helper ClipGradByGlobalNorm uses
+
+            squares = [_squared_l2_norm(p.grad) for p in self.params.values() if p.grad is not None]
+            norm, factor = to_host(paddle.sqrt(paddle.stack(squares).sum())), np.float64(1.0)
+            self.optimizer.step()
+        self.optimizer.clear_grad()
+        self.scheduler.step()
+        loss = np.stack(losses)  # float32 whatever the model's dtype (PaddleFormers' criterion): float64 exactly
+        scalars = {"lr": np.asarray(lr, dtype=np.float64).reshape(()),
+                   "loss": loss.astype(np.float64) if self.float64 else loss,
+                   "grad_norm": np.asarray(norm, dtype=np.float64).reshape(()),
+                   "clip_coeff": np.asarray(factor, dtype=np.float64).reshape(())}
+        states = dict(grads)
+        for quantity in ("exp_avg", "exp_avg_sq", "param"):
+            states.update({f"{quantity}.{name}": value for name, value in self.canonical(quantity).items()})
+        states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.buffers.items()})
+        return scalars, {name: np.require(value, requirements="C") for name, value in states.items()}
+
+    # --- state in canonical names (numpy), both ways -------------------------------------------------------------
+    def source(self, quantity: str, name: str):
+        param = self.params[name]
+        if quantity == "param":
+            return param
+        if quantity == "grad":
+            if param.grad is None:
+                raise RuntimeError(f"{name} has no gradient")
+            return param.grad
+        if quantity in MOMENTS:
+            return self.optimizer._accumulators[MOMENTS[quantity]][param.name]
+        raise ValueError(f"paddle_model keeps no {quantity!r} (float32 parameters have no masters)")
+
+    def one(self, quantity: str, name: str) -> np.ndarray:
+        rule = self.rules[name]
+        return np.ascontiguousarray(apply_rule(rule, [to_host(self.source(quantity, s)) for s in rule.sources]))
+
+    def canonical(self, quantity: str) -> dict[str, np.ndarray]:
+        return {name: self.one(quantity, name) for name in self.rules}
+
+    def put(self, quantity: str, name: str, value: np.ndarray) -> None:
+        rule = self.rules[name]
+        targets = [self.source(quantity, s) for s in rule.sources]
+        if rule.kind == "same":
+            parts = [value]
+        elif rule.kind == "transpose":
+            parts = [np.swapaxes(value, -1, -2)]
+        elif rule.kind in ("cat0", "transpose_cat0"):
+            rows = [t.shape[-1] if rule.kind == "transpose_cat0" else t.shape[0] for t in targets]
+            parts = np.split(value, np.cumsum(rows)[:-1], axis=0)
+            parts = [np.swapaxes(p, -1, -2) for p in parts] if rule.kind == "transpose_cat0" else parts
+        else:
+            raise ValueError(f"rule {rule.kind!r} cannot be written back")
+        for target, part in zip(targets, parts, strict=True):
+            target.set_value(paddle.to_tensor(np.ascontiguousarray(part), place=paddle.CPUPlace()))
+
+    def load_state(self, refeed: dict, step: int) -> None:
+        """Side a's parameters and moments after step - 1, and side a's lr for this step (the scheduler's last_lr,
+        which the optimizer reads). The beta powers (Paddle's step count) stay this run's own."""
+        if step > 1:
+            names = [f"step{step - 1}.{q}.{n}" for q in ("exp_avg", "exp_avg_sq", "param") for n in self.rules]
+            names += [f"step{step - 1}.expert_bias.{n}" for n in self.buffers]
+            for key, value in _read(refeed["from"], step - 1, names).items():
+                _, quantity, name = key.split(".", 2)
+                if quantity == "expert_bias":
+                    self.buffers[name].set_value(paddle.to_tensor(value, place=paddle.CPUPlace()))
+                else:
+                    self.put(quantity, name, value)
+        self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
+
+
+def _read(folder, step: int, names) -> dict[str, np.ndarray]:
+    path = step_file(folder, step)
+    with safe_open(str(path), framework="numpy") as handle:
+        missing = [n for n in names if n not in set(handle.keys())]
+        if missing:
+            raise RuntimeError(f"re-feed: side a's {path} lacks {missing[0]}: side a must keep every step's tensors")
+        return {name: handle.get_tensor(name) for name in names}
+
+
+def schedule(train: dict):
+    lr = paddle.optimizer.lr
+    if train["decay_style"] == "cosine":
+        inner = lr.CosineAnnealingDecay(learning_rate=train["lr"], T_max=max(1, train["decay_steps"] -
+                                                                              train["warmup_steps"]),
+                                        eta_min=train["min_lr"])
+    else:
+        inner = train["lr"]
+    if train["warmup_steps"] > 0:
+        return lr.LinearWarmup(learning_rate=inner, warmup_steps=train["warmup_steps"], start_lr=0.0,
+                               end_lr=train["lr"])
+    return inner if isinstance(inner, lr.LRScheduler) else lr.LambdaDecay(train["lr"], lambda epoch: 1.0)

@@ -1,0 +1,228 @@
+"""hf_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of HF transformers'
+``DeepseekV3ForCausalLM`` with torch's own training pieces, every per-step quantity written in canonical names.
+
+The pieces are torch's and transformers' own: ``torch.optim.AdamW`` (the case's ``torch_adamw`` picks its foreach /
+fused flags; "default" passes neither), ``torch.nn.utils.clip_grad_norm_``, and the ``LambdaLR`` that
+``transformers.get_cosine_with_min_lr_schedule_with_warmup`` (or ``get_constant_schedule_with_warmup``) builds, as HF's
+Trainer does. The loop around them is this runner's, written as a plain torch training loop: per micro-batch
+``(loss / micro_batches).backward()`` (HF Trainer's gradient accumulation), then clip, step, scheduler step. A bf16 case
+keeps fp32 master weights: AdamW updates fp32 copies whose ``.grad`` receives each micro-batch's bf16 gradient (added
+into zeros, as Megatron's fp32 grad buffer does), and each step's masters are copied (rounded) into the bf16 model.
+
+The float64 truth of a training case is this runner in float64 (hf_model's float64 mode: HF's float32 islands lifted).
+Where each quantity lives: ``[hf.train]`` of the name map, copied into meta.json.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from harness.case.models import NameMap
+from harness.case.ops import train_buffer_names, train_state_names
+from harness.run.protocol import Phases, Unsupported
+from harness.run.steps import StepWriter, state_locations
+from harness.runners.torch import env as torch_env
+from harness.runners.torch import hf_model
+from harness.runners.torch.train_state import TorchStates, flip_state, host_bytes, load_grads, load_state, save_on_host
+
+QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
+              "expert_bias")
+
+
+class ClipFactor(TorchFunctionMode):
+    """Observes, changing nothing, the factor ``clip_grad_norm_`` multiplies the gradients by: the output of its one
+    ``torch.clamp`` call (``torch.nn.utils.clip_grad._clip_grads_with_norm_``: clamp(max / (norm + 1e-6), max=1))."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.clamp:
+            self.seen.append(out.detach().clone())
+        return out
+
+    def factor(self) -> torch.Tensor:
+        if len(self.seen) != 1:
+            raise RuntimeError(f"clip_grad_norm_ called torch.clamp {len(self.seen)} times; the observer expects "
+                               "once (torch.nn.utils.clip_grad changed)")
+        return self.seen[0]
+
+
+def run(request: dict, phases: Phases) -> dict:
+    if request["tp"] != 1:
+        raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
+    with phases("import"):
+        import transformers
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+    with hf_model.float64_mode(hf, on=request["dtype"] == "float64") as replaced:  # put back when the cell ends
+        return _run(request, phases, hf, transformers, replaced)
+
+
+def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) -> dict:
+    m, train = request["config"]["model"], request["config"]["train"]
+    dtype = torch_env.DTYPES[request["dtype"]]
+    name_map = NameMap.load(m["family"], "hf")
+    with phases("setup"):
+        device = torch_env.select_device(request["device"])
+        determinism = torch_env.apply_determinism(device)
+        checkpoint = torch_env.load_inputs(request["checkpoint"], device)
+        model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
+        trainer = Trainer(model, train, m, name_map, dtype, transformers)
+    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes)
+    refeed = request["config"].get("train_refeed")
+    for step in range(1, train["steps"] + 1):
+        with phases(f"step {step}"):
+            if refeed:  # side a's state after the previous step, and its lr for this one
+                load_state(trainer.states, refeed, step, trainer.set_lr)
+            scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed)
+            if scalars:
+                writer.write(step, scalars, states)
+            flip = train.get("flip")
+            if flip and flip["after_step"] == step:
+                flip_state(trainer.states, flip)
+    return {
+        "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "implementation": f"{hf.__name__}.DeepseekV3ForCausalLM trained with torch.optim.AdamW, "
+                          f"torch.nn.utils.clip_grad_norm_ and transformers' LambdaLR schedule "
+                          f"({'fp32 master weights' if train['master_weights'] else 'no master weights'})",
+        "adapters": [{"name": "ClipFactor", "why": ClipFactor.__doc__.split(":")[0] + " (an observer)",
+                      "changes_computation": False}],
+        "knobs": trainer.knobs, "state_locations": state_locations(m["family"], "hf", QUANTITIES),
+        "float64_mode": float64_mode,
+        "steps_kept": train["steps_kept"], "refeed": refeed or {}, "determinism": determinism,
+        **torch_env.provenance(device),
+    }
+
+
+class Trainer:
+    """The model, its optimizer and schedule, and one training step."""
+
+    def __init__(self, model, train: dict, m: dict, name_map: NameMap, dtype, transformers):
+        self.model, self.train, self.micro_batches = model, train, train["micro_batches"]
+        params = dict(model.named_parameters())
+        self.masters = ({name: p.detach().float().clone().requires_grad_(True) for name, p in params.items()}
+                        if train["master_weights"] else {})
+        optimized = self.masters or params
+        groups, self.knobs = param_groups(optimized, train)
+        flags = {"default": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
+                 "fused": {"fused": True}}[train["torch_adamw"]]
+        beta1, beta2 = train["betas"]
+        self.optimizer = torch.optim.AdamW(groups, lr=train["lr"], betas=(beta1, beta2), eps=train["eps"],
+                                           weight_decay=train["weight_decay"], **flags)
+        self.scheduler = schedule(self.optimizer, train, transformers)
+        self.knobs.update({
+            "AdamW": {"value": {"lr": train["lr"], "betas": [beta1, beta2], "eps": train["eps"],
+                                "weight_decay": train["weight_decay"], **flags},
+                      "why": f"torch.optim.AdamW; torch_adamw = {train['torch_adamw']!r}"},
+            "clip_grad_norm_": {"value": train["clip_grad"], "why": "global L2 norm over the optimized tensors' "
+                                                                    "gradients (0: not clipped)"},
+            "schedule": {"value": type(self.scheduler).__name__ + " from " + self.scheduler_source,
+                         "why": f"{train['decay_style']}: warmup {train['warmup_steps']} steps from 0, "
+                                f"decay to {train['min_lr']} over {train['decay_steps']} steps"},
+            "gradient_accumulation": {"value": self.micro_batches, "why": "(loss / micro_batches).backward() per "
+                                                                          "micro-batch, as HF's Trainer"},
+            "expert_bias_update": {"value": train["expert_bias_update"], "why": "HF's training code never changes "
+                                                                                "e_score_correction_bias"},
+        })
+        self.states = TorchStates({name: rule for name, _ in train_state_names(m)
+                                   for rule in [name_map.rule("grads", name, m)]},
+                                  params, self.masters, self.optimizer)
+        buffers = dict(model.named_buffers())  # HF's buffer names are the checkpoint's ([hf.checkpoint]: same)
+        self.states.buffers = {name: buffers[name] for name, _ in train_buffer_names(m)}
+
+    @property
+    def scheduler_source(self) -> str:
+        return ("transformers.get_cosine_with_min_lr_schedule_with_warmup" if self.train["decay_style"] == "cosine"
+                else "transformers.get_constant_schedule_with_warmup")
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, step: int, checkpoint: dict, dtype, vocab: int, refeed: dict | None):
+        model, n = self.model, self.micro_batches
+        self.optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        for master in self.masters.values():
+            master.grad = torch.zeros_like(master)
+        losses = []
+        for mb in range(n):
+            ids = checkpoint[f"step{step}.mb{mb}.input_ids"].view(1, -1)
+            labels = checkpoint[f"step{step}.mb{mb}.labels"].view(1, -1)
+            logits = model(input_ids=ids, use_cache=False).logits
+            if dtype == torch.float64:  # HF's ForCausalLMLoss upcasts to float32 first (hf_model: float64 mode)
+                from transformers.loss.loss_utils import fixed_cross_entropy
+                loss = fixed_cross_entropy(logits.view(-1, vocab), labels.view(-1))
+            else:
+                loss = model.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=labels)
+            scaled = loss / n
+            scaled.backward()
+            losses.append(scaled.detach())
+            params = dict(model.named_parameters())
+            for name, master in self.masters.items():
+                param = params[name]
+                if param.grad is not None:
+                    master.grad.add_(param.grad)
+                    param.grad = None
+        if refeed and refeed.get("mode") == "update":  # side a's gradients into this optimizer
+            load_grads(self.states, refeed, step)
+        lrs = {group["lr"] for group in self.optimizer.param_groups}
+        if len(lrs) != 1:
+            raise RuntimeError(f"param groups disagree on the lr: {sorted(lrs)}")
+        bare = self.train.get("bare")  # bench_speed: the stack's calls alone, nothing observed or written
+        grads = {} if bare else {f"grad.{n}": t.clone() for n, t in self.states.canonical("grad").items()}
+        optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.train["clip_grad"] > 0:
+            observer = ClipFactor()
+            with nullcontext() if bare else observer:
+                norm = torch.nn.utils.clip_grad_norm_(optimized, self.train["clip_grad"])
+            factor = None if bare else observer.factor()
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in optimized if p.grad is not None])
+            factor = torch.tensor(1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, master in self.masters.items():
+                params[name].copy_(master)
+        if bare:
+            return {}, {}
+        loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": torch.stack(losses).to(loss_dtype),
+                   "grad_norm": norm.detach().to(torch.float64).reshape(()),
+                   "clip_coeff": factor.to(torch.float64).reshape(())}
+        states = dict(grads)
+        for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
+            if quantity == "master" and not self.masters:
+                continue
+            states.update({f"{quantity}.{name}": tensor for name, tensor in self.states.canonical(quantity).items()})
+        states.update({f"expert_bias.{name}": buffer for name, buffer in self.states.buffers.items()})
+        return scalars, {name: tensor.detach() for name, tensor in states.items()}  # host copies: one at a time
+
+
+def param_groups(optimized: dict, train: dict) -> tuple[list[dict], dict]:
+    """torch's way of exempting parameters from weight decay: a param group with weight_decay 0."""
+    choice = train["weight_decay_params"]
+    if choice in ("default", "all"):
+        return [{"params": list(optimized.values())}], {
+            "weight_decay_params": {"value": choice, "why": "one param group: torch decays every parameter"}}
+    decay = [p for p in optimized.values() if p.dim() > 1]
+    exempt = [p for p in optimized.values() if p.dim() <= 1]
+    return [{"params": decay}, {"params": exempt, "weight_decay": 0.0}], {
+        "weight_decay_params": {"value": choice, "why": f"a second param group with weight_decay 0 for the "
+                                                        f"{len(exempt)} 1-D parameters (Megatron's default)"}}
+
+
+def schedule(optimizer, train: dict, transformers):
+    if train["decay_style"] == "cosine":
+        return transformers.get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup_steps=train["warmup_steps"], num_training_steps=train["decay_steps"],
+            min_lr=train["min_lr"])
+    return transformers.get_constant_schedule_with_warmup(optimizer, num_warmup_steps=train["warmup_steps"])
+

@@ -1,0 +1,134 @@
+"""A torch training run's per-parameter state in canonical names, both ways: read for the per-step dumps, written back
+for the negative control's planted bit and for the re-feed in time (side b starts a step from side a's state).
+
+``States`` is the interface (``canonical(quantity)``, ``put(quantity, name, value)``); ``TorchStates`` implements it
+through name-map rules (hf_model: the ``[hf.grads]`` rule of each canonical name, applied to the parameter, its master,
+its gradient or its AdamW moments alike); Megatron's runner has its own (its parameters are canonical already).
+Writing back inverts the rule with copies only (a slice of a fused tensor, the halves of a cat0, a transpose).
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from harness.capture.torch import apply_rule
+from harness.run.steps import step_file
+
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+            torch.float16: torch.int16}
+STATE = ("exp_avg", "exp_avg_sq", "master", "param")  # what a step hands to the next (the grads are remade)
+
+
+class TorchStates:
+    def __init__(self, rules: dict, params: dict, masters: dict, optimizer):
+        self.rules, self.params, self.masters, self.optimizer = rules, params, masters, optimizer
+        self.buffers: dict[str, torch.Tensor] = {}  # canonical routing-bias name -> the model's buffer
+
+    def source(self, quantity: str, name: str) -> torch.Tensor:
+        optimized = self.masters.get(name, self.params[name])
+        if quantity == "grad":
+            if optimized.grad is None:
+                optimized.grad = torch.zeros_like(optimized)
+            return optimized.grad
+        if quantity == "param":
+            return self.params[name]
+        if quantity == "master":
+            return self.masters[name]
+        state = self.optimizer.state.get(optimized, {})
+        if quantity not in state:
+            raise RuntimeError(f"AdamW keeps no {quantity!r} for {name} (it has {sorted(state)})")
+        return state[quantity]
+
+    def canonical(self, quantity: str) -> dict[str, torch.Tensor]:
+        return {name: self.one(quantity, name) for name in self.rules}
+
+    def one(self, quantity: str, name: str) -> torch.Tensor:
+        rule = self.rules[name]
+        return apply_rule(rule, [self.source(quantity, s) for s in rule.sources])
+
+    @torch.no_grad()
+    def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
+        rule = self.rules[name]
+        put_rule(rule, [self.source(quantity, s) for s in rule.sources], value)
+
+
+def put_rule(rule, targets: list[torch.Tensor], value: torch.Tensor) -> None:
+    """Copy a canonical tensor into the framework tensors its rule reads (the inverse of ``apply_rule``)."""
+    if tuple(apply_rule(rule, targets).shape) != tuple(value.shape):
+        raise ValueError(f"canonical shape {list(value.shape)} does not fit rule {rule.kind} of {rule.sources}")
+    if rule.kind == "same":
+        targets[0].copy_(value)
+    elif rule.kind == "transpose":
+        targets[0].copy_(value.transpose(-1, -2))
+    elif rule.kind == "slice":
+        targets[0][rule.index].copy_(value)
+    elif rule.kind in ("cat0", "transpose_cat0"):
+        start = 0
+        for target in targets:
+            rows = target.shape[-1] if rule.kind == "transpose_cat0" else target.shape[0]
+            part = value[start:start + rows]
+            target.copy_(part.transpose(-1, -2) if rule.kind == "transpose_cat0" else part)
+            start += rows
+    else:
+        raise ValueError(f"rule {rule.kind!r} cannot be written back")
+
+
+def host_bytes(tensor: torch.Tensor):
+    """A tensor's raw bytes on the host (for its digest), one tensor at a time: a full-size step's state does not fit
+    the host's memory at once."""
+    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+
+
+def save_on_host(tensors: dict[str, torch.Tensor], path: str, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, path, metadata)
+
+
+@torch.no_grad()
+def flip_state(states, flip: dict) -> None:
+    """The negative control: one bit of one element of one state tensor, through the framework's own tensor."""
+    value = states.one(flip["state"], flip["tensor"]).clone()
+    bits = value.view(INT_VIEW[value.dtype])
+    index = tuple(flip["index"])
+    mask = torch.tensor(1 << flip["bit"], dtype=bits.dtype)  # the registry keeps the bit below the sign bit
+    bits[index] = torch.bitwise_xor(bits[index], mask)
+    states.put(flip["state"], flip["tensor"], value)
+
+
+def _read(folder, step: int, names) -> dict[str, torch.Tensor]:
+    path = step_file(folder, step)
+    with safe_open(str(path), framework="pt") as handle:
+        available = set(handle.keys())
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise RuntimeError(f"re-feed: side a's {path} lacks {missing[0]} ({len(missing)} missing): side a must "
+                               "keep every step's tensors (train.steps_kept = \"all\")")
+        return {name: handle.get_tensor(name) for name in names}
+
+
+@torch.no_grad()
+def load_state(states, refeed: dict, step: int, set_lr) -> None:
+    """Side a's state after step - 1 (parameters, masters, both moments, the routing biases) into this run, and side
+    a's lr for this step. The step count stays this run's own: it made the same number of steps."""
+    folder = refeed["from"]
+    if step > 1:
+        quantities = [q for q in STATE if q != "master" or getattr(states, "masters", True)]
+        names = [f"step{step - 1}.{q}.{n}" for q in quantities for n in states.rules]
+        names += [f"step{step - 1}.expert_bias.{n}" for n in states.buffers]
+        for key, value in _read(folder, step - 1, names).items():
+            _, quantity, name = key.split(".", 2)
+            if quantity == "expert_bias":
+                states.buffers[name].copy_(value)
+            else:
+                states.put(quantity, name, value)
+    set_lr(float(_read(folder, step, [f"step{step}.lr"])[f"step{step}.lr"]))
+
+
+@torch.no_grad()
+def load_grads(states, refeed: dict, step: int) -> None:
+    """Side a's accumulated gradients of this step in place of this run's (the update re-fed alone)."""
+    names = [f"step{step}.grad.{n}" for n in states.rules]
+    for key, value in _read(refeed["from"], step, names).items():
+        states.put("grad", key.split(".", 2)[2], value)

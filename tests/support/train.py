@@ -1,0 +1,21 @@
+"""Tiny training cases (op causal_lm_train) for the tests: a 2-layer DeepSeek-V3 with 8 experts top-2 and widths of
+a few dozen, 8 tokens, 2 steps of 2 micro-batches: one side trains in about a second."""
+
+from __future__ import annotations
+
+from tests.support.cases import tiny_case
+
+TINY_MODEL = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 96,
+              "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+              "vocab_size": 128}
+TINY_TRAIN = {"steps": 2, "micro_batches": 2, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0, "decay_steps": 2}
+
+
+def tiny_train_case(name: str = "tiny_train", **fields) -> str:
+    """One training case table in TOML; `fields` override (a field set to None is left out)."""
+    table = {"family": "train", "op": "causal_lm_train", "dtype": "float32", "seed": 7, "tokens": 8,
+             "runners": ["megatron_model", "hf_model"], "devices": ["cpu"], "config": {"model": TINY_MODEL},
+             "train": TINY_TRAIN, "expect": {}, "shapes": None, **fields}
+    return tiny_case(name, **table)

@@ -1,0 +1,185 @@
+"""The training level end to end on the CPU with the real stacks: tiny 2-layer DeepSeek-V3 (8 experts top-2, widths
+of a few dozen, 8 tokens), 2 steps of 2 micro-batches (tests/support/train.py), each side in its own training code.
+
+- Megatron-Core against HF gives a verdict per step, the first divergence in time, and the float64 truth per step.
+- The negative control: one bit of one Adam moment flipped on side b after step 1 is found at step 2 in exactly that
+  parameter's exp_avg and parameter, and nowhere else at step 2; step 1 is bitwise equal.
+- A stack against itself is bitwise equal at every step (the runs are deterministic across processes); with only
+  some steps kept the others are compared by digest and give the same per-tensor verdicts.
+- Megatron-Core against PaddleFormers gives per-step verdicts; Paddle cannot train in bf16 on a CPU (UNSUPPORTED,
+  the kernel named).
+"""
+
+import json
+
+import pytest
+
+from harness.commands.compare import CompareOptions, compare_case
+from tests.support.cases import write_cases
+from tests.support.train import TINY_MODEL, TINY_TRAIN, tiny_train_case
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
+
+TENSOR = "model.layers.0.self_attn.q_a_proj.weight"
+FLIP = {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": TENSOR, "index": [5, 7], "bit": 20}
+ALIGNED = {"expert_bias_update": "off", "weight_decay_params": "not_1d"}  # the stacks' choices made the same
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    return write_cases(tmp_path_factory.mktemp("train-cases"), *[
+        tiny_train_case("t_megatron_hf"),
+        tiny_train_case("t_megatron_paddle", runners=["megatron_model", "paddle_model"]),
+        tiny_train_case("t_control_megatron", runners=["megatron_model", "megatron_model"],
+                        train={**TINY_TRAIN, "flip": FLIP}),
+        tiny_train_case("t_hf_kept", runners=["hf_model", "hf_model"],
+                        train={**TINY_TRAIN, "flip": FLIP, "steps_kept": [1]}),
+        tiny_train_case("t_paddle_bf16", runners=["paddle_model", "paddle_model"], dtype="bfloat16"),
+        tiny_train_case("t_megatron_hf_aligned", train={**TINY_TRAIN, **ALIGNED, "clip_grad": 0.0}),
+        tiny_train_case("t_float64", dtype="float64", train={**TINY_TRAIN, **ALIGNED}),
+        tiny_train_case("t_float64_dense", dtype="float64", train={**TINY_TRAIN, **ALIGNED},
+                        config={"model": {**TINY_MODEL, "first_k_dense_replace": 2}}),
+        tiny_train_case("t_float64_planted", dtype="float64", runners=["hf_model", "hf_model"],
+                        train={**TINY_TRAIN, **ALIGNED},
+                        perturb={"side": "b", "tensor": "model.layers.0.self_attn.kv_b_proj.weight", "index": [5, 3],
+                                 "bit": 50}),
+    ])
+
+
+def _run(name, cases, tmp_path, checkpoints_dir, **kwargs):
+    result, run_dir = compare_case(name, CompareOptions(cases_dir=cases, checkpoints_dir=checkpoints_dir,
+                                                        reports_dir=tmp_path / "reports", **kwargs))
+    report = json.loads((run_dir / "report.json").read_text())
+    tails = "\n".join(s["stderr_tail"][-2000:] for s in report["sides"] if s["status"] != "ok")
+    return result, run_dir, report, tails
+
+
+def test_megatron_against_hf_gives_a_verdict_per_step_and_the_truth_per_step(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_megatron_hf", cases, tmp_path, checkpoints_dir)
+    assert result.verdict in ("DIFF", "BITWISE_PASS"), (result.message, tails)
+    train = report["train"]
+    assert [s["step"] for s in train["steps"]] == [1, 2] and train["parameters"] == 42
+    for step in train["steps"]:
+        assert step["verdict"] in ("DIFF", "BITWISE_PASS")
+        assert set(step["quantities"]) == {"grad", "exp_avg", "exp_avg_sq", "param", "expert_bias"}
+        assert step["scalars"]["lr"]["equal"]  # both schedules give 1e-3, then the cosine floor's exact value
+        assert set(step["truth"]) >= {"grad", "param", "loss"}, step["truth"]
+    first = train["first_divergence"]
+    assert (first is None) == (result.verdict == "BITWISE_PASS")
+    assert first is None or result.first_divergence == first["tensor"]
+    for side in report["sides"][:2]:
+        assert set(side["meta"]["state_locations"]) >= {"grad", "exp_avg", "param"}
+    adapters = {a["name"] for a in report["sides"][0]["meta"]["adapters"]}
+    assert {"cuda_factory_to_cpu", "tensor_type_cuda_names", "clip_scale"} <= adapters
+    markdown = (run_dir / "report.md").read_text()
+    assert "## Training steps" in markdown and "Closer to the float64 truth" in markdown
+    assert (run_dir / "pictures" / "train_steps.png").exists()
+
+
+def test_negative_control_is_found_at_its_step_in_its_parameter(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_control_megatron", cases, tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "DIFF", (result.message, tails)
+    step1, step2 = report["train"]["steps"]
+    assert step1["verdict"] == "BITWISE_PASS"
+    assert report["train"]["first_divergence"] == {"step": 2, "quantity": "exp_avg",
+                                                   "tensor": f"step2.exp_avg.{TENSOR}"}
+    differing = {t["name"] for t in report["tensors"] if t["status"] != "EQUAL" and t["name"].startswith("step2.")}
+    assert differing == {f"step2.exp_avg.{TENSOR}", f"step2.param.{TENSOR}"}
+    exp_avg = next(t for t in report["tensors"] if t["name"] == f"step2.exp_avg.{TENSOR}")
+    assert exp_avg["mismatches"] == 1 and exp_avg["first_mismatch"]["index"] == [5, 7]
+
+
+def test_a_stack_against_itself_keeps_its_bits_and_digests_stand_for_unkept_steps(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_hf_kept", cases, tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "DIFF", (result.message, tails)
+    step1, step2 = report["train"]["steps"]
+    assert step1["verdict"] == "BITWISE_PASS" and step1["kept"] and not step2["kept"]
+    rows = {t["name"]: t for t in report["tensors"]}
+    assert rows[f"step2.exp_avg.{TENSOR}"]["status"] == "DIFF"
+    assert "by digest" in rows[f"step2.exp_avg.{TENSOR}"]["note"]
+    assert rows[f"step2.grad.{TENSOR}"]["status"] == "EQUAL"
+    assert {n for n, t in rows.items() if n.startswith("step2.") and t["status"] != "EQUAL"} == {
+        f"step2.exp_avg.{TENSOR}", f"step2.param.{TENSOR}"}
+    assert not any(".param." in name for name in _keys(run_dir / "a-hf_model" / "steps" / "step00002.safetensors"))
+
+
+def _keys(path):
+    from safetensors import safe_open
+    with safe_open(str(path), framework="numpy") as handle:
+        return list(handle.keys())
+
+
+def test_megatron_against_paddle_gives_a_verdict_per_step(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_megatron_paddle", cases, tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict in ("DIFF", "BITWISE_PASS"), (result.message, tails)
+    assert [s["verdict"] for s in report["train"]["steps"]] and report["train"]["parameters"] == 42
+    paddle = report["sides"][1]["meta"]
+    assert "clip_norm_and_factor" in {a["name"] for a in paddle["adapters"]}
+    assert "moment1" in paddle["state_locations"]["exp_avg"]
+
+
+def test_paddle_cannot_train_bf16_on_a_cpu_and_says_which_kernel(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_paddle_bf16", cases, tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "UNSUPPORTED" and "matmul" in result.message and "bfloat16" in result.message
+
+
+@pytest.mark.parametrize("case, pair", [("t_float64", ("megatron_model", "hf_model")),
+                                        ("t_float64_dense", ("paddle_model", "hf_model")),
+                                        ("t_float64_dense", ("megatron_model", "paddle_model"))])
+def test_float64_check_of_every_state_name_per_pair(cases, tmp_path, checkpoints_dir, case, pair):
+    result, run_dir, report, tails = _run(case, cases, tmp_path, checkpoints_dir, oracle=False, runners=pair)
+    semantic = report["train"].get("semantic")
+    assert semantic, (result.verdict, result.message, tails)
+    assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
+    assert result.verdict in ("WITHIN_TOLERANCE", "BITWISE_PASS"), result.message
+    assert semantic["checked"] == sum(t["name"].startswith("step1.") for t in report["tensors"])
+
+
+def test_float64_disagreement_in_a_state_tensor_is_a_mapping_error_naming_it(cases, tmp_path, checkpoints_dir):
+    """A planted difference (bit 50 of one weight element on side b) stands in for a mapping error: step 1's loss,
+    the first output of the step, is beyond the agreement, and the run is an ERROR naming it, never a DIFF."""
+    result, run_dir, report, tails = _run("t_float64_planted", cases, tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "ERROR", (result.message, tails)
+    assert "mapping error at step1.loss" in result.message, result.message
+    assert report["train"]["semantic"]["first_mismatch"] == "step1.loss"
+
+
+def test_refeed_in_time_says_the_planted_bit_was_carried_into_step_2(cases, tmp_path, checkpoints_dir):
+    result, run_dir, report, tails = _run("t_control_megatron", cases, tmp_path, checkpoints_dir, oracle=False,
+                                          refeed_ops=True)
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    step1, step2 = refeed["steps"]
+    assert step1["attribution"] == {}  # step 1 is bitwise equal
+    assert step2["attribution"] == {"exp_avg": "1 carried in, 41 equal", "param": "1 carried in, 41 equal"}
+    assert "Re-feed in time" in (run_dir / "report.md").read_text()
+
+
+def test_refeed_with_side_a_gradients_shows_megatron_adam_is_torch_adamw(cases, tmp_path, checkpoints_dir):
+    """No clipping and the choices aligned: on side a's gradients Megatron's optimizer and torch's AdamW give the same
+    moments and parameters bit for bit at every step, so every moment or parameter difference is made by the
+    gradients (or carried in), never by the optimizer."""
+    result, run_dir, report, tails = _run("t_megatron_hf_aligned", cases, tmp_path, checkpoints_dir, oracle=False,
+                                          refeed_ops=True)
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    for step in refeed["steps"]:
+        for quantity in ("exp_avg", "exp_avg_sq", "param"):
+            assert "optimizer" not in step["attribution"].get(quantity, ""), (step["step"], step["attribution"])
+        assert "made by the step's forward/backward" in step["attribution"]["grad"]
+    assert all(s["attribution"]["grad_norm"] == "1 made by the optimizer on side a's gradients"
+               for s in refeed["steps"])  # Megatron's norm (per tensor, square root in double) is its own
+
+
+def test_knob_matrix_shows_which_knob_removes_which_difference(cases, tmp_path, checkpoints_dir):
+    """Megatron moves its routing biases after every step, HF does not: the knob that turns Megatron's update off
+    removes those differences, and the matrix says so."""
+    from harness.commands import train_matrix
+
+    options = CompareOptions(cases_dir=cases, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports",
+                             oracle=False)
+    assert train_matrix.run("t_megatron_hf", options, knobs=[{"expert_bias_update": "off"}]) == 0
+    matrix = json.loads(next((tmp_path / "reports").glob("*knob-matrix*/matrix.json")).read_text())
+    written, off = matrix["cells"]
+    assert written["differing"]["expert_bias"] == 2 and off["differing"]["expert_bias"] == 0
+    assert "expert_bias_update = off" in (next((tmp_path / "reports").glob("*knob-matrix*/matrix.md")).read_text())
