@@ -1,6 +1,7 @@
 """Token and runner-pair sweeps: the command line, the exit-code rule, and one real sweep end to end."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,85 @@ def test_sweep_over_tokens_and_both_torch_layouts(tmp_path):
     assert "## megatron vs torch_nn" in text and "| tokens | verdict | out | grad.input | grad.weight |" in text
     assert "| 7 | BITWISE_PASS | = | = | = |" in text
     assert set(saved["provenance"]) == {"megatron", "torch", "torch_nn"}
+
+
+class _Cells:
+    """Test doubles for the two halves of a comparison (``compare.start_case``/``finish_case``), so the sweep's own
+    pipelining is tested alone: which cells start, which get a report, in which order. `finish_hook(tokens)` runs in
+    the finisher thread before a cell's report is written."""
+
+    def __init__(self, monkeypatch, start_error=None, finish_hook=None):
+        self.started, self.finished, self.start_returned = [], [], {}
+        self.start_error, self.finish_hook = start_error or {}, finish_hook or (lambda tokens: None)
+        monkeypatch.setattr(sweep.pipeline, "start_case", self.start_case)
+        monkeypatch.setattr(sweep.pipeline, "finish_case", self.finish_case)
+
+    def start_case(self, name, options):
+        import threading
+
+        from harness.commands.compare import Started
+        from harness.compare.result import CaseResult
+
+        run_dir = Path(options.reports_dir) / f"{name}-{options.tokens}"
+        run_dir.mkdir()
+        result = CaseResult(run_id=run_dir.name, case_name=name, device="cpu",
+                            case={"tokens": options.tokens, "runners": ["megatron", "torch"]})
+        self.started.append(options.tokens)
+        begun = Started(result, run_dir, options, clock=None, error=self.start_error.get(options.tokens))
+        self.start_returned.setdefault(options.tokens, threading.Event()).set()
+        return begun
+
+    def finish_case(self, begun):
+        from harness.compare.result import ERROR
+        from harness.run import supervisor
+
+        tokens = begun.result.case["tokens"]
+        self.finish_hook(tokens)
+        begun.result.verdict = ERROR if begun.error else "BITWISE_PASS"
+        (begun.run_dir / "report.json").write_text(json.dumps({"tokens": tokens, "verdict": begun.result.verdict}))
+        self.finished.append(tokens)
+        if begun.error is not None:  # as failsafe.finish: an interrupted run re-raises once its report is written
+            raise supervisor.Interrupted(2)
+        return begun.result, begun.run_dir
+
+    def wait_started(self, tokens):
+        import threading
+
+        assert self.start_returned.setdefault(tokens, threading.Event()).wait(30), f"cell {tokens} never started"
+
+
+def test_a_sweep_finishes_each_cell_while_the_next_one_runs_and_in_order(tmp_path, monkeypatch):
+    cells = _Cells(monkeypatch, finish_hook=lambda tokens: tokens < 3 and cells.wait_started(tokens + 1))
+    report, sweep_dir = sweep.run_sweep("tiny", [1, 2, 3], options=CompareOptions(reports_dir=tmp_path),
+                                        progress=lambda line: None)
+    assert cells.started == cells.finished == [1, 2, 3]  # cell k finished only once cell k + 1 had started
+    assert [(cell["tokens"], cell["run_dir"]) for cell in report["cells"]] == [(k, f"tiny-{k}") for k in (1, 2, 3)]
+    assert all(json.loads((sweep_dir / f"tiny-{k}" / "report.json").read_text())["tokens"] == k for k in (1, 2, 3))
+
+
+def test_a_cell_started_before_the_sweep_stops_still_gets_its_report(tmp_path, monkeypatch):
+    """The cell before fails to write its report (a full disk) while this one's sides have run: the sweep stops with
+    that error, and this cell still gets its report (and its oracle's round ends before the workers close)."""
+    from harness import resources
+
+    def disk_full_after_the_next_cell_started(tokens):
+        if tokens == 1:
+            cells.wait_started(2)
+            raise resources.StorageError("cannot write report: no space left on device")
+
+    cells = _Cells(monkeypatch, finish_hook=disk_full_after_the_next_cell_started)
+    with pytest.raises(resources.StorageError, match="no space left"):
+        sweep.run_sweep("tiny", [1, 2, 3], options=CompareOptions(reports_dir=tmp_path), progress=lambda line: None)
+    assert cells.started == [1, 2] and cells.finished == [2]
+    assert json.loads(next(tmp_path.glob("*-sweep-tiny-*/tiny-2/report.json")).read_text())["tokens"] == 2
+
+
+def test_an_interrupted_cell_stops_the_sweep_without_the_command_lines_signal_handlers(tmp_path, monkeypatch):
+    """Ctrl-C in a library caller (no handlers installed: KeyboardInterrupt inside the cell): that cell's report says
+    so and no further cell starts its runners."""
+    from harness.run import supervisor
+
+    cells = _Cells(monkeypatch, start_error={1: KeyboardInterrupt()})
+    with pytest.raises(supervisor.Interrupted):
+        sweep.run_sweep("tiny", [1, 2, 3], options=CompareOptions(reports_dir=tmp_path), progress=lambda line: None)
+    assert cells.started == cells.finished == [1]

@@ -52,7 +52,10 @@ def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str
                  f"({cell['wall_seconds']:.1f} s) {_diff_summary(cell)}".rstrip())
 
     # Pipelined: a cell's oracle, comparisons and report are finished in the background while the next cell's
-    # checkpoint and framework sides run (one cell finishing at a time, so cells end in order).
+    # checkpoint and framework sides run (one finisher thread: one cell finishing at a time, so cells end in order).
+    # A started cell is handed to the finisher at once, before waiting on the cell before: whatever then stops the
+    # sweep (a signal during the wait, the cell before failing to write its report), leaving the executor waits for
+    # it, so it gets its report and its oracle's round ends before the workers do.
     with workers.fresh_processes(options.fresh_process), workers.serving(sweep_dir / "workers"), \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="sweep-finish") as finisher:
         finishing = None
@@ -61,11 +64,14 @@ def run_sweep(name: str, tokens: Sequence[int | None], pairs: Sequence[tuple[str
                 break
             clock = time.monotonic()
             begun = pipeline.start_case(name, replace(options, tokens=count, runners=pair, reports_dir=sweep_dir))
-            if finishing is not None:
-                finishing.result()  # the cell before: its report written (an interruption stops here)
-            finishing = finisher.submit(contextvars.copy_context().run, finish, begun, pair, count, clock)
+            before, finishing = finishing, finisher.submit(contextvars.copy_context().run, finish, begun, pair,
+                                                           count, clock)
+            if before is not None:
+                before.result()  # the cell before: its report written
+            if isinstance(begun.error, (supervisor.Interrupted, KeyboardInterrupt)):
+                break  # stopped by a signal (without the command line's handlers too): start no other cell
         if finishing is not None:
-            finishing.result()
+            finishing.result()  # an interrupted cell re-raises here, once its report is written
     report = {"schema": SWEEP_SCHEMA, "kind": "sweep", "sweep_id": sweep_id, "case": name,
               "device": options.device, "tokens": list(tokens),
               "pairs": list(dict.fromkeys(cell["pair"] for cell in cells)),
