@@ -95,6 +95,42 @@ def test_corrupted_weights_are_caught_by_a_new_process_and_by_verify(registry, t
     assert done.returncode != 0 and "changed or corrupted" in done.stderr, done.stderr[-2000:]
 
 
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    with open(path, "r+b") as out:  # in place: same inode, same size
+        out.write(bytes(data))
+
+
+def test_weights_changed_after_this_process_hashed_them_are_caught_by_their_times(registry, tmp_path, monkeypatch):
+    """A remembered hash counts only for the same path, inode, size, mtime and ctime: a change in place moves the
+    times, and the next load hashes the file again."""
+    monkeypatch.setattr(checkpoints, "SETTLED_NS", 0)  # every hash remembered at once, however recent the file
+    checkpoints.prepare(registry.get("fc1"), tmp_path)
+    checkpoint = checkpoints.prepare(registry.get("fc1"), tmp_path)  # hashed here, remembered
+    _flip_last_byte(checkpoint.weights / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"weights.safetensors: tensor 'weight' has sha256 .* corrupted"):
+        checkpoints.prepare(registry.get("fc1"), tmp_path)
+
+
+def test_weights_changed_in_the_tick_of_their_last_write_are_caught(registry, tmp_path, monkeypatch):
+    """File times are coarse on many kernels and filesystems (a jiffy, a second): a change in the tick of the write
+    before moves neither mtime nor ctime. A file whose times are that recent is hashed on every load, never
+    remembered, so such a change is still caught in the process that hashed the file before."""
+    real, first_seen = checkpoints._identity, {}
+
+    def coarse_times_double(file):  # named double: a filesystem whose times did not move on a same-tick write
+        identity = real(file)
+        return first_seen.setdefault(identity[0], identity)
+
+    monkeypatch.setattr(checkpoints, "_identity", coarse_times_double)
+    checkpoints.prepare(registry.get("fc1"), tmp_path)
+    checkpoint = checkpoints.prepare(registry.get("fc1"), tmp_path)  # hashed here, just after the write
+    _flip_last_byte(checkpoint.weights / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"weights.safetensors: tensor 'weight' has sha256 .* corrupted"):
+        checkpoints.prepare(registry.get("fc1"), tmp_path)
+
+
 def test_truncated_weights_are_caught_by_the_cheap_check(registry, tmp_path):
     """Every load checks each file's size and header against its manifest, even in the process that hashed it."""
     checkpoint = checkpoints.prepare(registry.get("fc1"), tmp_path)

@@ -18,8 +18,9 @@ purpose.
 What ``prepare`` verifies on every load: both manifests, and each file's size and header (names, dtypes, shapes)
 against its manifest, which is cheap; the sha256 of every tensor in the case's own folder (token-sized: what a
 cell reads anyway); the sha256 of every weight once per harness process and file, again whenever the file's size,
-inode or times change (a sweep or a night hashes a 2.3 GB table once, not once per cell; a part this process wrote
-was hashed as it was written). ``verify`` checks a folder and its weights in full.
+inode or times change (a sweep or a night hashes a 2.3 GB table once, not once per cell), and every time while the
+file's times are less than ``SETTLED_NS`` old (coarse timestamps: a write in the same tick moves none of them); a
+part that ``prepare`` writes is hashed as it is written. ``verify`` checks a folder and its weights in full.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,15 +103,16 @@ def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None =
             if weights_digest else None
     except paths.UnsafeName as error:
         raise CheckpointError(f"{error}; the checkpoint must stay inside {root}") from None
+    wrote_weights = False
     if weights and not (weights / MANIFEST).exists():
         with resources.boundary("checkpoint", weights):
-            _write_part(weights, WEIGHTS, [made[name] for name in weights_recipe["weights"]],
-                        {"kind": "weights", "digest": weights_digest, "recipe": weights_recipe})
-    wrote = not (folder / MANIFEST).exists()
-    if wrote:
+            wrote_weights = _write_part(weights, WEIGHTS, [made[name] for name in weights_recipe["weights"]],
+                                        {"kind": "weights", "digest": weights_digest, "recipe": weights_recipe})
+    wrote = False
+    if not (folder / MANIFEST).exists():
         inputs = [plan for name, plan in made.items() if name not in weights_recipe["weights"]]
         with resources.boundary("checkpoint", folder):
-            _write_case_part(case, folder, inputs, {"kind": "inputs", "case": case.name, "digest": digest_,
+            wrote = _write_case_part(case, folder, inputs, {"kind": "inputs", "case": case.name, "digest": digest_,
                                                     "recipe": recipe, "weights": weights_digest}, weights)
     manifest = _verify_case(folder, full=not wrote)
     if manifest.get("digest") != digest_:
@@ -119,7 +122,7 @@ def prepare(case: Case, root: Path = CHECKPOINTS_DIR, weights_file: str | None =
         raise CheckpointError(f"{folder / MANIFEST}: field 'weights' is {manifest.get('weights')!r}, "
                               f"but the case's weights are {weights_digest!r}; delete {folder} to regenerate it")
     if weights:
-        _verify_part(weights, WEIGHTS, full=True)
+        _verify_part(weights, WEIGHTS, full=not wrote_weights)  # what this call wrote was hashed as it was written
     return Checkpoint(folder, manifest, weights)
 
 
@@ -173,6 +176,10 @@ def _weights_recipe(case: Case, imported: dict, made: dict[str, generate.Plan]) 
 
 _HASHED: set[tuple] = set()  # (file, its stat, its manifest's digests) whose bytes this process has hashed
 _HASHED_LOCK = threading.Lock()
+# A file changed this recently is hashed every time, never remembered: on many kernels and filesystems a file's times
+# are coarse (a jiffy, a second), so a second write in the tick of the one before leaves size, mtime and ctime as
+# they were, and only a change after the file's times have settled is sure to move them.
+SETTLED_NS = 2_000_000_000
 
 
 def verify(folder: Path) -> dict:
@@ -220,14 +227,15 @@ def _check_file(folder: Path, file_name: str, expected: dict, manifest_path: Pat
             raise CheckpointError(f"{file}: tensor {name!r} is {header[name]['dtype']}{header[name]['shape']}, "
                                   f"manifest {manifest_path} says {entry['dtype']}{entry['shape']}. "
                                   f"Delete {folder} to regenerate it.")
-    stat = file.stat()
-    if size is not None and stat.st_size != size:
-        raise CheckpointError(f"{file}: {stat.st_size} bytes, manifest {manifest_path} says {size}: the file was "
+    looked = time.time_ns()
+    key = _identity(file)
+    stat_size = key[2]
+    if size is not None and stat_size != size:
+        raise CheckpointError(f"{file}: {stat_size} bytes, manifest {manifest_path} says {size}: the file was "
                               f"changed or corrupted. Delete {folder} to regenerate it.")
     if not full:
         return
-    key = (str(file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
-           json.dumps({name: entry["sha256"] for name, entry in expected.items()}, sort_keys=True))
+    key += (json.dumps({name: entry["sha256"] for name, entry in expected.items()}, sort_keys=True),)
     if cached and key in _HASHED:
         return
     actual = tensorfile.sha256s(file, hashlib.sha256)
@@ -237,8 +245,15 @@ def _check_file(folder: Path, file_name: str, expected: dict, manifest_path: Pat
                 f"{file}: tensor {name!r} has sha256 {actual[name][:16]}..., manifest "
                 f"{manifest_path} says {entry['sha256'][:16]}...: the file was changed or corrupted. "
                 f"Delete {folder} to regenerate it.")
-    with _HASHED_LOCK:
-        _HASHED.add(key)
+    if max(key[3], key[4]) < looked - SETTLED_NS:
+        with _HASHED_LOCK:
+            _HASHED.add(key)
+
+
+def _identity(file: Path) -> tuple:
+    """(path, inode, size, mtime, ctime): what must be the same for bytes hashed before to count as these bytes."""
+    stat = file.stat()
+    return str(file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 MANIFEST_KEYS = {"digest": str, "generator_version": int, "tensors": dict}
@@ -326,7 +341,7 @@ def tensor_sha256(array: np.ndarray) -> str:
 
 
 def _write_case_part(case: Case, folder: Path, made: list[generate.Plan], manifest: dict,
-                     weights: Path | None) -> None:
+                     weights: Path | None) -> bool:
     """The case's folder: its inputs and, for a negative control, the flipped copy of the part holding its tensor."""
 
     def flipped_copy(staging: Path, described: dict) -> dict:
@@ -343,13 +358,14 @@ def _write_case_part(case: Case, folder: Path, made: list[generate.Plan], manife
                               "tensors": {**tensors, case.perturb.tensor: {**tensors[case.perturb.tensor],
                                                                            "sha256": flipped}}}}
 
-    _write_part(folder, INPUTS, made, manifest, flipped_copy)
+    return _write_part(folder, INPUTS, made, manifest, flipped_copy)
 
 
-def _write_part(folder: Path, file_name: str, made: list[generate.Plan], manifest: dict, extra=None) -> None:
+def _write_part(folder: Path, file_name: str, made: list[generate.Plan], manifest: dict, extra=None) -> bool:
     """Write `made` into `folder`/`file_name` with its manifest, through a staging folder renamed into place
     (atomic: a concurrent writer of the same digest wins, we reuse its files); `extra(staging, described)` may add
-    files beside it and returns what it adds to the manifest."""
+    files beside it and returns what it adds to the manifest. True when these are the files now in place (hashed as
+    they were written), False when another writer's are."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
@@ -365,11 +381,8 @@ def _write_part(folder: Path, file_name: str, made: list[generate.Plan], manifes
         os.rename(staging, folder)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
-        return
-    stat = (folder / file_name).stat()  # hashed as it was written: this process need not hash it again
-    with _HASHED_LOCK:
-        _HASHED.add((str((folder / file_name).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns,
-                     stat.st_ctime_ns, json.dumps({n: e["sha256"] for n, e in described.items()}, sort_keys=True)))
+        return False
+    return True
 
 
 def write_tensors(path: Path, made: list[generate.Plan]) -> dict:
