@@ -131,6 +131,14 @@ def test_weights_changed_in_the_tick_of_their_last_write_are_caught(registry, tm
         checkpoints.prepare(registry.get("fc1"), tmp_path)
 
 
+def test_verify_refuses_a_weights_digest_that_leaves_the_weights_folder(registry, tmp_path):
+    checkpoint = checkpoints.prepare(registry.get("fc1"), tmp_path)
+    manifest = json.loads((checkpoint.folder / "manifest.json").read_text())
+    (checkpoint.folder / "manifest.json").write_text(json.dumps({**manifest, "weights": "../../fc1"}))
+    with pytest.raises(CheckpointError, match=r"manifest.json: key 'weights': weights digest name '../../fc1' "):
+        checkpoints.verify(checkpoint.folder)
+
+
 def test_truncated_weights_are_caught_by_the_cheap_check(registry, tmp_path):
     """Every load checks each file's size and header against its manifest, even in the process that hashed it."""
     checkpoint = checkpoints.prepare(registry.get("fc1"), tmp_path)

@@ -186,7 +186,11 @@ def verify(folder: Path) -> dict:
     """Check a case's folder and its weights in full (every tensor's sha256); return its manifest."""
     manifest = _verify_case(folder, full=True)
     if manifest.get("weights"):
-        _verify_part(Path(folder).parents[1] / WEIGHTS_DIR / manifest["weights"], WEIGHTS, full=True, cached=False)
+        try:
+            weights = paths.child(Path(folder).parents[1] / WEIGHTS_DIR, manifest["weights"], "weights digest")
+        except paths.UnsafeName as error:
+            raise CheckpointError(f"{Path(folder) / MANIFEST}: key 'weights': {error}") from None
+        _verify_part(weights, WEIGHTS, full=True, cached=False)
     return manifest
 
 
