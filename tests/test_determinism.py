@@ -115,3 +115,33 @@ def test_a_case_that_turns_the_truth_off_runs_no_oracle_side(tmp_path):
                "paddle": fake_runner(tmp_path, "fake_steady_python")}
     result, _ = run(tmp_path, pythons)
     assert [s.label for s in result.sides] == ["a", "b"] and result.verdict == "DIFF"
+
+
+def test_a_signal_during_repeats_lets_the_oracle_round_end_before_the_runs_own_workers(env, monkeypatch):
+    """compare --repeat N has workers of its own, closed when its runs end; the oracle's round, run beside the pair,
+    ends first, also when a signal stops the pair (else it may start a worker in a pool already closed)."""
+    import threading
+
+    from harness.commands import compare
+    from harness.run import supervisor, workers
+
+    events, closed, real_close = [], threading.Event(), workers.Pool.close
+
+    def close(pool):
+        events.append("workers closed")
+        closed.set()
+        real_close(pool)
+
+    def run_sides_double(case, sides, *args):  # named double: the pair stopped by a signal, the oracle still running
+        if sides[0].label == "oracle":
+            closed.wait(1.0)
+            events.append("oracle round ended")
+            return []
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers.Pool, "close", close)
+    monkeypatch.setattr(compare.orchestrate, "run_sides", run_sides_double)
+    with pytest.raises(supervisor.Interrupted):
+        compare_case("tiny", CompareOptions(cases_dir=env / "cases", checkpoints_dir=env / "ck",
+                                            reports_dir=env / "reports", repeat=2))
+    assert events == ["oracle round ended", "workers closed"]

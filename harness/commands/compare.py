@@ -12,7 +12,7 @@ import platform
 import sys
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -154,19 +154,22 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         extra = [] if not wants_truth else [truth] if truth else [] if is_model else [oracle_side(checkpoint)]
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
-            if extra and o.device == "cpu":  # beside the pair; on a GPU every side has the device alone, in turn
-                started.extras = _beside(orchestrate.run_sides, case, extra, o.device, run_dir, pythons, o.timeout)
-                extra = []
-            result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
-            first_round, runs = list(result.sides), o.repeat + (1 if pool is not None and o.repeat > 1 else 0)
-            started.first_round, started.runs = len(first_round), runs
-            # repeats in the worker, then one more in a fresh process: process-level nondeterminism shows too
-            for run in range(2, runs + 1):
-                again = determinism.repeat_sides(first_round, pair, run)
-                with workers.fresh_processes(run > o.repeat):
-                    result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
-            if o.repeat > 1 and started.extras:  # this run's own workers end with this block
-                started.extras.result()
+            try:
+                if extra and o.device == "cpu":  # beside the pair; on a GPU every side has the device alone, in turn
+                    started.extras = _beside(orchestrate.run_sides, case, extra, o.device, run_dir, pythons,
+                                             o.timeout)
+                    extra = []
+                result.sides = orchestrate.run_sides(case, pair + extra, o.device, run_dir, pythons, o.timeout)
+                first_round, runs = list(result.sides), o.repeat + (1 if pool is not None and o.repeat > 1 else 0)
+                started.first_round, started.runs = len(first_round), runs
+                # repeats in the worker, then one more in a fresh process: process-level nondeterminism shows too
+                for run in range(2, runs + 1):
+                    again = determinism.repeat_sides(first_round, pair, run)
+                    with workers.fresh_processes(run > o.repeat):
+                        result.sides += orchestrate.run_sides(case, again, o.device, run_dir, pythons, o.timeout)
+            finally:  # this run's own workers end with this block: the oracle's round first, a signal's too
+                if o.repeat > 1 and started.extras:
+                    wait([started.extras])
         started.clock.lap("runners")
     except BaseException as error:  # every failure, the harness's own and a signal included: finish_case records it
         started.error = error
