@@ -510,7 +510,6 @@ def _model_files(path: Path) -> dict[str, Path]:
     return dict.fromkeys(resources.safetensors_keys(path, CheckpointError), path)
 
 
-
 def _read(file: Path, name: str) -> np.ndarray:
     with safe_open(str(file), framework="numpy") as handle:
         return handle.get_tensor(name)

@@ -144,7 +144,6 @@ def _config(request, gate, **fields):
                              **fields)
 
 
-
 def _run(request, phases, forward, backward):
     with phases("forward"):
         out = forward()

@@ -134,7 +134,6 @@ def _name(text, request):
            f"use_accuracy_compatible={request['config'].get('use_accuracy_compatible')} is not read)"
 
 
-
 def rms_norm(request, tensors, gate, phases, guard):
     """``paddleformers.nn.norm.RMSNorm`` (``Norm.create(config, norm_type="rms_norm")``, as the decoder builds its
     layernorms): fused_rms_norm_ext with ``fuse_rms_norm``; else x * rsqrt(mean(x_fp32^2) + eps), cast to the weight

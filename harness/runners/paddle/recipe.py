@@ -463,7 +463,6 @@ def mla_up_projection(request, tensors, gate, phases, guard):
     return outputs, implementation + ", output viewed as [tokens, heads, head_dim]"
 
 
-
 def _yarn_mscale(scale, mscale):
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
