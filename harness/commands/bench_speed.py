@@ -84,6 +84,15 @@ def timed(command: list[str], repo: Path, **kwargs) -> tuple[float, subprocess.C
     return seconds, done
 
 
+def report_of(reports: Path, done: subprocess.CompletedProcess) -> dict:
+    """The report.json a compare or sweep wrote under `reports`; else an error with the command's stderr tail."""
+    found = next(reports.glob("*/report.json"), None)
+    if found is None:
+        raise RuntimeError(f"{' '.join(map(str, done.args))} exited {done.returncode} without a report in {reports}: "
+                           f"{done.stderr[-2000:]}")
+    return json.loads(found.read_text())
+
+
 def cpu_of(done: subprocess.CompletedProcess) -> float:
     return CPU_SECONDS.get(id(done), float("nan"))
 
@@ -129,7 +138,7 @@ def measure_compare(repo: Path, python: str, tokens: int, scratch: Path, round_n
     reports = scratch / f"r{round_number}-reports"
     compare_seconds, done = timed([python, "-m", "harness", "compare", CASE, "--tokens", str(tokens),
                                    "--reports", str(reports)], repo, timeout=3600)
-    report = json.loads(next(reports.glob("*/report.json")).read_text())
+    report = report_of(reports, done)
     slower = max(floor["megatron"], floor["paddle"])
     return {"compare_s": compare_seconds, "verdict": report.get("verdict"), "exit": done.returncode,
             "megatron_s": floor["megatron"], "paddle_s": floor["paddle"], "oracle_s": floor["oracle"],
@@ -146,7 +155,7 @@ def measure_sweep(repo: Path, python: str, tokens: list[int], scratch: Path, ext
     reports = Path(tempfile.mkdtemp(prefix="sweep-reports-", dir=scratch))
     seconds, done = timed([python, "-m", "harness", "compare", CASE, "--tokens", ",".join(map(str, tokens)),
                            "--reports", str(reports), *extra], repo, timeout=3600)
-    sweep = json.loads(next(reports.glob("*/report.json")).read_text())
+    sweep = report_of(reports, done)
     work = [max((framework_work(side.get("meta", {})) for side in cell["sides"] if side["label"] in ("a", "b")),
                 default=0.0) for cell in sweep.get("cells", [])]
     per_cell = seconds / max(1, len(tokens))
@@ -169,7 +178,7 @@ def measure_model(repo: Path, python: str, scratch: Path) -> dict:
     reports = Path(tempfile.mkdtemp(prefix="model-reports-", dir=scratch))
     compare_seconds, done = timed([python, "-m", "harness", "compare", MODEL_CASE, "--tokens", str(MODEL_TOKENS),
                                    "--reports", str(reports)], repo, timeout=3600)
-    report = json.loads(next(reports.glob("*/report.json")).read_text())
+    report = report_of(reports, done)
     return {"compare_s": compare_seconds, "cpu_s": cpu_of(done), "verdict": report.get("verdict"),
             "exit": done.returncode, "floor_s": floor, "sides_alone": sides,
             "model: compare / floor": compare_seconds / floor,
@@ -251,7 +260,7 @@ def measure_train(repo: Path, python: str, case: str, runners: list[str], scratc
     reports = scratch / "train-reports"
     seconds, done = timed([python, "-m", "harness", "compare", case, "--runners", ",".join(runners), "--no-oracle",
                            "--reports", str(reports)], repo, timeout=7200)
-    report = json.loads(next(reports.glob("*/report.json")).read_text())
+    report = report_of(reports, done)
     sides = {s["label"]: s for s in report.get("sides", [])}
     floor = sum(b["wall_s"] for b in bare.values())
     steps = fields["config"]["train"]["steps"]

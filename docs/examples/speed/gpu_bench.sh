@@ -12,11 +12,8 @@ timeout 480 python3 -m harness.commands.bench_speed --catalogue gpu --reports /t
 tail -3 $OUT/gpu_catalogue.log
 (cd /tmp/cat && tar czf $OUT/gpu_catalogue_reports.tgz --exclude='*.safetensors' --exclude='*.log' \
   --exclude='request.json' */report.json */report.md 2>/dev/null)
-T=8,16,24,32,40,48,56,64
+# the fc1 sweep (8..64) with the oracle off, then on (bench_speed runs both; no single compare, no model level)
 LEFT=$(( 570 - $(date +%s) + T0 )); echo "$LEFT s left for the sweeps"
-[ $LEFT -gt 60 ] && timeout $(( LEFT / 2 )) python3 -m harness.commands.bench_speed --skip-compare --sweep-tokens $T \
-  --sweep-args "--device gpu --no-oracle" --json $OUT/gpu_sweep_workers.json 2>&1 | tail -3
-LEFT=$(( 570 - $(date +%s) + T0 ))
-[ $LEFT -gt 40 ] && timeout $LEFT python3 -m harness.commands.bench_speed --skip-compare --sweep-tokens $T \
-  --sweep-args "--device gpu" --json $OUT/gpu_sweep_workers_oracle.json 2>&1 | tail -3
+[ $LEFT -gt 60 ] && timeout $LEFT python3 -m harness.commands.bench_speed --skip-compare --skip-model \
+  --sweep-tokens 8,16,24,32,40,48,56,64 --sweep-args "--device gpu" --json $OUT/gpu_sweeps.json 2>&1 | tail -4
 ls -la $OUT
