@@ -40,6 +40,7 @@ harness's rest), and ``--json`` keeps it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -195,15 +196,30 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
     from harness.run import placement, workers
 
     gpus = len(placement.visible_gpus()) if device == "gpu" else None
-    cases = [case.name for case in Registry.load().for_device(device) if case.op not in MODEL_OPS
-             and (gpus is None or case.tp <= gpus)]
+    cases, left_out = [], {}
+    for case in Registry.load().for_device(device):
+        if case.op in MODEL_OPS or (gpus is not None and case.tp > gpus):
+            continue
+        weights = case.weights_from
+        if weights and not weights.package and not weights.file:
+            left_out[case.name] = "needs --weights FILE"
+        elif weights and weights.package and importlib.util.find_spec(weights.package) is None:
+            left_out[case.name] = f"weights package {weights.package} not installed"
+        else:
+            cases.append(case.name)
+    for name, why in left_out.items():  # a cell that cannot start measures nothing: named, not counted
+        print(f"  {name}: not run ({why})", flush=True)
     options = CompareOptions(device=device, reports_dir=reports, checkpoints_dir=reports / "checkpoints",
                              oracle="--no-oracle" not in extra,
                              fresh_process="--fresh-process" in extra)
 
-    def drop_tensors(line: str) -> None:  # after each cell: full-size cells write GBs each; the reports stay
-        for tensors in reports.glob("2*/*/*/*.safetensors"):
-            tensors.unlink()
+    def drop_tensors(line: str) -> None:
+        """After each cell (full-size cells write GBs each): the tensors of cells whose report is written. A sweep
+        finishes a cell while the next one runs, so the next cell's fresh outputs must stay (dropping every file
+        here made that cell ERROR with its outputs missing, on the H200 and on the CPU)."""
+        for report in reports.glob("2*/*/report.json"):
+            for tensors in report.parent.glob("*/*.safetensors"):
+                tensors.unlink()
 
     started, summary = time.perf_counter(), {}
     with workers.fresh_processes(options.fresh_process), workers.serving(reports / "workers"):
@@ -216,6 +232,7 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
                   f"{_breakdown(summary[name])}", flush=True)
             shutil.rmtree(reports / "checkpoints" / name, ignore_errors=True)  # its inputs; weights are shared
     return {"device": device, "tokens": tokens, "cases": len(cases), "cells": len(cases) * len(tokens),
+            "left_out": left_out,
             "wall_s": round(time.perf_counter() - started, 1), "oracle": options.oracle,
             "fresh_process": options.fresh_process, "threads": os.cpu_count(), "per_case": summary}
 
