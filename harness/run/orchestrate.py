@@ -4,8 +4,9 @@ Each runner runs in its own process group (so a timeout kills it and everything 
 its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, default: this one), and
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
 Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
-(``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``).
-Inside ``workers.serving`` (a sweep, nightly, gate matrix or repeat) a TP=1 side is the next cell of a worker
+(``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``); so does a
+training side with train.dp > 1, whose ranks each check in their state after every step (``harness.run.steps``).
+Inside ``workers.serving`` (a sweep, nightly, gate matrix or repeat) a one-rank side is the next cell of a worker
 process that stays up across cells (``harness.run.workers``) instead of a process of its own.
 """
 

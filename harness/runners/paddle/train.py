@@ -136,8 +136,9 @@ def expert_parallel_dispatch() -> None:
     if not fused_a2a.HAVE_DEEP_EP:
         raise paddle_model.Unsupported(
             "expert parallel: PaddleFormers' DeepseekV3MoEFlexToken dispatches tokens only through DeepEP's fused "
-            "all-to-all (paddleformers/transformers/fused_a2a.py), and paddlefleet_ops.deep_ep (PaddleFleet's CUDA "
-            "package, not on PyPI) is not installed")
+            "all-to-all (paddleformers/transformers/fused_a2a.py; without it MoEFlexTokenDispatcher raises "
+            "'ImportError: DeepEP is not supported in your paddlepaddle whl package.'), and paddlefleet_ops.deep_ep "
+            "(PaddleFleet's CUDA package, not on PyPI) is not installed")
     raise RuntimeError("expert parallel with DeepEP installed: this runner trains PaddleFormers on the CPU only; "
                        "PaddleFleet's GPU model is not trained by the harness")
 

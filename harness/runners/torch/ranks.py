@@ -59,7 +59,8 @@ def assemble(name: str, shape, pieces: list[tuple[int, int, torch.Tensor]]) -> t
 def gather_pieces(pieces: dict[str, tuple[int, int, torch.Tensor]], shapes: dict, group, device) -> dict:
     """{name: whole tensor on `device`} for every name some rank holds a piece of (`shapes`: name -> shape)."""
     by_name: dict[str, list] = {}
-    for held in everyone({n: (s, e, t.detach().cpu()) for n, (s, e, t) in pieces.items()}, group):
+    # a clone each: pickling a view pickles its whole storage (a piece of Megatron's flat buffer would carry all of it)
+    for held in everyone({n: (s, e, t.detach().cpu().clone()) for n, (s, e, t) in pieces.items()}, group):
         for name, piece in held.items():
             by_name.setdefault(name, []).append(piece)
     return {name: assemble(name, shapes[name], parts).to(device) for name, parts in by_name.items()}
