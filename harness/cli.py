@@ -21,7 +21,7 @@ from harness.commands import (
     failsafe,
     gate_matrix,
     nightly,
-    nightly_shards,
+    nightly_merge,
     publish,
     run_folder,
     sweep,
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     compare.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     nightly.add_parser(commands)
-    nightly_shards.add_parser(commands)
+    nightly_merge.add_parser(commands)
     publish.add_parser(commands)
     baseline.add_parser(commands)
     doctor.add_parser(commands)
@@ -127,7 +127,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "diff":
         return _diff(args)
     if args.command == "nightly-merge":
-        return nightly_shards.main(args)
+        return nightly_merge.main(args)
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")

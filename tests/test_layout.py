@@ -74,3 +74,60 @@ def imported_test_modules(path: Path) -> set[str]:
 def test_the_test_import_check_sees_one(tmp_path):
     (tmp_path / "test_x.py").write_text("from tests.test_report_blocks import assert_same_text\n")
     assert imported_test_modules(tmp_path / "test_x.py") == {"tests.test_report_blocks"}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """harness module -> the harness modules it imports, anywhere in its file (a lazy import inside a function too)."""
+    names = {".".join(("harness", *p.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in MODULES}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for module in imported_names(path):
+            while module and module not in names:  # harness.run.workers.Pool -> harness.run.workers
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                found.add(module)
+        graph[name] = found
+    return graph
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every dotted harness name a file imports: `from harness.run import workers` gives harness.run.workers."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "harness":
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "harness"}
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle, as the path that closes it (depth-first, the first one found through each module)."""
+    found, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            found.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for child in sorted(graph.get(node, ())):
+            visit(child, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_two_modules_import_each_other_through_any_path():
+    # a package's __init__ may import its own modules (it is imported by them anyway)
+    graph = {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in module_graph().items()}
+    assert not cycles(graph)
+
+
+def test_the_cycle_check_sees_a_lazy_import_back():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -224,3 +224,18 @@ def test_the_command_line_passes_steps_kept(tmp_path, capsys):
     code = main(["--cases", str(cases), "compare", "tr", "--steps-kept", "9", "--reports", str(tmp_path / "r"),
                  "--checkpoints", str(tmp_path / "ck")])
     assert code == 2 and "--steps-kept 9: step 9 is outside 1..2" in capsys.readouterr().out
+
+
+def test_memory_is_sized_for_one_step_not_all_of_them(monkeypatch):
+    """Each side writes, and the comparator reads, one step at a time: 100 steps need what 3 steps need (the GPU
+    _full twin was refused at 229.5 GiB, all three steps' state summed, on a machine with 125 GiB)."""
+    from harness import resources
+    from harness.case import checkpoints
+
+    needs = []
+    monkeypatch.setattr(resources, "check_memory", lambda need, what: needs.append(need))
+    registry = Registry.load()
+    for name in ("kimi_k2_2layer_train", "kimi_k2_2layer_train_100"):
+        checkpoints.check_memory(replace(registry.get(name), runners=("megatron_model", "hf_model")))
+    three, hundred = needs
+    assert three < hundred < 1.01 * three  # the extra steps add only their ids and labels (all steps: 33 times)

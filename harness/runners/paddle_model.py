@@ -1,7 +1,18 @@
-"""``python -m harness.runners.paddle_model``: a whole model (op ``causal_lm``), PaddleFleet's GPTModel or
-PaddleFormers' DeepseekV3; the code is ``harness.runners.paddle.model``."""
+"""``python -m harness.runners.paddle_model``: a whole model, PaddleFleet's GPTModel (GPU) or PaddleFormers'
+DeepseekV3 (CPU): one forward and backward (op ``causal_lm``, ``paddle/model.py``) or N optimizer steps with Paddle's
+AdamW (op ``causal_lm_train``, ``paddle/train.py``)."""
+
+from harness.run.protocol import Phases, serve
+
+
+def run(request: dict, phases: Phases) -> dict:
+    from harness.runners.paddle import model, train
+
+    return (train.run if request["op"] == "causal_lm_train" else model.run)(request, phases)
+
 
 if __name__ == "__main__":
-    from harness.runners.paddle.model import main
+    # the Paddle runner's: they guard a missing paddle the same way
+    from harness.runners.paddle.runner import cell_state, release
 
-    main()
+    serve("paddle_model", run, reset=release, cell_state=cell_state)

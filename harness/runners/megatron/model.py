@@ -39,7 +39,6 @@ from harness.run.protocol import (  # noqa: E402
     Unsupported,
     import_failure,
     rank_and_world,
-    serve,
 )
 from harness.runners.torch import env as torch_env  # noqa: E402
 
@@ -447,19 +446,22 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
     return outputs, meta, device
 
 
-def run(request: dict, phases: Phases) -> dict:
+def admit(request: dict) -> None:
+    """What both ops need (one step here, N optimizer steps in ``train``): Megatron-Core importable, TP=1 (one
+    rank for one step)."""
     if MEGATRON_IMPORT_ERROR is not None:
         raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
         raise Unsupported(f"megatron_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
     if int(request.get("tp", 1)) != 1:
         raise Unsupported("megatron_model runs at tensor-parallel size 1 only")
-    if request["op"] == "causal_lm_train":  # N optimizer steps, on train.dp ranks: harness.runners.megatron.train
-        from harness.runners.megatron.train import run as train
-        return train(request, phases)
-    rank, world = rank_and_world()
-    if world != 1:
+    _, world = rank_and_world()
+    if request["op"] == "causal_lm" and world != 1:  # a training run checks its train.dp ranks itself
         raise Unsupported("megatron_model runs op causal_lm on one rank only")
+
+
+def run(request: dict, phases: Phases) -> dict:
+    admit(request)
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(device)
@@ -479,15 +481,9 @@ def run(request: dict, phases: Phases) -> dict:
             **torch_env.provenance(device)}
 
 
-def init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device, gloo_groups: bool = False) -> None:
     """Gloo on the CPU, NCCL on a GPU, world size 1 (the existing Megatron runner's setup)."""
     from harness.runners.megatron.runner import init_process_group
 
     if not dist.is_initialized():
-        init_process_group(device)
-
-
-def main() -> None:
-    from harness.runners.megatron.runner import cell_state, reset
-
-    serve("megatron_model", run, reset=reset, cell_state=cell_state)
+        init_process_group(device, gloo_groups)

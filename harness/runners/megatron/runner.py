@@ -83,7 +83,8 @@ def run(request: dict, phases: Phases) -> dict:
             **torch_env.provenance(device)}
 
 
-def init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device, gloo_groups: bool = False) -> None:
+    """`gloo_groups`: Megatron's gloo groups on a GPU too (its optimizer asks for the data-parallel one)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:  # started by torchrun
         dist.init_process_group(backend)
@@ -91,7 +92,7 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
     # On a GPU everything runs over NCCL; Megatron's extra gloo groups would only add a TCP rendezvous.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(),
-                                             create_gloo_process_groups=device.type == "cpu")
+                                             create_gloo_process_groups=device.type == "cpu" or gloo_groups)
 
 
 def cell_state():

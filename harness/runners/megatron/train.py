@@ -117,6 +117,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    megatron_model.admit(request)
     m, train = request["config"]["model"], request["config"]["train"]
     dtype = megatron_model.DTYPES[request["dtype"]]
     rank, world = rank_and_world()
@@ -210,15 +211,14 @@ def init_ranks(device: torch.device, expert_parallel: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from harness.runners.megatron.runner import init_process_group
-
+    # get_megatron_optimizer (0.19.2) asks for the data-parallel gloo group even on a GPU (measured on the H200)
     if "RANK" not in os.environ:  # one rank: the model runner's own setup (gloo or NCCL, world size 1)
-        init_process_group(device)
+        megatron_model.init_process_group(device, gloo_groups=True)
         return
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                              expert_model_parallel_size=expert_parallel,
-                                             create_gloo_process_groups=device.type == "cpu")
+                                             create_gloo_process_groups=True)
 
 
 EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)\d+(?=\.)")

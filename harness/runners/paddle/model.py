@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, import_failure, serve
+from harness.run.protocol import OUTPUTS, Phases, Unsupported, import_failure
 
 try:
     import paddle
@@ -66,7 +66,9 @@ KNOBS = {
 }
 
 
-def run(request: dict, phases: Phases) -> dict:
+def admit(request: dict) -> dict:
+    """What both ops need (one step here, N optimizer steps in ``train``): paddle importable, TP=1, a dtype it runs,
+    on the CPU a bf16 matmul kernel where the case is bf16; returns the provenance both write."""
     if paddle is None:
         raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
@@ -78,14 +80,17 @@ def run(request: dict, phases: Phases) -> dict:
     provenance = {"framework": "paddle", "versions": {"paddlepaddle": paddle.__version__,
                                                       "paddle_commit": paddle.version.commit},
                   "use_accuracy_compatible": request["config"].get("use_accuracy_compatible", True)}
+    if request["device"] == "cpu":
+        paddle.set_device("cpu")
+        if request["dtype"] == "bfloat16":
+            _probe_cpu_bf16_matmul()
+    return provenance
+
+
+def run(request: dict, phases: Phases) -> dict:
+    provenance = admit(request)
     if request["device"] == "gpu":
         return {**provenance, **_fleet_model(request, phases)}
-    paddle.set_device("cpu")
-    if request["dtype"] == "bfloat16":
-        _probe_cpu_bf16_matmul()
-    if request["op"] == "causal_lm_train":  # N optimizer steps: harness.runners.paddle.train
-        from harness.runners.paddle.train import run as train
-        return {**provenance, **train(request, phases)}
     return {**provenance, **_paddleformers_model(request, phases)}
 
 
@@ -417,10 +422,3 @@ def _fleet_model(request: dict, phases: Phases) -> dict:
     # under names nobody checked.
     raise Unsupported("paddlefleet imports, but the PaddleFleet GPTModel path of paddle_model has not been run "
                       "anywhere yet (written from source only: see harness/runners/paddle/model.py); no verdict")
-
-
-def main() -> None:
-    # the Paddle runner's: they guard a missing paddle the same way
-    from harness.runners.paddle.runner import cell_state, release
-
-    serve("paddle_model", run, reset=release, cell_state=cell_state)

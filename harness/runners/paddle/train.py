@@ -29,7 +29,6 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
-import paddle
 from safetensors import safe_open
 
 from harness.capture.paddle import apply_rule, to_host
@@ -38,6 +37,7 @@ from harness.case.train import rank_micro_batches
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flip_bit, state_locations, step_file
 from harness.runners.paddle import model as paddle_model
+from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
               "expert_bias")
@@ -78,6 +78,10 @@ def clip_norm_and_factor(clip):
 def run(request: dict, phases: Phases) -> dict:
     from harness.runners.paddle import paddlefleet_ops_shim
 
+    provenance = paddle_model.admit(request)
+    if request["device"] == "gpu":
+        raise paddle_model.Unsupported("paddle_model trains PaddleFormers' DeepseekV3 on the CPU only: on a GPU the "
+                                       "Paddle side is PaddleFleet's GPTModel, whose training loop is not written")
     with phases("import"):
         adapter = paddlefleet_ops_shim.install()
         import paddleformers
@@ -112,7 +116,7 @@ def run(request: dict, phases: Phases) -> dict:
             if flip and flip["after_step"] == step:
                 value = flip_bit(trainer.one(flip["state"], flip["tensor"]), flip["index"], flip["bit"])
                 trainer.put(flip["state"], flip["tensor"], value)
-    return {
+    return {**provenance,
         "implementation": "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM (Paddle dygraph, CPU) "
                           "trained with paddle.optimizer.AdamW, paddle.nn.ClipGradByGlobalNorm and "
                           f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",

@@ -43,7 +43,7 @@ from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.models import NameMap, expand_stack, moe_layers  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
 from harness.run.cell_state import attribute_restored  # noqa: E402
-from harness.run.protocol import OUTPUTS, Phases, Unsupported, serve  # noqa: E402
+from harness.run.protocol import OUTPUTS, Phases, Unsupported  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs")  # taken from route_tokens_to_experts' return value
@@ -63,9 +63,6 @@ KNOBS = {
 
 
 def run(request: dict, phases: Phases) -> dict:
-    if request["op"] == "causal_lm_train":  # N optimizer steps: harness.runners.torch.hf_train
-        from harness.runners.torch.hf_train import run as train
-        return train(request, phases)
     if request["op"] != "causal_lm":
         raise Unsupported(f"hf_model runs whole models (op causal_lm), not {request['op']!r}")
     if request["tp"] != 1:
@@ -315,7 +312,3 @@ def _rotary_in_float64(rotary, config) -> None:
         return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
 
     rotary.forward = forward
-
-
-def main() -> None:
-    serve("hf_model", run, reset=torch_env.release, cell_state=torch_env.cell_state)
