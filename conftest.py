@@ -22,15 +22,27 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("cpu_case", CPU_CASES, ids=[case.name for case in CPU_CASES])
 
 
+# The environment the test session started with, before any test module was imported; TorchDynamo off, as the
+# harness sets it for every runner (in-process Megatron tests set it at import too: jit_fuser is torch.compile).
+SESSION_ENVIRONMENT = {**os.environ, "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}
+
+
 @pytest.fixture(autouse=True)
 def environment_restored():
-    """What a test changes in os.environ does not outlive it: importing paddle in a test sets OMP_NUM_THREADS=1 in
-    the pytest process, which every runner started later in that process would inherit (measured: 79 e2e cases then
-    ran at 1 thread against baselines recorded at the harness's pinned 2)."""
-    saved = dict(os.environ)
+    """Every test starts and ends with the session's environment: importing paddle (at a test module's import, or in
+    a test) sets OMP_NUM_THREADS=1 in the pytest process, which every runner started later would inherit (measured:
+    79 e2e cases then ran at 1 thread against baselines recorded at the harness's pinned 2)."""
+    _reset_environment()
     yield
+    _reset_environment()
+
+
+def _reset_environment():
+    current = os.environ.get("PYTEST_CURRENT_TEST")  # pytest's own, which it deletes after each phase
     os.environ.clear()
-    os.environ.update(saved)
+    os.environ.update(SESSION_ENVIRONMENT)
+    if current is not None:
+        os.environ["PYTEST_CURRENT_TEST"] = current
 
 
 @pytest.fixture(scope="session")

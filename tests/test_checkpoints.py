@@ -76,6 +76,21 @@ def test_weights_import_concatenates_hf_tensors(registry, tmp_path):
     assert recipe["imported"]["weight"]["names"] == ["layers.1.gate_proj.weight", "layers.1.up_proj.weight"]
 
 
+def test_the_digest_names_the_weights_bytes_not_their_path(registry, tmp_path):
+    """Two clones hold one weights file at two paths (CI's checkout is not this one): one digest, so a committed
+    baseline recorded in one clone applies in the other; other bytes at the same path give another digest."""
+    gate = np.arange(24, dtype=np.float32).reshape(4, 6).astype(ml_dtypes.bfloat16)
+    tensors = {"layers.1.gate_proj.weight": gate, "layers.1.up_proj.weight": -gate}
+    here, there = tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors"
+    for path in (here, there):
+        path.parent.mkdir()
+        save_file(tensors, str(path))
+    case = registry.get("fc1_hf")
+    assert checkpoints.digest(case, str(here)) == checkpoints.digest(case, str(there))
+    save_file({**tensors, "layers.1.up_proj.weight": gate}, str(there))
+    assert checkpoints.digest(case, str(here)) != checkpoints.digest(case, str(there))
+
+
 def test_weights_import_names_a_missing_tensor(registry, tmp_path):
     source = tmp_path / "model.safetensors"
     save_file({"layers.1.gate_proj.weight": np.zeros((4, 6), np.float32)}, str(source))

@@ -32,14 +32,14 @@ def assert_oracle_counts_match_files(run_dir, report):
 
 
 def test_fp32_fc1_oracle_repeat_and_tolerance(checkpoints_dir, tmp_path):
-    """kimi_shared_fc1_fp32 with its stated tolerance: one run covers the oracle, --repeat 2 and the policy."""
+    """kimi_shared_fc1_fp32 with its stated tolerance: one run covers the oracle, --repeat 2 and the policy. Megatron
+    and Paddle give the same fp32 bits on some CPUs (Intel AMX at 16 tokens) and differ on others (AMD AVX-512), so
+    either meets the expectation here (test_e2e pins each platform's verdict); the policy itself is shown a real
+    difference by the case's control, on every CPU."""
     result, run_dir = compare_case("kimi_shared_fc1_fp32_tolerance", CompareOptions(tokens=E2E_TOKENS,
                                    checkpoints_dir=checkpoints_dir, reports_dir=tmp_path, repeat=2))
     report = json.loads((run_dir / "report.json").read_text())
-    assert result.verdict == "WITHIN_TOLERANCE" and result.exit_code == 0, result.message
-    assert any(t.status == "DIFF" for t in result.tensors)  # a real difference, accepted by the policy
-    # The same real differences are not within one ULP at scale: the policy is not vacuous.
-    assert not judge(Tolerance({"max_ulp_at_scale": 1.0}), result.tensors)["within"]
+    assert result.verdict in ("BITWISE_PASS", "WITHIN_TOLERANCE") and result.exit_code == 0, result.message
     # --repeat 2: the second run in each side's worker, a third in a fresh process
     assert [s["label"] for s in report["sides"]] == ["a", "b", "oracle", "a.2", "b.2", "a.3", "b.3"]
     assert all(side["consistent"] for side in report["repeats"]["sides"].values()), report["repeats"]
@@ -51,6 +51,13 @@ def test_fp32_fc1_oracle_repeat_and_tolerance(checkpoints_dir, tmp_path):
     markdown = (run_dir / "report.md").read_text()
     for section in ("## Tolerance policy: met", "## Distance from the truth oracle", "## Determinism: 3 runs"):
         assert section in markdown
+
+    control, _ = compare_case("kimi_shared_fc1_fp32_tolerance_control", CompareOptions(
+        tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path, oracle=False))
+    assert control.verdict == "WITHIN_TOLERANCE" and control.exit_code == 0, control.message
+    assert {t.name for t in control.tensors if t.status == "DIFF"} == {"out", "grad.input"}
+    # The same real differences are not within one ULP at scale: the policy is not vacuous.
+    assert not judge(Tolerance({"max_ulp_at_scale": 1.0}), control.tensors)["within"]
 
 
 def test_bf16_fc1_oracle_and_repeat(checkpoints_dir, tmp_path):

@@ -89,7 +89,10 @@ def _imports(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray
 
 
 def _digest(recipe: dict) -> str:
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    """Names the bytes, not where they were read: an imported tensor counts by its sha256, so two clones (or two
+    virtual environments) holding the same weights at different paths make one checkpoint and one baseline digest."""
+    imported = {name: {k: v for k, v in source.items() if k != "file"} for name, source in recipe["imported"].items()}
+    return hashlib.sha256(json.dumps({**recipe, "imported": imported}, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def verify(folder: Path) -> dict:
