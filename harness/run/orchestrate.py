@@ -161,6 +161,11 @@ def data_parallel(case: Case) -> int:
     return case.config["train"]["dp"] if case.op in TRAIN_OPS else 1
 
 
+def ranks(case: Case) -> int:
+    """The processes one side of the case as written runs on, and the GPUs it needs: tp x train.dp."""
+    return case.tp * data_parallel(case)
+
+
 def _start(runner: str, python: str, folder: Path, device: str, tp: int, dp: int = 1):
     command, launched = launch.command(runner, python, folder / "request.json", tp, folder, dp)
     pool = workers.active() if tp * dp == 1 else None
