@@ -29,9 +29,9 @@ require("megatron.core")
 require("transformers")
 
 from harness.run.protocol import Phases  # noqa: E402
-from tests.support.deepseek_v3_case import DEFAULT, TINY, make_case  # noqa: E402
+from tests.support.deepseek_v3_builder import DEFAULT, TINY, hf_init_case  # noqa: E402
 from tests.support.doubles import broken_install_python, missing_package_python  # noqa: E402
-from tests.support.hf_deepseek_v3 import group_of, lift_hf_fp32_islands, relative_error, run_hf  # noqa: E402
+from tests.support.hf_reference import group_of, lift_hf_fp32_islands, relative_error, run_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
@@ -52,7 +52,7 @@ def megatron_in_process():
 
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory):
-    return make_case(tmp_path_factory.mktemp("tiny64"), TINY, "float64", 16)
+    return hf_init_case(tmp_path_factory.mktemp("tiny64"), TINY, "float64", 16)
 
 
 def compare(ours: dict, ref: dict) -> dict[str, tuple[float, str]]:
@@ -80,7 +80,7 @@ GROUPED = dict(TINY, n_group=4, topk_group=1, num_experts_per_tok=2)
 @pytest.mark.parametrize("model", [TINY, GROUPED], ids=["tiny", "group_limited_routing"])
 def test_float64_mapping_matches_hf(megatron_in_process, tiny64, model, tmp_path):
     """Every canonical tensor, with Megatron's float32 islands matched on both sides: ~1e-15."""
-    request, net, input_ids, labels = tiny64 if model is TINY else make_case(tmp_path, model, "float64", 16)
+    request, net, input_ids, labels = tiny64 if model is TINY else hf_init_case(tmp_path, model, "float64", 16)
     ours, meta, _ = megatron_in_process.compute(request, Phases(), loss_path="float64_logits")
     net.zero_grad()
     with lift_hf_fp32_islands(megatron_islands=True):
@@ -149,10 +149,10 @@ def test_mla_attention_adapter_computes_mla_attention(megatron_in_process):
 ABLATION = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from tests.support.deepseek_v3_case import TINY, make_case
+    from tests.support.deepseek_v3_builder import TINY, hf_init_case
     from harness.runners.megatron import model as mm
     from harness.run.protocol import Phases
-    request, *_ = make_case(Path(sys.argv[2]), TINY, "float32", 8)
+    request, *_ = hf_init_case(Path(sys.argv[2]), TINY, "float32", 8)
     mm.init_process_group(torch.device("cpu"))
     try:
         mm.compute(request, Phases(), skip_adapters=(sys.argv[1],))
@@ -197,7 +197,7 @@ def test_each_adapter_is_needed(adapter, error, tmp_path):
 def test_runner_default_size_writes_the_contract(tmp_path):
     """`python -m harness.runners.megatron_model` at the default size (384 experts top-8, 64 tokens, fp32): exit 0,
     794 gradients, every contract module output except the routed experts (listed in not_captured), adapters named."""
-    request, _, _, labels = make_case(tmp_path, DEFAULT, "float32", 64)
+    request, _, _, labels = hf_init_case(tmp_path, DEFAULT, "float32", 64)
     done = subprocess.run([sys.executable, "-m", "harness.runners.megatron_model", "--request",
                            str(tmp_path / "request.json")], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=600)

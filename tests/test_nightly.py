@@ -86,6 +86,26 @@ def test_a_harness_crash_in_one_case_fails_that_case_and_keeps_the_night(tmp_pat
     assert "No space left on device" in (run_dir / "junit.xml").read_text()
 
 
+def test_k_runs_only_the_cases_it_picks_and_an_empty_pick_is_an_error(tmp_path, monkeypatch, capsys):
+    ran = []
+
+    def fake_compare_case(name, options):  # test double: records which cases the night asked for, runs nothing
+        ran.append(name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nightly.pipeline, "compare_case", fake_compare_case)
+    write_cases(tmp_path, *TINY_CASES)
+    options = CompareOptions(device="cpu", tokens=None, cases_dir=tmp_path / "cases", reports_dir=tmp_path / "reports",
+                             checkpoints_dir=tmp_path / "ckpt", pythons={}, timeout=10, weights_file=None)
+    night, run_dir = nightly.run(options, previous=None, expression="flipped and not weights")
+    assert [e["case"] for e in night["cases"]] == ["tiny_flipped"] == ran
+    assert night["select"] == "flipped and not weights"
+    assert "`-k flipped and not weights` picks" in (run_dir / "report.md").read_text()
+    code = main(["--cases", str(tmp_path / "cases"), "nightly", "-k", "no_such_case", "--reports", str(tmp_path / "r")])
+    assert code == nightly.EXIT_BAD_INPUT and "-k 'no_such_case' picks none of the cpu cases" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.e2e
 def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints_dir):
     write_cases(tmp_path, *TINY_CASES)

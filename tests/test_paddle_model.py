@@ -2,8 +2,8 @@
 and float64/float32 agreement with HF transformers' DeepseekV3ForCausalLM (torch) on the same HF-named checkpoint.
 
 Every Paddle run is a subprocess (the runner, as the harness starts it); HF's side too
-(tests/support/hf_deepseek_reference.py), because PaddleFormers, once imported, switches transformers' torch support
-off.
+(``python -m tests.support.hf_reference``), because PaddleFormers, once imported, switches transformers' torch
+support off.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.deepseek_v3 import default_config, tiny_config, write_request
+from tests.support.deepseek_v3_builder import DEFAULT_SHORT_YARN, TINY_SHORT_YARN, numpy_case
 from tests.support.installed import absent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +46,8 @@ def load(path: Path) -> dict[str, np.ndarray]:
 
 
 def hf_reference(request: Path, out: Path) -> dict[str, np.ndarray]:
-    script = ROOT / "tests" / "support" / "hf_deepseek_reference.py"
-    proc = subprocess.run([sys.executable, str(script), str(request), str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.support.hf_reference", str(request), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return load(out)
 
@@ -84,8 +83,8 @@ def expected_names(config: dict, tokens_per_expert: dict[int, int]) -> tuple[set
 
 def test_default_size_fp32_writes_the_contract(tmp_path):
     """Kimi-shaped 2-layer model (384 experts top-8), 64 tokens: 794 gradients, every module, well under a minute."""
-    config = default_config()
-    code, meta, outputs = run_runner(write_request(tmp_path, config, 64, "float32"))
+    config = DEFAULT_SHORT_YARN
+    code, meta, outputs = run_runner(numpy_case(tmp_path, config, 64, "float32"))
     assert code == 0, meta
     tensors = load(outputs)
     indices = tensors["module.model.layers.1.mlp.gate.topk_indices"]
@@ -108,7 +107,7 @@ def test_default_size_fp32_writes_the_contract(tmp_path):
 
 
 def test_bf16_on_cpu_is_unsupported_naming_the_kernel(tmp_path):
-    code, meta, outputs = run_runner(write_request(tmp_path, tiny_config(), 8, "bfloat16"))
+    code, meta, outputs = run_runner(numpy_case(tmp_path, TINY_SHORT_YARN, 8, "bfloat16"))
     assert code == EXIT_UNSUPPORTED, meta
     assert "matmul (CPU, bfloat16) not registered" in meta["unsupported"]
     assert not outputs.exists()
@@ -116,13 +115,13 @@ def test_bf16_on_cpu_is_unsupported_naming_the_kernel(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("paddlefleet") is not None, reason="paddlefleet is importable here")
 def test_gpu_without_paddlefleet_is_unsupported(tmp_path):
-    code, meta, _ = run_runner(write_request(tmp_path, tiny_config(), 8, "float32", device="gpu"))
+    code, meta, _ = run_runner(numpy_case(tmp_path, TINY_SHORT_YARN, 8, "float32", device="gpu"))
     assert code == EXIT_UNSUPPORTED and meta["unsupported"].startswith("paddlefleet is not installed for "), meta
 
 
 def test_float64_moe_is_unsupported_with_the_reason(tmp_path):
     """PaddleFormers' MoE index_add_s float64 expert outputs into a float32 buffer (the router's dtype): refused."""
-    code, meta, outputs = run_runner(write_request(tmp_path, tiny_config(), 8, "float64"))
+    code, meta, outputs = run_runner(numpy_case(tmp_path, TINY_SHORT_YARN, 8, "float64"))
     assert code == EXIT_UNSUPPORTED, meta
     assert "DeepseekV3MoE.moe cannot run in float64" in meta["unsupported"] and not outputs.exists()
 
@@ -138,8 +137,8 @@ FLOAT64_FLOOR = 1e-6
 
 @pytest.mark.skipif(absent("transformers", "torch"), reason="HF transformers (torch) is the reference")
 def test_float64_agrees_with_hf_up_to_the_float32_islands(tmp_path):
-    config = {**tiny_config(), "first_k_dense_replace": 2}  # float64 MoE is refused by PaddleFormers (above)
-    request = write_request(tmp_path / "run", config, 16, "float64")
+    config = {**TINY_SHORT_YARN, "first_k_dense_replace": 2}  # float64 MoE is refused by PaddleFormers (above)
+    request = numpy_case(tmp_path / "run", config, 16, "float64")
     code, meta, outputs = run_runner(request)
     assert code == 0, meta
     ours, hf = load(outputs), hf_reference(request, tmp_path / "hf.safetensors")
@@ -156,7 +155,7 @@ def test_float64_agrees_with_hf_up_to_the_float32_islands(tmp_path):
 def test_float32_moe_matches_hf_routing_and_magnitudes(tmp_path):
     """The MoE layer's name map (router transpose, per-expert weights, probabilities) checked against HF in float32:
     the same experts for every token, every tensor within float32 accumulation-order noise."""
-    request = write_request(tmp_path / "run", tiny_config(), 16, "float32")
+    request = numpy_case(tmp_path / "run", TINY_SHORT_YARN, 16, "float32")
     code, meta, outputs = run_runner(request)
     assert code == 0, meta
     ours, hf = load(outputs), hf_reference(request, tmp_path / "hf.safetensors")
@@ -208,7 +207,7 @@ def test_stand_in_is_installed_only_when_the_real_package_is_missing(tmp_path):
 def test_model_computation_never_touches_the_stand_in(tmp_path):
     """Only PaddleFormers' import asks the stand-in anything (is_deep_ep_available, once); forward and backward
     of the whole model ask nothing. The runner names it in meta.json."""
-    request = write_request(tmp_path, tiny_config(), 8, "float32")
+    request = numpy_case(tmp_path, TINY_SHORT_YARN, 8, "float32")
     result = python(f"""
         import json
         from harness.runners.paddle import paddlefleet_ops_shim as shim

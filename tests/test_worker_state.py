@@ -35,7 +35,8 @@ from harness.run.orchestrate import SideSpec
 pytestmark = pytest.mark.e2e
 
 TOKENS = 8
-# The 2-layer Kimi-K2 (layer 0 dense, layer 1 MoE) at tiny widths (tests/support/deepseek_v3.tiny_config's).
+# The 2-layer Kimi-K2 (layer 0 dense, layer 1 MoE) at tiny widths (the widths of
+# tests/support/deepseek_v3_builder.TINY_SHORT_YARN).
 TINY = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,
         "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 96,

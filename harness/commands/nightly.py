@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness import __version__
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import Case, Registry
+from harness.case.select import SELECT_HELP, select
 from harness.commands import compare as pipeline
 from harness.commands import doctor, failsafe, nightly_shards, run_folder
 from harness.commands.compare import FRESH_PROCESS_HELP
@@ -50,6 +51,8 @@ class NightlyError(ValueError):
 def add_parser(commands) -> None:
     parser = commands.add_parser("nightly", help="run every case for a device; one run directory with a trend")
     add_run_arguments(parser)
+    parser.add_argument("-k", dest="select", metavar="EXPRESSION", help=SELECT_HELP + " (a night of a few cases; "
+                        "the baseline judges those, the cases it leaves out are listed, never failed)")
     parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
                         help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
     parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
@@ -93,7 +96,8 @@ def run_from_args(args, pythons: dict[str, str], baselines_dir: Path | None) -> 
                                       reports_dir=args.reports, checkpoints_dir=args.checkpoints, pythons=pythons,
                                       timeout=args.timeout, weights_file=args.weights,
                                       fresh_process=args.fresh_process)
-    return run(options, previous=args.previous, workers=args.workers, shard=args.shard, baselines_dir=baselines_dir)
+    return run(options, previous=args.previous, workers=args.workers, shard=args.shard, baselines_dir=baselines_dir,
+               expression=getattr(args, "select", None))
 
 
 def print_summary(night: dict, run_dir: Path) -> None:
@@ -106,15 +110,19 @@ def print_summary(night: dict, run_dir: Path) -> None:
 
 
 def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 1,
-        shard: tuple[int, int] | None = None, baselines_dir: Path | None = None) -> tuple[dict, Path]:
+        shard: tuple[int, int] | None = None, baselines_dir: Path | None = None,
+        expression: str | None = None) -> tuple[dict, Path]:
     """Every case of `options.device` (at `options.tokens` when given), each in its own folder under the night's;
     or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time; judged
-    against the platform's baseline in `baselines_dir` when there is one (harness.compare.baseline)."""
+    against the platform's baseline in `baselines_dir` when there is one (harness.compare.baseline); only the cases
+    `expression` picks when given (``-k``, as ``list -k``)."""
     device, tokens, cases_dir, reports_dir = options.device, options.tokens, options.cases_dir, options.reports_dir
     try:
-        cases = Registry.load(Path(cases_dir)).for_device(device)
+        cases = select(Registry.load(Path(cases_dir)).for_device(device), expression)
     except ValueError as error:
         raise NightlyError(str(error)) from None
+    if not cases:
+        raise NightlyError(f"-k {expression!r} picks none of the {device} cases in {cases_dir}")
     positions = {case.name: index for index, case in enumerate(cases)}
     cases = nightly_shards.select(cases, shard)
     previous_night = load_previous(previous) if previous else find_previous(Path(reports_dir), device)
@@ -125,7 +133,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
              "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                          "host": host_provenance(), "node": platform.node()},
              "previous_report": previous_night.get("_path") if previous_night else None,
-             "workers": workers, "shard": nightly_shards.describe(shard, cases)}
+             "workers": workers, "shard": nightly_shards.describe(shard, cases), "select": expression}
     # What each runner would run here, asked before the cases (doctor.json): the night's verdicts are about it.
     (run_dir / "doctor.json").write_text(json.dumps(doctor.run(device, dict(options.pythons)), indent=2,
                                                     default=str) + "\n")

@@ -57,7 +57,7 @@ def merge(shard_dirs: Sequence[Path], reports_dir: Path, previous: Path | None =
             raise nightly.NightlyError(f"{night['_path']}: field 'shard': not a shard (run with --shard I/N)")
     first = shards[0]
     for night in shards[1:]:
-        for key in ("device", "tokens"):
+        for key in ("device", "tokens", "select"):
             if night.get(key) != first.get(key):
                 raise nightly.NightlyError(f"{night['_path']}: field {key!r} is {night.get(key)!r}, but "
                                            f"{first['_path']} says {first.get(key)!r}")
@@ -91,7 +91,7 @@ def merge(shard_dirs: Sequence[Path], reports_dir: Path, previous: Path | None =
                         "message": f"shard {index} of {count} is missing: its cases did not run"})
     entries.sort(key=lambda e: (e.get("position", 10**9), e["case"]))
     merged = {"schema": nightly.NIGHTLY_SCHEMA, "kind": "nightly", "run_id": run_id, "device": first["device"],
-              "tokens": first.get("tokens"), "cases_dir": first.get("cases_dir"),
+              "tokens": first.get("tokens"), "cases_dir": first.get("cases_dir"), "select": first.get("select"),
               "started_at": min(n["started_at"] for n in shards), "finished_at": max(n["finished_at"] for n in shards),
               "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                           "host": host_provenance(), "node": platform.node()},

@@ -21,6 +21,9 @@ def blocks(night: dict) -> list[tuple]:
               f"harness {night['harness']['version']} on {night['harness']['host'].get('cpu')}; "
               f"exit code {night['exit_code']}." + (f" Failed: {failed_by(night)}." if s.get("failed_by") else "")),
     ]
+    if night.get("select"):
+        out.append(("p", f"Only the cases `-k {night['select']}` picks: the baseline's other cases are listed "
+                         "under it, not judged."))
     if night.get("shard"):
         out.append(("p", f"Shard {night['shard']['index']} of {night['shard']['count']}: not judged alone (exit code "
                          "0); `python -m harness nightly-merge` judges it with the other shards."))

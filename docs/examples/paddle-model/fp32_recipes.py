@@ -3,8 +3,8 @@ outputs), with the number of elements whose bits differ. Imports both frameworks
 runner).
 
     python docs/examples/paddle-model/fp32_recipes.py RUN_FOLDER
-RUN_FOLDER holds checkpoint.safetensors (tests/support/deepseek_v3.py, default size, 64 tokens, float32) and
-hf.safetensors (tests/support/hf_deepseek_reference.py on the same request).
+RUN_FOLDER holds checkpoint.safetensors (tests/support/deepseek_v3_builder.py numpy_case, DEFAULT_SHORT_YARN, 64
+tokens, float32) and hf.safetensors (python -m tests.support.hf_reference on the same request).
 """
 import sys
 import numpy as np

@@ -1,21 +1,83 @@
-"""HF transformers' DeepseekV3ForCausalLM as the float64 reference for the megatron_model runner: canonical module
-outputs (hooks) and gradients (docs/model-contract.md), computed in the test itself.
+"""HF transformers' DeepseekV3ForCausalLM (torch, CPU) as the reference for the model-runner tests: canonical module
+outputs (hooks) and gradients (docs/model-contract.md) on the case the runner got.
 
-`lift_hf_fp32_islands` patches, for the duration of a `with`, the places where HF computes in float32 whatever the
-model dtype (RMSNorm, router logits), so that a float64 HF model computes in float64 except its float32 RoPE table;
-`megatron_islands=True` adds the float32 islands Megatron forces (sigmoid of the router logits, the RoPE table
-formula), so that the remaining difference is the mapping alone."""
+In the test's process (tests/test_megatron_model.py): ``run_hf`` on the model ``deepseek_v3_builder.hf_init_case``
+built; ``lift_hf_fp32_islands`` patches, for the duration of a ``with``, the places where HF computes in float32
+whatever the model dtype (RMSNorm, router logits), so that a float64 HF model computes in float64 except its float32
+RoPE table; ``megatron_islands=True`` adds the float32 islands Megatron forces (sigmoid of the router logits, the RoPE
+table formula), so that the remaining difference is the mapping alone.
+
+As a process of its own (tests/test_paddle_model.py), on a request's checkpoint, HF's own loss path
+(``ForCausalLMLoss``, given the already shifted labels as ``shift_labels``)::
+
+    python -m tests.support.hf_reference REQUEST.json OUT.safetensors
+
+torch and transformers are imported inside the functions, never by importing this module: PaddleFormers, imported
+into a process where torch is not, imports transformers with torch hidden (paddleformers/__init__.py), so HF's torch
+models are missing there; a torch imported before it changes what PaddleFormers gets instead. The Paddle tests
+therefore run this module in a process of its own.
+
+Per-expert outputs are not modules in HF's fused experts, so they are not captured; the router's top-k is, by
+wrapping ``route_tokens_to_experts`` (a method, not a module); routed-expert gradients are slices of HF's fused 3-D
+parameters.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import sys
 
-import torch
-import torch.nn.functional as F
+
+def hf_model(config: dict, attn: str, seed: int = 0):
+    """A DeepseekV3ForCausalLM for a case's model config, HF's own init after ``torch.manual_seed(seed)``, experts
+    eager (float32: the caller casts)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kwargs = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_theta", "scoring_func", "topk_method")}
+    rope = dict(config["rope_scaling"])
+    rope["rope_type"] = rope.pop("type")
+    rope["rope_theta"] = config["rope_theta"]
+    hf_config = DeepseekV3Config(**kwargs, rope_parameters=rope, rope_interleave=True, attn_implementation=attn,
+                                 experts_implementation="eager")
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(hf_config)
+
+
+def load_request(request: dict):
+    """The HF model (attention eager) with the request's checkpoint in it, in the request's dtype; its input_ids
+    and labels."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = request["config"]["model"]
+    model = hf_model(config, attn="eager").to({"float32": torch.float32, "float64": torch.float64}[request["dtype"]])
+    tensors = load_file(request["checkpoint"])
+    state = {}
+    experts = config["n_routed_experts"]
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts."
+        if p + "0.gate_proj.weight" in tensors:
+            state[p + "gate_up_proj"] = torch.stack([torch.cat([tensors.pop(p + f"{e}.gate_proj.weight"),
+                                                                tensors.pop(p + f"{e}.up_proj.weight")], 0)
+                                                     for e in range(experts)])
+            state[p + "down_proj"] = torch.stack([tensors.pop(p + f"{e}.down_proj.weight") for e in range(experts)])
+    ids, labels = tensors.pop("input_ids"), tensors.pop("labels")
+    state.update(tensors)
+    model_state = model.state_dict()
+    with torch.no_grad():
+        for name, value in state.items():
+            model_state[name].copy_(value.to(model_state[name].dtype))
+    missing = set(n for n in model_state if not n.endswith("inv_freq")) - set(state)
+    assert not missing, missing
+    return model, ids, labels
 
 
 @contextlib.contextmanager
 def lift_hf_fp32_islands(megatron_islands: bool = False):
+    import torch
+    import torch.nn.functional as F
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
     saved = (m.DeepseekV3RMSNorm.forward, m.DeepseekV3TopkRouter.forward, m.DeepseekV3MoE.route_tokens_to_experts,
@@ -53,6 +115,8 @@ def lift_hf_fp32_islands(megatron_islands: bool = False):
 
 def _route_from_scores(moe, scores):
     """HF's route_tokens_to_experts from already computed sigmoid scores (same code after its sigmoid)."""
+    import torch
+
     choice = scores + moe.gate.e_score_correction_bias
     group_scores = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
@@ -68,6 +132,7 @@ def _route_from_scores(moe, scores):
 
 def _megatron_rope_table(rotary, x, position_ids):
     """cos/sin as Megatron's YarnRotaryEmbedding + _apply_rotary_pos_emb_bshd build them (float32 freqs)."""
+    import torch
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
     p = rotary.config.rope_parameters
@@ -87,10 +152,12 @@ def _megatron_rope_table(rotary, x, position_ids):
     return (torch.cos(emb) * mscale).to(x.dtype), (torch.sin(emb) * mscale).to(x.dtype)
 
 
-def run_hf(net, input_ids, labels, model: dict, loss_dtype=None):
-    """Forward (labels as given: already shifted), masked-mean CE, backward; canonical outputs and gradients."""
+@contextlib.contextmanager
+def captured_outputs(net, model: dict):
+    """Canonical module outputs (the batch dimension dropped) into the dict it yields, while the `with` lasts."""
+    import torch
+
     out, handles = {}, []
-    layers = model["num_hidden_layers"]
     dense = model["first_k_dense_replace"]
 
     def keep(name):
@@ -109,7 +176,7 @@ def run_hf(net, input_ids, labels, model: dict, loss_dtype=None):
 
     register(net.model.embed_tokens, "model.embed_tokens")
     register(net.model.norm, "model.norm")
-    for L in range(layers):
+    for L in range(model["num_hidden_layers"]):
         layer, p = net.model.layers[L], f"model.layers.{L}"
         register(layer, p)
         register(layer.input_layernorm, f"{p}.input_layernorm")
@@ -142,21 +209,22 @@ def run_hf(net, input_ids, labels, model: dict, loss_dtype=None):
                 moe.route_tokens_to_experts = wrapped
             route_hook(moe)
     try:
-        logits = net(input_ids=input_ids.view(1, -1)).logits[0]
-        ce_logits = logits if loss_dtype is None else logits.to(loss_dtype)
-        mask = labels != -100
-        per_token = F.cross_entropy(ce_logits, torch.where(mask, labels, 0), reduction="none")
-        loss = (per_token * mask.to(per_token.dtype)).sum() / mask.sum()
-        loss.backward()
+        yield out
     finally:
         for h in handles:
             h.remove()
         for layer in net.model.layers:
             layer.mlp.__dict__.pop("route_tokens_to_experts", None)
-    out["loss"], out["logits"] = loss.detach(), logits.detach()
     for L in range(dense):
         p = f"module.model.layers.{L}.mlp"
         out[f"{p}.gate_up_proj"] = torch.cat([out.pop(f"{p}._gate"), out.pop(f"{p}._up")], dim=-1)
+
+
+def gradients(net) -> dict:
+    """Every parameter's gradient by its contract name (gate and up projections concatenated, experts sliced)."""
+    import torch
+
+    out = {}
     for name, param in net.named_parameters():
         g = param.grad
         if ".mlp.experts.gate_up_proj" in name or ".mlp.experts.down_proj" in name:
@@ -171,8 +239,41 @@ def run_hf(net, input_ids, labels, model: dict, loss_dtype=None):
     return out
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (normwise: elementwise relative errors explode where values cancel to ~0)."""
+def run_hf(net, input_ids, labels, model: dict, loss_dtype=None):
+    """Forward (labels as given: already shifted), masked-mean CE, backward; canonical outputs and gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    with captured_outputs(net, model) as out:
+        logits = net(input_ids=input_ids.view(1, -1)).logits[0]
+        ce_logits = logits if loss_dtype is None else logits.to(loss_dtype)
+        mask = labels != -100
+        per_token = F.cross_entropy(ce_logits, torch.where(mask, labels, 0), reduction="none")
+        loss = (per_token * mask.to(per_token.dtype)).sum() / mask.sum()
+        loss.backward()
+    out["loss"], out["logits"] = loss.detach(), logits.detach()
+    return {**out, **gradients(net)}
+
+
+def run_request(request: dict, out_path: str) -> None:
+    """The request's case through HF with HF's own loss (ForCausalLMLoss); outputs and gradients as safetensors."""
+    from safetensors.numpy import save_file
+
+    model, ids, labels = load_request(request)
+    model.train()
+    with captured_outputs(model, request["config"]["model"]) as out:
+        logits = model(input_ids=ids.reshape(1, -1)).logits
+        loss = model.loss_function(logits, None, vocab_size=model.config.vocab_size,
+                                   shift_labels=labels.reshape(1, -1))
+        loss.backward()
+    out["logits"], out["loss"] = logits.detach()[0], loss.detach().reshape(())
+    tensors = {**out, **gradients(model)}
+    save_file({k: v.numpy().copy() for k, v in tensors.items()}, out_path)
+
+
+def relative_error(a, b) -> float:
+    """max |a - b| / max |b| of two torch tensors (normwise: elementwise relative errors explode where values
+    cancel to ~0)."""
     a, b = a.double(), b.double()
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
@@ -187,3 +288,7 @@ def group_of(name: str) -> str:
         if key in rest:
             return f"{kind}:{key}"
     return f"{kind}:other"
+
+
+if __name__ == "__main__":
+    run_request(json.loads(open(sys.argv[1]).read()), sys.argv[2])
