@@ -64,7 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--tp", type=int, help="tensor-parallel size (1, 2, 4, 8); default: the case's")
     compare.add_argument("--versus-tp", type=int, metavar="N",
                          help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
-    compare.add_argument("--runner", help="the runner for --versus-tp (default: the case's first)")
+    compare.add_argument("--runner", help="the runner for --versus-tp, --versus-dp or --versus-ep (default: the case's "
+                                          "first)")
+    compare.add_argument("--dp", type=int, help="training cases: data-parallel ranks, each training its own "
+                                                "micro-batches of the same global batch (1, 2, 4, 8; default: the "
+                                                "case's train.dp)")
+    compare.add_argument("--ep", type=int, help="training cases: expert-parallel ranks among them (Megatron's MoE "
+                                                "layer; default: the case's train.ep)")
+    compare.add_argument("--versus-dp", type=int, metavar="N",
+                         help="training cases: one runner at the case's dp (side a) against itself at dp=N (side b) "
+                              "on the same global batch: which quantities stay bitwise, from which step they part")
+    compare.add_argument("--versus-ep", type=int, metavar="N",
+                         help="training cases: one runner at the case's ep (side a) against itself at ep=N (side b)")
     compare.add_argument("--versus-impl", metavar="LEVEL", choices=KNOBS["paddle_impl"].choices,
                          help="compare the Paddle runner at the case's implementation level (side a; --paddle-impl "
                               "sets it) with itself at LEVEL (side b) on the same inputs: "
@@ -135,12 +146,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
-        versus_impl=args.versus_impl,
+        versus_impl=args.versus_impl, dp=args.dp, ep=args.ep, versus_dp=args.versus_dp, versus_ep=args.versus_ep,
         repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process, steps_kept=args.steps_kept,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
-                                                  runner=None, tp=None, versus_impl=None,
+                                                  runner=None, tp=None, versus_impl=None, versus_dp=None,
+                                                  versus_ep=None,
                                                   runners=(args.runners or [None])[0]))
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:

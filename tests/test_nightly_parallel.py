@@ -133,3 +133,27 @@ def test_merging_the_same_shard_twice_is_refused(oracle_registry, capsys):
     _, folder = night(root / "shard2")
     assert main(["nightly-merge", str(folder), str(folder), "--reports", str(root / "merged")]) == 2
     assert "shard numbers repeat" in capsys.readouterr().err
+
+
+def test_a_nightly_cell_takes_a_gpu_for_every_rank_of_its_sides(tmp_path, monkeypatch):
+    """A TP=2 case and a training case on 2 data-parallel ranks each need 2 GPUs (a rank on a GPU its cell was not
+    given would end the side ERROR). The placement is a test double: it records what each cell asks for."""
+    from harness.commands import nightly
+    from harness.commands.compare import CompareOptions
+    from tests.support.cases import write_cases
+    from tests.support.train import TINY_TRAIN, tiny_train_case
+
+    cases = write_cases(tmp_path, tiny_case("tp2", tp=2, runners=["megatron", "paddle"], devices=["gpu"]),
+                        tiny_train_case("dp2", devices=["gpu"], train={**TINY_TRAIN, "dp": 2}),
+                        tiny_train_case("dp1", devices=["gpu"]))
+    asked = {}
+
+    def placed(cells, one, *, tp_of, **_):
+        asked.update({case.name: tp_of(case) for case in cells})
+        return []
+
+    monkeypatch.setattr(nightly.placement, "run_cells", placed)
+    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons: {"kind": "doctor", "test_double": True})
+    nightly.run(CompareOptions(device="gpu", cases_dir=cases, reports_dir=tmp_path / "reports",
+                               checkpoints_dir=tmp_path / "checkpoints"), previous=None)
+    assert asked == {"tp2": 2, "dp2": 2, "dp1": 1}

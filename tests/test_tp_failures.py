@@ -2,7 +2,8 @@
 
 The real launchers run (torchrun on side a, paddle.distributed.launch on side b, both at once); only the ranks
 are test doubles: ``fake_rank_python`` is the real interpreter with the runner module swapped for
-``tests.support.fake_rank_runner``.
+``tests.support.fake_rank_runner``. Two launches: an op case at TP=2 (the op runners) and a training case on 2
+data-parallel ranks (the model runners, docs/training-ranks.md).
 """
 
 import json
@@ -15,11 +16,20 @@ import pytest
 from harness.commands.compare import CompareOptions, compare_case
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import alive, fake_interpreter
+from tests.support.train import TINY_TRAIN, tiny_train_case
+
+LAUNCHES = {"tp2": ("megatron", "paddle"), "dp2": ("megatron_model", "paddle_model")}
+
+
+@pytest.fixture(params=sorted(LAUNCHES))
+def launch(request):
+    return request.param
 
 
 @pytest.fixture
-def fake_rank_python(tmp_path):
-    write_cases(tmp_path, tiny_case("tiny_tp2", tp=2, runners=["megatron", "paddle"]))
+def fake_rank_python(tmp_path, launch):
+    write_cases(tmp_path, tiny_case("tp2", tp=2, runners=list(LAUNCHES["tp2"])),
+                tiny_train_case("dp2", runners=list(LAUNCHES["dp2"]), train={**TINY_TRAIN, "dp": 2}))
     return fake_interpreter(tmp_path, "fake_rank_python", f"""\
         #!{sys.executable}
         import os, sys
@@ -28,9 +38,9 @@ def fake_rank_python(tmp_path):
         """)
 
 
-def run(tmp_path, python, timeout):
-    return compare_case("tiny_tp2", CompareOptions(cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
-                        reports_dir=tmp_path / "reports", pythons={"megatron": python, "paddle": python},
+def run(tmp_path, python, timeout, launch):
+    return compare_case(launch, CompareOptions(cases_dir=tmp_path / "cases", checkpoints_dir=tmp_path / "ck",
+                        reports_dir=tmp_path / "reports", pythons={runner: python for runner in LAUNCHES[launch]},
                         timeout=timeout, oracle=False))  # the launches are under test, not the oracle
 
 
@@ -48,17 +58,17 @@ def processes_mentioning(text):
     return found
 
 
-def assert_nothing_left(run_dir):
-    for side in ("a-megatron", "b-paddle"):
+def assert_nothing_left(run_dir, launch):
+    for side in (f"{label}-{runner}" for label, runner in zip("ab", LAUNCHES[launch], strict=True)):
         for pid in map(int, (run_dir / side / "fake_pids").read_text().split()):
             assert not alive(pid), f"rank process {pid} of {side} survived"
     assert processes_mentioning(str(run_dir)) == []
 
 
-def test_a_killed_rank_ends_both_launches_with_error(tmp_path, fake_rank_python, monkeypatch):
+def test_a_killed_rank_ends_both_launches_with_error(tmp_path, fake_rank_python, launch, monkeypatch):
     monkeypatch.setenv("FAKE_RANK_FAILURE", "die")
     started = time.monotonic()
-    result, run_dir = run(tmp_path, fake_rank_python, timeout=240)
+    result, run_dir = run(tmp_path, fake_rank_python, 240, launch)
     assert time.monotonic() - started < 200, "the launchers waited for the timeout instead of ending the launch"
     assert result.verdict == "ERROR" and result.exit_code == 2
     for side in result.sides:
@@ -68,16 +78,16 @@ def test_a_killed_rank_ends_both_launches_with_error(tmp_path, fake_rank_python,
     report = (run_dir / "report.md").read_text()
     assert "fake rank 1 dies" in report and "rank 1 failed" in report
     assert json.loads((run_dir / "report.json").read_text())["verdict"] == "ERROR"
-    assert_nothing_left(run_dir)
+    assert_nothing_left(run_dir, launch)
 
 
-def test_a_hung_rank_is_killed_with_its_whole_launch(tmp_path, fake_rank_python, monkeypatch):
+def test_a_hung_rank_is_killed_with_its_whole_launch(tmp_path, fake_rank_python, launch, monkeypatch):
     monkeypatch.setenv("FAKE_RANK_FAILURE", "hang")
-    result, run_dir = run(tmp_path, fake_rank_python, timeout=45)
+    result, run_dir = run(tmp_path, fake_rank_python, 45, launch)
     assert result.verdict == "ERROR" and result.exit_code == 2
     for side in result.sides:
         assert "timed out after 45 s" in side.reason and "with all 2 ranks" in side.reason, side.reason
         assert len((run_dir / side.folder.name / "fake_pids").read_text().split()) == 2, "ranks never started"
         assert "fake rank 1 hangs" in side.stderr_tail
     assert "fake rank 1 hangs" in (run_dir / "report.md").read_text()
-    assert_nothing_left(run_dir)
+    assert_nothing_left(run_dir, launch)

@@ -29,6 +29,10 @@ EXPERT_BIAS_UPDATE = {
     "off": "no stack updates it (Megatron: moe_router_bias_update_rate = 0)",
 }
 FLIP_FIELDS = {"side", "after_step", "state", "tensor", "index", "bit"}
+RANK_SIZES = (1, 2, 4, 8)  # data- and expert-parallel sizes (docs/training-ranks.md)
+# The runners with an expert-parallel MoE layer: Megatron-Core's (its token dispatcher), PaddleFormers' (DeepEP only:
+# UNSUPPORTED without it). HF transformers' DeepseekV3 has no expert-parallel plan (transformers 5.3).
+EXPERT_PARALLEL_RUNNERS = ("megatron_model", "paddle_model")
 
 # field -> (accepted types, default); a default of None is resolved from other fields (below)
 FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
@@ -46,6 +50,8 @@ FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "decay_steps": ((int,), None),  # default: steps
     "master_weights": ((bool,), None),  # default: True for bfloat16, else False
     "distributed_optimizer": ((bool,), False),
+    "dp": ((int,), 1),  # data-parallel ranks, each training its own micro-batches of the same global batch
+    "ep": ((int,), 1),  # expert-parallel ranks among them (Megatron's MoE layer; ep divides dp)
     "torch_adamw": ((str,), "default"),
     "expert_bias_update": ((str,), "default"),
     "steps_kept": ((str, list), "all"),
@@ -101,11 +107,48 @@ def parse(f, dtype: str, model: dict) -> dict:
     if train["master_weights"] != (dtype == "bfloat16"):
         bad("master_weights", "fp32 master weights are what a bfloat16 case trains with (Megatron keeps them "
                               "always) and what no float32/float64 case has: true exactly for bfloat16")
+    problem = ranks_problem(train, model)
+    if problem:
+        bad(*problem)
     train["steps_kept"] = steps_kept(train["steps_kept"], train["steps"],
                                      lambda problem: f.error("train.steps_kept", problem, table.get("steps_kept")))
     if train["flip"] is not None:
         train["flip"] = _flip(f, train, dtype, model)
     return train
+
+
+def ranks_problem(train: dict, model: dict) -> tuple[str, str] | None:
+    """(field, why) when `dp` data-parallel and `ep` expert-parallel ranks cannot split this training run: the one
+    check, in one wording, for case files, ``--dp``, ``--ep`` and ``--versus-dp`` / ``--versus-ep``."""
+    dp, ep = train["dp"], train["ep"]
+    for key, size in (("dp", dp), ("ep", ep)):
+        if size not in RANK_SIZES:
+            return key, f"must be one of {', '.join(map(str, RANK_SIZES))}"
+    if train["micro_batches"] % dp:
+        return "dp", (f"must divide micro_batches ({train['micro_batches']}): each rank trains micro_batches / dp "
+                      "of the same global batch")
+    if dp % ep:
+        return "ep", f"must divide dp ({dp}): Megatron splits the experts across the data-parallel ranks"
+    if model.get("n_routed_experts", 0) % ep:
+        return "ep", f"must divide n_routed_experts ({model.get('n_routed_experts')})"
+    return None
+
+
+def with_ranks(train: dict, model: dict, dp: int, ep: int, error) -> dict:
+    """`train` at `dp` x `ep` ranks (the command line's --dp / --ep / --versus-*); `error(field, problem, value)`
+    builds the exception to raise."""
+    ranked = {**train, "dp": dp, "ep": ep}
+    problem = ranks_problem(ranked, model)
+    if problem:
+        raise error(*problem, ranked[problem[0]])
+    return ranked
+
+
+def rank_micro_batches(micro_batches: int, dp: int, rank: int) -> list[int]:
+    """The global micro-batches data-parallel `rank` trains, in its order: every dp-th from `rank` on, as Megatron-LM's
+    MegatronPretrainingSampler and torch's DistributedSampler hand out a global batch (micro-batch i of the global
+    step goes to rank i mod dp)."""
+    return list(range(rank, micro_batches, dp))
 
 
 def steps_kept(value, steps: int, error) -> list[int]:

@@ -21,7 +21,7 @@ from harness import __version__
 from harness.case import checkpoints
 from harness.case.ops import KNOBS, MODEL_OPS, TRAIN_OPS
 from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError, Registry
-from harness.case.train import parse_steps_kept
+from harness.case.train import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
 from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_refeed
@@ -46,7 +46,9 @@ class CompareOptions:
     `config_overrides`: knobs set over the case's (the gate matrix); `refeed_ops`: for multi-op blocks, re-run
     each op on side b from side a's tensors (model cases: each module, harness.compare.model_refeed);
     `pythons`: an interpreter per runner (``--python RUNNER=PATH``); `fresh_process`: every side in a process of
-    its own, never in a worker (``harness.run.workers``).
+    its own, never in a worker (``harness.run.workers``); training cases: `dp` / `ep` data- and expert-parallel
+    ranks over the case's train.dp / train.ep, and `versus_dp` / `versus_ep`: one runner at the case's (side a)
+    against itself at another size (side b), on the same global batch (docs/training-ranks.md).
     """
 
     device: str = "cpu"
@@ -56,6 +58,10 @@ class CompareOptions:
     versus_tp: int | None = None
     runner: str | None = None
     versus_impl: str | None = None
+    dp: int | None = None
+    ep: int | None = None
+    versus_dp: int | None = None
+    versus_ep: int | None = None
     oracle: bool = True
     repeat: int = 1
     refeed_ops: bool = False
@@ -75,8 +81,10 @@ class CompareOptions:
             raise ValueError(f"CompareOptions.timeout must be a positive number of seconds (got {self.timeout!r})")
         if not (isinstance(self.repeat, int) and self.repeat >= 1):
             raise ValueError(f"CompareOptions.repeat must be an integer of at least 1 (got {self.repeat!r})")
-        if self.versus_tp is not None and self.versus_impl is not None:
-            raise ValueError("CompareOptions.versus_tp and versus_impl compare one thing at a time: give one of them")
+        versus = [name for name in ("versus_tp", "versus_impl", "versus_dp", "versus_ep")
+                  if getattr(self, name) is not None]
+        if len(versus) > 1:
+            raise ValueError(f"CompareOptions.{' and '.join(versus)} compare one thing at a time: give one of them")
 
 
 DEFAULT_OPTIONS = CompareOptions()
@@ -104,7 +112,7 @@ class Started:
     extras: Future | None = None  # the oracle's (or a model's float64 truth's) round, run beside the pair
     first_round: int = 0  # result.sides[:first_round] are the pair's first runs; repeats follow
     runs: int = 1
-    versus: tuple = (None, None)  # (tps, impls)
+    versus: tuple = (None, None, None)  # (tps, impls, ranked): what a --versus-* run compares
     error: BaseException | None = None
 
 
@@ -127,7 +135,9 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
             case = replace(case, config={**case.config, **o.config_overrides})
         if o.steps_kept is not None:
             case = _with_steps_kept(case, o.steps_kept)
-        tps = impls = None
+        if o.dp is not None or o.ep is not None:
+            case = _with_ranks(case, o.dp, o.ep)
+        tps = impls = ranked = None
         if o.versus_tp is not None:
             case, tps = _versus_tp(case, o.versus_tp, o.runner or case.runners[0])
             result.comparison = {"kind": "tensor_parallel", "runner": case.runners[0], "tp_a": tps[0], "tp_b": tps[1]}
@@ -135,7 +145,14 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
             case, impls = _versus_impl(case, o.versus_impl)
             result.comparison = {"kind": "paddle_impl", "runner": case.runners[0], "impl_a": impls[0],
                                  "impl_b": impls[1]}
-        started.case, started.versus = case, (tps, impls)
+        if o.versus_dp is not None or o.versus_ep is not None:
+            kind = "dp" if o.versus_dp is not None else "ep"
+            case, ranked = _versus_ranks(case, kind, o.versus_dp if kind == "dp" else o.versus_ep,
+                                         o.runner or case.runners[0])
+            result.comparison = {"kind": RANK_KINDS[kind], "runner": case.runners[0],
+                                 **{f"{k}_{label}": sizes[k] for label, sizes in zip("ab", ranked, strict=True)
+                                    for k in ("dp", "ep")}}
+        started.case, started.versus = case, (tps, impls, ranked)
         result.case = describe_case(case)
         checkpoint = started.checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         started.clock.lap("checkpoint")
@@ -146,7 +163,12 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         if is_train and (o.repeat > 1 or tps or impls):
             raise CaseError(f"case {name!r}: --repeat, --versus-tp and --versus-impl are not implemented for "
                             "training cases")
-        pair = started.pair = train.sides(case, checkpoint) if is_train else \
+        if is_train and o.refeed_ops and (ranked or case.config["train"]["dp"] > 1):
+            raise CaseError(f"case {name!r}: --refeed re-runs one rank's training (dp = 1): give it without --dp, "
+                            "--versus-dp or --versus-ep")
+        if is_train:
+            _check_expert_parallel(case, ranked)
+        pair = started.pair = train.sides(case, checkpoint, ranked) if is_train else \
             orchestrate.pair_sides(case, checkpoint, tps, impls)
         truth = None if not is_model or case.dtype == "float64" else \
             train.truth_side(case, checkpoint) if is_train else model.truth_side(checkpoint)
@@ -179,7 +201,7 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
 def finish_case(started: Started) -> tuple[CaseResult, Path]:
     """The second half: the oracle's round joined, comparisons, verdict, expectation, report (see ``start_case``)."""
     result, run_dir, o, case, pair = started.result, started.run_dir, started.options, started.case, started.pair
-    tps, impls = started.versus
+    tps, impls, ranked = started.versus
     try:
         extras = started.extras.result() if started.extras else []
         started.clock.lap("oracle")
@@ -194,6 +216,8 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         if all(side.status == "ok" for side in framework):
             if is_train:  # step files, one step at a time (harness.compare.train)
                 result.tensors, result.train = train.compare_steps(case, framework, by_label.get(ORACLE_LABEL))
+                if ranked:  # which quantities stay bitwise, from which step each parts
+                    result.comparison.update(train.invariance(result.train))
             elif is_model:
                 result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(case, framework)
             else:
@@ -220,7 +244,8 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         if is_model and case.dtype == "float64" and result.tensors:
             _semantic_verdict(result, case, result.train if is_train else result.model,
                               train.first_step(result.tensors) if is_train else result.tensors)
-        if tps is None and impls is None:  # the expectation is about the case's runners; TP sizes or levels: findings
+        if tps is None and impls is None and ranked is None:  # the expectation is about the case's runners; TP sizes,
+            # levels or rank counts against each other: findings
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
         started.clock.lap("compare")
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
@@ -282,6 +307,52 @@ def _with_steps_kept(case: Case, text: str) -> Case:
     return replace(case, config={**case.config, "train": {**train, "steps_kept": kept}})
 
 
+RANK_KINDS = {"dp": "data_parallel", "ep": "expert_parallel"}
+
+
+def _with_ranks(case: Case, dp: int | None, ep: int | None) -> Case:
+    """The training case at ``--dp`` / ``--ep`` ranks (validated as the case file's train.dp / train.ep are)."""
+    if case.op not in TRAIN_OPS:
+        raise CaseError(f"{case.source}: case {case.name!r}: --dp and --ep are for training cases (op "
+                        f"{', '.join(TRAIN_OPS)}; got {case.op!r})")
+    train_ = case.config["train"]
+    ranked = with_ranks(train_, case.config["model"], train_["dp"] if dp is None else dp,
+                        train_["ep"] if ep is None else ep, _ranks_error(case, "--dp / --ep"))
+    return replace(case, config={**case.config, "train": ranked})
+
+
+def _check_expert_parallel(case: Case, ranked: tuple[dict, dict] | None) -> None:
+    """Refuse a side at ep > 1 whose runner has no expert-parallel MoE layer, before anything starts."""
+    for runner, sizes in zip(case.runners, ranked or (case.config["train"],) * 2, strict=True):
+        if sizes["ep"] > 1 and runner not in EXPERT_PARALLEL_RUNNERS:
+            raise CaseError(f"{case.source}: case {case.name!r}: train.ep = {sizes['ep']}: runner {runner!r} has no "
+                            f"expert-parallel MoE layer (expert parallel runs on {', '.join(EXPERT_PARALLEL_RUNNERS)})")
+
+
+def _ranks_error(case: Case, option: str):
+    return lambda field, problem, value: CaseError(f"{case.source}: case {case.name!r}: {option}: train.{field} "
+                                                   f"{problem} (got {value!r})")
+
+
+def _versus_ranks(case: Case, kind: str, size: int, runner: str) -> tuple[Case, tuple[dict, dict]]:
+    """One runner at the case's dp and ep (side a) against itself with `kind` ("dp" or "ep") at `size` (side b)."""
+    option = f"--versus-{kind}"
+    if case.op not in TRAIN_OPS:
+        raise CaseError(f"{case.source}: case {case.name!r}: {option} is for training cases (op "
+                        f"{', '.join(TRAIN_OPS)}; got {case.op!r})")
+    if runner not in RUNNERS:
+        raise CaseError(f"{case.source}: case {case.name!r}: --runner must be one of {', '.join(RUNNERS)} "
+                        f"(got {runner!r})")
+    train_ = case.config["train"]
+    a = {"dp": train_["dp"], "ep": train_["ep"]}
+    b = {**a, kind: size}
+    with_ranks(train_, case.config["model"], b["dp"], b["ep"], _ranks_error(case, option))
+    if a == b:
+        raise CaseError(f"{case.source}: case {case.name!r}: {option} {size} is side a's {kind} already (train.{kind}"
+                        f" = {size}); give side a another with --{kind}")
+    return replace(case, runners=(runner, runner), perturb=None), (a, b)
+
+
 def describe_case(case: Case) -> dict:
     described = asdict(case)
     described["source"] = str(case.source)
@@ -329,11 +400,20 @@ def comparison_notes(result: CaseResult) -> str:
             c["equal"], c["differ"] = equal, differ
             notes.append(f"{c['runner']} at {c['impl_a']} vs {c['impl_b']}: bitwise equal: "
                          f"{', '.join(equal) or 'none'}; differ: {', '.join(differ) or 'none'}")
+        elif c["kind"] in RANK_KINDS.values():
+            kind = "dp" if c["kind"] == "data_parallel" else "ep"
+            departs = ", ".join(f"{q} at step {k}" for q, k in c["departs"].items())
+            notes.append(f"{c['runner']} {kind.upper()}={c[kind + '_a']} vs {kind.upper()}={c[kind + '_b']}: "
+                         f"bitwise at every step: {', '.join(c['bitwise']) or 'none'}; departs: {departs or 'none'}")
         else:
             c["tp_invariant"], c["not_tp_invariant"] = equal, differ
             notes.append(f"{c['runner']} TP={c['tp_a']} vs TP={c['tp_b']}: bitwise TP-invariant: "
                          f"{', '.join(equal) or 'none'}; not: {', '.join(differ) or 'none'}")
     for side in result.sides:
+        agree = side.meta.get("ranks_agree", {})
+        if agree.get("differing_count"):
+            notes.append(f"side {side.label}: {agree['differing_count']} state tensors differ between its ranks "
+                         f"(rank 0's compared; first: {', '.join(agree['differing'][:3])})")
         differing = shards.inconsistent(side.meta.get("gather", {}))
         if differing:
             notes.append(f"side {side.label}: replicated {', '.join(differing)} differ between ranks "

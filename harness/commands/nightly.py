@@ -35,7 +35,7 @@ from harness.commands.compare import FRESH_PROCESS_HELP
 from harness.compare import baseline, baseline_store, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import junit, nightly_report
-from harness.run import placement
+from harness.run import orchestrate, placement
 from harness.run import workers as runner_workers
 from harness.run.protocol import host_provenance
 
@@ -149,7 +149,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             return entry
 
         with runner_workers.fresh_processes(options.fresh_process), runner_workers.serving(run_dir / "workers"):
-            entries = placement.run_cells(cases, one, workers=workers, device=device, tp_of=lambda case: case.tp,
+            entries = placement.run_cells(cases, one, workers=workers, device=device, tp_of=orchestrate.ranks,
                                           on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries
     night["finished_at"] = run_folder.now()

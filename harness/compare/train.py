@@ -37,18 +37,24 @@ ORDER = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq
 SCALAR_UNIT = {"lr": "float64", "loss": "float32", "grad_norm": "float32", "clip_coeff": "float32"}
 
 
-def sides(case: Case, checkpoint) -> list[SideSpec]:
-    """The pair; a planted flip (``train.flip``) goes into its own side's request only."""
+def sides(case: Case, checkpoint, ranks: tuple[dict, dict] | None = None) -> list[SideSpec]:
+    """The pair; a planted flip (``train.flip``) goes into its own side's request only; comparing rank counts
+    (`ranks`: side a's and side b's {"dp", "ep"}), each side at its own, its folder named by them."""
     pair = pair_sides(case, checkpoint)
     flip = case.config["train"].get("flip")
-    other = {**case.config["train"], "flip": None}
-    return [side._replace(config={"train": case.config["train"] if flip and flip["side"] == side.label else other})
-            for side in pair]
+    out = []
+    for side, sizes in zip(pair, ranks or (None, None), strict=True):
+        train = {**case.config["train"], **(sizes or {})}
+        train["flip"] = flip if flip and flip["side"] == side.label else None
+        folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
+        out.append(side._replace(folder=folder, config={"train": train}))
+    return out
 
 
 def truth_side(case: Case, checkpoint) -> SideSpec:
-    """hf_model's training run in float64 on the shared checkpoint: no masters, no flip."""
-    train = {**case.config["train"], "master_weights": False, "flip": None}
+    """hf_model's training run in float64 on the shared checkpoint, on one rank (the global batch's exact result does
+    not depend on how ranks split it): no masters, no flip."""
+    train = {**case.config["train"], "master_weights": False, "flip": None, "dp": 1, "ep": 1}
     return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64",
                     {"train": train})
 
@@ -75,6 +81,20 @@ def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None =
                               "tensor": first["first_divergence"]} if first else None),
         "order": list(ORDER), "truth": _truth_status(truth),
     }
+
+
+def invariance(summary: dict) -> dict:
+    """Comparing one stack at two rank counts: the quantities bitwise equal at every step ("bitwise") and, for each
+    other, the first step it differs at ("departs"), in the step's order."""
+    departs = {}
+    for step in summary["steps"]:
+        differing = [q for q in SCALARS if not step["scalars"][q]["equal"]]
+        differing += [q for q, counts in step["quantities"].items() if counts["equal"] < counts["total"]]
+        for quantity in differing:
+            departs.setdefault(quantity, step["step"])
+    present = [q for q in ORDER if q in SCALARS or any(q in step["quantities"] for step in summary["steps"])]
+    return {"bitwise": [q for q in present if q not in departs],
+            "departs": {q: departs[q] for q in present if q in departs}}
 
 
 def first_step(comparisons: list[TensorComparison]) -> list[TensorComparison]:

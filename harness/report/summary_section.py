@@ -15,7 +15,7 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
     if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
         items.append(f"expected: {expectation['verdict']}; {met}")
-    items += tensor_parallel(data) + paddle_levels(data)
+    items += tensor_parallel(data) + training_ranks(data) + paddle_levels(data)
     case = data["case"]
     if case:
         items.append(f"runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
@@ -51,8 +51,31 @@ def tensor_parallel(data: dict) -> list[str]:
                                 "replicated, identical on every rank" if g["identical_across_ranks"] else
                                 f"replicated, DIFFERS between ranks (mismatches vs rank 0: {g['mismatches_vs_rank0']})")
                  for name, g in gather.items()]
-        items.append(f"side {side['label']} launched by {launch['launcher']} with {launch['tp']} ranks at "
-                     f"{launch.get('master', '')}" + (f"; gathered: {'; '.join(parts)}" if parts else ""))
+        items.append(f"side {side['label']} launched by {launch['launcher']} with {launch.get('ranks', launch['tp'])} "
+                     f"ranks at {launch.get('master', '')}" + (f"; gathered: {'; '.join(parts)}" if parts else ""))
+    return items
+
+
+def training_ranks(data: dict) -> list[str]:
+    """A training run on several ranks: whether every rank ended every step with rank 0's state; for a DP=N vs DP=M
+    (or EP) run, the quantities that stay bitwise and the step each other one parts at."""
+    items = []
+    c = data["comparison"]
+    if c and c.get("kind") in ("data_parallel", "expert_parallel"):
+        kind = "DP" if c["kind"] == "data_parallel" else "EP"
+        items.append(f"comparison: {c['runner']} at DP={c['dp_a']} EP={c['ep_a']} (side a) against {c['runner']} at "
+                     f"DP={c['dp_b']} EP={c['ep_b']} (side b), on the same global batch; no case expectation applies")
+        if "bitwise" in c:
+            departs = ", ".join(f"`{q}` from step {k}" for q, k in c["departs"].items())
+            items.append(f"{kind}-invariant (bitwise equal at every step): {', '.join(c['bitwise']) or 'none'}; "
+                         f"departs: {departs or 'none'}")
+    for side in data["sides"]:
+        agree = side["meta"].get("ranks_agree")
+        if agree:
+            items.append(f"side {side['label']}: every rank's state after every step against rank 0's "
+                         f"({agree['checked']} tensors): " + (
+                             "identical" if not agree["differing_count"] else
+                             f"{agree['differing_count']} DIFFER (first: {', '.join(agree['differing'][:5])})"))
     return items
 
 

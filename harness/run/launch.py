@@ -1,7 +1,8 @@
-"""How a runner is started: directly at TP=1, through its framework's own launcher at TP>1.
+"""How a runner is started: directly on one rank, through its framework's own launcher on several (TP > 1, or a
+training run's data-parallel ranks: ranks = tp x dp).
 
-- torch-based runners: ``python -m torch.distributed.run --nproc-per-node TP`` (gloo on the CPU, NCCL on GPUs).
-- paddle: ``python -m paddle.distributed.launch --nproc_per_node TP`` (gloo on the CPU by itself).
+- torch-based runners: ``python -m torch.distributed.run --nproc-per-node N`` (gloo on the CPU, NCCL on GPUs).
+- paddle's: ``python -m paddle.distributed.launch --nproc_per_node N`` (gloo on the CPU by itself).
 Both rendezvous on 127.0.0.1 at a port picked free here, so parallel runs do not collide; neither restarts a
 failed rank, and both keep one log per rank under ``<side>/ranks/`` for the report.
 Both launchers start their ranks in sessions of their own, so killing the launcher's process group does
@@ -19,7 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
-LAUNCHERS = {"megatron": "torchrun", "paddle": "paddle"}
+LAUNCHERS = {"megatron": "torchrun", "paddle": "paddle", "megatron_model": "torchrun", "hf_model": "torchrun",
+             "paddle_model": "paddle"}
 RANK_LOGS = "ranks"
 RANK_TAIL_CHARS = 2500
 
@@ -30,25 +32,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(runner: str, python: str, request: Path, tp: int, folder: Path) -> tuple[list[str], dict]:
-    """The command line for one side, and what to record about its launch."""
+def command(runner: str, python: str, request: Path, tp: int, folder: Path, dp: int = 1) -> tuple[list[str], dict]:
+    """The command line for one side, and what to record about its launch (`tp` x `dp` ranks)."""
     module = ["-m", f"harness.runners.{runner}", "--request", str(request)]
-    if tp == 1:
+    ranks = tp * dp
+    if ranks == 1:
         return [python, *module], {"launcher": "none", "tp": 1}
     launcher = LAUNCHERS.get(runner)
     logs, port = folder / RANK_LOGS, free_port()
+    sizes = {"tp": tp, **({"dp": dp, "ranks": ranks} if dp > 1 else {})}
     if launcher == "torchrun":
-        prefix = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--nnodes", "1",
+        prefix = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--nnodes", "1",
                   "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
                   "--log-dir", str(logs), "--redirects", "3"]
-        return [*prefix, *module], {"launcher": "torchrun", "tp": tp, "master": f"127.0.0.1:{port}"}
+        return [*prefix, *module], {"launcher": "torchrun", **sizes, "master": f"127.0.0.1:{port}"}
     if launcher == "paddle":
         # paddle's launcher runs a training script that does not end in .py as the command itself
-        prefix = [python, "-m", "paddle.distributed.launch", "--nproc_per_node", str(tp), "--nnodes", "1",
+        prefix = [python, "-m", "paddle.distributed.launch", "--nproc_per_node", str(ranks), "--nnodes", "1",
                   "--master", f"127.0.0.1:{port}", "--max_restart", "0", "--log_dir", str(logs)]
-        return [*prefix, python, *module], {"launcher": "paddle.distributed.launch", "tp": tp,
+        return [*prefix, python, *module], {"launcher": "paddle.distributed.launch", **sizes,
                                             "master": f"127.0.0.1:{port}"}
-    raise ValueError(f"runner {runner!r} has no tensor-parallel launcher (known: {', '.join(LAUNCHERS)})")
+    raise ValueError(f"runner {runner!r} has no launcher for several ranks (known: {', '.join(LAUNCHERS)})")
 
 
 def rank_log(folder: Path, rank: int) -> Path | None:
@@ -58,9 +62,9 @@ def rank_log(folder: Path, rank: int) -> Path | None:
     return found[-1] if found else None
 
 
-def rank_tails(folder: Path, tp: int) -> dict[int, str]:
+def rank_tails(folder: Path, ranks: int) -> dict[int, str]:
     tails = {}
-    for rank in range(tp):
+    for rank in range(ranks):
         path = rank_log(folder, rank)
         if path is not None:
             text = path.read_bytes()[-RANK_TAIL_CHARS:].decode("utf-8", "replace").strip()

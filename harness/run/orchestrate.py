@@ -4,8 +4,9 @@ Each runner runs in its own process group (so a timeout kills it and everything 
 its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, default: this one), and
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
 Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
-(``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``).
-Inside ``workers.serving`` (a sweep, nightly, gate matrix or repeat) a TP=1 side is the next cell of a worker
+(``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``); so does a
+training side with train.dp > 1, whose ranks each check in their state after every step (``harness.run.steps``).
+Inside ``workers.serving`` (a sweep, nightly, gate matrix or repeat) a one-rank side is the next cell of a worker
 process that stays up across cells (``harness.run.workers``) instead of a process of its own.
 """
 
@@ -125,9 +126,10 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
                 folder.mkdir(parents=True)
                 request = _request(side_case, side.inputs, device, folder, side.tp)
                 (folder / "request.json").write_text(json.dumps(request, indent=2))
-            label, runner, tp = side.label, side.runner, side.tp
+            label, runner, tp, dp = side.label, side.runner, side.tp, data_parallel(side_case)
             python = runner_python(runner, pythons)
-            started.append((label, runner, folder, python, tp, _start(runner, python, folder, device, tp), side_case))
+            started.append((label, runner, folder, python, tp * dp, _start(runner, python, folder, device, tp, dp),
+                            side_case))
         deadline = time.monotonic() + timeout
         # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's
         # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
@@ -156,9 +158,19 @@ def _request(case: Case, checkpoint: tuple[Path, ...], device: str, folder: Path
             "checkpoint": [str(path.resolve()) for path in checkpoint], "output_dir": str(folder.resolve())}
 
 
-def _start(runner: str, python: str, folder: Path, device: str, tp: int):
-    command, launched = launch.command(runner, python, folder / "request.json", tp, folder)
-    pool = workers.active() if tp == 1 else None
+def data_parallel(case: Case) -> int:
+    """A training run's data-parallel ranks (train.dp; 1 for every other op)."""
+    return case.config["train"]["dp"] if case.op in TRAIN_OPS else 1
+
+
+def ranks(case: Case) -> int:
+    """The processes one side of the case as written runs on, and the GPUs it needs: tp x train.dp."""
+    return case.tp * data_parallel(case)
+
+
+def _start(runner: str, python: str, folder: Path, device: str, tp: int, dp: int = 1):
+    command, launched = launch.command(runner, python, folder / "request.json", tp, folder, dp)
+    pool = workers.active() if tp * dp == 1 else None
     if pool is not None:
         return _start_in_worker(pool, runner, python, folder, device, command[:3])
     with resources.boundary("runner folder", folder):
@@ -194,7 +206,7 @@ def _start_in_worker(pool: workers.Pool, runner: str, python: str, folder: Path,
     return cell, start, {"launcher": "worker", "tp": 1}
 
 
-def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case) -> SideResult:
+def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, case) -> SideResult:
     process, start, launch_info = launched
     side = SideResult(label, runner, "error", folder, python)
     if process is None:
@@ -209,40 +221,49 @@ def _finish(label, runner, folder, python, tp, launched, deadline, timeout, case
             launch.kill_tree(process)
             side.returncode = process.returncode
             side.reason = f"timed out after {timeout:g} s; its process group was killed"
-            side.reason += f", with all {tp} ranks" if tp > 1 else ""
+            side.reason += f", with all {ranks} ranks" if ranks > 1 else ""
         launch_info["leftovers_killed"] = launch.kill_leftovers(seen)
         supervisor.unregister(process)
     side.wall_seconds = time.monotonic() - start
     side.stderr_tail = _tail(folder / "stderr.log")
     if isinstance(process, workers.Cell) and side.returncode not in (0, EXIT_UNSUPPORTED):
         side.stderr_tail += f"\n--- worker {process.worker.process.pid} log (tail) ---\n{process.log_tail()}\n"
-    side.meta = _read_meta(folder) if tp == 1 else shards.merge_metas(folder, tp, launch_info)
+    side.meta = _read_meta(folder) if ranks == 1 else shards.merge_metas(folder, ranks, launch_info)
     if side.meta:
         side.meta.setdefault("process", process.ran_in if isinstance(process, workers.Cell) else
                              {"mode": "fresh process", "pid": getattr(process, "pid", None)})
-    if tp > 1:
+    if ranks > 1:
         side.stderr_tail += "".join(f"\n--- rank {rank} stderr (tail) ---\n{text}\n"
-                                    for rank, text in launch.rank_tails(folder, tp).items())
+                                    for rank, text in launch.rank_tails(folder, ranks).items())
     if side.meta:
         side.meta["onednn_kernels"] = onednn_kernels(folder / "stdout.log")
     if side.reason:
         return side
-    if "unsupported" in side.meta and (side.returncode == EXIT_UNSUPPORTED or tp > 1):
+    if "unsupported" in side.meta and (side.returncode == EXIT_UNSUPPORTED or ranks > 1):
         side.status, side.reason = "unsupported", side.meta["unsupported"]
     elif side.returncode != 0:
-        blamed = launch.failed_rank(side.stderr_tail) if tp > 1 else ""
+        blamed = launch.failed_rank(side.stderr_tail) if ranks > 1 else ""
         side.reason = f"exited with code {side.returncode}" + (f"; {blamed}" if blamed else "")
     else:
-        problem = _gather(side, case, tp) if tp > 1 else ""
-        problem = problem or _validate_outputs(side, case)
+        problem = _validate_outputs(side, case) if case.op in TRAIN_OPS else ""
+        problem = problem or (_gather(side, case, ranks) if ranks > 1 else "")
+        problem = problem or ("" if case.op in TRAIN_OPS else _validate_outputs(side, case))
         side.status, side.reason = ("error", f"bad output: {problem}") if problem else ("ok", "")
     return side
 
 
-def _gather(side: SideResult, case: Case, tp: int) -> str:
-    """Put the rank files together; a replicated tensor that differs between ranks is recorded in meta.json."""
+def _gather(side: SideResult, case: Case, ranks: int) -> str:
+    """Put the rank files together (a training run: check every rank's step state against rank 0's); a replicated
+    tensor that differs between ranks is recorded in meta.json."""
+    if case.op in TRAIN_OPS:
+        checks = steps.ranks_agree(side.folder, case, ranks)
+        if "problem" in checks:
+            return checks["problem"]
+        side.meta["ranks_agree"] = checks
+        (side.folder / META).write_text(json.dumps(side.meta, indent=2, sort_keys=True, default=str))
+        return ""
     try:
-        checks = shards.gather(side.folder, tp, [s.name for s in case.output_specs()],
+        checks = shards.gather(side.folder, ranks, [s.name for s in case.output_specs()],
                                case.op_spec.partition(case.config))
     except shards.GatherError as error:
         return str(error)

@@ -2,11 +2,11 @@
 
 ``run_cells(items, work, workers=N, device=..., tp_of=...)`` runs ``work(item)`` for every item on N threads
 (each cell is an ordinary ``compare_case``: its runners are subprocesses, so threads only wait). On a GPU host a
-cell takes ``tp`` GPUs of the ones this process was given (``CUDA_VISIBLE_DEVICES``, else every GPU that
-``nvidia-smi -L`` lists), waiting until that many are free, and its runners see only those
-(``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``). On the CPU the cells share the cores:
-their runners' thread count stays the harness's fixed one (``orchestrate.RUNNER_THREADS``), since the count can
-change bits and ``--workers`` must not. Results come back in the items' order.
+cell takes ``tp_of(item)`` GPUs (a side's ranks: tp, times dp for a training run) of the ones this process was given
+(``CUDA_VISIBLE_DEVICES``, else every GPU that ``nvidia-smi -L`` lists), waiting until that many are free, and its
+runners see only those (``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``). On the CPU the cells
+share the cores: their runners' thread count stays the harness's fixed one (``orchestrate.RUNNER_THREADS``), since the
+count can change bits and ``--workers`` must not. Results come back in the items' order.
 """
 
 from __future__ import annotations

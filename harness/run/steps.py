@@ -6,8 +6,14 @@ step, written as the step ends, so a run of 100 steps never holds more than one 
 in the file's metadata, one digest per state tensor (BLAKE2b-128 of its raw bytes in canonical layout and dtype): the
 comparator still says per step and tensor whether the bits are equal, without the disk a full dump needs.
 
+On several ranks (data or expert parallel, docs/training-ranks.md) every rank gathers the canonical state (a
+distributed optimizer's shards, another rank's experts) and rank 0 writes the step file; every other rank writes
+``step00007.rank<R>.safetensors`` with its scalars and one digest per state tensor, so the harness checks that every
+rank holds the same state (``ranks_agree``), as it checks replicated TP tensors.
+
 A training run's outputs contract, beside ``harness.run.protocol``: runners write with ``StepWriter`` (their framework
-gives ``save`` and ``raw_bytes``); the harness validates (``validate``) and the comparator reads (``read_header``).
+gives ``save`` and ``raw_bytes``); the harness validates (``validate``, ``ranks_agree``) and the comparator reads
+(``read_header``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ STEPS_DIR = "steps"
 SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
 
 
-def step_file(folder, step: int) -> Path:
-    return Path(folder) / STEPS_DIR / f"step{step:05d}.safetensors"
+def step_file(folder, step: int, rank: int = 0) -> Path:
+    """Rank 0's (the canonical) step file, or another rank's."""
+    return Path(folder) / STEPS_DIR / (f"step{step:05d}.safetensors" if rank == 0 else
+                                       f"step{step:05d}.rank{rank}.safetensors")
 
 
 def digest(raw) -> str:
@@ -37,10 +45,12 @@ DIGEST_THREADS = 4
 
 class StepWriter:
     """Writes each step's file. `save(tensors, path, metadata)` is the framework's safetensors writer, `raw_bytes(t)`
-    the tensor's bytes in canonical layout (contiguous); `kept` the steps whose state tensors are written whole."""
+    the tensor's bytes in canonical layout (contiguous); `kept` the steps whose state tensors are written whole; a
+    `rank` other than 0 writes digests only, into its own file."""
 
-    def __init__(self, folder, kept, save, raw_bytes):
-        self.folder, self.kept, self.save, self.raw_bytes = Path(folder), set(kept), save, raw_bytes
+    def __init__(self, folder, kept, save, raw_bytes, rank: int = 0):
+        self.folder, self.save, self.raw_bytes, self.rank = Path(folder), save, raw_bytes, rank
+        self.kept = set(kept) if rank == 0 else set()
         (self.folder / STEPS_DIR).mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, scalars: dict, states: dict) -> None:
@@ -55,8 +65,8 @@ class StepWriter:
                 hashed = pool.map(lambda tensor: digest(self.raw_bytes(tensor)), states.values())
                 digests = {prefix + name: value for name, value in zip(states, hashed, strict=True)}
             tensors, metadata = scalars, {"kept": "false", "digests": json.dumps(digests)}
-        self.save({prefix + name: tensor for name, tensor in tensors.items()}, str(step_file(self.folder, step)),
-                  metadata)
+        self.save({prefix + name: tensor for name, tensor in tensors.items()},
+                  str(step_file(self.folder, step, self.rank)), metadata)
 
 
 def read_header(path) -> tuple[bool, dict[str, tuple[str, list[int]]], dict[str, str]]:
@@ -128,3 +138,36 @@ def validate(folder, case) -> str:
                 return (f"{path}: tensor {spec.name!r} is {dtype}{shape}, expected "
                         f"{resolve_dtype(spec.dtype, case.dtype)}{list(spec.shape)}")
     return ""
+
+
+def ranks_agree(folder, case, ranks: int) -> dict:
+    """Whether every rank of a training side ended every step with rank 0's state: per step, each other rank's scalars
+    and state digests against rank 0's. {"ranks", "checked", "differing" (the first 20 names, rank named),
+    "differing_count"} or {"problem": why} when a rank's file is missing or unreadable."""
+    from safetensors import safe_open
+
+    train = case.config["train"]
+    checked, differing = 0, []
+    for step in range(1, train["steps"] + 1):
+        path = step_file(folder, step)
+        kept, layouts, digests = read_header(path)
+        with safe_open(str(path), framework="numpy") as handle:
+            reference = {name: digests.get(name) or digest(np.ascontiguousarray(handle.get_tensor(name))
+                                                              .view(np.uint8))
+                         for name in (*layouts, *digests)}
+        for rank in range(1, ranks):
+            other = step_file(folder, step, rank)
+            if not other.exists():
+                return {"problem": f"{other} is missing"}
+            try:
+                _, other_layouts, other_digests = read_header(other)
+                with safe_open(str(other), framework="numpy") as handle:
+                    theirs = {**other_digests, **{name: digest(np.ascontiguousarray(handle.get_tensor(name))
+                                                               .view(np.uint8)) for name in other_layouts}}
+            except Exception as error:  # safetensors raises several unrelated types for a bad file
+                return {"problem": f"{other}: not a readable step file: {error}"}
+            for name, expected in reference.items():
+                checked += 1
+                if theirs.get(name) != expected:
+                    differing.append(f"{name} (rank {rank})")
+    return {"ranks": ranks, "checked": checked, "differing": differing[:20], "differing_count": len(differing)}

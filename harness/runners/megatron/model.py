@@ -119,8 +119,9 @@ def te_importable() -> bool:
     return True
 
 
-def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
-    """HF ``DeepseekV3Config`` keys -> (``MLATransformerConfig``, knobs: every setting chosen and why)."""
+def translate_config(model: dict, dtype: torch.dtype, device: torch.device, expert_parallel: int = 1):
+    """HF ``DeepseekV3Config`` keys -> (``MLATransformerConfig``, knobs: every setting chosen and why);
+    `expert_parallel`: the experts split over that many ranks (a training run's train.ep)."""
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -160,7 +161,9 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
                 "WrappedTorchNorm (torch.nn.RMSNorm) for every norm incl. the final one",
         "moe_layer_freq": f"{dense} dense layer(s) then MoE (first_k_dense_replace)",
         "moe_grouped_gemm": "False: SequentialMLP, one MLP per expert",
-        "moe_token_dispatcher_type": "allgather (world size 1)",
+        "moe_token_dispatcher_type": "allgather" + (
+            f": expert_model_parallel_size {expert_parallel}, every rank all-gathers the tokens and runs its own "
+            "experts on those routed to them" if expert_parallel > 1 else " (one expert-parallel rank)"),
         "moe_router_dtype": f"{router_dtype}: the gating GEMM and routing in {router_dtype} (fp32 is Kimi-K2's "
                             "training setting; float64 cases keep float64). Megatron computes sigmoid(logits.float()) "
                             "in fp32 whatever this says",
@@ -206,6 +209,7 @@ def translate_config(model: dict, dtype: torch.dtype, device: torch.device):
         moe_router_group_topk=topk_group if n_group > 1 else None,
         moe_router_dtype=router_dtype, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
+        expert_model_parallel_size=expert_parallel,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False,
         use_cpu_initialization=device.type == "cpu", perform_initialization=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, sequence_parallel=False)
@@ -443,14 +447,17 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
 
 
 def admit(request: dict) -> None:
-    """What both ops need (one step here, N optimizer steps in ``train``): Megatron-Core importable, TP=1."""
+    """What both ops need (one step here, N optimizer steps in ``train``): Megatron-Core importable, TP=1 (one
+    rank for one step)."""
     if MEGATRON_IMPORT_ERROR is not None:
         raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
         raise Unsupported(f"megatron_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
-    rank, world = rank_and_world()
-    if world != 1 or int(request.get("tp", 1)) != 1:
+    if int(request.get("tp", 1)) != 1:
         raise Unsupported("megatron_model runs at tensor-parallel size 1 only")
+    _, world = rank_and_world()
+    if request["op"] == "causal_lm" and world != 1:  # a training run checks its train.dp ranks itself
+        raise Unsupported("megatron_model runs op causal_lm on one rank only")
 
 
 def run(request: dict, phases: Phases) -> dict:

@@ -13,6 +13,13 @@
   ``no_sync_func`` and ``finalize_model_grads``; the loss function is Megatron-LM's GPT one (pretrain_gpt.py
   ``loss_func``: the masked sum of per-token losses and the token count; Megatron divides by both counts in place).
 
+On several ranks (``train.dp``, ``train.ep``; docs/training-ranks.md) it runs as Megatron-LM does under torchrun:
+``initialize_model_parallel(1, expert_model_parallel_size=ep)``, each data-parallel rank its own micro-batches of the
+global batch (``num_microbatches`` = micro_batches / dp), DDP's gradient reduction (an all-reduce, or with the
+distributed optimizer a reduce-scatter and the parameters' all-gather) and the MoE layer's allgather token dispatcher
+over the expert-parallel ranks. Every rank then puts the canonical state back together (``MegatronStates.canonical``:
+a distributed optimizer's shards by its own range maps, another rank's experts) and rank 0 writes the step.
+
 CPU adapters (listed in meta.json, none changes a computation; tests/test_train_runners.py ablates each): the model's
 (``harness.runners.megatron.model.install_adapters``) and two of the optimizer's, in one ``TorchFunctionMode`` active
 around Megatron's training calls on a CPU only:
@@ -28,16 +35,19 @@ Observer (changes nothing): ``clip_scale``, the scale ``clip_grad_by_total_norm_
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import train_state_names
-from harness.run.protocol import Phases
+from harness.case.train import rank_micro_batches
+from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
+from harness.runners.torch import ranks
 from harness.runners.torch.train_state import flip_state, host_bytes, load_state, save_on_host
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
@@ -110,10 +120,13 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     megatron_model.admit(request)
     m, train = request["config"]["model"], request["config"]["train"]
     dtype = megatron_model.DTYPES[request["dtype"]]
+    rank, world = rank_and_world()
+    if world != train["dp"]:
+        raise RuntimeError(f"megatron_model was started on {world} ranks; the request trains on dp = {train['dp']}")
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
-        # get_megatron_optimizer (0.19.2) asks for the data-parallel gloo group even on a GPU (measured on the H200)
-        megatron_model.init_process_group(device, gloo_groups=True)
+        init_ranks(device, train["ep"])
+        group = ranks.gather_group()
         determinism = torch_env.apply_determinism(device)
         adapters = megatron_model.install_adapters(device, skip_adapters)
         on_cpu, float64 = device.type == "cpu", dtype == torch.float64
@@ -123,12 +136,13 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         adapters.append({"name": "clip_scale", "why": clip_scale.__doc__.split("(")[0].strip() + " (an observer)",
                          "changes_computation": False})
         mode = (lambda: CudaOnCpu(skip_adapters, on_cpu, float64)) if on_cpu or float64 else _nothing
-        config, knobs = megatron_model.translate_config(m, dtype, device)
+        config, knobs = megatron_model.translate_config(m, dtype, device, train["ep"])
         if train["expert_bias_update"] == "off":  # read by finalize_model_grads after every step's backward
             config.moe_router_bias_update_rate = 0.0
         model = megatron_model.build_model(config, m, device)
         dense, moe = megatron_model.layer_kinds(m)
-        names = megatron_model.name_map(moe, dense, m["n_routed_experts"])
+        names = expert_shard(megatron_model.name_map(moe, dense, m["n_routed_experts"]), m["n_routed_experts"],
+                             train["ep"], parallel_state.get_expert_model_parallel_rank())
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         megatron_model.load_weights(model, names, checkpoint)
         model.train()
@@ -150,16 +164,17 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                 lr_warmup_steps=train["warmup_steps"], lr_decay_steps=train["decay_steps"],
                 lr_decay_style=train["decay_style"], start_wd=train["weight_decay"], end_wd=train["weight_decay"],
                 wd_incr_steps=train["decay_steps"], wd_incr_style="constant")
-        states = MegatronStates(names, model, optimizer)
-        if set(states.rules) != {name for name, _ in train_state_names(m)}:
+        states = MegatronStates(names, model, optimizer, dict(train_state_names(m)), group, train["ep"])
+        if train["ep"] == 1 and set(states.rules) != set(states.shapes):
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
-    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes)
+    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes, rank)
     refeed = request["config"].get("train_refeed")
     for step in range(1, train["steps"] + 1):
         with phases(f"step {step}"), mode():
             if refeed:
                 load_state(states, refeed, step, states.set_lr)
-            scalars, tensors = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype, refeed)
+            scalars, tensors = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype, refeed,
+                                          rank)
             if scalars:
                 writer.write(step, scalars, tensors)
             flip = train.get("flip")
@@ -180,7 +195,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
             "adapters": adapters, "knobs": {**knobs, **training_knobs(train, optimizer)},
             "state_locations": state_locations(m["family"], "megatron", QUANTITIES),
             "steps_kept": train["steps_kept"], "refeed": refeed or {}, "determinism": determinism,
-            "tensor_parallel": 1, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
+            "tensor_parallel": 1, "data_parallel": train["dp"], "expert_parallel": train["ep"],
+            "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
 
 
@@ -189,12 +205,52 @@ def _nothing():
     yield
 
 
-def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: dict, dtype, refeed):
-    """Megatron-LM's train_step: zero the grad buffer, forward/backward over the micro-batches, optimizer.step(),
-    scheduler.step(increment=1)."""
+def init_ranks(device: torch.device, expert_parallel: int) -> None:
+    """The process group (torchrun's ranks, or one of its own) and Megatron's parallel state: TP 1, every rank a
+    data-parallel rank, `expert_parallel` of them sharing one MoE layer's experts."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    # get_megatron_optimizer (0.19.2) asks for the data-parallel gloo group even on a GPU (measured on the H200)
+    if "RANK" not in os.environ:  # one rank: the model runner's own setup (gloo or NCCL, world size 1)
+        megatron_model.init_process_group(device, gloo_groups=True)
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             expert_model_parallel_size=expert_parallel,
+                                             create_gloo_process_groups=True)
+
+
+EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)\d+(?=\.)")
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")  # a routed expert's canonical name
+
+
+def expert_shard(names: dict, experts: int, expert_parallel: int, ep_rank: int) -> dict:
+    """The name map on one expert-parallel rank: its own experts only (global expert ep_rank x experts / ep + i is
+    its local expert i, as Megatron's MoELayer numbers them), the rest of the model whole."""
+    if expert_parallel == 1:
+        return names
+    per_rank = experts // expert_parallel
+    first = ep_rank * per_rank
+    parameters = {}
+    for canonical, (megatron, sources) in names["parameters"].items():
+        index = EXPERT_INDEX.search(megatron)
+        if index is not None:
+            expert = int(index.group())
+            if not first <= expert < first + per_rank:
+                continue
+            megatron = megatron[:index.start()] + str(expert - first) + megatron[index.end():]
+        parameters[canonical] = (megatron, sources)
+    return {**names, "parameters": parameters}
+
+
+def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: dict, dtype, refeed, rank: int = 0):
+    """Megatron-LM's train_step: zero the grad buffer, forward/backward over this rank's micro-batches,
+    optimizer.step(), scheduler.step(increment=1)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    n = train["micro_batches"]
+    mine = rank_micro_batches(train["micro_batches"], train["dp"], rank)
+    n = len(mine)
     losses = []
 
     def forward_step(batches, model):
@@ -216,7 +272,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
 
     device = next(ddp.parameters()).device
     batches = iter([(checkpoint[f"step{step}.mb{mb}.input_ids"].to(device).view(1, -1),
-                     checkpoint[f"step{step}.mb{mb}.labels"].to(device).view(1, -1)) for mb in range(n)])
+                     checkpoint[f"step{step}.mb{mb}.labels"].to(device).view(1, -1)) for mb in mine])
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[ddp],
@@ -238,7 +294,8 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     if bare:
         return {}, {}
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": torch.stack(losses).detach().to(wide),
+    loss = ranks.global_losses(torch.stack(losses).detach(), train["dp"], states.group)
+    scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": loss.to(wide),
                "grad_norm": torch.tensor(float(grad_norm), dtype=torch.float64),
                "clip_coeff": torch.tensor(scales[0] if scales else 1.0, dtype=torch.float64)}
     tensors = dict(grads)
@@ -255,15 +312,24 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
 class MegatronStates:
     """The per-parameter state of Megatron's optimizer in canonical names (the interface of
     harness.runners.torch.train_state): Megatron's parameters are canonical already ([megatron.parameters]); a
-    parameter's main param and Adam moments come from the chained optimizer that owns it."""
+    parameter's main param and Adam moments come from the chained optimizer that owns it.
 
-    def __init__(self, names: dict, model, optimizer):
+    On several ranks (`group`: harness.runners.torch.ranks) a rank holds pieces: a distributed optimizer owns a range
+    of each flattened parameter on each data-parallel rank (its main param, moments, and the reduced gradient there:
+    ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``canonical`` puts each
+    quantity back together on every rank; ``put`` writes each rank's part of a canonical tensor."""
+
+    def __init__(self, names: dict, model, optimizer, shapes: dict | None = None, group=None,
+                 expert_parallel: int = 1):
         params = dict(model.named_parameters())
         self.rules = {canonical: params[megatron] for canonical, (megatron, _) in names["parameters"].items()}
-        self.optimizer = optimizer
+        self.shapes = shapes or {name: tuple(param.shape) for name, param in self.rules.items()}
+        self.optimizer, self.group, self.expert_parallel = optimizer, group, expert_parallel
         self.owner: dict[torch.Tensor, tuple] = {}  # model param -> (chained optimizer, main param or None)
+        self.distributed = False
         for inner in optimizer.chained_optimizers:
-            if hasattr(inner, "model_param_group_index_map"):  # DistributedOptimizer
+            if hasattr(inner, "model_param_group_index_map"):  # DistributedOptimizer: the params it holds a range of
+                self.distributed = True
                 for param in inner.model_param_group_index_map:
                     self.owner[param] = (inner, None)
             elif hasattr(inner, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
@@ -271,12 +337,12 @@ class MegatronStates:
                                                    strict=True):
                     for param, main in zip(model_group, main_group, strict=True):
                         self.owner[param] = (inner, main)
-                for group in inner.fp32_from_fp32_groups:
-                    for param in group:
+                for group_ in inner.fp32_from_fp32_groups:
+                    for param in group_:
                         self.owner[param] = (inner, param)
             else:  # FP32Optimizer: AdamW on the model parameters
-                for group in inner.optimizer.param_groups:
-                    for param in group["params"]:
+                for group_ in inner.optimizer.param_groups:
+                    for param in group_["params"]:
                         self.owner[param] = (inner, param)
         self.masters = any(p.dtype != torch.float32 and p.dtype != torch.float64 for p in self.rules.values())
         buffers = dict(model.named_buffers())
@@ -293,38 +359,72 @@ class MegatronStates:
             for group in inner.optimizer.param_groups:
                 group["lr"] = lr
 
-    def _main(self, param) -> tuple[torch.Tensor, dict]:
+    def part(self, quantity: str, name: str) -> tuple[int, int, torch.Tensor] | None:
+        """(start, end, values) of the flattened canonical tensor this rank holds (the whole of it, a distributed
+        optimizer's range, or None), the values a view of Megatron's own tensor."""
+        if name not in self.rules:  # another expert-parallel rank's expert
+            return None
+        param = self.rules[name]
+        whole = param.numel()
+        if quantity == "param":
+            return 0, whole, param.view(-1)
+        if param not in self.owner:  # a distributed optimizer holds no range of it on this rank
+            return None
         inner, main = self.owner[param]
-        if main is None:  # the distributed optimizer's shard: the whole parameter at data-parallel size 1
+        if main is None:  # the distributed optimizer's range (the whole parameter on one data-parallel rank)
+            span = inner._get_model_param_range_map(param)["param"]
+            if quantity == "grad":  # the reduce-scatter left the reduced gradient in this range only
+                return span.start, span.end, param.main_grad.view(-1)[span.start:span.end]
             tensors = inner._get_main_param_and_optimizer_states(param)
-            if tensors["param"].numel() != param.numel():
-                raise RuntimeError(f"distributed optimizer shard of {tuple(param.shape)} has "
-                                   f"{tensors['param'].numel()} elements (data-parallel size 1 expected)")
-            return tensors["param"].view(param.shape), {k: v.view(param.shape) for k, v in tensors.items()
-                                                        if k != "param" and isinstance(v, torch.Tensor)
-                                                        and v.numel() == param.numel()}
+            key = "param" if quantity == "master" else quantity
+            if key not in tensors:
+                raise RuntimeError(f"Megatron's optimizer keeps no {quantity!r} for {name}")
+            return span.start, span.end, tensors[key].view(-1)
+        if quantity == "grad":
+            return 0, whole, param.main_grad.view(-1)
+        if quantity == "master":
+            return 0, whole, main.view(-1)
         state = inner.optimizer.state.get(main, {})
-        return main, {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
+        if quantity not in state:
+            raise RuntimeError(f"Megatron's optimizer keeps no {quantity!r} for {name}")
+        return 0, whole, state[quantity].view(-1)
+
+    def _pieced(self, quantity: str, name: str) -> bool:
+        """Whether ranks hold `name`'s `quantity` in pieces (the same answer on every rank): an expert on several
+        expert-parallel ranks, and the distributed optimizer's quantities (all but the parameter) on several ranks."""
+        if self.group is None:
+            return False
+        if self.expert_parallel > 1 and ROUTED_EXPERT.search(name):
+            return True
+        return self.distributed and quantity != "param"
+
+    def canonical(self, quantity: str, names=None) -> dict[str, torch.Tensor]:
+        """{name: the whole canonical tensor} (on several ranks a collective: every rank calls it alike)."""
+        names = list(self.shapes) if names is None else list(names)
+        pieced = [name for name in names if self._pieced(quantity, name)]
+        whole = {}
+        if pieced:
+            parts = {name: part for name in pieced if (part := self.part(quantity, name)) is not None}
+            device = next(iter(self.rules.values())).device
+            whole = ranks.gather_pieces(parts, self.shapes, self.group, device)
+        out = {}
+        for name in names:
+            if name in whole:
+                out[name] = whole[name]
+            else:
+                start, end, values = self.part(quantity, name)
+                out[name] = values.view(self.shapes[name])
+        return out
 
     def one(self, quantity: str, name: str) -> torch.Tensor:
-        param = self.rules[name]
-        if quantity == "param":
-            return param
-        if quantity == "grad":
-            return param.main_grad.view(param.shape)
-        main, moments = self._main(param)
-        if quantity == "master":
-            return main
-        if quantity not in moments:
-            raise RuntimeError(f"Megatron's optimizer keeps no {quantity!r} for {name}")
-        return moments[quantity]
-
-    def canonical(self, quantity: str) -> dict[str, torch.Tensor]:
-        return {name: self.one(quantity, name) for name in self.rules}
+        return self.canonical(quantity, [name])[name]
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
-        self.one(quantity, name).copy_(value)
+        part = self.part(quantity, name)
+        if part is not None:
+            start, end, values = part
+            values.copy_(value.reshape(-1)[start:end])
 
 
 def training_knobs(train: dict, optimizer) -> dict:

@@ -11,6 +11,13 @@ pieces, every per-step quantity written in canonical names.
 - per micro-batch ``(loss / micro_batches).backward()`` (PaddleFormers' Trainer's gradient accumulation), gradients
   accumulating in ``param.grad``; then ``optimizer.step()``, ``optimizer.clear_grad()``.
 
+On several data-parallel ranks (``train.dp``, docs/training-ranks.md; ``paddle.distributed.launch``, gloo on the
+CPU): ``paddle.distributed.init_parallel_env()`` and ``paddle.DataParallel(model)`` with its defaults (gradients
+averaged over the ranks in its fused buckets), each rank its own micro-batches (``no_sync()`` but for the last); every
+rank then steps the same optimizer on the same gradients. Expert parallel (``train.ep > 1``) is PaddleFormers'
+``DeepseekV3MoEFlexToken``, whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
+``paddlefleet_ops.deep_ep``, PaddleFleet's CUDA package): UNSUPPORTED naming it where it is not installed.
+
 Paddle's Adam keeps its step count as fp32 running products (``beta1_pow_acc``, ``beta2_pow_acc``); its formula scales
 eps by sqrt(1 - beta2^t) and folds the bias correction into the lr (docs/training.md). Observers (change nothing):
 ``clip_norm_and_factor`` records the outputs of the one ``paddle.sqrt`` (the global norm) and the one ``paddle.divide``
@@ -19,14 +26,15 @@ eps by sqrt(1 - beta2^t) and folds the bias correction into the lr (docs/trainin
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 from safetensors import safe_open
 
 from harness.capture.paddle import apply_rule, to_host
 from harness.case.ops import train_buffer_names, train_state_names
-from harness.run.protocol import Phases
+from harness.case.train import rank_micro_batches
+from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flip_bit, state_locations, step_file
 from harness.runners.paddle import model as paddle_model
 from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
@@ -79,15 +87,22 @@ def run(request: dict, phases: Phases) -> dict:
         import paddleformers
         from paddleformers.transformers.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     train, dtype = request["config"]["train"], request["dtype"]
+    rank, world = rank_and_world()
+    if world != train["dp"]:
+        raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train['dp']}")
+    if train["ep"] > 1:
+        expert_parallel_dispatch()
     m = {k: v for k, v in request["config"]["model"].items() if k not in ("family", "rope_interleave")}
     if not request["config"]["model"].get("rope_interleave", True):
         raise paddle_model.Unsupported("rope_interleave = False: PaddleFormers' DeepseekV3 always de-interleaves")
     with phases("setup"):
+        if world > 1:
+            paddle.distributed.init_parallel_env()
         model, checkpoint, name_map, loaded = paddle_model.build_model(m, dtype, request["checkpoint"],
                                                                        DeepseekV3Config, DeepseekV3ForCausalLM)
-        trainer = Trainer(model, train, request["config"]["model"], name_map)
+        trainer = Trainer(model, train, request["config"]["model"], name_map, rank)
     writer = StepWriter(request["output_dir"], train["steps_kept"], _save,
-                        lambda a: np.ascontiguousarray(a).view(np.uint8))
+                        lambda a: np.ascontiguousarray(a).view(np.uint8), rank)
     refeed = request["config"].get("train_refeed")
     for step in range(1, train["steps"] + 1):
         with phases(f"step {step}"):
@@ -113,7 +128,23 @@ def run(request: dict, phases: Phases) -> dict:
         "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_model.KNOBS.items()}, **trainer.knobs},
         "state_locations": state_locations(request["config"]["model"]["family"], "paddle", QUANTITIES),
         "weights_loaded": loaded, "steps_kept": train["steps_kept"], "refeed": refeed or {},
+        "data_parallel": train["dp"], "distributed_backend": "gloo" if world > 1 else None,
     }
+
+
+def expert_parallel_dispatch() -> None:
+    """PaddleFormers builds DeepseekV3MoEFlexToken on an expert-parallel group; its tokens travel only through DeepEP
+    (paddleformers/transformers/fused_a2a.py, HAVE_DEEP_EP from paddlefleet_ops)."""
+    from paddleformers.transformers import fused_a2a
+
+    if not fused_a2a.HAVE_DEEP_EP:
+        raise paddle_model.Unsupported(
+            "expert parallel: PaddleFormers' DeepseekV3MoEFlexToken dispatches tokens only through DeepEP's fused "
+            "all-to-all (paddleformers/transformers/fused_a2a.py; without it MoEFlexTokenDispatcher raises "
+            "'ImportError: DeepEP is not supported in your paddlepaddle whl package.'), and paddlefleet_ops.deep_ep "
+            "(PaddleFleet's CUDA package, not on PyPI) is not installed")
+    raise RuntimeError("expert parallel with DeepEP installed: this runner trains PaddleFormers on the CPU only; "
+                       "PaddleFleet's GPU model is not trained by the harness")
 
 
 def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
@@ -123,8 +154,12 @@ def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
 
 
 class Trainer:
-    def __init__(self, model, train: dict, m: dict, name_map):
-        self.model, self.train, self.n = model, train, train["micro_batches"]
+    def __init__(self, model, train: dict, m: dict, name_map, rank: int = 0):
+        self.model, self.train = model, train
+        self.mine, self.dp = rank_micro_batches(train["micro_batches"], train["dp"], rank), train["dp"]
+        self.n = len(self.mine)
+        # paddle.DataParallel's defaults: gradients averaged over the ranks, fused into buckets
+        self.parallel = paddle.DataParallel(model) if self.dp > 1 else None
         self.float64 = paddle.get_default_dtype() == "float64"
         self.params = dict(model.named_parameters())
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
@@ -154,7 +189,11 @@ class Trainer:
             "scheduler": {"value": type(self.scheduler).__name__,
                           "why": f"{train['decay_style']}, warmup {train['warmup_steps']} from 0, decay to "
                                  f"{train['min_lr']} over {train['decay_steps']} steps"},
-            "gradient_accumulation": {"value": self.n, "why": "(loss / micro_batches).backward() per micro-batch"},
+            "gradient_accumulation": {"value": self.n, "why": "(loss / micro_batches).backward() per micro-batch "
+                                                             "of this rank"},
+            "DataParallel": {"value": {"world_size": self.dp} if self.parallel else None,
+                             "why": "paddle.DataParallel with its defaults, no_sync() but for the last micro-batch"
+                             if self.parallel else "one rank"},
             "expert_bias_update": {"value": train["expert_bias_update"], "why": "this training loop (Paddle's "
                                                                                 "optimizer) never changes "
                                                                                 "e_score_correction_bias"},
@@ -163,12 +202,14 @@ class Trainer:
     # --- one step --------------------------------------------------------------------------------------------------
     def step(self, step: int, checkpoint: dict, refeed: dict | None):
         losses = []
-        for mb in range(self.n):
+        for i, mb in enumerate(self.mine):
             ids = paddle.to_tensor(checkpoint[f"step{step}.mb{mb}.input_ids"].reshape(1, -1))
             labels = paddle.to_tensor(checkpoint[f"step{step}.mb{mb}.labels"].reshape(1, -1))
-            out = self.model(input_ids=ids, labels=labels, return_dict=True)
-            scaled = out.loss / self.n
-            scaled.backward()
+            model = self.model if self.parallel is None else self.parallel
+            with nullcontext() if self.parallel is None or i == self.n - 1 else self.parallel.no_sync():
+                out = model(input_ids=ids, labels=labels, return_dict=True)
+                scaled = out.loss / self.n
+                scaled.backward()
             losses.append(to_host(scaled).reshape(()))
         if refeed and refeed.get("mode") == "update":  # side a's gradients into this optimizer
             for key, value in _read(refeed["from"], step, [f"step{step}.grad.{n}" for n in self.rules]).items():
@@ -195,7 +236,8 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.clear_grad()
         self.scheduler.step()
-        loss = np.stack(losses)  # float32 whatever the model's dtype (PaddleFormers' criterion): float64 exactly
+        loss = global_losses(np.stack(losses), self.dp)  # float32 whatever the model's dtype (PaddleFormers'
+        # criterion): float64 exactly
         scalars = {"lr": np.asarray(lr, dtype=np.float64).reshape(()),
                    "loss": loss.astype(np.float64) if self.float64 else loss,
                    "grad_norm": np.asarray(norm, dtype=np.float64).reshape(()),
@@ -255,6 +297,16 @@ class Trainer:
                 else:
                     self.put(quantity, name, value)
         self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
+
+
+def global_losses(local: np.ndarray, dp: int) -> np.ndarray:
+    """The step's losses in global micro-batch order, each a micro-batch's share of the global step's loss (its local
+    loss / dp: harness.runners.torch.ranks.global_losses says why); a copy through all_gather_object."""
+    if dp == 1:
+        return local
+    per_rank: list = []
+    paddle.distributed.all_gather_object(per_rank, local)
+    return np.stack([per_rank[m % dp][m // dp] for m in range(dp * local.size)]) / local.dtype.type(dp)
 
 
 def _read(folder, step: int, names) -> dict[str, np.ndarray]:

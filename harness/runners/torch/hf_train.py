@@ -9,23 +9,32 @@ Trainer does. The loop around them is this runner's, written as a plain torch tr
 keeps fp32 master weights: AdamW updates fp32 copies whose ``.grad`` receives each micro-batch's bf16 gradient (added
 into zeros, as Megatron's fp32 grad buffer does), and each step's masters are copied (rounded) into the bf16 model.
 
+On several data-parallel ranks (``train.dp``, docs/training-ranks.md) the model is wrapped in torch's
+``DistributedDataParallel`` (gloo on the CPU, NCCL on GPUs): each rank runs its own micro-batches of the global batch
+(``(loss / local micro-batches).backward()``, under ``no_sync()`` but the last), DDP averages the gradients over the
+ranks in its buckets, and every rank then steps the same optimizer on the same gradients. With bf16 masters the
+model's bf16 gradients are reduced by DDP and added into the masters once, after the last micro-batch.
+
 The float64 truth of a training case is this runner in float64 (hf_model's float64 mode: HF's float32 islands lifted).
 Where each quantity lives: ``[hf.train]`` of the name map, copied into meta.json.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from harness.case.models import NameMap
 from harness.case.ops import train_buffer_names, train_state_names
-from harness.run.protocol import Phases, Unsupported
+from harness.case.train import rank_micro_batches
+from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, state_locations
 from harness.runners.torch import env as torch_env
-from harness.runners.torch import hf_model
+from harness.runners.torch import hf_model, ranks
 from harness.runners.torch.train_state import TorchStates, flip_state, host_bytes, load_grads, load_state, save_on_host
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
@@ -67,13 +76,19 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
     m, train = request["config"]["model"], request["config"]["train"]
     dtype = torch_env.DTYPES[request["dtype"]]
     name_map = NameMap.load(m["family"], "hf")
+    rank, world = rank_and_world()
+    if world != train["dp"] or train["ep"] != 1:
+        raise RuntimeError(f"hf_model was started on {world} ranks for dp = {train['dp']}, ep = {train['ep']} "
+                           "(it trains data parallel only)")
     with phases("setup"):
-        device = torch_env.select_device(request["device"])
+        device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
+        if world > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         determinism = torch_env.apply_determinism(device)
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
-        trainer = Trainer(model, train, m, name_map, dtype, transformers)
-    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes)
+        trainer = Trainer(model, train, m, name_map, dtype, transformers, rank)
+    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes, rank)
     refeed = request["config"].get("train_refeed")
     for step in range(1, train["steps"] + 1):
         with phases(f"step {step}"):
@@ -85,6 +100,8 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
             flip = train.get("flip")
             if flip and flip["after_step"] == step:
                 flip_state(trainer.states, flip)
+    if world > 1:
+        dist.destroy_process_group()
     return {
         "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "implementation": f"{hf.__name__}.DeepseekV3ForCausalLM trained with torch.optim.AdamW, "
@@ -93,6 +110,8 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         "adapters": [{"name": "ClipFactor", "why": ClipFactor.__doc__.split(":")[0] + " (an observer)",
                       "changes_computation": False}],
         "knobs": trainer.knobs, "state_locations": state_locations(m["family"], "hf", QUANTITIES),
+        "data_parallel": train["dp"], "distributed_backend": ("nccl" if device.type == "cuda" else "gloo")
+        if world > 1 else None,
         "float64_mode": float64_mode,
         "steps_kept": train["steps_kept"], "refeed": refeed or {}, "determinism": determinism,
         **torch_env.provenance(device),
@@ -102,8 +121,12 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
 class Trainer:
     """The model, its optimizer and schedule, and one training step."""
 
-    def __init__(self, model, train: dict, m: dict, name_map: NameMap, dtype, transformers):
+    def __init__(self, model, train: dict, m: dict, name_map: NameMap, dtype, transformers, rank: int = 0):
         self.model, self.train, self.micro_batches = model, train, train["micro_batches"]
+        self.mine, self.dp = rank_micro_batches(train["micro_batches"], train["dp"], rank), train["dp"]
+        # DistributedDataParallel's defaults (25 MB buckets, gradients averaged: divided by the world size, summed)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model) if self.dp > 1 else None
+        self.group = ranks.gather_group()
         params = dict(model.named_parameters())
         self.masters = ({name: p.detach().float().clone().requires_grad_(True) for name, p in params.items()}
                         if train["master_weights"] else {})
@@ -124,8 +147,12 @@ class Trainer:
             "schedule": {"value": type(self.scheduler).__name__ + " from " + self.scheduler_source,
                          "why": f"{train['decay_style']}: warmup {train['warmup_steps']} steps from 0, "
                                 f"decay to {train['min_lr']} over {train['decay_steps']} steps"},
-            "gradient_accumulation": {"value": self.micro_batches, "why": "(loss / micro_batches).backward() per "
-                                                                          "micro-batch, as HF's Trainer"},
+            "gradient_accumulation": {"value": len(self.mine), "why": "(loss / micro_batches).backward() per "
+                                                                       "micro-batch of this rank, as HF's Trainer"},
+            "DistributedDataParallel": {"value": {"world_size": self.dp} if self.ddp else None,
+                                        "why": "torch.nn.parallel.DistributedDataParallel with its defaults, "
+                                               "no_sync() but for the last micro-batch" if self.ddp else
+                                               "one rank"},
             "expert_bias_update": {"value": train["expert_bias_update"], "why": "HF's training code never changes "
                                                                                 "e_score_correction_bias"},
         })
@@ -145,30 +172,33 @@ class Trainer:
             group["lr"] = lr
 
     def step(self, step: int, checkpoint: dict, dtype, vocab: int, refeed: dict | None):
-        model, n = self.model, self.micro_batches
+        model, n = self.model, len(self.mine)
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         for master in self.masters.values():
             master.grad = torch.zeros_like(master)
         losses = []
-        for mb in range(n):
+        for i, mb in enumerate(self.mine):
             ids = checkpoint[f"step{step}.mb{mb}.input_ids"].view(1, -1)
             labels = checkpoint[f"step{step}.mb{mb}.labels"].view(1, -1)
-            logits = model(input_ids=ids, use_cache=False).logits
-            if dtype == torch.float64:  # HF's ForCausalLMLoss upcasts to float32 first (hf_model: float64 mode)
-                from transformers.loss.loss_utils import fixed_cross_entropy
-                loss = fixed_cross_entropy(logits.view(-1, vocab), labels.view(-1))
-            else:
-                loss = model.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=labels)
-            scaled = loss / n
-            scaled.backward()
+            last = i == n - 1
+            with nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+                logits = (model if self.ddp is None else self.ddp)(input_ids=ids, use_cache=False).logits
+                if dtype == torch.float64:  # HF's ForCausalLMLoss upcasts to float32 first (hf_model: float64 mode)
+                    from transformers.loss.loss_utils import fixed_cross_entropy
+                    loss = fixed_cross_entropy(logits.view(-1, vocab), labels.view(-1))
+                else:
+                    loss = model.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=labels)
+                scaled = loss / n
+                scaled.backward()
             losses.append(scaled.detach())
-            params = dict(model.named_parameters())
-            for name, master in self.masters.items():
-                param = params[name]
-                if param.grad is not None:
-                    master.grad.add_(param.grad)
-                    param.grad = None
+            if self.ddp is None or last:  # under DDP the bf16 gradients accumulate in the model until reduced
+                params = dict(model.named_parameters())
+                for name, master in self.masters.items():
+                    param = params[name]
+                    if param.grad is not None:
+                        master.grad.add_(param.grad)
+                        param.grad = None
         if refeed and refeed.get("mode") == "update":  # side a's gradients into this optimizer
             load_grads(self.states, refeed, step)
         lrs = {group["lr"] for group in self.optimizer.param_groups}
@@ -194,7 +224,8 @@ class Trainer:
         if bare:
             return {}, {}
         loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": torch.stack(losses).to(loss_dtype),
+        loss = ranks.global_losses(torch.stack(losses), self.dp, self.group)
+        scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": loss.to(loss_dtype),
                    "grad_norm": norm.detach().to(torch.float64).reshape(()),
                    "clip_coeff": factor.to(torch.float64).reshape(())}
         states = dict(grads)
