@@ -428,6 +428,33 @@ def test_what_matches_means():
     assert judged(not_run, unsupported)[:2] == ("not run", "skip")
 
 
+def test_a_long_record_lists_its_first_steps_and_still_catches_any_change(monkeypatch):
+    """A training case differs in thousands of tensors: the record lists the earliest KEPT (step2 before step10) and
+    keeps the count and sha256 of all, so a change past the listed ones still fails, and nothing else does."""
+    monkeypatch.setattr(baseline, "KEPT_DIFFERING", 3)
+
+    def entry(tensors):
+        return {"case": "c", "verdict": "DIFF", "message": "", "result": {
+            "case": {"tokens": 16}, "checkpoint": {"digest": "abc"}, "tensors": [
+                {"name": n, "status": "DIFF", "mismatches": m, "max_ulp": 1} for n, m in tensors]}}
+
+    steps = [("step10.loss", 1), ("step2.loss", 1), ("step1.grad.w", 4), ("step3.loss", 1), ("step2.grad.w", 2)]
+    known = baseline.record(entry(steps))
+    assert list(known["differing"]) == ["step1.grad.w", "step2.grad.w", "step2.loss"]
+    assert known["differing_all"]["count"] == 5 and baseline.differing_count(known) == 5
+    assert baseline.compare_records(known, baseline.record(entry(reversed(steps)))) == []
+    late = baseline.compare_records(known, baseline.record(entry(steps[:-2] + [("step3.loss", 2), steps[-1]])))
+    assert late == ["the differing tensors changed: 5 in the baseline (sha256 "
+                    f"{known['differing_all']['sha256'][:12]}), 5 tonight"]
+    fewer = baseline.compare_records(known, baseline.record(entry(steps[:-1])))  # step2.grad.w now equal
+    assert len(fewer) == 1 and fewer[0].endswith("4 tonight")
+    moved = baseline.compare_records(known, baseline.record(entry([*steps[:2], ("step1.grad.w", 5), *steps[3:]])))
+    assert moved[1:] == ["step1.grad.w: mismatches 4 → 5"]  # a listed tensor is named
+    assert baseline.expectation_met_by(known, {"verdict": "DIFF", "differs": ["step2.loss"], "equal": ["step1.x"]})
+    assert not baseline.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step3.loss"]})  # past the list
+    assert not baseline.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step9.grad.v"]})  # cannot say
+
+
 def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_path):
     registry = registry_from(tmp_path, tiny_case("one"), tiny_case("two", seed=9))
     case = registry.get("one")

@@ -213,6 +213,8 @@ def record_command(device: str, tokens: int | None) -> str:
 
 def _summary(rec: dict) -> str:
     tensors = "; ".join(f"{name} {numbers(t)}" for name, t in rec["differing"].items())
+    if rec.get("differing_all"):
+        tensors += f" (and {rec['differing_all']['count'] - len(rec['differing'])} more)"
     reason = f": {short(rec['reason'], 120)}" if rec.get("reason") else ""
     return f"{rec['verdict']}{reason}" + (f": {tensors}" if tensors else "")
 
