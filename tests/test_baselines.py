@@ -325,6 +325,26 @@ def test_shards_are_judged_together_after_the_merge(bench, capsys):
                  "--baselines", str(bench.baselines)]) == 1  # one shard missing, and known_diff moved
 
 
+def test_a_night_of_a_few_cases_updates_only_their_records(bench, capsys):
+    """`nightly -k` then `baseline update`: the picked cases' records move, the others stay as they were (before,
+    the update removed every case the night had not run); a pick at another token count is refused."""
+    written = bench.recorded(capsys)
+    before = json.loads(written.read_text())
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF[:1]}})
+    code, night, run_dir, _ = bench.night(capsys, None, "-k", "known_diff")
+    assert code == 1 and [e["case"] for e in night["cases"]] == ["known_diff"]
+    code, out, _ = bench.update(capsys, run_dir)
+    after = json.loads(written.read_text())
+    assert code == 0 and "removed" not in out and set(after["cases"]) == set(before["cases"])
+    assert after["cases"]["known_diff"] != before["cases"]["known_diff"]
+    assert {k: v for k, v in after["cases"].items() if k != "known_diff"} == \
+        {k: v for k, v in before["cases"].items() if k != "known_diff"}
+    assert after["recorded_from"]["updated_from"][0]["select"] == "known_diff"
+    run_dir = bench.night(capsys, None, "-k", "known_diff", "--tokens", "3")[2]
+    code, _, err = bench.update(capsys, run_dir)
+    assert code != 0 and "one baseline holds one token count" in err and json.loads(written.read_text()) == after
+
+
 def test_update_refuses_a_night_with_an_error_and_names_the_cases(bench, capsys):
     bench.plan({"agrees": {"crash": True}})
     code, night, run_dir, _ = bench.night(capsys)

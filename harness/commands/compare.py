@@ -290,9 +290,12 @@ def _semantic_verdict(result: CaseResult, case: Case, summary: dict, tensors: li
                           f"{beyond['limit']:.0e}; {len(check['tensors_beyond'])} tensor(s) beyond (first 20 listed)")
     elif result.verdict == "DIFF":
         result.verdict = "WITHIN_TOLERANCE"
+        floors = check["floors"]
+        stated = (f", or the float32 floor a framework states for {len(floors)} of them (up to "
+                  f"{max(floors.values()):.0e})") if floors else ""
         result.message = (f"float64 semantic check passed: all {check['checked']} tensors agree to relative error "
-                          f"{check['max_relative_error']:.3g} <= {check['agreement']:.0e} (bits differ: "
-                          f"{result.message})")
+                          f"{check['max_relative_error']:.3g} at most, each within its limit ({check['agreement']:.0e}"
+                          f"{stated}) (bits differ: {result.message})")
 
 
 def _with_steps_kept(case: Case, text: str) -> Case:

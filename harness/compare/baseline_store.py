@@ -18,6 +18,7 @@ from harness.compare.baseline import (
     UNSUPPORTED_VERDICT,
     compare_records,
     definition_changes,
+    differing_count,
     entry_platform,
     expectation_met_by,
     file_name,
@@ -95,6 +96,11 @@ def build(night: dict, existing: list[dict]) -> list[tuple[dict, list[dict], dic
 def _build_one(night: dict, print_: dict, entries: list[dict], names: set[str],
                previous: dict | None) -> tuple[dict, list[dict], dict | None]:
     old = (previous or {}).get("cases", {})
+    recorded = ((previous or {}).get("recorded_from") or {}).get("tokens")
+    if night.get("select") and previous and recorded != night.get("tokens"):
+        raise BaselineError(f"night {night.get('run_id')} ran the cases `-k {night['select']}` picks at tokens "
+                            f"{night.get('tokens')}, but {previous.get('_file', previous['name'])} was recorded at "
+                            f"tokens {recorded}: one baseline holds one token count")
     runners: dict[str, dict] = {}
     cases, changes = {}, []
     for entry in entries:
@@ -117,14 +123,23 @@ def _build_one(night: dict, print_: dict, entries: list[dict], names: set[str],
                 ["definition changed: " + "; ".join(definition_changes(old[name]["definition"], now["definition"]))]
             if moved:
                 changes.append({"case": name, "change": "changed", "details": moved})
-    changes += [{"case": name, "change": "removed", "details": [_summary(old[name])]}
-                for name in sorted(old) if name not in names]
     host = night.get("harness") or {}
+    recorded_from = {"run_id": night.get("run_id"), "started_at": night.get("started_at"),
+                     "tokens": night.get("tokens"), "node": host.get("node"), "harness_version": host.get("version")}
+    if night.get("select") and previous:  # a night of the cases -k picked: the others keep their records
+        for name in sorted(set(old) - names):
+            cases[name] = {**old[name], "runners": [key and _runner_key(runners, key.split(".")[0],
+                                                                        previous["runners"][key])
+                                                    for key in old[name].get("runners", [])]}
+        recorded_from = {**previous["recorded_from"], "updated_from": [
+            *previous["recorded_from"].get("updated_from", []),
+            {"run_id": night.get("run_id"), "started_at": night.get("started_at"), "select": night["select"]}]}
+    else:
+        changes += [{"case": name, "change": "removed", "details": [_summary(old[name])]}
+                    for name in sorted(old) if name not in names]
     baseline = {"schema": SCHEMA, "kind": KIND, "name": file_name(print_).removesuffix(".json"),
                 "platform_id": platform_id(print_), "platform": print_,
-                "recorded_from": {"run_id": night.get("run_id"), "started_at": night.get("started_at"),
-                                  "tokens": night.get("tokens"), "node": host.get("node"),
-                                  "harness_version": host.get("version")},
+                "recorded_from": recorded_from,
                 "runners": dict(sorted(runners.items())), "cases": dict(sorted(cases.items()))}
     return baseline, changes, previous
 
@@ -211,10 +226,15 @@ def record_command(device: str, tokens: int | None) -> str:
     return RECORD_COMMAND.format(device=device, tokens=tokens or 16)
 
 
+SUMMARY_TENSORS = 8  # a change line names this many tensors (a training case differs in thousands)
+
+
 def _summary(rec: dict) -> str:
-    tensors = "; ".join(f"{name} {numbers(t)}" for name, t in rec["differing"].items())
-    if rec.get("differing_all"):
-        tensors += f" (and {rec['differing_all']['count'] - len(rec['differing'])} more)"
+    listed = list(rec["differing"].items())
+    tensors = "; ".join(f"{name} {numbers(t)}" for name, t in listed[:SUMMARY_TENSORS])
+    more = differing_count(rec) - min(len(listed), SUMMARY_TENSORS)
+    if more:
+        tensors += f" (and {more} more)"
     reason = f": {short(rec['reason'], 120)}" if rec.get("reason") else ""
     return f"{rec['verdict']}{reason}" + (f": {tensors}" if tensors else "")
 
