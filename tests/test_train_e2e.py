@@ -14,9 +14,9 @@ import json
 
 import pytest
 
-from harness.commands.compare import CompareOptions, compare_case
+from harness.commands.compare import CompareOptions
 from tests.support.cases import write_cases
-from tests.support.train import TINY_MODEL, TINY_TRAIN, tiny_train_case
+from tests.support.train import TINY_MODEL, TINY_TRAIN, run_train_case, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
@@ -46,16 +46,9 @@ def cases(tmp_path_factory):
     ])
 
 
-def _run(name, cases, tmp_path, checkpoints_dir, **kwargs):
-    result, run_dir = compare_case(name, CompareOptions(cases_dir=cases, checkpoints_dir=checkpoints_dir,
-                                                        reports_dir=tmp_path / "reports", **kwargs))
-    report = json.loads((run_dir / "report.json").read_text())
-    tails = "\n".join(s["stderr_tail"][-2000:] for s in report["sides"] if s["status"] != "ok")
-    return result, run_dir, report, tails
-
 
 def test_megatron_against_hf_gives_a_verdict_per_step_and_the_truth_per_step(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_megatron_hf", cases, tmp_path, checkpoints_dir)
+    result, run_dir, report, tails = run_train_case("t_megatron_hf", cases, tmp_path, checkpoints_dir)
     assert result.verdict in ("DIFF", "BITWISE_PASS"), (result.message, tails)
     train = report["train"]
     assert [s["step"] for s in train["steps"]] == [1, 2] and train["parameters"] == 42
@@ -77,7 +70,8 @@ def test_megatron_against_hf_gives_a_verdict_per_step_and_the_truth_per_step(cas
 
 
 def test_negative_control_is_found_at_its_step_in_its_parameter(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_control_megatron", cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case("t_control_megatron", cases, tmp_path, checkpoints_dir,
+                                                    oracle=False)
     assert result.verdict == "DIFF", (result.message, tails)
     step1, step2 = report["train"]["steps"]
     assert step1["verdict"] == "BITWISE_PASS"
@@ -90,7 +84,7 @@ def test_negative_control_is_found_at_its_step_in_its_parameter(cases, tmp_path,
 
 
 def test_a_stack_against_itself_keeps_its_bits_and_digests_stand_for_unkept_steps(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_hf_kept", cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case("t_hf_kept", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "DIFF", (result.message, tails)
     step1, step2 = report["train"]["steps"]
     assert step1["verdict"] == "BITWISE_PASS" and step1["kept"] and not step2["kept"]
@@ -110,7 +104,7 @@ def _keys(path):
 
 
 def test_megatron_against_paddle_gives_a_verdict_per_step(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_megatron_paddle", cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case("t_megatron_paddle", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict in ("DIFF", "BITWISE_PASS"), (result.message, tails)
     assert [s["verdict"] for s in report["train"]["steps"]] and report["train"]["parameters"] == 42
     paddle = report["sides"][1]["meta"]
@@ -119,7 +113,7 @@ def test_megatron_against_paddle_gives_a_verdict_per_step(cases, tmp_path, check
 
 
 def test_paddle_cannot_train_bf16_on_a_cpu_and_says_which_kernel(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_paddle_bf16", cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case("t_paddle_bf16", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "UNSUPPORTED" and "matmul" in result.message and "bfloat16" in result.message
 
 
@@ -127,7 +121,7 @@ def test_paddle_cannot_train_bf16_on_a_cpu_and_says_which_kernel(cases, tmp_path
                                         ("t_float64_dense", ("paddle_model", "hf_model")),
                                         ("t_float64_dense", ("megatron_model", "paddle_model"))])
 def test_float64_check_of_every_state_name_per_pair(cases, tmp_path, checkpoints_dir, case, pair):
-    result, run_dir, report, tails = _run(case, cases, tmp_path, checkpoints_dir, oracle=False, runners=pair)
+    result, run_dir, report, tails = run_train_case(case, cases, tmp_path, checkpoints_dir, oracle=False, runners=pair)
     semantic = report["train"].get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
@@ -138,15 +132,15 @@ def test_float64_check_of_every_state_name_per_pair(cases, tmp_path, checkpoints
 def test_float64_disagreement_in_a_state_tensor_is_a_mapping_error_naming_it(cases, tmp_path, checkpoints_dir):
     """A planted difference (bit 50 of one weight element on side b) stands in for a mapping error: step 1's loss,
     the first output of the step, is beyond the agreement, and the run is an ERROR naming it, never a DIFF."""
-    result, run_dir, report, tails = _run("t_float64_planted", cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case("t_float64_planted", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "ERROR", (result.message, tails)
     assert "mapping error at step1.loss" in result.message, result.message
     assert report["train"]["semantic"]["first_mismatch"] == "step1.loss"
 
 
 def test_refeed_in_time_says_the_planted_bit_was_carried_into_step_2(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_control_megatron", cases, tmp_path, checkpoints_dir, oracle=False,
-                                          refeed_ops=True)
+    result, run_dir, report, tails = run_train_case("t_control_megatron", cases, tmp_path, checkpoints_dir,
+                                                    oracle=False, refeed_ops=True)
     refeed = report["train"]["refeed"]
     assert refeed["status"] == "ok", (refeed["reason"], tails)
     step1, step2 = refeed["steps"]
@@ -159,8 +153,8 @@ def test_refeed_with_side_a_gradients_shows_megatron_adam_is_torch_adamw(cases, 
     """No clipping and the choices aligned: on side a's gradients Megatron's optimizer and torch's AdamW give the same
     moments and parameters bit for bit at every step, so every moment or parameter difference is made by the
     gradients (or carried in), never by the optimizer."""
-    result, run_dir, report, tails = _run("t_megatron_hf_aligned", cases, tmp_path, checkpoints_dir, oracle=False,
-                                          refeed_ops=True)
+    result, run_dir, report, tails = run_train_case("t_megatron_hf_aligned", cases, tmp_path, checkpoints_dir,
+                                                    oracle=False, refeed_ops=True)
     refeed = report["train"]["refeed"]
     assert refeed["status"] == "ok", (refeed["reason"], tails)
     for step in refeed["steps"]:

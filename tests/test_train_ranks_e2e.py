@@ -14,16 +14,14 @@ framework's launcher (torchrun, paddle.distributed.launch; gloo on loopback), so
 - PaddleFormers' expert parallel is UNSUPPORTED on this machine, naming DeepEP's package.
 """
 
-import json
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 
-from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.train import ORDER
 from tests.support.cases import write_cases
-from tests.support.train import TINY_TRAIN, tiny_train_case
+from tests.support.train import TINY_TRAIN, run_train_case, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ranks]
 
@@ -54,13 +52,6 @@ def cases(tmp_path_factory):
     ])
 
 
-def _run(name, cases, tmp_path, checkpoints_dir, **options):
-    result, run_dir = compare_case(name, CompareOptions(cases_dir=cases, checkpoints_dir=checkpoints_dir,
-                                                        reports_dir=tmp_path / "reports", **options))
-    report = json.loads((run_dir / "report.json").read_text())
-    tails = "\n".join(s["stderr_tail"][-2500:] for s in report["sides"] if s["status"] != "ok")
-    return result, run_dir, report, tails
-
 
 def _tensors(path):
     with safe_open(str(path), framework="numpy") as handle:
@@ -88,7 +79,7 @@ def _check_ranked_side(side, ranks=2):
 
 @pytest.mark.parametrize("name", ["t_megatron", "t_megatron_distopt", "t_hf", "t_paddle"])
 def test_a_stack_at_dp2_against_itself_at_dp1(name, cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run(name, cases, tmp_path, checkpoints_dir, versus_dp=1, oracle=False)
+    result, run_dir, report, tails = run_train_case(name, cases, tmp_path, checkpoints_dir, versus_dp=1, oracle=False)
     assert result.verdict in ("BITWISE_PASS", "DIFF"), (result.message, tails)
     a, b = report["sides"][:2]
     _check_ranked_side(a)
@@ -104,7 +95,7 @@ def test_a_stack_at_dp2_against_itself_at_dp1(name, cases, tmp_path, checkpoints
 
 
 def test_megatron_at_ep2_against_ep1(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_megatron_ep", cases, tmp_path, checkpoints_dir, versus_ep=1,
+    result, run_dir, report, tails = run_train_case("t_megatron_ep", cases, tmp_path, checkpoints_dir, versus_ep=1,
                                           oracle=False)
     assert result.verdict in ("BITWISE_PASS", "DIFF"), (result.message, tails)
     a, b = report["sides"][:2]
@@ -122,7 +113,7 @@ def test_megatron_at_ep2_against_ep1(cases, tmp_path, checkpoints_dir):
 @pytest.mark.parametrize("name, tensor", [("t_control_0", Q_A), ("t_control_1", EXPERT_5)])
 def test_the_negative_control_on_ranks_is_found_at_its_step_in_its_parameter(name, tensor, cases, tmp_path,
                                                                             checkpoints_dir):
-    result, run_dir, report, tails = _run(name, cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case(name, cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "DIFF", (result.message, tails)
     for side in report["sides"][:2]:
         _check_ranked_side(side)
@@ -135,7 +126,7 @@ def test_the_negative_control_on_ranks_is_found_at_its_step_in_its_parameter(nam
 
 
 def test_megatron_against_hf_both_at_dp2_gives_per_step_verdicts_and_the_truth(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_megatron_hf", cases, tmp_path, checkpoints_dir)
+    result, run_dir, report, tails = run_train_case("t_megatron_hf", cases, tmp_path, checkpoints_dir)
     assert result.verdict in ("BITWISE_PASS", "DIFF"), (result.message, tails)
     for side in report["sides"][:2]:
         _check_ranked_side(side)
@@ -149,7 +140,7 @@ def test_megatron_against_hf_both_at_dp2_gives_per_step_verdicts_and_the_truth(c
 
 
 def test_paddleformers_expert_parallel_is_unsupported_naming_deep_ep(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report, tails = _run("t_paddle_ep", cases, tmp_path, checkpoints_dir, oracle=False)
+    result, run_dir, report, tails = run_train_case("t_paddle_ep", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "UNSUPPORTED", (result.message, tails)
     assert "paddlefleet_ops.deep_ep" in report["sides"][0]["reason"]
     assert report["sides"][0]["meta"]["launch"]["ranks"] == 2

@@ -3,6 +3,9 @@ a few dozen, 8 tokens, 2 steps of 2 micro-batches: one side trains in about a se
 
 from __future__ import annotations
 
+import json
+
+from harness.commands.compare import CompareOptions, compare_case
 from tests.support.cases import tiny_case
 
 TINY_MODEL = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,
@@ -19,3 +22,13 @@ def tiny_train_case(name: str = "tiny_train", **fields) -> str:
              "runners": ["megatron_model", "hf_model"], "devices": ["cpu"], "config": {"model": TINY_MODEL},
              "train": TINY_TRAIN, "expect": {}, "shapes": None, **fields}
     return tiny_case(name, **table)
+
+
+def run_train_case(name, cases, tmp_path, checkpoints_dir, **options):
+    """compare_case on a written cases folder: the result, its run folder, report.json, and the stderr tails of the
+    sides that did not end ok (what a failing assertion shows)."""
+    result, run_dir = compare_case(name, CompareOptions(cases_dir=cases, checkpoints_dir=checkpoints_dir,
+                                                        reports_dir=tmp_path / "reports", **options))
+    report = json.loads((run_dir / "report.json").read_text())
+    tails = "\n".join(s["stderr_tail"][-2500:] for s in report["sides"] if s["status"] != "ok")
+    return result, run_dir, report, tails
