@@ -27,12 +27,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harness import __version__
 from harness.case.checkpoints import CHECKPOINTS_DIR
-from harness.case.registry import Case, Registry
+from harness.case.ops import MODEL_OPS
+from harness.case.registry import RUNNERS, Case, Registry
 from harness.case.select import SELECT_HELP, select
 from harness.commands import compare as pipeline
 from harness.commands import doctor, failsafe, nightly_shards, run_folder
 from harness.commands.compare import FRESH_PROCESS_HELP
 from harness.compare import baseline, baseline_store, trend
+from harness.compare.model import TRUTH_RUNNER
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.report import junit, nightly_report
 from harness.run import orchestrate, placement
@@ -109,6 +111,18 @@ def print_summary(night: dict, run_dir: Path) -> None:
         print(line)
 
 
+def runners_used(cases: list[Case], options: pipeline.CompareOptions) -> list[str]:
+    """The runners a night of `cases` starts (the doctor asks only these: probing the others cost about 10 CPU s a
+    night and said nothing about its verdicts): each case's pair, or the pair `options` pins, and its truth (the
+    oracle beside an op, the float64 model beside a model case), in the doctor's order."""
+    used = set(options.runners or ())
+    for case in cases:
+        used.update(() if options.runners else case.runners)
+        if options.oracle and case.truth:
+            used.add(TRUTH_RUNNER if case.op in MODEL_OPS else "oracle")
+    return [runner for runner in RUNNERS if runner in used]
+
+
 def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 1,
         shard: tuple[int, int] | None = None, baselines_dir: Path | None = None,
         expression: str | None = None) -> tuple[dict, Path]:
@@ -134,9 +148,10 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
                          "host": host_provenance(), "node": platform.node()},
              "previous_report": previous_night.get("_path") if previous_night else None,
              "workers": workers, "shard": nightly_shards.describe(shard, cases), "select": expression}
-    # What each runner would run here, asked before the cases (doctor.json): the night's verdicts are about it.
-    (run_dir / "doctor.json").write_text(json.dumps(doctor.run(device, dict(options.pythons)), indent=2,
-                                                    default=str) + "\n")
+    # What each runner the night uses would run here, asked before the cases (doctor.json): the verdicts are about it.
+    (run_dir / "doctor.json").write_text(json.dumps(doctor.run(device, dict(options.pythons),
+                                                               runners=runners_used(cases, options)),
+                                                    indent=2, default=str) + "\n")
     night["doctor"] = "doctor.json"
     with _Reporter(len(cases)) as progress:
         def one(case: Case) -> dict:

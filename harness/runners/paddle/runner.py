@@ -79,8 +79,9 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("write"):
         _write(outputs, request, rank_file_name(OUTPUTS, rank, world))
     if world > 1 and not own_tp:
-        # Every rank done before any leaves: rank 0 hosts the TCP store, and when it exited while rank 1 still used
-        # it, rank 0 sometimes aborted at exit (SIGABRT, nothing on stderr; 1 run in 12 on a loaded 2-core CPU).
+        # Every rank done before any leaves: rank 0 hosts the TCP store that rank 1 still uses until it is done. (Rank
+        # 0 still aborted in Paddle's interpreter teardown now and then: every runner process now skips that
+        # teardown once its files are written, harness.run.protocol.serve.)
         paddle.distributed.barrier()
     level = paddle_levels.import_level(choice.level)
     source = {"paddle_source": level.source(request)} if hasattr(level, "source") else {}
