@@ -72,7 +72,7 @@ def bench(tmp_path, monkeypatch):
     monkeypatch.setenv("CI", "true")
     monkeypatch.delenv("GITHUB_OUTPUT", raising=False)
     # Test double: the night's doctor.json (it probes every real runner, ~20 s) is not under test here.
-    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons: {"kind": "doctor", "test_double": True})
+    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons, runners: {"kind": "doctor", "test_double": True})
     return Bench(tmp_path)
 
 

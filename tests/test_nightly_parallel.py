@@ -153,7 +153,7 @@ def test_a_nightly_cell_takes_a_gpu_for_every_rank_of_its_sides(tmp_path, monkey
         return []
 
     monkeypatch.setattr(nightly.placement, "run_cells", placed)
-    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons: {"kind": "doctor", "test_double": True})
+    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons, runners: {"kind": "doctor", "test_double": True})
     nightly.run(CompareOptions(device="gpu", cases_dir=cases, reports_dir=tmp_path / "reports",
                                checkpoints_dir=tmp_path / "checkpoints"), previous=None)
     assert asked == {"tp2": 2, "dp2": 2, "dp1": 1}
