@@ -139,6 +139,23 @@ def test_step_files_are_validated_against_the_case(tmp_path):
     assert "lacks tensor 'step2.exp_avg.lm_head.weight'" in steps.validate(tmp_path / "side", case)
 
 
+def test_digests_hashed_in_batches_are_each_tensors_own_in_order(tmp_path, monkeypatch):
+    """StepWriter hashes small tensors in batches (steps._batches): every digest is still its own tensor's, in order."""
+    from safetensors.numpy import save_file
+
+    monkeypatch.setattr(steps, "DIGEST_BATCH_BYTES", 64)
+    rng = np.random.default_rng(0)
+    states = {f"param.w{i}": rng.standard_normal(size).astype(np.float32) for i, size in
+              enumerate([1, 3, 40, 2, 7, 16, 5])}  # bytes: 4 + 12 + 160, then 8 + 28 + 64, then 20
+    assert [len(batch) for batch in steps._batches(states.values())] == [3, 3, 1]
+    writer = steps.StepWriter(tmp_path, [], lambda t, path, meta: save_file(t, path, meta),
+                              lambda a: np.ascontiguousarray(a).view(np.uint8))
+    writer.write(1, {"lr": np.zeros((), np.float64)}, states)
+    _, _, digests = steps.read_header(steps.step_file(tmp_path, 1))
+    assert digests == {f"step1.{name}": steps.digest(value.view(np.uint8)) for name, value in states.items()}
+    assert len(set(digests.values())) == len(states)
+
+
 def test_refeed_attribution_names_what_made_each_difference():
     """harness.compare.train_refeed.attribute on hand-made comparisons (a test double of three runs' verdicts)."""
     from harness.compare.tensors import DIFF, EQUAL, TensorComparison

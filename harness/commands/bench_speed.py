@@ -21,12 +21,13 @@ measurement of the two trees one right after the other, and prints both columns:
 
 Everything runs as subprocesses of ``--repo`` (default: this checkout) and ``--before``.
 
-``--train CASE`` (default ``kimi_k2_2layer_train_100``) times a training case instead: ``python -m harness compare
-CASE --runners A,B --no-oracle`` (``--train-runners``) against the stacks' bare training loops, each runner process
-alone on the same checkpoint with ``train.bare`` (its framework's training calls only: no state read back, nothing
-observed or written), one after the other. Ratios: ``train: compare / bare floor`` (the compare's wall over the two
-bare loops' sum: below 1 when the sides overlap) and, per side, ``dumps: steps / bare steps`` (the side's step phases
-inside the compare over its bare loop's: what canonical names, digests and step files cost).
+5. ``train: compare / bare floor``: a training case (``--train-case``, default ``kimi_k2_2layer_train_100``: 100
+   steps), ``python -m harness compare CASE --runners A,B --no-oracle`` (``--train-runners``) against the stacks' bare
+   training loops, each runner process alone on the same checkpoint with ``train.bare`` (its framework's training
+   calls only: no state read back, nothing observed or written), one after the other. Goal <= 1.2 (as the model
+   level). Beside it, per side, ``dumps: steps / bare steps`` (the side's step phases inside the compare over its bare
+   loop's: what canonical names, digests and step files cost). ``--skip-train`` leaves it out (about 7 minutes a
+   tree on 2 cores).
 
 ``--catalogue DEVICE --catalogue-tokens LIST`` times instead every op-level case of DEVICE swept over LIST (the
 whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
@@ -55,9 +56,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CASE = "kimi_shared_fc1"
 MODEL_CASE, MODEL_TOKENS = "kimi_k2_2layer", 64
+TRAIN_CASE = "kimi_k2_2layer_train_100"
 GOALS = {"compare / floor": 0.8, "oracle / slower side": 0.5, "sweep cell / framework work": 1.5,
          "sweep cell / framework work, oracle on": None, "model: compare / floor": 1.2,
-         "cpu: compare / floor": None, "cpu: oracle / slower side": None}
+         "train: compare / bare floor": 1.2, "train: a: dumps: steps / bare steps": None,
+         "train: b: dumps: steps / bare steps": None, "cpu: compare / floor": None, "cpu: oracle / slower side": None}
 
 
 def env_for(repo: Path) -> dict[str, str]:
@@ -272,9 +275,10 @@ def measure_train(repo: Path, python: str, case: str, runners: list[str], scratc
     bare_fields = {**fields, "config": {**fields["config"], "train": {**fields["config"]["train"], "bare": True}}}
     bare = {}
     for runner in runners:
-        seconds, cpu, meta = run_runner(repo, python, runner, bare_fields, scratch / f"bare-{runner}")
+        seconds, cpu, meta = run_runner(repo, python, runner, bare_fields,
+                                        Path(tempfile.mkdtemp(dir=scratch)) / f"bare-{runner}")
         bare[runner] = {"wall_s": seconds, "cpu_s": cpu, "steps_s": step_seconds(meta)}
-    reports = scratch / "train-reports"
+    reports = Path(tempfile.mkdtemp(prefix="train-reports-", dir=scratch))
     seconds, done = timed([python, "-m", "harness", "compare", case, "--runners", ",".join(runners), "--no-oracle",
                            "--reports", str(reports)], repo, timeout=7200)
     report = report_of(reports, done)
@@ -287,7 +291,7 @@ def measure_train(repo: Path, python: str, case: str, runners: list[str], scratc
                 "first_divergence": (report.get("train") or {}).get("first_divergence")}
     for label, runner in zip("ab", runners, strict=True):
         inside = step_seconds(sides.get(label, {}).get("meta", {}))
-        measured[f"{label}: dumps: steps / bare steps"] = inside / bare[runner]["steps_s"]
+        measured[f"train: {label}: dumps: steps / bare steps"] = inside / bare[runner]["steps_s"]
         measured[f"{label}_steps_s"] = inside
     return measured
 
@@ -312,15 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue-args", default="--no-oracle", help="--no-oracle and/or --fresh-process")
     parser.add_argument("--reports", type=Path, help="with --catalogue: keep the reports here (default: a temporary "
                                                      "folder, removed)")
-    parser.add_argument("--train", nargs="?", const="kimi_k2_2layer_train_100", metavar="CASE",
-                        help="time a training case against the stacks' bare loops (default case: "
-                             "kimi_k2_2layer_train_100)")
+    parser.add_argument("--skip-train", action="store_true", help="no training case")
+    parser.add_argument("--train-case", default=TRAIN_CASE, help="the training case timed against the bare loops")
     parser.add_argument("--train-runners", default="megatron_model,paddle_model")
     args = parser.parse_args(argv)
     if args.catalogue:
         return _catalogue(args)
-    if args.train:
-        return _train(args)
     trees = {"after": args.repo.resolve(), **({"before": args.before.resolve()} if args.before else {})}
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"speed bench, {os.cpu_count()} CPUs, load average {load}; "
@@ -352,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
                               for runner, v in m["sides_alone"].items())
             print(f"{name} model: compare {MODEL_CASE} {m['compare_s']:.1f} s ({m['verdict']}); floor "
                   f"{m['floor_s']:.1f} s ({alone}); sides inside compare {m['sides_in_compare_s']}")
+        for name in ([] if args.skip_train else order):
+            t = results[name]["train"] = measure_train(trees[name], args.python, args.train_case,
+                                                       args.train_runners.split(","), Path(scratch))
+            bare = ", ".join(f"{r} {b['wall_s']:.1f} s ({b['steps_s'] / t['steps']:.2f} s per step)"
+                             for r, b in t["bare"].items())
+            print(f"{name} train: compare {t['case']} {t['compare_s']:.1f} s for {t['steps']} steps ({t['verdict']}); "
+                  f"bare loops alone: {bare}")
     print(f"{'ratio (wall unless cpu:)':<40} {'goal':>6} " + " ".join(f"{name:>8}" for name in order))
     for ratio, goal in GOALS.items():
         row = {name: _ratio(results[name], ratio) for name in order}
@@ -372,8 +380,9 @@ def _ratio(tree: dict, ratio: str) -> list[float]:
         return [tree["sweep_oracle"]["sweep cell / framework work"]] if "sweep_oracle" in tree else []
     if ratio == "sweep cell / framework work":
         return [tree["sweep"][ratio]] if "sweep" in tree else []
-    if ratio.startswith("model:"):
-        return [tree["model"][ratio]] if "model" in tree else []
+    if ratio.startswith(("model:", "train:")):
+        part = tree.get(ratio.split(":")[0], {})
+        return [part[ratio]] if ratio in part else []
     return [r[ratio] for r in tree["rounds"]]
 
 
@@ -386,26 +395,6 @@ def _catalogue(args) -> int:
           f"{measured['wall_s']} s ({measured['wall_s'] / max(1, measured['cells']):.2f} s per cell)")
     if args.json:
         args.json.write_text(json.dumps(measured, indent=2) + "\n")
-    return 0
-
-
-def _train(args) -> int:
-    repo = args.repo.resolve()
-    runners = args.train_runners.split(",")
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"training bench on {repo} (commit {_commit(repo)}): {args.train}, {' vs '.join(runners)}, "
-          f"{os.cpu_count()} CPUs, load average {load}")
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as scratch:
-        measured = measure_train(repo, args.python, args.train, runners, Path(scratch))
-    measured["load_before"], measured["load_after"] = load, os.getloadavg() if hasattr(os, "getloadavg") else None
-    bare = ", ".join(f"{r} {b['wall_s']:.1f} s ({b['steps_s'] / measured['steps']:.2f} s per step)"
-                     for r, b in measured["bare"].items())
-    print(f"compare: {measured['compare_s']:.1f} s for {measured['steps']} steps ({measured['verdict']}); bare loops "
-          f"alone: {bare}")
-    for name in ("train: compare / bare floor", "a: dumps: steps / bare steps", "b: dumps: steps / bare steps"):
-        print(f"{name:<32} {measured[name]:>7.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(measured, indent=2, default=str) + "\n")
     return 0
 
 
