@@ -2,6 +2,7 @@
 case, field and value named), the op's per-step inputs and outputs, the per-step checkpoint tensors, and the step
 files' validation. Runs in about a second."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -111,7 +112,7 @@ def test_steps_kept_on_the_command_line():
 
 def test_step_files_are_validated_against_the_case(tmp_path):
     """The harness's check of a training side's outputs (a test double writes the files: numpy, no framework)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import load_file, save_file
 
     case = registry_from(tmp_path, tiny_train_case(train={**TINY_TRAIN, "steps_kept": [2]})).get("tiny_train")
     train, m = case.config["train"], case.config["model"]
@@ -137,6 +138,12 @@ def test_step_files_are_validated_against_the_case(tmp_path):
     assert "kept is True, the request keeps steps [2]" in steps.validate(tmp_path / "side", case)
     write(drop="step2.exp_avg.lm_head.weight")
     assert "lacks tensor 'step2.exp_avg.lm_head.weight'" in steps.validate(tmp_path / "side", case)
+    write()  # a step file of a harness that hashed with BLAKE2b (bare hex digests) is refused, not compared
+    path = steps.step_file(tmp_path / "side", 1)
+    _, _, digests = steps.read_header(path)
+    save_file(load_file(str(path)), str(path), {"kept": "false", "digests": json.dumps(
+        {name: value.split(":", 1)[1] for name, value in digests.items()})})
+    assert "is not xxh3_128" in steps.validate(tmp_path / "side", case)
 
 
 def test_digests_hashed_in_batches_are_each_tensors_own_in_order(tmp_path, monkeypatch):

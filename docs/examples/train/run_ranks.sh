@@ -42,8 +42,8 @@ if [ "$DEVICE" = gpu ]; then
         exit 2
     fi
 fi
-if ! "$PYTHON" -c "import numpy, safetensors, ml_dtypes, rich, torch, megatron.core, transformers" 2>/dev/null; then
-    echo "error: $PYTHON cannot import numpy, safetensors, ml_dtypes, rich, torch, megatron.core and transformers" >&2
+if ! "$PYTHON" -c "import numpy, safetensors, ml_dtypes, rich, xxhash, torch, megatron.core, transformers" 2>/dev/null; then
+    echo "error: $PYTHON cannot import numpy, safetensors, ml_dtypes, rich, xxhash, torch, megatron.core and transformers" >&2
     exit 2
 fi
 "$PYTHON" -W ignore -c "import torch, megatron.core as m, transformers as t; print('torch', torch.__version__, \
