@@ -68,13 +68,17 @@ def test_workers_and_cores_do_not_move_the_runner_threads(monkeypatch):
     """The thread count changes bits (measured on this project's Intel AMX CPU at 16 tokens: kimi_shared_fc1_fp32 is
     DIFF at 1 thread and BITWISE_PASS at 2; kimi_router's and kimi_mla_q_a's bits move between 1 and 2), so neither
     `--workers` nor the machine's core count may set it (before: cores / workers)."""
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 8)
     threads = placement.run_cells([1, 2], lambda _: orchestrate.runner_env("cpu")["OMP_NUM_THREADS"],
                                   workers=2, device="cpu")
     assert threads == [orchestrate.RUNNER_THREADS] * 2 == ["2", "2"]
     assert orchestrate.runner_env("cpu")["MKL_NUM_THREADS"] == "2"
+    assert {k: orchestrate.runner_env("cpu")[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME")} == {
+        "GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}  # waiting threads yield the shared cores
+    monkeypatch.setenv("KMP_BLOCKTIME", "200")
+    assert orchestrate.runner_env("cpu")["KMP_BLOCKTIME"] == "200"  # the user's own setting wins
     monkeypatch.setenv("OMP_NUM_THREADS", "8")  # a user's own choice is kept (and recorded in the fingerprint)
     assert orchestrate.runner_env("cpu")["OMP_NUM_THREADS"] == "8"
 

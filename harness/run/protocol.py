@@ -31,7 +31,7 @@ from harness.run.cell_state import environment_restored, patches_undone
 EXIT_UNSUPPORTED = 3
 OUTPUTS = "outputs.safetensors"
 META = "meta.json"
-ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "ONEDNN_", "DNNL_", "OPENBLAS_", "CUBLAS_", "CUDA_", "NCCL_",
+ENV_PREFIXES = ("OMP_", "GOMP_", "MKL_", "KMP_", "ONEDNN_", "DNNL_", "OPENBLAS_", "CUBLAS_", "CUDA_", "NCCL_",
                 "NVTE_", "FLAGS_", "TORCH", "PYTORCH_", "NVIDIA_TF32", "HARNESS_")
 
 
