@@ -29,7 +29,7 @@ list: $(ENV_READY)
 
 test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The comparator's throughput, then end-to-end speed ratios (issue 15); BENCH_ARGS="--repo DIR" measures another tree.
 BENCH_ARGS ?=

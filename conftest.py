@@ -22,16 +22,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("cpu_case", CPU_CASES, ids=[case.name for case in CPU_CASES])
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own collection hook)
-def pytest_collection_modifyitems(config, items):
-    """The tests of a module that shares one pool of runner workers (``runner_workers``) run on one pytest-xdist worker
-    (make test: ``--dist loadgroup``): the pool starts once per module, not once per xdist worker (each start imports
-    the frameworks again), and two of their runs (hundreds of MB of outputs each) never write at once."""
-    for item in items:
-        if "runner_workers" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 # The environment the test session started with, before any test module was imported; TorchDynamo off, as the
 # harness sets it for every runner (in-process Megatron tests set it at import too: jit_fuser is torch.compile).
 SESSION_ENVIRONMENT = {**os.environ, "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}
