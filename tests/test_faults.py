@@ -603,9 +603,11 @@ def test_human_sizes():
     assert resources.human_bytes(3 * 1024**4) == "3.0 TiB" and math.isfinite(resources.available_memory() or 1)
 
 
-def test_ctrl_c_through_the_library_api_stops_runners_at_once(world):
+@pytest.mark.parametrize("to", ["the process", "another thread"])
+def test_ctrl_c_through_the_library_api_stops_runners_at_once(world, to):
     """compare_case called as a library (no CLI handlers): a KeyboardInterrupt still stops the runners at once,
-    writes the report and is raised again as Interrupted, so a caller's loop stops too."""
+    writes the report and is raised again as Interrupted, so a caller's loop stops too; also when the kernel hands the
+    signal to a thread other than the one waiting on the runners (before: handled only when the sides timed out)."""
     import threading
 
     from harness.commands.compare import CompareOptions, compare_case
@@ -619,7 +621,10 @@ def test_ctrl_c_through_the_library_api_stops_runners_at_once(world):
         deadline = time.monotonic() + 60
         while len(world.started()) < 4 and time.monotonic() < deadline:
             time.sleep(0.1)
-        os.kill(os.getpid(), signal.SIGINT)  # a real signal: Python's default handler raises KeyboardInterrupt
+        if to == "the process":
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal: Python's default handler raises KeyboardInterrupt
+        else:
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # received by this helper thread
 
     threading.Thread(target=ctrl_c_once_both_run, daemon=True).start()
     started = time.monotonic()

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -142,7 +142,13 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
         # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
         with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
             try:
-                return list(waiters.map(lambda s: _finish(*s[:6], deadline, timeout, s[6]), started))
+                waiting = [waiters.submit(_finish, *s[:6], deadline, timeout, s[6]) for s in started]
+                # Woken twice a second: a Ctrl-C that the kernel gave to another thread of this process is then
+                # raised here at once. Blocked on the results alone, this thread raised it only when the sides ended
+                # (a library caller's Ctrl-C waited out a 120 s timeout: tests/test_faults.py, once in a full run).
+                while wait(waiting, timeout=0.5).not_done:
+                    pass
+                return [future.result() for future in waiting]
             except BaseException:  # Ctrl-C, even without the CLI's handlers: stop the runners, do not wait on them
                 supervisor.stop_all()
                 raise
