@@ -79,7 +79,7 @@ class StepWriter:
 
 
 def _batches(tensors):
-    """Consecutive runs of tensors of about DIGEST_BATCH_BYTES each (a large tensor alone), in order."""
+    """Consecutive runs of tensors, in order, each ended by the tensor that brings it to DIGEST_BATCH_BYTES."""
     batch, size = [], 0
     for tensor in tensors:
         batch.append(tensor)
