@@ -204,8 +204,10 @@ def test_a_difference_nothing_states_fails_apart_and_says_how_to_accept_it(bench
     assert f"`python -m harness baseline update --from reports/{night['run_id']}`" in markdown
 
 
-def test_fixed_cases_pass_and_a_new_case_is_judged_by_its_own_expectation(bench, capsys):
-    """A case the baseline has no record of never passes by itself: before, any verdict of it but ERROR passed."""
+def test_a_fixed_case_fails_until_recorded_and_a_new_case_is_judged_by_its_own_expectation(bench, capsys):
+    """A case the baseline has no record of never passes by itself: before, any verdict of it but ERROR passed. A case
+    that now meets its expectation where its record did not is news that fails the night until someone looks and
+    records it again (before: it passed, so a night could turn green with nobody looking)."""
     bench.recorded(capsys)
     cases = write_cases(bench.root / "more", *CASES, tiny_case("newcomer", seed=11))
     # known_diff computes right now (fixed); newcomer differs for a platform reason but has no record (new).
@@ -213,11 +215,12 @@ def test_fixed_cases_pass_and_a_new_case_is_judged_by_its_own_expectation(bench,
     code, night, run_dir, out = bench.night(capsys, cases)
     assert code == 1, out
     judged = {c: (e["outcome"], e["baseline"], e["failure"]) for c, e in by_case(night).items()}
-    assert judged == {"known_diff": ("pass", "fixed", None), "agrees": ("pass", "match", None),
+    assert judged == {"known_diff": ("fail", "fixed", "changed"), "agrees": ("pass", "match", None),
                       "control": ("pass", "match", None), "newcomer": ("fail", "new", "unknown")}
     markdown = (run_dir / "report.md").read_text()
-    assert "### Fixed (now meets its expectation): 1" in markdown
-    assert "`known_diff` DIFF → **BITWISE_PASS**: verdict DIFF → BITWISE_PASS" in markdown
+    assert "### Now meets its expectation, which the record did not (fail: look, then record it again): 1" in markdown
+    assert "`known_diff` DIFF → **BITWISE_PASS**: it now meets its expectation" in markdown
+    assert "verdict DIFF → BITWISE_PASS" in markdown
     assert "### No record of the case (judged by its own expectation): 1" in markdown
 
     code, out, _ = bench.update(capsys, run_dir, "--dry-run")
@@ -422,7 +425,7 @@ def test_what_matches_means():
     assert judged(entry(tensors=(("out", 2, 4),)))[:2] == ("changed", "fail")  # better, but not what it expects
     assert judged(entry(tensors=(("out", 3, 4), ("grad.weight", 1, 1))))[2] == [
         "grad.weight: new difference (1 mismatches, max ULP 1)"]
-    assert judged(entry("BITWISE_PASS", 0, "pass", ()))[:2] == ("fixed", "pass")
+    assert judged(entry("BITWISE_PASS", 0, "pass", ()))[:2] == ("fixed", "fail")
     assert judged(entry("ERROR", 2, "fail", ())) == ("changed", "fail", ["verdict DIFF → ERROR"])
     crashed = {"case": "c", "verdict": "ERROR", "exit_code": 2, "outcome": "fail", "result": None}  # harness crash
     assert judged(crashed) == ("changed", "fail", ["verdict DIFF → ERROR"])
@@ -438,7 +441,7 @@ def test_what_matches_means():
     control = copy.deepcopy(known)
     met = entry(exit_code=0, outcome="pass", tensors=(("out", 5, 4),))
     met["result"]["expectation"] = {"verdict": "DIFF", "differs": ["out"]}
-    assert judged(met, control)[:2] == ("expected", "pass")
+    assert judged(met, control) == ("changed", "fail", ["out: mismatches 3 → 5"])  # met, yet its numbers moved
     unsupported = copy.deepcopy(known) | {"verdict": "UNSUPPORTED", "reason": "p: no kernel", "differing": {}}
     assert judged(entry("UNSUPPORTED", 3, "skip", (), message="p: no kernel"), unsupported)[:2] == ("match", "skip")
     assert judged(entry("UNSUPPORTED", 3, "skip", (), message="p: other"), unsupported)[:2] == ("changed", "fail")
@@ -446,6 +449,48 @@ def test_what_matches_means():
     not_run = {"case": "c", "verdict": None, "outcome": "skip", "message": "not run: needs --weights"}
     assert judged(not_run)[:2] == ("lost", "fail")
     assert judged(not_run, unsupported)[:2] == ("not run", "skip")
+
+
+def _night_entry(verdict, tensors, expectation, message="", tolerance=None, within=None):
+    """A night entry whose case met its stated expectation (exit 0), with `tensors` [(name, mismatches, max ULP)]."""
+    rows = [{"name": n, "status": "DIFF", "mismatches": m, "max_ulp": u} for n, m, u in tensors]
+    return {"case": "c", "verdict": verdict, "exit_code": 0, "outcome": "pass", "message": message, "result": {
+        "case": {"tokens": 16, "tolerance": tolerance}, "checkpoint": {"digest": "abc"}, "message": message,
+        "expectation": {**expectation, "met": True}, "tolerance": {"within": within} if tolerance else {},
+        "tensors": rows + [{"name": "grad.weight", "status": "EQUAL"}]}}
+
+
+def test_a_met_expectation_never_passes_numbers_that_moved_from_the_record():
+    """Issue 29, finding 2: kimi_rmsnorm states only `verdict = "DIFF"`; its Megatron side moved by one high bit (out
+    max ULP 1 -> 8192) and the night passed ("expected"), as did an UNSUPPORTED whose reason changed from a missing
+    kernel to a missing package. Both are "changed" now and fail, naming what changed. A case that states a
+    tolerance may move its numbers within it, nothing else."""
+    def judge(recorded, tonight):
+        known = baseline.record(recorded)
+        return baseline.judge_case(tonight, {"platform": {}, "runners": {}, "cases": {"c": known}})
+
+    rmsnorm = {"verdict": "DIFF"}
+    recorded = _night_entry("DIFF", [("out", 40, 1), ("grad.input", 12, 2)], rmsnorm)
+    moved = judge(recorded, _night_entry("DIFF", [("out", 40, 8192), ("grad.input", 12, 2)], rmsnorm))
+    assert (moved["status"], moved["outcome"], moved["changes"]) == ("changed", "fail", ["out: max ulp 1 → 8192"])
+    assert judge(recorded, recorded)["status"] == "match"
+
+    unsupported = {"verdict": "UNSUPPORTED"}
+    kernel = _night_entry("UNSUPPORTED", [], unsupported, "paddle: kernel rms_norm (CPU, bfloat16) not registered")
+    package = _night_entry("UNSUPPORTED", [], unsupported, "hf_model: transformers is not installed")
+    changed = judge(kernel, package)
+    assert (changed["status"], changed["outcome"]) == ("changed", "fail")
+    assert "transformers is not installed" in changed["changes"][0]
+
+    policy = {"limits": {"max_ulp_at_scale": 16}, "tensors": {}}
+    tolerant = {"verdict": "WITHIN_TOLERANCE"}
+    before = _night_entry("WITHIN_TOLERANCE", [("out", 5, 3)], tolerant, tolerance=policy, within=True)
+    within = judge(before, _night_entry("WITHIN_TOLERANCE", [("out", 6, 4)], tolerant, tolerance=policy,
+                                        within=True))
+    assert (within["status"], within["outcome"]) == ("within tolerance", "pass")
+    spread = judge(before, _night_entry("WITHIN_TOLERANCE", [("out", 5, 3), ("grad.input", 1, 1)], tolerant,
+                                        tolerance=policy, within=True))
+    assert (spread["status"], spread["outcome"]) == ("changed", "fail")  # another tensor differs: not a number
 
 
 def test_a_long_record_lists_its_first_steps_and_still_catches_any_change(monkeypatch):

@@ -54,11 +54,14 @@ equal its status, mismatch count, max ULP and ±0 / NaN counts.
 | ``redefined`` | the record is of another definition (tokens, inputs, config ...) | its own expectation |
 | ``runner changed`` | a side's runner fields differ from the record's (named) | its own expectation |
 | ``match`` | same verdict and UNSUPPORTED reason; the same tensors differ, same numbers | pass (skip: UNSUPPORTED) |
-| ``fixed`` | otherwise, and now it meets its own expectation where the record did not | pass, listed |
-| ``expected`` | meets its own expectation as the record did; numbers moved | pass, listed |
-| ``changed`` | anything else | fail, naming what changed |
+| ``within tolerance`` | a stated tolerance holds tonight; same verdict and tensors, numbers moved | pass, listed |
+| ``fixed`` | otherwise, and now it meets its own expectation where the record did not | fail (record again) |
+| ``changed`` | anything else, a met expectation included: the record pins numbers, not the expectation | fail, named |
 
-"Its own expectation" is the outcome without baselines: pass when met, skip when UNSUPPORTED, else fail. A failed
+"Its own expectation" is the outcome without baselines: pass when met, skip when UNSUPPORTED, else fail. A met
+expectation never passes a case whose numbers moved from its record: an expectation names a few tensors, the record
+pins every differing tensor's figures and the verdict's reason (a control whose planted bit now reaches further, a
+known difference grown by 8192 ULP, an UNSUPPORTED with another reason all met their expectations). A failed
 case gets a kind (``failure_kind``) so the report puts apart ERRORs, unmet expectations, changes against the
 baseline, cases the baseline ran and tonight did not, and differences nothing states: "differs, no baseline"
 (accepted with ``python -m harness baseline update``).
@@ -87,8 +90,8 @@ ALWAYS_RECORDED = ("status", "mismatches", "max_ulp")  # the others only when no
 # of them: a 100-step training case differs in 244,749 (29 MB of JSON); a negative control's 1,154 stay listed.
 KEPT_DIFFERING = 1500
 STEP = re.compile(r"step(\d+)\.")
-STATUSES = ("changed", "lost", "fixed", "new", "redefined", "runner changed", "no baseline", "expected", "match",
-            "not run")
+STATUSES = ("changed", "lost", "fixed", "new", "redefined", "runner changed", "no baseline", "within tolerance",
+            "match", "not run")
 FAILURE_KINDS = {  # how the report names each kind of failed case, in the order it lists them
     "error": "ERROR", "unmet": "unmet expectation", "changed": "changed against the baseline",
     "lost": "ran in the baseline, not tonight", "unknown": "differs, no baseline",
@@ -211,31 +214,40 @@ def normalise_reason(text: str) -> str:
 
 def compare_records(before: dict, after: dict) -> list[str]:
     """How `after` differs from `before` (two records of one definition), one phrase each; empty when they match."""
+    return [phrase for _, phrase in record_changes(before, after)]
+
+
+def record_changes(before: dict, after: dict) -> list[tuple[str, str]]:
+    """(kind, phrase) per change: kind "verdict", "reason", "set" (another set of differing tensors) or "numbers"
+    (a tensor that differs in both, with other figures): a stated tolerance may let only "numbers" through."""
     changes = []
     if before["verdict"] != after["verdict"]:
-        changes.append(f"verdict {before['verdict']} → {after['verdict']}")
+        changes.append(("verdict", f"verdict {before['verdict']} → {after['verdict']}"))
     elif before.get("reason") != after.get("reason"):
-        changes.append(f"another reason: {short(before.get('reason'), 200)} → {short(after.get('reason'), 200)}")
+        changes.append(("reason", f"another reason: {short(before.get('reason'), 200)} → "
+                                  f"{short(after.get('reason'), 200)}"))
     if {before["verdict"], after["verdict"]} & {ERROR_VERDICT, UNSUPPORTED_VERDICT}:
         return changes  # tensors were not compared on one side: the verdict says it all
     old, new = before["differing"], after["differing"]
     if before.get("differing_all") or after.get("differing_all"):  # a long record lists only its first tensors
         if before.get("differing_all") == after.get("differing_all") and old == new:
             return changes
-        changes.append(f"the differing tensors changed: {differing_count(before)} in the baseline (sha256 "
-                       f"{(before.get('differing_all') or {}).get('sha256', 'of its list')[:12]}), "
-                       f"{differing_count(after)} tonight")
+        if before.get("differing_all") != after.get("differing_all"):
+            changes.append(("set", f"the differing tensors changed: {differing_count(before)} in the baseline "
+                                   f"(sha256 {(before.get('differing_all') or {}).get('sha256', 'of its list')[:12]})"
+                                   f", {differing_count(after)} tonight"))
         old = {name: t for name, t in old.items() if name in new}
         new = {name: t for name, t in new.items() if name in old}
     for name in list(new) + [n for n in old if n not in new]:
         if name not in old:
-            changes.append(f"{name}: new difference ({numbers(new[name])})")
+            changes.append(("set", f"{name}: new difference ({numbers(new[name])})"))
         elif name not in new:
-            changes.append(f"{name}: now bitwise equal (baseline: {numbers(old[name])})")
+            changes.append(("set", f"{name}: now bitwise equal (baseline: {numbers(old[name])})"))
         elif old[name] != new[name]:
             moved = [f"{k.replace('_', ' ')} {old[name].get(k, 0)} → {new[name].get(k, 0)}" for k in TENSOR_FIELDS
                      if old[name].get(k, 0) != new[name].get(k, 0)]
-            changes.append(f"{name}: " + ", ".join(moved))
+            changes.append(("set" if old[name].get("status") != new[name].get("status") else "numbers",
+                            f"{name}: " + ", ".join(moved)))
     return changes
 
 
@@ -313,17 +325,23 @@ def judge_case(entry: dict, baseline: dict | None) -> dict:
         return {"status": "lost", "outcome": "fail", "changes": [
             f"the baseline ran it ({known['verdict']}); tonight UNSUPPORTED: {short(now.get('reason'), 300)}"]}
     moved = runner_changes(entry, known, baseline)
-    changes = compare_records(known, now)
+    kinds = record_changes(known, now)
+    changes = [phrase for _, phrase in kinds]
     if moved:
         same = ["tonight's numbers equal the record's"] if not changes else []
         return {"status": "runner changed", "outcome": own, "changes": moved + same}
     if not changes:
         return {"status": "match", "outcome": "skip" if now["verdict"] == UNSUPPORTED_VERDICT else "pass",
                 "changes": []}
-    expectation = (entry.get("result") or {}).get("expectation") or {}
-    if entry.get("exit_code") == 0:
-        return {"status": "expected" if expectation_met_by(known, expectation) else "fixed", "outcome": own,
-                "changes": changes}
+    result = entry.get("result") or {}
+    stated = (result.get("case") or {}).get("tolerance")
+    if stated and (result.get("tolerance") or {}).get("within") and {kind for kind, _ in kinds} == {"numbers"}:
+        return {"status": "within tolerance", "outcome": own, "changes": changes}
+    expectation = result.get("expectation") or {}
+    if entry.get("exit_code") == 0 and not expectation_met_by(known, expectation):
+        return {"status": "fixed", "outcome": "fail", "changes": [
+            "it now meets its expectation, which the recorded run did not: look, then record it again "
+            "(`python -m harness baseline update`)", *changes]}
     return {"status": "changed", "outcome": "fail", "changes": changes}
 
 
@@ -334,8 +352,8 @@ def failure_kind(entry: dict) -> str | None:
     if entry.get("verdict") == ERROR_VERDICT:
         return "error"
     status = entry.get("baseline")
-    if status in ("changed", "lost"):
-        return status
+    if status in ("changed", "lost", "fixed"):
+        return "changed" if status == "fixed" else status
     stated = ((entry.get("result") or {}).get("expectation") or {}).get("stated")
     return "unknown" if entry.get("verdict") == DIFF_VERDICT and not stated else "unmet"
 
@@ -384,7 +402,7 @@ def apply(night: dict, baselines: list[dict], source: str = "") -> dict:
         judged = by_case[entry["case"]]
         entry["baseline"] = judged["status"]
         entry["outcome"] = judged["outcome"]
-        if judged["status"] in ("changed", "lost"):
+        if judged["status"] in ("changed", "lost", "fixed"):
             entry["problems"] = [*entry.get("problems", []),
                                  *(f"differs from the baseline: {c}" for c in judged["changes"])]
         elif judged["status"] == "match" and judged["own_outcome"] == "fail":

@@ -11,12 +11,12 @@ from harness.report import blocks as doc
 
 TITLES = (("changed", "Changed against the baseline (fail)"),
           ("lost", "Ran in the baseline, UNSUPPORTED or not run tonight (fail)"),
-          ("fixed", "Fixed (now meets its expectation)"),
+          ("fixed", "Now meets its expectation, which the record did not (fail: look, then record it again)"),
           ("runner changed", "A runner changed since the record (judged by its own expectation)"),
           ("redefined", "Case definition changed since the record (judged by its own expectation)"),
           ("new", "No record of the case (judged by its own expectation)"),
-          ("expected", "Meets its expectation; numbers moved since the baseline"))
-COUNTED = ("match", "changed", "lost", "fixed", "runner changed", "redefined", "new", "expected", "not run")
+          ("within tolerance", "Numbers moved within the case's stated tolerance"))
+COUNTED = ("match", "changed", "lost", "fixed", "runner changed", "redefined", "new", "within tolerance", "not run")
 
 
 def blocks(section: dict | None) -> list[tuple]:
