@@ -1,5 +1,7 @@
 """Registry loading and validation: every error names the file, the case, the field and the value."""
 
+import re
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +111,123 @@ def test_truth_is_on_unless_a_case_turns_it_off(tmp_path):
     assert registry.get("fc1").truth and not registry.get("fc1_no_truth").truth
     with pytest.raises(CaseError, match="truth"):
         registry_from(tmp_path, GOOD + '[fc1_bad]\nbase = "fc1"\ntruth = "no"\n')
+
+
+# --- expectations that say what a control claims ---------------------------------------------------------------
+
+TRAIN = """
+[t]
+family = "train"
+op = "causal_lm_train"
+dtype = "float32"
+seed = 1
+tokens = 8
+[t.config.model]
+family = "deepseek_v3"
+num_hidden_layers = 1
+first_k_dense_replace = 1
+hidden_size = 16
+num_attention_heads = 2
+num_key_value_heads = 2
+q_lora_rank = 8
+kv_lora_rank = 8
+qk_nope_head_dim = 4
+qk_rope_head_dim = 4
+v_head_dim = 4
+intermediate_size = 8
+vocab_size = 32
+
+[t.train]
+steps = 2
+"""
+
+
+def _train_case(tmp_path, expect: str):
+    return registry_from(tmp_path, TRAIN.replace("[t.config.model]", f"expect = {expect}\n\n[t.config.model]")).get("t")
+
+
+def test_only_differ_and_bitwise_steps_say_exactly_which_tensors_differ(tmp_path):
+    """Issue 29, finding 3: the training control said "step 1 bitwise, exactly two tensors at step 2" while its
+    expectation named 7 tensors, so step-1 gradients that differ, or a flip leaking into other step-2 tensors, still
+    met it. `bitwise_steps` and `only_differ` state it; a tensor beyond either fails the expectation."""
+    from harness.compare.expectation import check_expectation
+    from harness.compare.tensors import DIFF, EQUAL, TensorComparison
+
+    case = _train_case(tmp_path, '{ verdict = "DIFF", bitwise_steps = [1], '
+                                 'only_differ = ["step2.param.model.norm.weight"] }')
+    assert case.expect.bitwise_steps == (1,) and case.expect.only_differ == ("step2.param.model.norm.weight",)
+    names = [s.name for s in case.output_specs()]
+
+    def run(differing):
+        tensors = [TensorComparison(n, DIFF if n in differing else EQUAL) for n in names]
+        return check_expectation(case.expect, "DIFF", tensors)
+
+    assert run({"step2.param.model.norm.weight"})["met"]
+    leaked = run({"step2.param.model.norm.weight", "step2.exp_avg.model.norm.weight"})
+    assert not leaked["met"] and "1 more do: step2.exp_avg.model.norm.weight" in leaked["problems"][0]
+    early = run({"step2.param.model.norm.weight", "step1.grad.lm_head.weight"})
+    assert not early["met"] and early["problems"] == [
+        "step 1 was expected bitwise equal; 1 tensors differ: step1.grad.lm_head.weight"]
+    assert not run(set())["met"]  # the listed tensor must differ
+
+
+@pytest.mark.parametrize("expect, field, value", [
+    ('{ bitwise_steps = [3] }', "expect.bitwise_steps", "3"),
+    ('{ only_differ = [] }', "expect.only_differ", "[]"),
+    ('{ only_differ = ["step2.nope"] }', "expect.only_differ", "step2.nope"),
+    ('{ verdict = "DIFF", bitwise_steps = [1], only_differ = ["step1.loss"] }', "expect.only_differ", "step1.loss"),
+    ('{ ranks_agree = "no" }', "expect.ranks_agree", "no"),
+])
+def test_exact_expectations_are_validated(tmp_path, expect, field, value):
+    with pytest.raises(CaseError) as error:
+        _train_case(tmp_path, expect)
+    assert field in str(error.value) and value in str(error.value) and "'t'" in str(error.value)
+
+
+CLAIMS = (  # what a control's comment may claim, and what its expectation must then state
+    (re.compile(r"\b[Ss]tep (\d+) is bitwise"), lambda case, m: int(m.group(1)) in case.expect.bitwise_steps),
+    (re.compile(r"\bat step (\d+) exactly"), lambda case, m: case.expect.only_differ is not None and {
+        name.split(".")[0] for name in case.expect.only_differ} == {f"step{m.group(1)}"}),
+    (re.compile(r"\bat step (\d+) the gradients differ, the output layer's"),
+     lambda case, m: f"step{m.group(1)}.grad.lm_head.weight" in case.expect.differs),
+)
+
+
+def _comments_above(path) -> dict[str, str]:
+    """{case name: the comment lines right above its table header}."""
+    found, block = {}, []
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            block.append(line.lstrip("# "))
+        elif line.startswith("[") and not line.startswith("[["):
+            found[line.strip("[] ")] = " ".join(block)
+            block = []
+        else:
+            block = []
+    return found
+
+
+def test_every_control_comment_is_true_of_its_expectation():
+    """A negative control's expectation states everything its comment claims (issue 29, finding 3): each claim the
+    comment makes in a form of CLAIMS is backed by its expectation; a control whose comment says "exactly" states a
+    complete expectation (only_differ, or differs and equal covering every output); a training control states its
+    bitwise steps and what differs exactly, since one planted bit reaches a known set."""
+    registry = Registry.load()
+    comments = {}
+    for path in sorted(Path("cases").glob("*.toml")):
+        comments.update(_comments_above(path))
+    controls = [case for case in registry.cases.values() if "control" in case.name]
+    assert len(controls) >= 20
+    for case in controls:
+        comment = comments.get(case.name, "")
+        assert case.expect.stated and case.expect.verdict in ("DIFF", "WITHIN_TOLERANCE"), case.name
+        for pattern, backed in CLAIMS:
+            for match in pattern.finditer(comment):
+                assert backed(case, match), f"{case.name}: its comment claims {match.group(0)!r}; its expectation " \
+                                            f"does not state it ({case.expect})"
+        outputs = {spec.name for spec in case.output_specs()}
+        complete = case.expect.only_differ is not None or set(case.expect.differs) | set(case.expect.equal) >= outputs
+        if "exactly" in comment.lower() or case.op == "causal_lm_train":
+            assert complete, f"{case.name}: its comment says 'exactly' but its expectation leaves tensors open"
+        if case.op == "causal_lm_train":
+            assert case.expect.bitwise_steps and case.expect.only_differ, case.name

@@ -7,7 +7,8 @@ import pytest
 
 from harness.case.registry import CaseError, Expectation
 from harness.case.tolerance import Tolerance
-from harness.compare.result import CaseResult, check_expectation, decide
+from harness.compare.expectation import check_expectation
+from harness.compare.result import CaseResult, decide
 from harness.compare.tensors import compare_tensor
 from harness.compare.tolerance import judge
 from tests.support.cases import registry_from, tiny_case

@@ -8,6 +8,7 @@ Every error names the file, the case, the field and the offending value.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,16 @@ class Perturbation:
 
 @dataclass(frozen=True)
 class Expectation:
+    """What a case says its run gives. `only_differ` and `bitwise_steps` let a control state all it claims: "exactly
+    these tensors differ" (within the training steps they name, every output of any other case), "these steps are
+    wholly bitwise"; `ranks_agree` False when the case expects a side's ranks to end a step with other state."""
+
     verdict: str = "BITWISE_PASS"
     differs: tuple[str, ...] = ()  # tensors that must differ (negative controls)
     equal: tuple[str, ...] = ()  # tensors that must stay bitwise equal
+    only_differ: tuple[str, ...] | None = None  # exactly these differ (in their steps, for a training case)
+    bitwise_steps: tuple[int, ...] = ()  # training steps whose every tensor is bitwise equal
+    ranks_agree: bool = True
     stated: bool = False  # False: the case states nothing (`expect = {}` or no table); bitwise is the goal
 
 
@@ -424,15 +432,37 @@ def _expectation(f: _Fields, input_roles: dict, output_specs, has_tolerance: boo
     if verdict == "WITHIN_TOLERANCE" and not has_tolerance:
         raise f.error("expect.verdict", "needs a `tolerance` table saying what the case accepts", verdict)
     lists = {}
-    for key in ("differs", "equal"):
+    for key in ("differs", "equal", "only_differ"):
         names = f.get(key, list, [], where=table, label=f"expect.{key}")
         for tensor_name in names:
             if tensor_name not in outputs:
                 raise f.error(f"expect.{key}", f"no such output; {_some(outputs, tensor_name)}", tensor_name)
         lists[key] = tuple(names)
-    for key in set(table) - {"verdict", "differs", "equal"}:
-        raise f.error(f"expect.{key}", "unknown field; known: verdict, differs, equal", table[key])
-    return Expectation(verdict, lists["differs"], lists["equal"], stated=bool(table))
+    steps = sorted({int(m.group(1)) for name in outputs if (m := STEP_PREFIX.match(name))})
+    bitwise_steps = f.get("bitwise_steps", list, [], where=table, label="expect.bitwise_steps")
+    for step in bitwise_steps:
+        if isinstance(step, bool) or step not in steps:
+            raise f.error("expect.bitwise_steps", f"must list training steps of the case ({_span(steps)})", step)
+    if "only_differ" in table and not lists["only_differ"]:
+        raise f.error("expect.only_differ", "names the tensors that differ: give at least one (all equal: "
+                                            "verdict = \"BITWISE_PASS\")", [])
+    clash = set(lists["equal"]) & set(lists["only_differ"]) or {
+        name for name in lists["only_differ"] if (m := STEP_PREFIX.match(name)) and int(m.group(1)) in bitwise_steps}
+    if clash:
+        raise f.error("expect.only_differ", "names a tensor the expectation also says is equal", sorted(clash)[0])
+    ranks_agree = f.get("ranks_agree", bool, True, where=table, label="expect.ranks_agree")
+    for key in set(table) - set(EXPECT_FIELDS):
+        raise f.error(f"expect.{key}", f"unknown field; known: {', '.join(EXPECT_FIELDS)}", table[key])
+    return Expectation(verdict, lists["differs"], lists["equal"], lists["only_differ"] if "only_differ" in table
+                       else None, tuple(bitwise_steps), ranks_agree, stated=bool(table))
+
+
+EXPECT_FIELDS = ("verdict", "differs", "equal", "only_differ", "bitwise_steps", "ranks_agree")
+STEP_PREFIX = re.compile(r"step(\d+)\.")  # a training case's outputs: step{k}.<quantity>...
+
+
+def _span(steps: list[int]) -> str:
+    return f"1..{steps[-1]}" if steps else "this case has no training steps"
 
 
 def _perturbation(f: _Fields, input_roles: dict, input_shapes: dict, widths: dict) -> Perturbation | None:

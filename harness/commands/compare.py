@@ -26,7 +26,8 @@ from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
 from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_refeed
 from harness.compare.dumps import Dump, compare_dumps
-from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, check_expectation, decide, first_divergence
+from harness.compare.expectation import check_expectation
+from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, decide, first_divergence
 from harness.compare.versus_oracle import oracle_side, versus_oracle
 from harness.report import case_report as report
 from harness.run import orchestrate, shards, workers

@@ -73,6 +73,8 @@ import hashlib
 import json
 import re
 
+from harness.compare.expectation import exactness_problems, step_of
+
 ERROR_VERDICT, UNSUPPORTED_VERDICT, DIFF_VERDICT = "ERROR", "UNSUPPORTED", "DIFF"
 SIDES = ("a", "b")  # the framework sides; the truth oracle and repeats never decide a verdict
 
@@ -291,12 +293,16 @@ def expectation_met_by(known: dict, expectation: dict) -> bool:
     if verdict != wanted and not (wanted == "WITHIN_TOLERANCE" and verdict == "BITWISE_PASS"):
         return False
     differing = {name for name, t in known["differing"].items() if t.get("status") == DIFF_VERDICT}
+    only, steps = expectation.get("only_differ"), list(expectation.get("bitwise_steps") or [])
     if known.get("differing_all") and known["differing"]:  # past its last listed tensor a long record cannot say
         last = _in_time(list(known["differing"])[-1])
-        if any(_in_time(name) > last for name in [*expectation.get("differs", []), *expectation.get("equal", [])]):
+        named = [*expectation.get("differs", []), *expectation.get("equal", []), *(only or [])]
+        whole = [*steps, *(step_of(name) for name in only or [])]  # steps it must know every tensor of
+        if any(_in_time(name) > last for name in named) or any(step is None or step >= last[0] for step in whole):
             return False
     return (all(name in differing for name in expectation.get("differs", []))
-            and not any(name in known["differing"] for name in expectation.get("equal", [])))
+            and not any(name in known["differing"] for name in expectation.get("equal", []))
+            and not exactness_problems(only, steps, {n: t.get("status") for n, t in known["differing"].items()}))
 
 
 # --- judging a night -----------------------------------------------------------------------------------------

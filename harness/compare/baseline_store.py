@@ -210,7 +210,8 @@ def _case_fit(name: str, known: dict, baseline: dict, registry: Registry, device
         problems.append("definition changed: " + "; ".join(definition_changes(recorded, today)))
     stated = case.expect
     if stated.stated and known["verdict"] != UNSUPPORTED_VERDICT and not expectation_met_by(
-            known, {"verdict": stated.verdict, "differs": stated.differs, "equal": stated.equal}):
+            known, {"verdict": stated.verdict, "differs": stated.differs, "equal": stated.equal,
+                    "only_differ": stated.only_differ, "bitwise_steps": stated.bitwise_steps}):
         differing = ", ".join(known["differing"]) or "all equal"
         problems.append(f"states {stated.verdict} (differs {list(stated.differs)}, equal {list(stated.equal)}) but "
                         f"this platform's record is {known['verdict']} ({differing}): a stated expectation holds on "

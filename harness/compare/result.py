@@ -107,18 +107,3 @@ def _names(names: list[str], shown: int = 12) -> str:
 def first_divergence(tensors: list[TensorComparison]) -> str | None:
     """Outputs are listed in topological order (ops.py), so the first one not equal is where bits first part."""
     return next((t.name for t in tensors if t.status != EQUAL), None)
-
-
-def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> dict:
-    """Did the run do what the case says it should? Lists each way it did not."""
-    status = {t.name: t.status for t in tensors}
-    problems = []
-    bitwise_within_tolerance = expect.verdict == WITHIN_TOLERANCE and verdict == BITWISE_PASS  # 0 ULP is within
-    if verdict != expect.verdict and not bitwise_within_tolerance:
-        problems.append(f"verdict {verdict}, expected {expect.verdict}")
-    problems += [f"{n} was expected to differ but is {status.get(n, 'absent')}" for n in expect.differs
-                 if status.get(n) != DIFF]
-    problems += [f"{n} was expected to be bitwise equal but is {status.get(n, 'absent')}" for n in expect.equal
-                 if status.get(n) != EQUAL]
-    return {"verdict": expect.verdict, "differs": list(expect.differs), "equal": list(expect.equal),
-            "stated": expect.stated, "met": not problems, "problems": problems}
