@@ -44,6 +44,26 @@ def test_outputs_follow_a_step_in_its_own_order_and_masters_only_in_bf16(tmp_pat
     assert not any(".master." in n for n in names)
 
 
+def test_the_norm_and_the_clip_factor_are_in_the_gradients_dtype_and_absent_without_clipping(tmp_path):
+    """Issue 29, finding 6: they were float64 on every stack, so Megatron's doubles never equalled the float32 values
+    torch and Paddle apply; without clipping the harness computed torch's and Paddle's norm itself and wrote it as
+    theirs. Now each is at the precision the gradients are scaled in, and without clipping no clip factor is
+    written and the norm is optional (Megatron computes one anyway; torch and Paddle none)."""
+    from harness.case.ops import resolve_dtype
+
+    registry = registry_from(tmp_path, tiny_train_case("t32"), tiny_train_case("t16", dtype="bfloat16"),
+                             tiny_train_case("t64", dtype="float64"),
+                             tiny_train_case("unclipped", train={**TINY_TRAIN, "clip_grad": 0.0}))
+    for name, wide in (("t32", "float32"), ("t16", "float32"), ("t64", "float64")):
+        case = registry.get(name)
+        specs = {s.name: s for s in case.output_specs()}
+        for scalar in ("grad_norm", "clip_coeff"):
+            assert resolve_dtype(specs[f"step1.{scalar}"].dtype, case.dtype) == wide, (name, scalar)
+            assert not specs[f"step1.{scalar}"].optional
+    unclipped = {s.name: s for s in registry.get("unclipped").output_specs()}
+    assert "step1.clip_coeff" not in unclipped and unclipped["step1.grad_norm"].optional
+
+
 def test_each_micro_batch_has_its_own_ids_and_labels_the_next_token(tmp_path):
     case = registry_from(tmp_path, tiny_train_case()).get("tiny_train")
     tensors = generate(case)

@@ -105,6 +105,27 @@ def test_megatron_clip_scale_observer_sees_the_factor_megatron_multiplies_by():
     assert seen == []
 
 
+def test_megatron_applies_its_double_clip_coefficient_rounded_to_the_gradients_dtype():
+    """What megatron_model writes as its clip factor (issue 29, finding 6): clip_grad_by_total_norm_fp32 hands a Python
+    double to local_multi_tensor_scale, whose `grad * scale` torch computes at the gradient's precision: fp32 grads
+    are multiplied by float32(scale) exactly, which the double product would not give."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from harness.runners.megatron.train import CudaOnCpu, clip_scale
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.ones(4096))
+    param.grad = torch.randn(4096)
+    before = param.grad.clone()
+    with CudaOnCpu(), clip_scale() as seen:
+        clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=3.3)
+    scale = seen[0]
+    assert isinstance(scale, float)
+    assert torch.equal(param.grad.view(torch.int32), (before * torch.tensor(scale, dtype=torch.float32))
+                       .view(torch.int32))
+    assert not torch.equal(param.grad, (before.double() * scale).float())  # not a double product
+
+
 def test_torch_clip_factor_observer_sees_the_factor_clip_grad_norm_applies():
     from harness.runners.torch.hf_train import ClipFactor
 

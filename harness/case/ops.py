@@ -627,7 +627,11 @@ def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec
     specs = [TensorSpec(p + "lr", (), "output", "float64"),
              TensorSpec(p + "loss", (int(train["micro_batches"]),), "output", wide)]
     specs += [TensorSpec(f"{p}grad.{name}", shape, "output", wide) for name, shape in states]
-    specs += [TensorSpec(p + scalar, (), "output", "float64") for scalar in ("grad_norm", "clip_coeff")]
+    # At the gradients' precision, the one a stack applies them at (Megatron's doubles are shown beside them). Without
+    # clipping no stack multiplies by a factor, and only Megatron computes a norm: the others write none of their own.
+    clipped = train["clip_grad"] > 0
+    specs.append(TensorSpec(p + "grad_norm", (), "output", wide, optional=not clipped))
+    specs += [TensorSpec(p + "clip_coeff", (), "output", wide)] if clipped else []
     for quantity in ("exp_avg", "exp_avg_sq"):
         specs += [TensorSpec(f"{p}{quantity}.{name}", shape, "output", wide) for name, shape in states]
     if train["master_weights"]:

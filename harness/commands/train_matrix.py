@@ -58,7 +58,7 @@ def differing_per_quantity(train: dict) -> dict[str, int]:
     counts: dict[str, int] = {}
     for step in (train or {}).get("steps", []):
         for quantity, scalar in step["scalars"].items():
-            counts[quantity] = counts.get(quantity, 0) + (0 if scalar["equal"] else 1)
+            counts[quantity] = counts.get(quantity, 0) + (1 if scalar["equal"] is False else 0)
         for quantity, q in step["quantities"].items():
             counts[quantity] = counts.get(quantity, 0) + q["total"] - q["equal"]
     return counts

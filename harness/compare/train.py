@@ -14,6 +14,7 @@ harness/report/train_section.py renders it.
 
 from __future__ import annotations
 
+import json
 import math
 from contextlib import ExitStack
 
@@ -26,15 +27,11 @@ from harness.case.registry import Case
 from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER, _numpy_dtype
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.run.orchestrate import SideResult, SideSpec, pair_sides
-from harness.run.steps import digest, read_header, step_file
+from harness.run.steps import DOUBLES, digest, read_header, step_file
 from harness.runners.oracle.runner import round_once
 
 SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
 ORDER = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
-# The unit a scalar's distance is given in: lr is computed in double by every scheduler; the norm and the clip factor
-# in float32 by torch and Paddle (Megatron keeps both in double), so float32 ULPs say whether they differ at the
-# precision the gradients are scaled in.
-SCALAR_UNIT = {"lr": "float64", "loss": "float32", "grad_norm": "float32", "clip_coeff": "float32"}
 
 
 def sides(case: Case, checkpoint, ranks: tuple[dict, dict] | None = None) -> list[SideSpec]:
@@ -88,11 +85,11 @@ def invariance(summary: dict) -> dict:
     other, the first step it differs at ("departs"), in the step's order."""
     departs = {}
     for step in summary["steps"]:
-        differing = [q for q in SCALARS if not step["scalars"][q]["equal"]]
+        differing = [q for q, scalar in step["scalars"].items() if scalar["equal"] is False]
         differing += [q for q, counts in step["quantities"].items() if counts["equal"] < counts["total"]]
         for quantity in differing:
             departs.setdefault(quantity, step["step"])
-    present = [q for q in ORDER if q in SCALARS or any(q in step["quantities"] for step in summary["steps"])]
+    present = [q for q in ORDER if any(q in step["scalars"] or q in step["quantities"] for step in summary["steps"])]
     return {"bitwise": [q for q in present if q not in departs],
             "departs": {q: departs[q] for q in present if q in departs}}
 
@@ -116,6 +113,8 @@ def _compare_step(step: int, specs, pair: list[SideResult]) -> list[TensorCompar
         handles = [_open(path, stack) for path in files]
         for spec in specs:
             held = [spec.name in layouts for _, layouts, _ in headers]
+            if spec.optional and not all(held):  # a scalar a stack does not compute (a norm without clipping)
+                continue
             if all(held):
                 rows.append(compare_tensor(spec.name, handles[0].get_tensor(spec.name),
                                            handles[1].get_tensor(spec.name)))
@@ -144,28 +143,44 @@ def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth,
     first = next((row.name for row in rows if row.status != EQUAL), None)
     summary = {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
                "kept": step in case.config["train"]["steps_kept"],
-               "scalars": _scalars(step, pair, by_name), "quantities": quantities}
+               "scalars": _scalars(step, specs, pair, by_name), "quantities": quantities}
     if truth is not None and truth.status == "ok":
         summary["truth"] = _versus_truth(step, specs, pair, truth, case)
     return summary
 
 
-def _scalars(step: int, pair, by_name: dict) -> dict:
+def _scalars(step: int, specs, pair, by_name: dict) -> dict:
+    """Per scalar of the step: each side's value (and the double it came from, where a stack holds one), equal or
+    how far apart in ULPs of the dtype it is compared in; a scalar a side did not compute: which side, no verdict."""
     out = {}
     with ExitStack() as stack:
         handles = [_open(step_file(side.folder, step), stack) for side in pair]
-        for scalar in SCALARS:
-            name = f"step{step}.{scalar}"
-            values = [h.get_tensor(name).astype(np.float64) for h in handles]
-            out[scalar] = {"a": values[0].tolist(), "b": values[1].tolist(), "equal": by_name[name].status == EQUAL,
-                           "ulps": ulps_apart(values[0], values[1], SCALAR_UNIT[scalar]),
-                           "unit": f"{SCALAR_UNIT[scalar]} ULP"}
+        doubles = [json.loads((h.metadata() or {}).get(DOUBLES, "{}")) for h in handles]
+        for spec in specs:
+            name = spec.name
+            scalar = quantity_of(name)
+            if scalar not in SCALARS:
+                continue
+            held = [name in h.keys() for h in handles]
+            if not all(held):
+                missing = [f"{side.label} ({side.runner})" for side, has in zip(pair, held, strict=True) if not has]
+                out[scalar] = {"a": None, "b": None, "equal": None, "ulps": None, "unit": "",
+                               "note": f"not computed by side {' and '.join(missing)}"}
+                continue
+            values = [h.get_tensor(name) for h in handles]
+            unit = str(values[1].dtype)
+            out[scalar] = {"a": values[0].astype(np.float64).tolist(), "b": values[1].astype(np.float64).tolist(),
+                           "equal": by_name[name].status == EQUAL, "ulps": ulps_apart(values[0], values[1], unit),
+                           "unit": f"{unit} ULP"}
+            for label, held_doubles in zip("ab", doubles, strict=True):
+                if name in held_doubles:
+                    out[scalar][f"{label}_double"] = held_doubles[name]
     return out
 
 
 def ulps_apart(a: np.ndarray, b: np.ndarray, unit: str) -> float:
-    """The largest |a - b| over the spacing of `unit` at |b| (fractions kept: Megatron's double norm against torch's
-    float32 one is a fraction of a float32 ULP apart when their float32 roundings agree)."""
+    """The largest |a - b| over the spacing of `unit` at |b|, in ULPs of `unit` (the dtype the scalar is compared in;
+    inf where a value is not finite)."""
     fmt = format_of(unit)
     worst = 0.0
     for x, y in zip(np.ravel(a), np.ravel(b), strict=True):

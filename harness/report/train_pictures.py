@@ -21,7 +21,7 @@ def steps_matrix_png(train: dict, path: Path) -> None:
     for j, s in enumerate(steps):
         for i, q in enumerate(quantities):
             if q in s["scalars"]:
-                share[i, j] = 0.0 if s["scalars"][q]["equal"] else 1.0
+                share[i, j] = 1.0 if s["scalars"][q]["equal"] is False else 0.0  # None: one side computes none
             elif q in s["quantities"]:
                 counts = s["quantities"][q]
                 share[i, j] = 1 - counts["equal"] / counts["total"]

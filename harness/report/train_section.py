@@ -48,7 +48,11 @@ def _steps(kept: list[int], total: int) -> str:
     return ", ".join(map(str, kept)) or "none"
 
 
-def _scalar_cell(scalar: dict) -> str:
+def _scalar_cell(scalar: dict | None) -> str:
+    if scalar is None:
+        return "—"
+    if scalar["equal"] is None:
+        return scalar["note"]
     if scalar["equal"]:
         return "equal"
     ulps = scalar["ulps"]
@@ -73,8 +77,7 @@ def step_header(train: dict) -> list[str]:
 def step_rows(train: dict) -> list[list]:
     rows = []
     for s in train["steps"]:
-        rows.append([s["step"], s["verdict"], *(_scalar_cell(s["scalars"][k]) for k in ("lr", "loss", "grad_norm",
-                                                                                        "clip_coeff")),
+        rows.append([s["step"], s["verdict"], *(_scalar_cell(s["scalars"].get(k)) for k in SCALAR_COLUMNS),
                      *(_count_cell(s["quantities"], q) for q in states_of(train)),
                      f"`{s['first_divergence']}`" if s["first_divergence"] else ""])
     return rows
@@ -114,10 +117,12 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
            h(3, "Per step (side a against side b; state tensors: bitwise equal of all)"),
            table(step_header(train), step_rows(train), "r" + "l" * (len(step_header(train)) - 1)),
            h(3, "Scalars (a / b)"),
+           p("Each at the precision the stack applies it (the gradients' dtype for the norm and the clip factor); "
+             "where a stack holds a Python double beside it (Megatron's norm and clip coefficient), the double in "
+             "brackets, shown, not compared."),
            table(["step", "lr", "loss per micro-batch (as backpropagated)", "grad norm", "clip coeff"],
-                 [[s["step"], *(f"{_value(s['scalars'][k]['a'])} / {_value(s['scalars'][k]['b'])}"
-                                for k in ("lr", "loss", "grad_norm", "clip_coeff"))] for s in train["steps"]],
-                 "rllll")]
+                 [[s["step"], *(_scalar_values(s["scalars"].get(k)) for k in SCALAR_COLUMNS)]
+                  for s in train["steps"]], "rllll")]
     if any("truth" in s for s in train["steps"]):
         out += [h(3, "Closer to the float64 truth (tensors per quantity: a / b / tie)"),
                 p(train["truth"]["what"]),
@@ -134,6 +139,18 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
         if rows:
             out.append(details(f"step {s['step']}: {len(rows)} differing tensors", [_tensor_table(rows)]))
     return out
+
+
+SCALAR_COLUMNS = ("lr", "loss", "grad_norm", "clip_coeff")
+
+
+def _scalar_values(scalar: dict | None) -> str:
+    if scalar is None:
+        return "—"
+    if scalar["equal"] is None:
+        return scalar["note"]
+    return " / ".join(_value(scalar[label]) + (f" ({scalar[label + '_double']!r})" if label + "_double" in scalar
+                                               else "") for label in "ab")
 
 
 def _value(value) -> str:

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 STEPS_DIR = "steps"
-SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
 
 
 def step_file(folder, step: int, rank: int = 0) -> Path:
@@ -46,6 +45,7 @@ def digest(raw) -> str:
     return f"{DIGEST}:{xxhash.xxh3_128(raw).hexdigest()}"
 
 
+DOUBLES = "doubles"  # the step file's metadata entry of StepWriter.write's `doubles`
 DIGEST_THREADS = 4
 DIGEST_BATCH_BYTES = 8 << 20  # a thread hashes tensors in batches of about this many bytes (one task per small tensor
 # cost more in the pool's hand-offs than the hashing: a 384-expert step holds ~3,200 small tensors)
@@ -61,8 +61,10 @@ class StepWriter:
         self.kept = set(kept) if rank == 0 else set()
         (self.folder / STEPS_DIR).mkdir(parents=True, exist_ok=True)
 
-    def write(self, step: int, scalars: dict, states: dict) -> None:
-        """`scalars` and `states` keyed by canonical names without the ``step{k}.`` prefix."""
+    def write(self, step: int, scalars: dict, states: dict, doubles: dict | None = None) -> None:
+        """`scalars` and `states` keyed by canonical names without the ``step{k}.`` prefix; `doubles`: a scalar the
+        stack holds as a Python float beside the value it applies (Megatron's norm and clip factor), shown, never
+        compared (``DOUBLES`` in the metadata)."""
         prefix = f"step{step}."
         if step in self.kept:
             tensors, metadata = {**scalars, **states}, {"kept": "true"}
@@ -74,6 +76,8 @@ class StepWriter:
                 digests = {prefix + name: value for name, value in
                            zip(states, (d for batch in hashed for d in batch), strict=True)}
             tensors, metadata = scalars, {"kept": "false", "digests": json.dumps(digests)}
+        if doubles:
+            metadata[DOUBLES] = json.dumps({prefix + name: float(value) for name, value in doubles.items()})
         self.save({prefix + name: tensor for name, tensor in tensors.items()},
                   str(step_file(self.folder, step, self.rank)), metadata)
 
@@ -157,6 +161,8 @@ def validate(folder, case) -> str:
                             "written by another version of the harness")
                 continue
             if spec.name not in layouts:
+                if spec.optional:  # a scalar the stack does not compute (a norm without clipping)
+                    continue
                 return f"{path} lacks tensor {spec.name!r} (has {len(layouts)} tensors)"
             dtype, shape = layouts[spec.name]
             if dtype != resolve_dtype(spec.dtype, case.dtype) or tuple(shape) != tuple(spec.shape):

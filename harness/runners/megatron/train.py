@@ -173,10 +173,10 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         with phases(f"step {step}"), mode():
             if refeed:
                 load_state(states, refeed, step, states.set_lr)
-            scalars, tensors = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype, refeed,
-                                          rank)
+            scalars, tensors, doubles = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype,
+                                                   refeed, rank)
             if scalars:
-                writer.write(step, scalars, tensors)
+                writer.write(step, scalars, tensors, doubles)
             flip = train.get("flip")
             if flip and flip["after_step"] == step:
                 flip_state(states, flip)
@@ -292,12 +292,18 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         raise RuntimeError(f"chained optimizers clipped by different scales: {scales}")
     scheduler.step(increment=1)
     if bare:
-        return {}, {}
+        return {}, {}, {}
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     loss = ranks.global_losses(torch.stack(losses).detach(), train["dp"], states.group)
+    # Megatron's norm and clip coefficient are Python doubles; the coefficient reaches the main grads through
+    # local_multi_tensor_scale's `grad * scale`, which torch computes at the gradients' precision (the scale rounded
+    # to float32 for fp32 grads: tests/test_train_runners.py): those values are compared, the doubles shown beside
     scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": loss.to(wide),
-               "grad_norm": torch.tensor(float(grad_norm), dtype=torch.float64),
-               "clip_coeff": torch.tensor(scales[0] if scales else 1.0, dtype=torch.float64)}
+               "grad_norm": torch.tensor(float(grad_norm), dtype=wide)}
+    doubles = {"grad_norm": float(grad_norm)}
+    if train["clip_grad"] > 0:  # 1 when the coefficient is >= 1: the gradients are left as they are
+        scalars["clip_coeff"] = torch.tensor(scales[0] if scales else 1.0, dtype=wide)
+        doubles["clip_coeff"] = float(scales[0]) if scales else 1.0
     tensors = dict(grads)
     for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
         if quantity == "master" and not states.masters:
@@ -306,7 +312,8 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     # Megatron keeps the routing bias in float32 whatever the model's dtype (TopKRouter._maintain_float32_expert_bias):
     # a float64 case gets it upcast, exactly
     tensors.update({f"expert_bias.{name}": buffer.to(wide) for name, buffer in states.buffers.items()})
-    return scalars, {name: t.detach() for name, t in tensors.items()}  # on the device: host copies one at a time
+    return scalars, {name: t.detach() for name, t in tensors.items()}, doubles  # on the device: host copies one at a
+    # time
 
 
 class MegatronStates:

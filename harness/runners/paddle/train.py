@@ -221,27 +221,24 @@ class Trainer:
             self.scheduler.step()
             return {}, {}
         grads = {f"grad.{name}": value.copy() for name, value in self.canonical("grad").items()}
+        clipping = {}  # without grad_clip Paddle computes neither a norm nor a factor: none is written as its own
         if self.clip is not None:
             with clip_norm_and_factor(self.clip) as seen:
                 self.optimizer.step()
             if len(seen["sqrt"]) != 1 or len(seen["divide"]) != 1:
                 raise RuntimeError(f"ClipGradByGlobalNorm called paddle.sqrt {len(seen['sqrt'])} and paddle.divide "
                                    f"{len(seen['divide'])} times; the observer expects once each (Paddle changed)")
-            norm, factor = seen["sqrt"][0], seen["divide"][0]
+            clipping = {"grad_norm": seen["sqrt"][0], "clip_coeff": seen["divide"][0]}
         else:
-            from paddle.nn.clip import _squared_l2_norm  # the helper ClipGradByGlobalNorm uses
-
-            squares = [_squared_l2_norm(p.grad) for p in self.params.values() if p.grad is not None]
-            norm, factor = to_host(paddle.sqrt(paddle.stack(squares).sum())), np.float64(1.0)
             self.optimizer.step()
         self.optimizer.clear_grad()
         self.scheduler.step()
         loss = global_losses(np.stack(losses), self.dp)  # float32 whatever the model's dtype (PaddleFormers'
         # criterion): float64 exactly
+        wide = np.float64 if self.float64 else np.float32  # the gradients' dtype; Paddle's clip computes in it
         scalars = {"lr": np.asarray(lr, dtype=np.float64).reshape(()),
                    "loss": loss.astype(np.float64) if self.float64 else loss,
-                   "grad_norm": np.asarray(norm, dtype=np.float64).reshape(()),
-                   "clip_coeff": np.asarray(factor, dtype=np.float64).reshape(())}
+                   **{name: _at(wide, name, value) for name, value in clipping.items()}}
         states = dict(grads)
         for quantity in ("exp_avg", "exp_avg_sq", "param"):
             states.update({f"{quantity}.{name}": value for name, value in self.canonical(quantity).items()})
@@ -297,6 +294,14 @@ class Trainer:
                 else:
                     self.put(quantity, name, value)
         self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
+
+
+def _at(dtype, name: str, value) -> np.ndarray:
+    """A scalar Paddle computed, in the gradients' `dtype` (an exact widening at most: never rounded by the harness)."""
+    value = np.asarray(value).reshape(())
+    if not np.can_cast(value.dtype, dtype, "safe"):
+        raise RuntimeError(f"Paddle computed the {name} in {value.dtype}, wider than the gradients' {np.dtype(dtype)}")
+    return value.astype(dtype)
 
 
 def global_losses(local: np.ndarray, dp: int) -> np.ndarray:

@@ -207,14 +207,12 @@ class Trainer:
         bare = self.train.get("bare")  # bench_speed: the stack's calls alone, nothing observed or written
         grads = {} if bare else {f"grad.{n}": t.clone() for n, t in self.states.canonical("grad").items()}
         optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
+        clipping = {}  # without clipping torch computes neither a norm nor a factor: none is written as its own
         if self.train["clip_grad"] > 0:
             observer = ClipFactor()
             with nullcontext() if bare else observer:
                 norm = torch.nn.utils.clip_grad_norm_(optimized, self.train["clip_grad"])
-            factor = None if bare else observer.factor()
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in optimized if p.grad is not None])
-            factor = torch.tensor(1.0)
+            clipping = {} if bare else {"grad_norm": norm, "clip_coeff": observer.factor()}
         self.optimizer.step()
         self.scheduler.step()
         with torch.no_grad():
@@ -226,8 +224,7 @@ class Trainer:
         loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         loss = ranks.global_losses(torch.stack(losses), self.dp, self.group)
         scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": loss.to(loss_dtype),
-                   "grad_norm": norm.detach().to(torch.float64).reshape(()),
-                   "clip_coeff": factor.to(torch.float64).reshape(())}
+                   **{name: value.detach().reshape(()) for name, value in clipping.items()}}  # the gradients' dtype
         states = dict(grads)
         for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
             if quantity == "master" and not self.masters:
