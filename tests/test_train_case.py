@@ -283,3 +283,70 @@ def test_memory_is_sized_for_one_step_not_all_of_them(monkeypatch):
         checkpoints.check_memory(replace(registry.get(name), runners=("megatron_model", "hf_model")))
     three, hundred = needs
     assert three < hundred < 1.01 * three  # the extra steps add only their ids and labels (all steps: 33 times)
+
+
+def _write_run(folder, case, change=None):
+    """A test double of a training side's step files (numpy): zeros, with `change` {step: [tensor]} set to one."""
+    from safetensors.numpy import save_file
+
+    from harness.case.ops import resolve_dtype, train_step_outputs
+
+    train, m = case.config["train"], case.config["model"]
+    writer = steps.StepWriter(folder, train["steps_kept"], lambda t, path, meta: save_file(t, path, meta),
+                              lambda a: np.ascontiguousarray(a).view(np.uint8))
+    for step in range(1, train["steps"] + 1):
+        tensors = {}
+        for spec in train_step_outputs(m, train, step):
+            name = spec.name.split(".", 1)[1]
+            value = np.zeros(spec.shape, dtype=resolve_dtype(spec.dtype, case.dtype))
+            tensors[name] = value + 1 if name in (change or {}).get(step, ()) else value
+        writer.write(step, {k: v for k, v in tensors.items() if "." not in k},
+                     {k: v for k, v in tensors.items() if "." in k})
+
+
+def test_a_refed_step_that_does_not_give_side_bs_own_bits_is_named(tmp_path):
+    """The re-feed's own check (issue 29, finding 5; harness.compare.train_refeed.reproduces, on test doubles of step
+    files): where side b's plain step started from side a's inputs, the re-fed step must give side b's plain bits;
+    a step it differs at is named, and a step whose inputs differed in the plain run is not checked."""
+    from harness.compare.train import compare_steps
+    from harness.compare.train_refeed import reproduces
+    from harness.run.orchestrate import SideResult
+
+    case = registry_from(tmp_path, tiny_train_case(train={**TINY_TRAIN, "steps": 3, "decay_steps": 3})) \
+        .get("tiny_train")
+    sides = {}
+    for label, change in (("a", {2: ["param.lm_head.weight"]}), ("b", None), ("refed", {3: ["loss"]})):
+        _write_run(tmp_path / label, case, change)
+        sides[label] = SideResult(label, "double", "ok", tmp_path / label, "python")
+    plain, _ = compare_steps(case, [sides["a"], sides["b"]])
+    check = reproduces(case, plain, sides["b"], sides["refed"], "state")
+    assert check == {"checked": [1, 2], "not_reproduced": []}  # step 3 starts from step 2's differing parameter
+    _write_run(tmp_path / "refed", case, {2: ["exp_avg.lm_head.weight"]})
+    check = reproduces(case, plain, sides["b"], sides["refed"], "state")
+    assert check["not_reproduced"] == [{"step": 2, "count": 1, "tensors": ["step2.exp_avg.lm_head.weight"]}]
+
+
+def test_a_load_that_would_change_a_dtype_or_a_shape_is_refused():
+    """Issue 29, finding 5: re-feed loads cast dtypes silently (copy_, set_value). A load keeps every bit or is
+    refused, naming the tensor; an exact widening that the stack itself made (Megatron's float32 routing bias, written
+    upcast in a float64 case) loads."""
+    torch = pytest.importorskip("torch")
+    from harness.runners.torch.train_state import keeps_bits
+
+    keeps_bits(torch.tensor([0.5, -2.0], dtype=torch.float64), torch.float32, "bias")  # exact: loads
+    with pytest.raises(ValueError, match="loading bias would round its torch.float64 value to torch.float32"):
+        keeps_bits(torch.tensor([0.1], dtype=torch.float64), torch.float32, "bias")
+    with pytest.raises(ValueError, match="would round its torch.float32 value to torch.bfloat16"):
+        keeps_bits(torch.tensor([1.0 + 2 ** -12]), torch.bfloat16, "param.w")
+
+
+def test_paddle_refuses_a_load_of_another_dtype_or_shape():
+    paddle = pytest.importorskip("paddle")
+    from harness.runners.paddle.train import _fits
+
+    target = paddle.zeros([2, 3], dtype="float32")
+    _fits(np.zeros((2, 3), np.float32), target, "param.w")
+    with pytest.raises(ValueError, match=r"param.w is float64\[2, 3\], Paddle's tensor float32\[2, 3\]"):
+        _fits(np.zeros((2, 3), np.float64), target, "param.w")
+    with pytest.raises(ValueError, match=r"float32\[3, 2\]"):
+        _fits(np.zeros((3, 2), np.float32), target, "param.w")

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 TENSOR = "model.layers.0.self_attn.q_a_proj.weight"
 FLIP = {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": TENSOR, "index": [5, 7], "bit": 20}
 ALIGNED = {"expert_bias_update": "off", "weight_decay_params": "not_1d"}  # the stacks' choices made the same
+RUNNERS = ("megatron_model", "hf_model", "paddle_model")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def cases(tmp_path_factory):
         tiny_train_case("t_float64", dtype="float64", train={**TINY_TRAIN, **ALIGNED}),
         tiny_train_case("t_float64_dense", dtype="float64", train={**TINY_TRAIN, **ALIGNED},
                         config={"model": {**TINY_MODEL, "first_k_dense_replace": 2}}),
+        *[tiny_train_case(f"t_self_{runner}", runners=[runner, runner]) for runner in RUNNERS],
         tiny_train_case("t_float64_planted", dtype="float64", runners=["hf_model", "hf_model"],
                         train={**TINY_TRAIN, **ALIGNED},
                         perturb={"side": "b", "tensor": "model.layers.0.self_attn.kv_b_proj.weight", "index": [5, 3],
@@ -147,6 +149,31 @@ def test_refeed_in_time_says_the_planted_bit_was_carried_into_step_2(cases, tmp_
     assert step1["attribution"] == {}  # step 1 is bitwise equal
     assert step2["attribution"] == {"exp_avg": "1 carried in, 41 equal", "param": "1 carried in, 41 equal"}
     assert "Re-feed in time" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_stack_refed_from_its_own_state_reproduces_its_plain_run(cases, tmp_path, checkpoints_dir, runner):
+    """The re-feed's control (issue 29, finding 5): a stack against itself, re-fed from side a's state (its own bits),
+    gives its plain run bit for bit at every step and quantity in both modes: loading the state and the gradients
+    through the stack's own tensors changes nothing, so a re-fed difference elsewhere is the step's own."""
+    result, run_dir, report, tails = run_train_case(f"t_self_{runner}", cases, tmp_path, checkpoints_dir,
+                                                    oracle=False, refeed_ops=True)
+    assert result.verdict == "BITWISE_PASS" and result.exit_code == 0, (result.message, tails)
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    assert refeed["faithful"] == {mode: {"checked": [1, 2], "not_reproduced": []} for mode in ("state", "update")}
+    assert [s["attribution"] for s in refeed["steps"]] == [{}, {}]
+    for mode in ("state", "update"):  # and the re-fed files themselves equal the plain ones, tensor by tensor
+        assert _step_bytes(run_dir / f"b-{runner}") == _step_bytes(run_dir / f"b-{runner}-refeed-{mode}")
+
+
+def _step_bytes(folder):
+    from safetensors import safe_open
+    out = {}
+    for path in sorted((folder / "steps").glob("step*.safetensors")):
+        with safe_open(str(path), framework="numpy") as handle:
+            out.update({name: handle.get_tensor(name).tobytes() for name in handle.keys()})
+    return out
 
 
 def test_refeed_with_side_a_gradients_shows_megatron_adam_is_torch_adamw(cases, tmp_path, checkpoints_dir):

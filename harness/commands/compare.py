@@ -413,6 +413,9 @@ def comparison_notes(result: CaseResult) -> str:
             c["tp_invariant"], c["not_tp_invariant"] = equal, differ
             notes.append(f"{c['runner']} TP={c['tp_a']} vs TP={c['tp_b']}: bitwise TP-invariant: "
                          f"{', '.join(equal) or 'none'}; not: {', '.join(differ) or 'none'}")
+    refeed = result.train.get("refeed") or {}
+    if refeed.get("status") == "unfaithful":
+        notes.append(f"re-feed in time not faithful ({refeed['reason']}): its attribution is not evidence")
     for side in result.sides:
         agree = side.meta.get("ranks_agree", {})
         if agree.get("differing_count"):

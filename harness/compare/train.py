@@ -101,6 +101,11 @@ def first_step(comparisons: list[TensorComparison]) -> list[TensorComparison]:
     return [c for c in comparisons if c.name.startswith("step1.")]
 
 
+def compare_step(case: Case, step: int, pair: list[SideResult]) -> list[TensorComparison]:
+    """One step's comparisons of two sides (a re-feed's check against a plain run)."""
+    return _compare_step(step, train_step_outputs(case.config["model"], case.config["train"], step), pair)
+
+
 def _open(path, stack):
     return stack.enter_context(safe_open(str(path), framework="numpy"))
 

@@ -23,11 +23,12 @@ from pathlib import Path
 
 from harness.case.registry import Case, CaseError
 from harness.compare.tensors import EQUAL
-from harness.compare.train import compare_steps, quantity_of
+from harness.compare.train import compare_step, compare_steps, quantity_of
 from harness.run import orchestrate
 from harness.run.orchestrate import SideResult, SideSpec
 
 MODES = ("state", "update")
+STATE = ("exp_avg", "exp_avg_sq", "master", "param", "expert_bias")  # what a step hands to the next one
 GRADIENT_MADE = ("loss", "grad")
 UPDATE_MADE = ("grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param")
 
@@ -40,7 +41,7 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
         raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
                         f"\"all\"; got {train['steps_kept']})")
     side_a, spec_b = sides[0], pair[1]
-    runs, compared = {}, {}
+    runs, compared, faithful = {}, {}, {}
     for mode in MODES:
         config = {**(spec_b.config or {}), "train_refeed": {"mode": mode, "from": str(side_a.folder.resolve())}}
         spec = spec_b._replace(label=f"b.refeed-{mode}", folder=f"b-{spec_b.runner}-refeed-{mode}", config=config)
@@ -49,8 +50,40 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
         if result.status != "ok":
             return {"status": result.status, "reason": f"re-fed side b ({mode}): {result.reason}", "runs": runs}
         compared[mode], _ = compare_steps(case, [side_a, result])
-    return {"status": "ok", "reason": "", "runs": runs, "steps": attribute(plain, compared["state"],
-                                                                           compared["update"])}
+        faithful[mode] = reproduces(case, plain, sides[1], result, mode)
+    unfaithful = [f"{mode} at step {miss['step']} ({miss['count']} tensors, first {miss['tensors'][0]})"
+                  for mode, check in faithful.items() for miss in check["not_reproduced"]]
+    return {"status": "unfaithful" if unfaithful else "ok",
+            "reason": f"a re-fed step that starts from side b's own state does not give side b's plain bits: "
+                      f"{'; '.join(unfaithful)}" if unfaithful else "",
+            "runs": runs, "faithful": faithful,
+            "steps": attribute(plain, compared["state"], compared["update"])}
+
+
+def reproduces(case: Case, plain: list, side_b: SideResult, refed: SideResult, mode: str) -> dict:
+    """The re-feed's own check: at a step whose inputs side a and side b shared in the plain run (the state after the
+    step before, the lr, and for ``update`` the step's gradients, all bitwise equal), loading side a's state changed
+    nothing, so the re-fed step must give side b's plain step bit for bit. {"checked": steps, "not_reproduced":
+    [{"step", "count", "tensors"}]}."""
+    differs = {c.name for c in plain if c.status != EQUAL}
+    by_step: dict[int, set[str]] = {}
+    for name in differs:
+        by_step.setdefault(int(name.split(".")[0].removeprefix("step")), set()).add(quantity_of(name))
+    flip = case.config["train"].get("flip")
+    planted = flip["after_step"] + 1 if flip and flip["side"] == "b" else None  # side b's state held a bit its step
+    # file does not show, which the re-fed run's load overwrote
+    checked, missed = [], []
+    for step in range(1, case.config["train"]["steps"] + 1):
+        before = by_step.get(step - 1, set()) & set(STATE) if step > 1 else set()
+        now = by_step.get(step, set()) & ({"lr", "grad"} if mode == "update" else {"lr"})
+        if before or now or step == planted:
+            continue
+        checked.append(step)
+        rows = compare_step(case, step, [side_b, refed])
+        differing = [row.name for row in rows if row.status != EQUAL]
+        if differing:
+            missed.append({"step": step, "count": len(differing), "tensors": differing[:10]})
+    return {"checked": checked, "not_reproduced": missed}
 
 
 def attribute(plain: list, state: list, update: list) -> list[dict]:

@@ -38,7 +38,12 @@ def headline(data: dict) -> list[str]:
         lines.append(f"float64 truth: {truth['status']}: {truth['reason']}")
     refeed = train.get("refeed")
     if refeed and refeed["status"] != "ok":
-        lines.append(f"re-feed in time: {refeed['status']}: {refeed['reason']}")
+        lines.append(f"re-feed in time: **{refeed['status']}**: {refeed['reason']}")
+    elif refeed:
+        checked = {mode: check["checked"] for mode, check in refeed.get("faithful", {}).items()}
+        lines.append("re-feed in time faithful: where side b's plain run started a step from side a's inputs, the "
+                     "re-fed step gave its bits (" + "; ".join(f"{mode}: steps {', '.join(map(str, steps)) or 'none'}"
+                                                           for mode, steps in checked.items()) + ")")
     return lines
 
 
@@ -94,7 +99,7 @@ def refeed_lines(refeed: dict) -> list[str]:
 
 def refeed_blocks(train: dict) -> list[tuple]:
     refeed = train.get("refeed")
-    if not refeed or refeed["status"] != "ok":
+    if not refeed or refeed["status"] not in ("ok", "unfaithful"):  # unfaithful: shown, the headline says so
         return []
     order = [q for q in train["order"] if any(q in s["attribution"] for s in refeed["steps"])]
     return [h(3, "Re-feed in time: what made each step's differences (tensors)"),

@@ -48,7 +48,7 @@ from harness.run.steps import StepWriter, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
-from harness.runners.torch.train_state import flip_state, host_bytes, load_state, save_on_host
+from harness.runners.torch.train_state import flip_state, host_bytes, keeps_bits, load_state, save_on_host
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
               "expert_bias")
@@ -428,9 +428,12 @@ class MegatronStates:
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(self.shapes[name]):
+            raise ValueError(f"{quantity}.{name}: canonical shape {list(self.shapes[name])}, given {list(value.shape)}")
         part = self.part(quantity, name)
         if part is not None:
             start, end, values = part
+            keeps_bits(value, values.dtype, f"{quantity}.{name}")
             values.copy_(value.reshape(-1)[start:end])
 
 

@@ -279,6 +279,7 @@ class Trainer:
         else:
             raise ValueError(f"rule {rule.kind!r} cannot be written back")
         for target, part in zip(targets, parts, strict=True):
+            _fits(part, target, f"{quantity}.{name}")
             target.set_value(paddle.to_tensor(np.ascontiguousarray(part), place=paddle.CPUPlace()))
 
     def load_state(self, refeed: dict, step: int) -> None:
@@ -290,10 +291,20 @@ class Trainer:
             for key, value in _read(refeed["from"], step - 1, names).items():
                 _, quantity, name = key.split(".", 2)
                 if quantity == "expert_bias":
+                    _fits(value, self.buffers[name], key)
                     self.buffers[name].set_value(paddle.to_tensor(value, place=paddle.CPUPlace()))
                 else:
                     self.put(quantity, name, value)
         self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
+
+
+def _fits(value: np.ndarray, target, where: str) -> None:
+    """Refuse a load (re-feed, planted flip) that would change a tensor's dtype or shape: set_value casts silently, and
+    a re-feed that rounded what it loads would report differences it made itself (issue 29, finding 5)."""
+    dtype = str(target.dtype).removeprefix("paddle.")
+    if str(value.dtype) != dtype or tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"re-feed: {where} is {value.dtype}{list(value.shape)}, Paddle's tensor "
+                         f"{dtype}{list(target.shape)}: a load keeps every bit or is refused")
 
 
 def _at(dtype, name: str, value) -> np.ndarray:

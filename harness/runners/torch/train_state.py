@@ -57,6 +57,8 @@ def put_rule(rule, targets: list[torch.Tensor], value: torch.Tensor) -> None:
     """Copy a canonical tensor into the framework tensors its rule reads (the inverse of ``apply_rule``)."""
     if tuple(apply_rule(rule, targets).shape) != tuple(value.shape):
         raise ValueError(f"canonical shape {list(value.shape)} does not fit rule {rule.kind} of {rule.sources}")
+    for target in targets:
+        keeps_bits(value, target.dtype, f"{rule.sources[0]} ({rule.kind})")
     if rule.kind == "same":
         targets[0].copy_(value)
     elif rule.kind == "transpose":
@@ -72,6 +74,18 @@ def put_rule(rule, targets: list[torch.Tensor], value: torch.Tensor) -> None:
             start += rows
     else:
         raise ValueError(f"rule {rule.kind!r} cannot be written back")
+
+
+def keeps_bits(value: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    """Refuse a load that would change a value: another dtype is accepted only where it holds every element exactly
+    (Megatron's float32 routing bias, written upcast in a float64 case). A re-feed that rounded what it loads would
+    report differences it made itself (issue 29, finding 5)."""
+    if value.dtype == dtype:
+        return
+    back = value.to(dtype).to(value.dtype)
+    if not torch.equal(back.view(INT_VIEW[value.dtype]), value.view(INT_VIEW[value.dtype])):
+        raise ValueError(f"re-feed: loading {where} would round its {value.dtype} value to {dtype}: a load keeps "
+                         "every bit or is refused")
 
 
 def host_bytes(tensor: torch.Tensor):
@@ -120,6 +134,10 @@ def load_state(states, refeed: dict, step: int, set_lr) -> None:
         for key, value in _read(folder, step - 1, names).items():
             _, quantity, name = key.split(".", 2)
             if quantity == "expert_bias":
+                keeps_bits(value, states.buffers[name].dtype, name)
+                if tuple(value.shape) != tuple(states.buffers[name].shape):
+                    raise ValueError(f"re-feed: {key} is {list(value.shape)}, the buffer "
+                                     f"{list(states.buffers[name].shape)}")
                 states.buffers[name].copy_(value)
             else:
                 states.put(quantity, name, value)
