@@ -24,7 +24,7 @@ from harness.case.registry import CASES_DIR, RUNNERS, TP_SIZES, Case, CaseError,
 from harness.case.train import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
 from harness.commands import failsafe
 from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
-from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_refeed
+from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_float64, train_refeed
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.expectation import check_expectation
 from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, decide, first_divergence
@@ -212,7 +212,7 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         is_model, is_train = case.op in MODEL_OPS, case.op in TRAIN_OPS
         by_label = {side.label: side for side in result.sides}
         framework = [by_label["a"], by_label["b"]]
-        skipped = {}
+        skipped, refed = {}, None
         pythons = dict(o.pythons)
         if all(side.status == "ok" for side in framework):
             if is_train:  # step files, one step at a time (harness.compare.train)
@@ -224,9 +224,10 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
             else:
                 result.tensors, result.harness["comparator_memory"] = _compare_outputs(case, framework)
             result.first_divergence = first_divergence(result.tensors)
-            if o.refeed_ops and is_train:  # re-feed in time: side b re-run from side a's state, step by step
-                result.train["refeed"] = train_refeed.run(case, started.checkpoint, pair, framework, result.tensors,
-                                                          o.device, run_dir, pythons, o.timeout)
+            if is_train and (o.refeed_ops or _float64_refeed(case, ranked)):  # re-feed in time: side b re-run from
+                # side a's state, step by step (a float64 case's check judges every step by it)
+                result.train["refeed"], refed = train_refeed.run(case, started.checkpoint, pair, framework,
+                                                                 result.tensors, o.device, run_dir, pythons, o.timeout)
             elif o.refeed_ops and is_model:  # per-module re-feed: side a records, side b replays
                 result.refeed = model_refeed.run(case, pair, result.tensors, o.device, run_dir, pythons, o.timeout)
             elif o.refeed_ops:
@@ -243,8 +244,10 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         if is_model and not is_train and result.tensors:
             result.model = model.summarise(case, result.tensors, skipped, model.idle_experts(case, framework))
         if is_model and case.dtype == "float64" and result.tensors:
-            _semantic_verdict(result, case, result.train if is_train else result.model,
-                              train.first_step(result.tensors) if is_train else result.tensors)
+            if is_train:
+                _train_semantic_verdict(result, case, refed, _float64_refeed(case, ranked))
+            else:
+                _semantic_verdict(result, model.semantic_check(case, result.tensors, case.runners), result.model)
         if tps is None and impls is None and ranked is None:  # the expectation is about the case's runners; TP sizes,
             # levels or rank counts against each other: findings
             result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
@@ -275,26 +278,46 @@ class _Clock:
         self.last = now
 
 
-def _semantic_verdict(result: CaseResult, case: Case, summary: dict, tensors: list) -> None:
+def _float64_refeed(case: Case, ranked) -> bool:
+    """Whether a float64 training case's check gets its re-fed runs (they train one rank)."""
+    return case.dtype == "float64" and ranked is None and case.config["train"]["dp"] == 1
+
+
+def _train_semantic_verdict(result: CaseResult, case: Case, refed: dict | None, wanted: bool) -> None:
+    """A float64 training case: every step judged (harness.compare.train_float64); a re-feed that failed or did not
+    reproduce side b's own steps leaves the check unjudged past step 1: ERROR, saying so."""
+    refeed = result.train.get("refeed") or {}
+    if wanted and refeed.get("status") != "ok" and result.verdict in ("DIFF", "BITWISE_PASS"):
+        result.verdict = ERROR
+        result.message = (f"float64 check of every step could not judge steps 2 on: re-feed {refeed.get('status')}: "
+                          f"{refeed.get('reason')}")
+        return
+    _semantic_verdict(result, train_float64.check(case, result.tensors, refed), result.train)
+
+
+def _semantic_verdict(result: CaseResult, check: dict, summary: dict) -> None:
     """In float64 the sides must agree to ~1e-10 (model.semantic_check): beyond it is a mapping error (ERROR), within
     it the rounding differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF. `summary`: where the check
-    is kept (the model's or the training run's summary); `tensors`: those it checks (a training run: step 1's)."""
-    check = model.semantic_check(case, tensors, case.runners)
+    is kept (the model's or the training run's summary)."""
     summary["semantic"] = check
     if result.verdict not in ("DIFF", "BITWISE_PASS"):
         return
     if not check["ok"]:
         beyond = check["tensors_beyond"][0]
+        where = (f"step {check['first_step']}, tensor {check['first_mismatch']} ({check['judged_by']})"
+                 if check.get("first_step") else f"{check['first_mismatch']} (module {check['first_module']})")
         result.verdict = ERROR
-        result.message = (f"float64 semantic check failed: mapping error at {check['first_mismatch']} (module "
-                          f"{check['first_module']}): relative error {beyond['relative_error']:.3g} > "
-                          f"{beyond['limit']:.0e}; {len(check['tensors_beyond'])} tensor(s) beyond (first 20 listed)")
+        result.message = (f"float64 semantic check failed: mapping error at {where}: relative error "
+                          f"{beyond['relative_error']:.3g} > {beyond['limit']:.0e}; {len(check['tensors_beyond'])} "
+                          "tensor(s) beyond (first 20 listed)")
     elif result.verdict == "DIFF":
         result.verdict = "WITHIN_TOLERANCE"
         floors = check["floors"]
         stated = (f", or the float32 floor a framework states for {len(floors)} of them (up to "
                   f"{max(floors.values()):.0e})") if floors else ""
-        result.message = (f"float64 semantic check passed: all {check['checked']} tensors agree to relative error "
+        parts = "".join(f"; {part['judged_by']}: {part['checked']}" for part in check.get("parts", []))
+        result.message = (f"float64 semantic check passed: all {check['checked']} tensors{parts}, agree to relative "
+                          "error "
                           f"{check['max_relative_error']:.3g} at most, each within its limit ({check['agreement']:.0e}"
                           f"{stated}) (bits differ: {result.message})")
 

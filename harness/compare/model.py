@@ -130,8 +130,9 @@ def _numpy_dtype(name: str):
 
 
 def semantic_check(case: Case, tensors: list[TensorComparison], runners: tuple[str, str],
-                   agreement: float = FLOAT64_AGREEMENT) -> dict:
-    """float64 agreement per tensor; `ok` False names the first tensor beyond its limit (a mapping error)."""
+                   agreement: float = FLOAT64_AGREEMENT, table: str = "float64") -> dict:
+    """float64 agreement per tensor; `ok` False names the first tensor beyond its limit (a mapping error). `table`:
+    the name maps' table of floors that applies (harness.case.models.FLOORS)."""
     family = case.config["model"]["family"]
     maps = []
     for runner in runners:
@@ -141,7 +142,7 @@ def semantic_check(case: Case, tensors: list[TensorComparison], runners: tuple[s
             maps.append(None)
     rows, first = [], None
     for t in tensors:
-        limit = max([agreement] + [m.float64_floor(t.name, agreement) for m in maps if m])
+        limit = max([agreement] + [m.float64_floor(t.name, agreement, table) for m in maps if m])
         if t.status == EQUAL or (t.status == DIFF and t.elements and not t.dtype.startswith("int") and
                                  t.max_abs_error == 0 and not t.nan_mismatches and not t.nan_payload_diffs):
             relative = 0.0  # equal, or only +0 against -0 (numerically equal)

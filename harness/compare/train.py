@@ -94,13 +94,6 @@ def invariance(summary: dict) -> dict:
             "departs": {q: departs[q] for q in present if q in departs}}
 
 
-def first_step(comparisons: list[TensorComparison]) -> list[TensorComparison]:
-    """What the float64 check reads: step 1, where both sides start from the same state, so every difference is made
-    by the step's own code (a later step carries Adam's amplification of the islands' errors into its parameters:
-    docs/training.md; re-fed steps start from side a's state again)."""
-    return [c for c in comparisons if c.name.startswith("step1.")]
-
-
 def compare_step(case: Case, step: int, pair: list[SideResult]) -> list[TensorComparison]:
     """One step's comparisons of two sides (a re-feed's check against a plain run)."""
     return _compare_step(step, train_step_outputs(case.config["model"], case.config["train"], step), pair)

@@ -34,8 +34,9 @@ UPDATE_MADE = ("grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "pa
 
 
 def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], plain: list, device: str,
-        run_dir: Path, pythons: dict, timeout: float) -> dict:
-    """Side b re-fed from side a, in both modes; per step and quantity, what made each difference."""
+        run_dir: Path, pythons: dict, timeout: float) -> tuple[dict, dict[str, list] | None]:
+    """Side b re-fed from side a, in both modes: (per step and quantity what made each difference, with the re-feed's
+    own check; each mode's comparisons with side a, None when a re-fed run failed)."""
     train = case.config["train"]
     if train["steps_kept"] != list(range(1, train["steps"] + 1)):
         raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
@@ -48,7 +49,7 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
         result = orchestrate.run_sides(case, [spec], device, run_dir, pythons, timeout)[0]
         runs[mode] = result.to_dict()
         if result.status != "ok":
-            return {"status": result.status, "reason": f"re-fed side b ({mode}): {result.reason}", "runs": runs}
+            return {"status": result.status, "reason": f"re-fed side b ({mode}): {result.reason}", "runs": runs}, None
         compared[mode], _ = compare_steps(case, [side_a, result])
         faithful[mode] = reproduces(case, plain, sides[1], result, mode)
     unfaithful = [f"{mode} at step {miss['step']} ({miss['count']} tensors, first {miss['tensors'][0]})"
@@ -57,7 +58,7 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
             "reason": f"a re-fed step that starts from side b's own state does not give side b's plain bits: "
                       f"{'; '.join(unfaithful)}" if unfaithful else "",
             "runs": runs, "faithful": faithful,
-            "steps": attribute(plain, compared["state"], compared["update"])}
+            "steps": attribute(plain, compared["state"], compared["update"])}, compared
 
 
 def reproduces(case: Case, plain: list, side_b: SideResult, refed: SideResult, mode: str) -> dict:

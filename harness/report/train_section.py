@@ -29,10 +29,15 @@ def headline(data: dict) -> list[str]:
                      f"{', '.join(QUANTITY_LABELS[q] for q in train['order'])})")
     semantic = train.get("semantic")
     if semantic:
-        state = ("passed" if semantic["ok"] else f"FAILED: mapping error at `{semantic['first_mismatch']}`")
+        state = ("passed" if semantic["ok"] else f"FAILED: mapping error at step {semantic.get('first_step')}, "
+                 f"`{semantic['first_mismatch']}` ({semantic.get('judged_by')})")
         floors = f"; floors stated for {len(semantic['floors'])} tensors" if semantic["floors"] else ""
-        lines.append(f"float64 check of every state name {state}: max relative error at scale "
-                     f"{semantic['max_relative_error']:.3g} (limit {semantic['agreement']:.0e}{floors})")
+        parts = ", ".join(f"{p['judged_by']} {p['checked']} ({p['max_relative_error']:.2g})"
+                          for p in semantic.get("parts", []))
+        lines.append(f"float64 check of every step {state}: max relative error at scale "
+                     f"{semantic['max_relative_error']:.3g} (limit {semantic['agreement']:.0e}{floors}; tensors "
+                     f"judged: {parts})" + (f"; not judged: {semantic['not_judged']}" if semantic.get("not_judged")
+                                            else ""))
     truth = train.get("truth") or {}
     if truth and truth["status"] != "ok":
         lines.append(f"float64 truth: {truth['status']}: {truth['reason']}")

@@ -70,3 +70,12 @@ def missing_package_python(folder, package: str) -> str:
     (site / "sitecustomize.py").write_text(hide)
     return fake_interpreter(folder, f"no_{package}_python",
                             f'#!/bin/sh\nPYTHONPATH="{site}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+
+
+def python_with_startup(folder, name, code: str) -> str:
+    """An interpreter (this one) that runs `code` at startup, as ``sitecustomize``, before the runner: a fault planted
+    in a real stack (its library patched in that process only), so a test can see the harness catch it."""
+    site = folder / f"{name}_site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(textwrap.dedent(code))
+    return fake_interpreter(folder, name, f'#!/bin/sh\nPYTHONPATH="{site}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')

@@ -87,7 +87,8 @@ def moe_layers(config: dict) -> list[int]:
 
 # --- name maps ----------------------------------------------------------------------------------------------------
 
-SECTIONS = ("checkpoint", "grads", "modules", "float64")
+SECTIONS = ("checkpoint", "grads", "modules", "float64", "float64_update")
+FLOORS = ("float64", "float64_update")  # tables of float64 floors: pattern -> relative error (no rules)
 KINDS = ("same", "cat0", "cat_last", "slice", "stack_cat0", "stack", "transpose", "transpose_cat0", "input_of",
          "output_of", "not_captured")
 
@@ -123,13 +124,13 @@ class NameMap:
             raise ModelConfigError(f"{path}: no section [{framework}] (sections: {', '.join(document)})")
         section = document[framework]
         if "parameters" in section:  # a format of its own ([megatron]): only its float64 floors are read here
-            return cls(family, framework, {"float64": section.get("float64", {})}, own_format=True)
+            return cls(family, framework, {name: section.get(name, {}) for name in FLOORS}, own_format=True)
         tables = {}
         for name in SECTIONS:
             table = section.get(name, {})
             for pattern, raw in table.items():
                 raw = {"same": raw} if isinstance(raw, str) else raw
-                if name != "float64" and (not isinstance(raw, dict) or len(set(raw) & set(KINDS)) != 1):
+                if name not in FLOORS and (not isinstance(raw, dict) or len(set(raw) & set(KINDS)) != 1):
                     raise ModelConfigError(f"{path}: [{framework}.{name}] {pattern!r}: a rule is one of "
                                            f"{', '.join(KINDS)} (got {raw!r})")
             tables[name] = table
@@ -156,9 +157,10 @@ class NameMap:
             return Rule(kind, sources, index, experts=experts)
         return Rule("same", (name,))
 
-    def float64_floor(self, tensor: str, default: float) -> float:
-        """The relative error this framework cannot go below in float64 on `tensor` (see [<fw>.float64])."""
-        for pattern, floor in self.tables.get("float64", {}).items():
+    def float64_floor(self, tensor: str, default: float, table: str = "float64") -> float:
+        """The relative error this framework cannot go below in float64 on `tensor` (see [<fw>.float64]; a training
+        step's optimizer run on side a's gradients: [<fw>.float64_update])."""
+        for pattern, floor in self.tables.get(table, {}).items():
             if _pattern(pattern).fullmatch(tensor):
                 return float(floor)
         return default
