@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 
 from harness import cli
+from harness.case.checkpoints import load_tensors
 from harness.case.registry import CaseError, Registry
 from harness.commands import sweep
 from harness.commands.compare import CompareOptions
 from tests.support.cases import tiny_case, write_cases
+from tests.support.e2e import assert_counts_match_outputs, verdict_of
 
 
 def test_tokens_accepts_one_count_or_a_list():
@@ -58,8 +60,10 @@ def test_sweep_over_tokens_and_both_torch_layouts(tmp_path):
     assert len(lines) == 4 and lines[0].startswith("[1/4] tiny megatron vs torch tokens=1: ")
     assert report["tensors"] == ["out", "grad.input", "grad.weight"]
     for cell in report["cells"]:
-        assert cell["verdict"] in ("BITWISE_PASS", "DIFF"), cell["message"]
         cell_report = json.loads((sweep_dir / cell["run_dir"] / "report.json").read_text())
+        outputs = [load_tensors(Path(side["folder"]) / "outputs.safetensors") for side in cell_report["sides"]]
+        assert_counts_match_outputs(cell_report, *outputs)
+        assert cell["verdict"] == verdict_of(cell_report), cell["message"]
         assert cell_report["case"]["tokens"] == cell["tokens"]
         assert cell_report["case"]["runners"] == cell["runners"]
         assert {t["name"]: t["mismatches"] for t in cell_report["tensors"]} == {

@@ -39,6 +39,12 @@ def assert_counts_match_outputs(report, a, b):
             assert tensor["first_mismatch"]["index"] == [int(i) for i in first]
 
 
+def verdict_of(report) -> str:
+    """The one verdict the output files give (after assert_counts_match_outputs has recomputed the counts from them):
+    what a test of a platform-dependent pair asserts, never "BITWISE_PASS or DIFF"."""
+    return "DIFF" if any(t["mismatches"] for t in report["tensors"]) else "BITWISE_PASS"
+
+
 # The committed baselines (baselines/), loaded once: what an end-to-end test pins a case's verdict to.
 COMMITTED = baseline_store.load_all(baseline_store.BASELINES_DIR)
 
