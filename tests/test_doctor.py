@@ -20,12 +20,19 @@ def torchless_python(folder):
                             f'#!/bin/sh\nPYTHONPATH="{hidden.parent}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
 
 
+def probeless_python(folder):
+    """Test double: an interpreter whose runner answers as a runner without a probe does (its interpreter and host
+    only, harness.run.protocol.probe_answer), whatever it is asked."""
+    return fake_interpreter(folder, "probeless_python", '#!/bin/sh\necho \'{"runner": "oracle", "note": "this '
+                            'runner answers no more than its interpreter and host"}\'\n')
+
+
 @pytest.fixture(scope="module")
 def doctor(tmp_path_factory):
     folder = tmp_path_factory.mktemp("doctor")
     answer = folder / "doctor.json"
     code = main(["doctor", "--device", "cpu", "--json", str(answer), "--python", "torch=/nonexistent/python",
-                 "--python", f"torch_nn={torchless_python(folder)}"])
+                 "--python", f"torch_nn={torchless_python(folder)}", "--python", f"oracle={probeless_python(folder)}"])
     assert code == 0
     return json.loads(answer.read_text())
 
@@ -46,8 +53,28 @@ def test_each_runner_answers_from_its_own_interpreter_with_versions_and_the_cpu(
     assert paddle["host"]["cpu_isa"] == doctor["harness"]["host"]["cpu_isa"]
     matmul = paddle["kernels"]["matmul"]
     assert matmul["float32"] == "ok" and "not registered" in matmul["bfloat16"]
-    assert oracle["ops"]["column_parallel_linear"]["would_run"]
-    assert "no truth oracle" in oracle["ops"]["rms_norm"]["reason"]
+    assert not oracle["ok"] and oracle["not_probed"] and "not probed" in oracle["reason"]  # the test double's
+
+
+@pytest.mark.e2e
+def test_the_model_runners_are_probed_and_never_ok_unasked(doctor, tmp_path):
+    """Issue 29, finding 9: on an H200 host without Paddle the doctor said paddle_model "ok", and every model
+    runner's row was "-": they had no probe, and an answer without one counted as ok. Each now imports what its run
+    imports; a runner that answers its interpreter only is NOT PROBED (the oracle's test double above)."""
+    megatron, hf, paddle = (doctor["runners"][r] for r in ("megatron_model", "hf_model", "paddle_model"))
+    assert megatron["ok"] and megatron["versions"]["megatron-core"]
+    assert "GPTModel" in megatron["ops"]["causal_lm"]["would_run"]
+    assert "get_megatron_optimizer" in megatron["ops"]["causal_lm_train"]["would_run"]
+    assert hf["ok"] and hf["versions"]["transformers"] and "DeepseekV3ForCausalLM" in hf["ops"]["causal_lm"][
+        "would_run"]
+    assert paddle["ok"] and paddle["versions"]["paddleformers"]
+    assert "DeepseekV3ForCausalLM" in paddle["ops"]["causal_lm_train"]["float32"]["would_run"]
+    assert "not registered" in paddle["ops"]["causal_lm"]["bfloat16"]["reason"]  # no CPU bf16 matmul anywhere
+    assert "whole models only" in megatron["ops"]["rms_norm"]["reason"]
+    from harness.commands.doctor import probe
+
+    answer = probe("paddle_model", missing_package_python(tmp_path, "paddle"), "cpu", 300)
+    assert not answer["ok"] and not answer["broken"] and "paddle is not installed" in answer["reason"], answer
 
 
 @pytest.mark.e2e

@@ -64,7 +64,10 @@ def test_attribution_tells_made_carried_equal_and_not_refed(case):
     rows = {r["name"]: r for r in report["rows"]}
     assert rows["logits"]["attribution"] == "not re-fed: written only by side a's run"
     assert report["first_local_divergence"] == "module.model.layers.1.mlp"
-    assert report["counts"] == {"made": 2, "carried": 5, "equal": 1, "not re-fed": 1}
+    # issue 29, finding 9: the module inputs the replay fed are rows of their own, not the case's tensors (the summary
+    # called 853 rows "tensors" where 827 were compared)
+    assert report["counts"] == {"made": 2, "carried": 4, "equal": 1, "not re-fed": 1}
+    assert report["input_counts"] == {"made": 0, "carried": 1, "equal": 0, "not re-fed": 0}
     names = [r["name"] for r in report["rows"]]  # forward, then backward; a unit's input row before its output
     assert names.index(INPUT + "model.layers.0.input_layernorm") < names.index("module.model.layers.0.input_layernorm")
     assert names.index("logits") < names.index("grad.model.norm.weight") < names.index(
@@ -78,6 +81,8 @@ def test_attribution_tells_made_carried_equal_and_not_refed(case):
                                                          "fed_from": "side a (megatron_model)", **report}}, {}), "t")
     assert_same_text(lines, page)
     assert "made by `model.layers.1.mlp`" in lines
+    assert "of the case's 8 output tensors and gradients: 2 made by their module, 4 carried in" in lines
+    assert "and the 1 module inputs the replay fed (rows of their own, not outputs)" in lines
 
 
 def test_a_unit_with_nothing_replaced_is_not_refed_and_never_counted(case):

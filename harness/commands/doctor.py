@@ -74,7 +74,10 @@ def probe(runner: str, python: str, device: str, timeout: float) -> dict:
         why = last[-1] if last else f"no answer on stdout (exit code {done.returncode})"
         return {**base, "ok": False, "reason": f"the runner does not start in this interpreter: {why}",
                 "returncode": done.returncode, "stderr_tail": done.stderr[-TAIL:]}
-    ok = answer.get("importable", True) and not answer.get("broken") and "probe_error" not in answer
+    if "importable" not in answer and "probe_error" not in answer:  # the runner answered its interpreter only
+        return {**base, **answer, "ok": False, "broken": False, "not_probed": True,
+                "reason": "not probed: the runner answers no more than its interpreter and host (it has no probe)"}
+    ok = answer.get("importable") and not answer.get("broken") and "probe_error" not in answer
     reason = answer.get("reason") or answer.get("probe_error") or ""
     return {**base, **answer, "ok": bool(ok), "broken": bool(answer.get("broken")), "reason": reason}
 

@@ -117,8 +117,14 @@ def attribute(case: Case, full: dict, a: dict, b: dict, meta: dict) -> dict:
     return {"rows": rows, "tensors": tensors, "first_local_divergence": first["name"] if first else None,
             "first_local_unit": first["unit"] if first else None, "units": units, "not_refed": not_refed,
             "replaced": meta.get("replaced", {}),
-            "counts": {k: sum(1 for r in rows if r["attribution"].startswith(k))
-                       for k in ("made", "carried", "equal", "not re-fed")}}
+            # the case's tensors apart from the module inputs the replay fed (rows of their own, not outputs)
+            "counts": _counts([r for r in rows if split_input_key(r["name"]) is None]),
+            "input_counts": _counts([r for r in rows if split_input_key(r["name"]) is not None])}
+
+
+def _counts(rows: list[dict]) -> dict[str, int]:
+    return {k: sum(1 for r in rows if r["attribution"].startswith(k)) for k in ("made", "carried", "equal",
+                                                                                "not re-fed")}
 
 
 def _status_of(t) -> str | None:

@@ -12,7 +12,7 @@ def markdown(doctor: dict) -> str:
              f"Host: {host.get('cpu')}; ISA: {' '.join(host.get('cpu_isa', [])) or 'none listed'}; "
              f"{host.get('logical_cpus')} logical CPUs.", "", "## Runners", ""]
     for name, answer in doctor["runners"].items():
-        state = ("ok" if answer.get("ok") else
+        state = ("ok" if answer.get("ok") else f"NOT PROBED: {answer.get('reason')}" if answer.get("not_probed") else
                  f"BROKEN (installed, does not import; its cells are ERRORs): {answer.get('reason')}"
                  if answer.get("broken") else f"NOT USABLE: {answer.get('reason')}")
         lines.append(f"- **{name}** ({answer.get('python')}): {state}")
@@ -61,6 +61,8 @@ def _ops(doctor: dict) -> list[str]:
 def _cell(answer: dict, op: str, dtype: str) -> str:
     if answer.get("broken") and not answer.get("ops"):
         return "runner broken"
+    if answer.get("not_probed"):
+        return "not probed"
     if not answer.get("ok") and not answer.get("broken"):
         return "runner not usable"
     table = answer.get("ops") or {}

@@ -39,8 +39,13 @@ def model_items(refeed: dict) -> list[str]:
              f"from {refeed['fed_from']}; {len(refeed['units'])} modules re-fed",
              "first local divergence (forward, then backward): "
              + (f"**`{first}`**, made by `{refeed['first_local_unit']}`" if first else "**none**"),
-             f"{c['made']} tensors made by their module, {c['carried']} carried in, {c['equal']} equal, "
-             f"{c['not re-fed']} not re-fed"]
+             f"of the case's {sum(c.values())} output tensors and gradients: {c['made']} made by their module, "
+             f"{c['carried']} carried in, {c['equal']} equal, {c['not re-fed']} not re-fed"]
+    inputs = refeed.get("input_counts")
+    if inputs and sum(inputs.values()):
+        lines.append(f"and the {sum(inputs.values())} module inputs the replay fed (rows of their own, not outputs): "
+                     f"{inputs['made']} made, {inputs['carried']} carried in, {inputs['equal']} equal, "
+                     f"{inputs['not re-fed']} not re-fed")
     lines += [f"not re-fed: `{unit}`: {why}" for unit, why in refeed["not_refed"].items()]
     return lines
 

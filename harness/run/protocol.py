@@ -261,6 +261,16 @@ def op_table(table: dict, runner: str) -> dict:
             for name, op in OPS.items()}
 
 
+def model_op_table(runner: str, would_run: dict) -> dict:
+    """A whole-model runner's answer per op (``op_table``'s form): `would_run` maps each op it runs to what would
+    run (a string, or {dtype: {"would_run" | "reason"}} where it depends on the dtype)."""
+    from harness.case.ops import OPS
+
+    return {name: (would_run[name] if isinstance(would_run[name], dict) else {"would_run": would_run[name]})
+            if name in would_run else {"would_run": None, "reason": f"the {runner} runner runs whole models only"}
+            for name in OPS}
+
+
 def host_provenance() -> dict:
     return {"machine": platform.machine(), "system": platform.platform(), "cpu": cpu_model(),
             "cpu_isa": cpu_isa_flags(), "logical_cpus": os.cpu_count()}

@@ -2,7 +2,7 @@
 ``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with torch's AdamW (op ``causal_lm_train``,
 ``torch/hf_train.py``)."""
 
-from harness.run.protocol import Phases, serve
+from harness.run.protocol import Phases, import_answer, model_op_table, serve
 
 
 def run(request: dict, phases: Phases) -> dict:
@@ -11,7 +11,30 @@ def run(request: dict, phases: Phases) -> dict:
     return (hf_train.run if request["op"] == "causal_lm_train" else hf_model.run)(request, phases)
 
 
+def probe(device: str) -> dict:
+    """What would run here (``--probe``): torch and transformers imported as a run imports them, the model class."""
+    try:
+        import torch
+    except Exception as error:  # noqa: BLE001 - not installed, or broken: the doctor says which
+        return import_answer("torch", error)
+    answer = {"framework": "pytorch", "versions": {"torch": torch.__version__},
+              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "cuda_available": torch.cuda.is_available()}
+    if device == "gpu" and not torch.cuda.is_available():
+        answer["device_problem"] = f"torch {torch.__version__} sees no GPU"
+    try:
+        import transformers
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    except Exception as error:  # noqa: BLE001
+        return {**answer, **import_answer("transformers", error)}
+    answer["versions"]["transformers"] = transformers.__version__
+    model = f"{modeling_deepseek_v3.__name__}.DeepseekV3ForCausalLM"
+    return {**answer, "importable": True, "ops": model_op_table("hf_model", {
+        "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW + clip_grad_norm_ + transformers' "
+                                               "LambdaLR schedule"})}
+
+
 if __name__ == "__main__":
     from harness.runners.torch import env
 
-    serve("hf_model", run, reset=env.release, cell_state=env.cell_state)
+    serve("hf_model", run, probe, reset=env.release, cell_state=env.cell_state)
