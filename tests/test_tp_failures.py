@@ -91,3 +91,15 @@ def test_a_hung_rank_is_killed_with_its_whole_launch(tmp_path, fake_rank_python,
         assert "fake rank 1 hangs" in side.stderr_tail
     assert "fake rank 1 hangs" in (run_dir / "report.md").read_text()
     assert_nothing_left(run_dir, launch)
+
+
+def test_a_crashed_rank_is_error_whatever_another_rank_says(tmp_path, fake_rank_python, launch, monkeypatch):
+    """Issue 29, finding 7: rank 0's UNSUPPORTED made the side UNSUPPORTED while rank 1 had crashed."""
+    monkeypatch.setenv("FAKE_RANK_FAILURE", "unsupported")
+    result, run_dir = run(tmp_path, fake_rank_python, 120, launch)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    for side in result.sides:
+        assert side.status == "error", side.reason
+        assert ("rank 1 wrote no meta.json (it crashed) while rank 0 said UNSUPPORTED: fake rank 0: no such kernel "
+                "here") in side.reason, side.reason
+    assert_nothing_left(run_dir, launch)
