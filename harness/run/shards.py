@@ -102,3 +102,14 @@ def replicated_check(parts: list[np.ndarray]) -> dict:
 def inconsistent(checks: dict) -> list[str]:
     """Names of replicated tensors whose copies differ between ranks."""
     return [name for name, check in checks.items() if check.get("replicated") and not check["identical_across_ranks"]]
+
+
+def departures(checks: dict) -> dict[int, list[str]]:
+    """{rank: the replicated tensors whose copy on it differs from rank 0's (bits or shape)}, ranks in order."""
+    found: dict[int, list[str]] = {}
+    for name in inconsistent(checks):
+        check = checks[name]
+        ranks = {int(r) for r, count in check["mismatches_vs_rank0"].items() if count}
+        for rank in sorted(ranks | set(check["ranks_with_other_shape"])):
+            found.setdefault(rank, []).append(name)
+    return dict(sorted(found.items()))
