@@ -91,3 +91,41 @@ def test_a_hung_rank_is_killed_with_its_whole_launch(tmp_path, fake_rank_python,
         assert "fake rank 1 hangs" in side.stderr_tail
     assert "fake rank 1 hangs" in (run_dir / "report.md").read_text()
     assert_nothing_left(run_dir, launch)
+
+
+def test_a_crashed_rank_is_error_whatever_another_rank_says(tmp_path, fake_rank_python, launch, monkeypatch):
+    """Issue 29, finding 7: rank 0's UNSUPPORTED made the side UNSUPPORTED while rank 1 had crashed."""
+    monkeypatch.setenv("FAKE_RANK_FAILURE", "unsupported")
+    result, run_dir = run(tmp_path, fake_rank_python, 120, launch)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    for side in result.sides:
+        assert side.status == "error", side.reason
+        assert ("rank 1 wrote no meta.json (it crashed) while rank 0 said UNSUPPORTED: fake rank 0: no such kernel "
+                "here") in side.reason, side.reason
+    assert_nothing_left(run_dir, launch)
+
+
+def test_an_unsupported_rank_waits_for_the_other_ranks_before_it_exits(tmp_path, monkeypatch):
+    """A launcher stops every rank once one ends nonzero: rank 0 saying UNSUPPORTED first must not stop rank 1 on its
+    way to saying the same (measured once: PaddleFormers' expert parallel, rank 1 killed before its meta.json)."""
+    import threading
+
+    from harness.run import protocol
+
+    def unsupported(request, phases):
+        raise protocol.Unsupported("no such kernel (a test double of a runner)")
+
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"case": "c", "op": "o", "device": "cpu", "output_dir": str(tmp_path)}))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    threading.Timer(1.0, lambda: (tmp_path / "meta.rank1.json").write_text("{}")).start()
+    started = time.monotonic()
+    assert protocol.run_cell("double", unsupported, request) == protocol.EXIT_UNSUPPORTED
+    assert 1.0 <= time.monotonic() - started < 10, "rank 0 left before rank 1 wrote its meta.json, or never did"
+    assert json.loads((tmp_path / "meta.rank0.json").read_text())["unsupported"].startswith("no such kernel")
+    (tmp_path / "meta.rank1.json").unlink()
+    monkeypatch.setattr(protocol, "RANKS_WAIT_SECONDS", 0.5)  # a rank that never says so: rank 0 waits no longer
+    started = time.monotonic()
+    assert protocol.run_cell("double", unsupported, request) == protocol.EXIT_UNSUPPORTED
+    assert 0.5 <= time.monotonic() - started < 5

@@ -104,6 +104,10 @@ def test_each_micro_batch_has_its_own_ids_and_labels_the_next_token(tmp_path):
                "bit": 3}}, "train.flip.index"),
     ({"flip": {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": "lm_head.weight", "index": [0, 0],
                "bit": 31}}, "train.flip.bit"),
+    ({"dp": 2, "flip": {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": "lm_head.weight",
+                        "index": [0, 0], "bit": 3, "rank": 2}}, "train.flip.rank"),
+    ({"flip": {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": "lm_head.weight", "index": [0, 0],
+               "bit": 3, "rank": -1}}, "train.flip.rank"),
 ])
 def test_bad_train_fields_name_file_case_field_and_value(tmp_path, train, field):
     (tmp_path / "bad.toml").write_text(tiny_train_case("bad", train={**TINY_TRAIN, **train}))
@@ -138,7 +142,7 @@ def test_step_files_are_validated_against_the_case(tmp_path):
     train, m = case.config["train"], case.config["model"]
     from harness.case.ops import train_step_outputs
 
-    def write(kept_all=False, drop=None):
+    def write(kept_all=False, drop=None, change=None):
         writer = steps.StepWriter(tmp_path / "side", train["steps_kept"] if not kept_all else [1, 2],
                                   lambda t, path, meta: save_file(t, path, meta),
                                   lambda a: np.ascontiguousarray(a).view(np.uint8))
@@ -146,24 +150,58 @@ def test_step_files_are_validated_against_the_case(tmp_path):
             tensors = {s.name.split(".", 1)[1]: np.zeros(s.shape, dtype=np.float64 if s.dtype == "float64"
                                                            else np.float32)
                        for s in train_step_outputs(m, train, step) if s.name != drop}
+            if change and f"step{step}.{change[0]}" in {s.name for s in train_step_outputs(m, train, step)}:
+                tensors[change[0]] = change[1]
             scalars = {k: v for k, v in tensors.items() if "." not in k}
             writer.write(step, scalars, {k: v for k, v in tensors.items() if "." in k})
 
     write()
     assert steps.validate(tmp_path / "side", case) == ""
-    kept, layouts, digests = steps.read_header(steps.step_file(tmp_path / "side", 1))
-    assert not kept and "step1.lr" in layouts and "step1.param.lm_head.weight" in digests
-    assert "step1.param.lm_head.weight" not in layouts
+    header = steps.read_header(steps.step_file(tmp_path / "side", 1))
+    assert not header.kept and "step1.lr" in header.layouts and "step1.param.lm_head.weight" in header.digests
+    assert "step1.param.lm_head.weight" not in header.layouts
+    assert header.digest_layouts["step1.param.lm_head.weight"] == ["float32", [128, 64]]
     write(kept_all=True)
     assert "kept is True, the request keeps steps [2]" in steps.validate(tmp_path / "side", case)
     write(drop="step2.exp_avg.lm_head.weight")
     assert "lacks tensor 'step2.exp_avg.lm_head.weight'" in steps.validate(tmp_path / "side", case)
+    # a digest-only step is held to the dtypes and shapes of the case as a kept one (issue 29, finding 7)
+    write(change=("param.lm_head.weight", np.zeros((64, 128), np.float32)))
+    assert steps.validate(tmp_path / "side", case).endswith(
+        "step00001.safetensors: tensor 'step1.param.lm_head.weight' is float32[64, 128], expected float32[128, 64]")
+    write(change=("exp_avg.lm_head.weight", np.zeros((128, 64), np.float64)))
+    assert "tensor 'step1.exp_avg.lm_head.weight' is float64[128, 64], expected float32" in \
+        steps.validate(tmp_path / "side", case)
     write()  # a step file of a harness that hashed with BLAKE2b (bare hex digests) is refused, not compared
     path = steps.step_file(tmp_path / "side", 1)
-    _, _, digests = steps.read_header(path)
+    digests = steps.read_header(path).digests
     save_file(load_file(str(path)), str(path), {"kept": "false", "digests": json.dumps(
         {name: value.split(":", 1)[1] for name, value in digests.items()})})
     assert "is not xxh3_128" in steps.validate(tmp_path / "side", case)
+    save_file(load_file(str(path)), str(path), {"kept": "false", "digests": json.dumps(digests)})  # no layouts
+    assert "has no layout (dtype, shape) of the digested 'step1.grad." in steps.validate(tmp_path / "side", case)
+
+
+def test_two_digests_are_equal_only_for_the_same_dtype_and_shape(tmp_path):
+    """Equal bytes in another shape or dtype have the same digest: the comparator does not call them equal."""
+    from safetensors.numpy import save_file
+
+    from harness.case.ops import TensorSpec
+    from harness.compare.train import _compare_step
+    from harness.run.orchestrate import SideResult
+
+    def side(name, tensor):
+        writer = steps.StepWriter(tmp_path / name, [], lambda t, path, meta: save_file(t, path, meta),
+                                  lambda a: np.ascontiguousarray(a).view(np.uint8))
+        writer.write(1, {}, {"param.w": tensor})
+        return SideResult(name, "double", "ok", tmp_path / name, "python")
+
+    zeros = np.zeros((2, 3), np.float32)
+    spec = [TensorSpec("step1.param.w", (2, 3), "output", "float32")]
+    same, other_shape, other_dtype = side("a", zeros), side("b", zeros.reshape(3, 2)), side("c", zeros.view(np.int32))
+    assert _compare_step(1, spec, [same, same])[0].status == "EQUAL"
+    assert _compare_step(1, spec, [same, other_shape])[0].status == "SHAPE_MISMATCH"
+    assert _compare_step(1, spec, [same, other_dtype])[0].status == "DTYPE_MISMATCH"
 
 
 def test_digests_hashed_in_batches_are_each_tensors_own_in_order(tmp_path, monkeypatch):
@@ -178,7 +216,7 @@ def test_digests_hashed_in_batches_are_each_tensors_own_in_order(tmp_path, monke
     writer = steps.StepWriter(tmp_path, [], lambda t, path, meta: save_file(t, path, meta),
                               lambda a: np.ascontiguousarray(a).view(np.uint8))
     writer.write(1, {"lr": np.zeros((), np.float64)}, states)
-    _, _, digests = steps.read_header(steps.step_file(tmp_path, 1))
+    digests = steps.read_header(steps.step_file(tmp_path, 1)).digests
     assert digests == {f"step1.{name}": steps.digest(value.view(np.uint8)) for name, value in states.items()}
     assert len(set(digests.values())) == len(states)
 

@@ -66,8 +66,8 @@ def test_megatron_trains_with_its_adapters_and_writes_every_step(requests, tmp_p
     expected = {"cuda_factory_to_cpu", "tensor_type_cuda_names", "clip_scale"} | (
         {"float64_as_fp32_type_name"} if dtype == "float64" else set())
     assert {a["name"] for a in meta["adapters"]} >= expected
-    kept, layouts, _ = read_header(step_file(tmp_path / "out", 2))
-    assert kept and layouts["step2.param.lm_head.weight"][0] == dtype
+    header = read_header(step_file(tmp_path / "out", 2))
+    assert header.kept and header.layouts["step2.param.lm_head.weight"][0] == dtype
     json.dumps(meta)  # meta.json must be writable
 
 

@@ -28,7 +28,7 @@ EXPERT_BIAS_UPDATE = {
                "routing bias after every step (finalize_model_grads); HF's and Paddle's training code leave it",
     "off": "no stack updates it (Megatron: moe_router_bias_update_rate = 0)",
 }
-FLIP_FIELDS = {"side", "after_step", "state", "tensor", "index", "bit"}
+FLIP_FIELDS = {"side", "after_step", "state", "tensor", "index", "bit", "rank"}
 RANK_SIZES = (1, 2, 4, 8)  # data- and expert-parallel sizes (docs/training-ranks.md)
 # The runners with an expert-parallel MoE layer: Megatron-Core's (its token dispatcher), PaddleFormers' (DeepEP only:
 # UNSUPPORTED without it). HF transformers' DeepseekV3 has no expert-parallel plan (transformers 5.3).
@@ -182,7 +182,9 @@ def parse_steps_kept(text: str, steps: int) -> list[int]:
 
 def _flip(f, train: dict, dtype: str, model: dict) -> dict:
     """The negative control's planted flip: one bit of one element of one optimizer state tensor, on one side, right
-    after a step (its outputs written first), so the next step starts from it."""
+    after a step (its outputs written first), so the next step starts from it. On every data-parallel rank (each its
+    own copy or piece: the ranks stay consistent), or with `rank` on that one only (a planted departure of one rank
+    from the others)."""
     table = train["flip"]
     for key in sorted(set(table) - FLIP_FIELDS):
         raise f.error(f"train.flip.{key}", f"unknown field; known: {', '.join(sorted(FLIP_FIELDS))}", table[key])
@@ -213,4 +215,9 @@ def _flip(f, train: dict, dtype: str, model: dict) -> dict:
     if not 0 <= bit < width - 1:
         raise f.error("train.flip.bit", f"must be a mantissa or exponent bit of the {width}-bit {state}, "
                                         f"0..{width - 2}", bit)
-    return {"side": side, "after_step": after, "state": state, "tensor": tensor, "index": index, "bit": bit}
+    rank = f.get("rank", int, None, where=table, label="train.flip.rank")
+    if rank is not None and not 0 <= rank < train["dp"]:
+        raise f.error("train.flip.rank", f"must be a data-parallel rank of the case, 0..{train['dp'] - 1} (train.dp "
+                                         f"= {train['dp']})", rank)
+    return {"side": side, "after_step": after, "state": state, "tensor": tensor, "index": index, "bit": bit,
+            "rank": rank}

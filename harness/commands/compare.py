@@ -27,10 +27,10 @@ from harness.commands.run_folder import REPORTS_DIR, new_run_dir, now
 from harness.compare import determinism, model, model_refeed, refeed, tolerance, train, train_float64, train_refeed
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.expectation import check_expectation
-from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, decide, first_divergence
+from harness.compare.result import ERROR, ORACLE_LABEL, CaseResult, decide, first_divergence, rank_departures
 from harness.compare.versus_oracle import oracle_side, versus_oracle
 from harness.report import case_report as report
-from harness.run import orchestrate, shards, workers
+from harness.run import orchestrate, workers
 from harness.run.protocol import host_provenance
 
 
@@ -250,7 +250,8 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
                 _semantic_verdict(result, model.semantic_check(case, result.tensors, case.runners), result.model)
         if tps is None and impls is None and ranked is None:  # the expectation is about the case's runners; TP sizes,
             # levels or rank counts against each other: findings
-            result.expectation = check_expectation(case.expect, result.verdict, result.tensors)
+            result.expectation = check_expectation(case.expect, result.verdict, result.tensors,
+                                                   rank_departures(result.sides))
         started.clock.lap("compare")
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
@@ -310,7 +311,7 @@ def _semantic_verdict(result: CaseResult, check: dict, summary: dict) -> None:
         result.message = (f"float64 semantic check failed: mapping error at {where}: relative error "
                           f"{beyond['relative_error']:.3g} > {beyond['limit']:.0e}; {len(check['tensors_beyond'])} "
                           "tensor(s) beyond (first 20 listed)")
-    elif result.verdict == "DIFF":
+    elif result.verdict == "DIFF" and not rank_departures(result.sides):  # a rank's departure is no rounding
         result.verdict = "WITHIN_TOLERANCE"
         floors = check["floors"]
         stated = (f", or the float32 floor a framework states for {len(floors)} of them (up to "
@@ -417,7 +418,7 @@ def _versus_impl(case: Case, level: str) -> tuple[Case, tuple[str, str]]:
 
 def comparison_notes(result: CaseResult) -> str:
     """What the reader must know beyond the verdict: which tensors one runner keeps bitwise across TP sizes or
-    implementation levels, ranks that disagree."""
+    implementation levels (ranks that disagree are the verdict's: harness.compare.result.rank_departures)."""
     notes = []
     if result.comparison and result.tensors:
         c = result.comparison
@@ -439,15 +440,6 @@ def comparison_notes(result: CaseResult) -> str:
     refeed = result.train.get("refeed") or {}
     if refeed.get("status") == "unfaithful":
         notes.append(f"re-feed in time not faithful ({refeed['reason']}): its attribution is not evidence")
-    for side in result.sides:
-        agree = side.meta.get("ranks_agree", {})
-        if agree.get("differing_count"):
-            notes.append(f"side {side.label}: {agree['differing_count']} state tensors differ between its ranks "
-                         f"(rank 0's compared; first: {', '.join(agree['differing'][:3])})")
-        differing = shards.inconsistent(side.meta.get("gather", {}))
-        if differing:
-            notes.append(f"side {side.label}: replicated {', '.join(differing)} differ between ranks "
-                         "(rank 0's copy compared)")
     return "".join(f"; {note}" for note in notes)
 
 

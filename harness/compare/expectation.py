@@ -8,8 +8,9 @@ from harness.compare.tensors import DIFF, EQUAL, TensorComparison
 BITWISE_PASS, WITHIN_TOLERANCE = "BITWISE_PASS", "WITHIN_TOLERANCE"
 
 
-def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> dict:
-    """Did the run do what the case says it should? Lists each way it did not."""
+def check_expectation(expect, verdict: str, tensors: list[TensorComparison], departures: list[str] = ()) -> dict:
+    """Did the run do what the case says it should? Lists each way it did not. `departures`: the sides' ranks that
+    ended with other state than their rank 0 (harness.compare.result.rank_departures)."""
     status = {t.name: t.status for t in tensors}
     problems = []
     bitwise_within_tolerance = expect.verdict == WITHIN_TOLERANCE and verdict == BITWISE_PASS  # 0 ULP is within
@@ -20,6 +21,11 @@ def check_expectation(expect, verdict: str, tensors: list[TensorComparison]) -> 
     problems += [f"{n} was expected to be bitwise equal but is {status.get(n, 'absent')}" for n in expect.equal
                  if status.get(n) != EQUAL]
     problems += exactness_problems(expect.only_differ, expect.bitwise_steps, status)
+    if departures and expect.ranks_agree:
+        problems += [f"ranks were expected to agree: {line}" for line in departures]
+    if not departures and not expect.ranks_agree:
+        problems.append("a side's ranks were expected to end a step with other state than its rank 0 "
+                        "(expect.ranks_agree = false); every rank agreed with rank 0")
     return {"verdict": expect.verdict, "differs": list(expect.differs), "equal": list(expect.equal),
             "only_differ": None if expect.only_differ is None else list(expect.only_differ),
             "bitwise_steps": list(expect.bitwise_steps), "ranks_agree": expect.ranks_agree,

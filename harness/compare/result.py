@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison
+from harness.run import shards
 from harness.run.orchestrate import SideResult
 
 REPORT_SCHEMA = 1
@@ -86,15 +87,39 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
     broken = [t for t in tensors if t.status not in (EQUAL, DIFF)]
     if broken:
         return ERROR, "; ".join(f"{t.name}: {t.status} ({t.note})" for t in broken)
-    if differing and tolerance and tolerance["within"]:
+    departures = rank_departures(sides)
+    if differing and tolerance and tolerance["within"] and not departures:
         return WITHIN_TOLERANCE, (f"{len(differing)} of {len(tensors)} tensors differ ({_names(differing)}), "
                                   "all within the case's tolerance")
-    if differing:
+    if differing or departures:
         beyond = [f"{t['name']}: {'; '.join(t['problems'])}" for t in (tolerance or {}).get("tensors", [])
                   if t["problems"]]
-        return DIFF_VERDICT, (f"{len(differing)} of {len(tensors)} tensors differ: {_names(differing)}"
-                              + (f"; beyond the case's tolerance: {' | '.join(beyond)}" if beyond else ""))
+        across = (f"{len(differing)} of {len(tensors)} tensors differ: {_names(differing)}"
+                  + (f"; beyond the case's tolerance: {' | '.join(beyond)}" if beyond else "")) if differing else ""
+        return DIFF_VERDICT, "; ".join(filter(None, [*departures, across]))
     return BITWISE_PASS, f"all {len(tensors)} tensors bitwise equal"
+
+
+def rank_departures(sides: list[SideResult]) -> list[str]:
+    """One line per framework side whose ranks ended with other state than its rank 0 (a training run's step state,
+    harness.run.steps.ranks_agree; an op's replicated outputs, harness.run.shards): rank, step and tensors named."""
+    lines = []
+    for side in sides:
+        if side.label == ORACLE_LABEL:
+            continue
+        where = f"side {side.label} ({side.runner})"
+        agree = side.meta.get("ranks_agree", {})
+        for rank, first in agree.get("departures", {}).items():
+            lines.append(f"{where}: rank {rank} departs from rank 0 at step {first['step']} in "
+                         f"{_count(first['tensors'], 'state tensor')} (first: {first['first']})")
+        for rank, names in shards.departures(side.meta.get("gather", {})).items():
+            lines.append(f"{where}: rank {rank} departs from rank 0 in {_count(len(names), 'replicated tensor')} "
+                         f"(first: {names[0]})")
+    return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _names(names: list[str], shown: int = 12) -> str:

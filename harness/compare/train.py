@@ -23,9 +23,9 @@ from safetensors import safe_open
 
 from harness.bits import format_of
 from harness.case.ops import STATE_QUANTITIES, resolve_dtype, train_step_outputs
-from harness.case.registry import Case
+from harness.case.registry import Case, CaseError
 from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER, _numpy_dtype
-from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
+from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, SHAPE_MISMATCH, TensorComparison, compare_tensor
 from harness.run.orchestrate import SideResult, SideSpec, pair_sides
 from harness.run.steps import DOUBLES, digest, read_header, step_file
 from harness.runners.oracle.runner import round_once
@@ -43,6 +43,9 @@ def sides(case: Case, checkpoint, ranks: tuple[dict, dict] | None = None) -> lis
     for side, sizes in zip(pair, ranks or (None, None), strict=True):
         train = {**case.config["train"], **(sizes or {})}
         train["flip"] = flip if flip and flip["side"] == side.label else None
+        if train["flip"] and (train["flip"].get("rank") or 0) >= train["dp"]:  # --dp or --versus-dp gave it fewer
+            raise CaseError(f"{case.source}: case {case.name!r}: train.flip.rank must be a data-parallel rank of side "
+                            f"{side.label}, which trains on dp = {train['dp']} (got {train['flip']['rank']})")
         folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
         out.append(side._replace(folder=folder, config={"train": train}))
     return out
@@ -110,23 +113,35 @@ def _compare_step(step: int, specs, pair: list[SideResult]) -> list[TensorCompar
     with ExitStack() as stack:
         handles = [_open(path, stack) for path in files]
         for spec in specs:
-            held = [spec.name in layouts for _, layouts, _ in headers]
+            held = [spec.name in header.layouts for header in headers]
             if spec.optional and not all(held):  # a scalar a stack does not compute (a norm without clipping)
                 continue
             if all(held):
                 rows.append(compare_tensor(spec.name, handles[0].get_tensor(spec.name),
                                            handles[1].get_tensor(spec.name)))
                 continue
-            digests = [d.get(spec.name) or (digest(np.ascontiguousarray(h.get_tensor(spec.name)).view(np.uint8))
-                                            if spec.name in layouts else None)
-                       for (_, layouts, d), h in zip(headers, handles, strict=True)]
+            digests = [header.digests.get(spec.name) or (
+                digest(np.ascontiguousarray(h.get_tensor(spec.name)).view(np.uint8))
+                if spec.name in header.layouts else None) for header, h in zip(headers, handles, strict=True)]
             if None in digests:
                 rows.append(TensorComparison(spec.name, "MISSING", note="a side holds neither the tensor nor its "
                                                                          "digest"))
                 continue
-            rows.append(TensorComparison(spec.name, EQUAL if digests[0] == digests[1] else DIFF,
-                                         shape=list(spec.shape), note="compared by digest (step not kept)"))
+            rows.append(_by_digest(spec, digests, [header.layouts.get(spec.name) or header.digest_layouts.get(
+                spec.name) for header in headers]))
     return rows
+
+
+def _by_digest(spec, digests: list[str], layouts: list) -> TensorComparison:
+    """Two digests of one tensor: equal only when the dtypes and shapes they were made of are too."""
+    (dtype_a, shape_a), (dtype_b, shape_b) = (layout or (None, None) for layout in layouts)
+    if dtype_a != dtype_b:
+        return TensorComparison(spec.name, DTYPE_MISMATCH, note=f"dtype {dtype_a} vs {dtype_b} (compared by digest)")
+    if list(shape_a or []) != list(shape_b or []):
+        return TensorComparison(spec.name, SHAPE_MISMATCH, dtype=dtype_a,
+                                note=f"shape {list(shape_a)} vs {list(shape_b)} (compared by digest)")
+    return TensorComparison(spec.name, EQUAL if digests[0] == digests[1] else DIFF, shape=list(spec.shape),
+                            note="compared by digest (step not kept)")
 
 
 def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth, case: Case) -> dict:
@@ -200,7 +215,7 @@ def _versus_truth(step: int, specs, pair, truth: SideResult, case: Case) -> dict
         for spec in specs:
             quantity = quantity_of(spec.name)
             source = spec.name.replace(".master.", ".param.", 1)  # the truth has no masters: its parameter is one
-            if not all(spec.name in layouts for _, layouts, _ in headers[:2]) or source not in headers[2][1]:
+            if not all(spec.name in h.layouts for h in headers[:2]) or source not in headers[2].layouts:
                 continue
             exact = handles[2].get_tensor(source).astype(np.float64)
             dtype = np.dtype(_numpy_dtype(resolve_dtype(spec.dtype, case.dtype)))

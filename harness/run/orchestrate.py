@@ -254,9 +254,10 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
         return side
     if "unsupported" in side.meta and (side.returncode == EXIT_UNSUPPORTED or ranks > 1):
         side.status, side.reason = "unsupported", side.meta["unsupported"]
-    elif side.returncode != 0:
+    elif side.returncode != 0 or "unsupported_on_some_ranks" in side.meta:
         blamed = launch.failed_rank(side.stderr_tail) if ranks > 1 else ""
-        side.reason = f"exited with code {side.returncode}" + (f"; {blamed}" if blamed else "")
+        side.reason = "; ".join(filter(None, [f"exited with code {side.returncode}", blamed,
+                                              side.meta.get("unsupported_on_some_ranks")]))
     else:
         problem = _validate_outputs(side, case) if case.op in TRAIN_OPS else ""
         problem = problem or (_gather(side, case, ranks) if ranks > 1 else "")

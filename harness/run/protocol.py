@@ -182,8 +182,26 @@ def run_cell(runner: str, run: Callable[[dict, Phases], dict], request_path: Pat
         if reset is not None:
             reset()
     meta["phases"] = phases.seconds
-    (output_dir / rank_file_name(META, rank, world)).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    path = output_dir / rank_file_name(META, rank, world)
+    path.with_suffix(".tmp").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    os.replace(path.with_suffix(".tmp"), path)  # whole or absent: a launcher may kill this rank at any moment after
+    if code == EXIT_UNSUPPORTED and world > 1:
+        await_ranks(output_dir, world, RANKS_WAIT_SECONDS)
     return code
+
+
+RANKS_WAIT_SECONDS = 60.0
+
+
+def await_ranks(output_dir: Path, world: int, seconds: float) -> None:
+    """An UNSUPPORTED rank waits (at most `seconds`) for every rank's meta.json before it exits: a launcher stops every
+    rank once one ends nonzero, and a side is UNSUPPORTED only when every rank says so (harness.run.shards
+    .merge_metas), so a slower rank on its way to saying the same must get there (measured: Paddle's launcher killed
+    rank 1 of PaddleFormers' expert parallel before it wrote its meta, once in two runs on a loaded machine)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all((output_dir / rank_file_name(META, r, world)).exists()
+                                                  for r in range(world)):
+        time.sleep(0.1)
 
 
 def serve_cells(cell: Callable[[Path, int], int], reply_fd: int) -> int:

@@ -35,17 +35,24 @@ def rank_metas(folder: Path, world: int) -> dict[int, dict]:
 
 
 def merge_metas(folder: Path, world: int, launch: dict) -> dict:
-    """Rank 0's provenance for the side, each rank's phases and status, and the launch; written as meta.json."""
+    """Rank 0's provenance for the side, each rank's phases and status, and the launch; written as meta.json.
+    ``unsupported`` only when every rank said so; ``unsupported_on_some_ranks`` says which did not."""
     metas = rank_metas(folder, world)
     if not metas:
         return {}
-    merged = dict(metas[min(metas)])
+    merged = {key: value for key, value in metas[min(metas)].items() if key != "unsupported"}
     merged["launch"] = launch
     merged["ranks"] = {str(r): {"phases": m.get("phases", {}), "unsupported": m.get("unsupported")}
                        for r, m in metas.items()}
-    unsupported = [m["unsupported"] for m in metas.values() if m.get("unsupported")]
-    if unsupported:
+    unsupported = {r: m["unsupported"] for r, m in metas.items() if m.get("unsupported")}
+    if len(unsupported) == world:  # the side is UNSUPPORTED only when every rank says so
         merged["unsupported"] = unsupported[0]
+    elif unsupported:  # another rank crashed, or ran on: that is the side's outcome, not the first rank's reason
+        said = min(unsupported)
+        others = [f"rank {r} " + ("ran to its end" if r in metas else "wrote no meta.json (it crashed)")
+                  for r in range(world) if r not in unsupported]
+        merged["unsupported_on_some_ranks"] = (f"{', '.join(others)} while rank {said} said UNSUPPORTED: "
+                                               f"{unsupported[said]}")
     (folder / META).write_text(json.dumps(merged, indent=2, sort_keys=True, default=str))
     return merged
 
@@ -95,3 +102,14 @@ def replicated_check(parts: list[np.ndarray]) -> dict:
 def inconsistent(checks: dict) -> list[str]:
     """Names of replicated tensors whose copies differ between ranks."""
     return [name for name, check in checks.items() if check.get("replicated") and not check["identical_across_ranks"]]
+
+
+def departures(checks: dict) -> dict[int, list[str]]:
+    """{rank: the replicated tensors whose copy on it differs from rank 0's (bits or shape)}, ranks in order."""
+    found: dict[int, list[str]] = {}
+    for name in inconsistent(checks):
+        check = checks[name]
+        ranks = {int(r) for r, count in check["mismatches_vs_rank0"].items() if count}
+        for rank in sorted(ranks | set(check["ranks_with_other_shape"])):
+            found.setdefault(rank, []).append(name)
+    return dict(sorted(found.items()))

@@ -7,10 +7,15 @@ in the file's metadata, one digest per state tensor (XXH3-128 of its raw bytes i
 ``xxh3_128:<hex>``): the comparator still says per step and tensor whether the bits are equal, without the disk a full
 dump needs.
 
-On several ranks (data or expert parallel, docs/training-ranks.md) every rank gathers the canonical state (a
-distributed optimizer's shards, another rank's experts) and rank 0 writes the step file; every other rank writes
-``step00007.rank<R>.safetensors`` with its scalars and one digest per state tensor, so the harness checks that every
-rank holds the same state (``ranks_agree``), as it checks replicated TP tensors.
+A digest-only step also records each digested tensor's dtype and shape (``layouts``), checked as a kept tensor's are.
+
+On several ranks (data or expert parallel, docs/training-ranks.md) rank 0 writes the step file, the canonical state
+whole; every other rank writes ``step00007.rank<R>.safetensors`` with its scalars, one digest per tensor it holds whole
+(its own replica) and, of each tensor the ranks hold in pieces (a distributed optimizer's ranges, an expert-parallel
+rank's experts), one digest per piece it holds, made before any gather, with the piece's place (``pieces``: elements
+[start, end) of the flattened canonical tensor). On a digest-only step rank 0 writes the digests of those places of
+its canonical tensors. The harness checks every rank against rank 0 (``ranks_agree``): a replica that departs, or a
+piece that is not where rank 0's tensor has it, is found.
 
 A training run's outputs contract, beside ``harness.run.protocol``: runners write with ``StepWriter`` (their framework
 gives ``save`` and ``raw_bytes``); the harness validates (``validate``, ``ranks_agree``) and the comparator reads
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,25 +67,43 @@ class StepWriter:
         self.kept = set(kept) if rank == 0 else set()
         (self.folder / STEPS_DIR).mkdir(parents=True, exist_ok=True)
 
-    def write(self, step: int, scalars: dict, states: dict, doubles: dict | None = None) -> None:
-        """`scalars` and `states` keyed by canonical names without the ``step{k}.`` prefix; `doubles`: a scalar the
-        stack holds as a Python float beside the value it applies (Megatron's norm and clip factor), shown, never
-        compared (``DOUBLES`` in the metadata)."""
+    def write(self, step: int, scalars: dict, states: dict, pieces: dict | None = None,
+              doubles: dict | None = None) -> None:
+        """`scalars` and `states` keyed by canonical names without the ``step{k}.`` prefix; `pieces` {name: [(start,
+        end, flat values)]}: elements [start, end) of canonical tensor `name` as this rank holds them (rank 0: the
+        places other ranks hold, from its own canonical tensor), digested unless the step is kept; `doubles`: a
+        scalar the stack holds as a Python float beside the value it applies (Megatron's norm and clip factor),
+        shown, never compared (``DOUBLES`` in the metadata)."""
         prefix = f"step{step}."
         if step in self.kept:
             tensors, metadata = {**scalars, **states}, {"kept": "true"}
         else:
+            spans = [(name, None, t) for name, t in states.items()]
+            spans += [(name, (start, end), t) for name, held in (pieces or {}).items() for start, end, t in held]
             # a few tensors at a time: the host copy and the hash both release the GIL (a full-size step is 79 GB per
             # side: one thread hashed it with BLAKE2b in about 80 s on the H200's host); memory stays at a few tensors
             with ThreadPoolExecutor(max_workers=DIGEST_THREADS) as pool:
-                hashed = pool.map(lambda batch: [digest(self.raw_bytes(t)) for t in batch], _batches(states.values()))
-                digests = {prefix + name: value for name, value in
-                           zip(states, (d for batch in hashed for d in batch), strict=True)}
-            tensors, metadata = scalars, {"kept": "false", "digests": json.dumps(digests)}
+                hashed = pool.map(lambda batch: [digest(self.raw_bytes(t)) for t in batch],
+                                  _batches(t for _, _, t in spans))
+                digests = [d for batch in hashed for d in batch]
+            whole, layouts, placed = {}, {}, {}
+            for (name, span, tensor), value in zip(spans, digests, strict=True):
+                if span is None:
+                    whole[prefix + name], layouts[prefix + name] = value, layout(tensor)
+                else:
+                    placed.setdefault(prefix + name, []).append([*span, layout(tensor)[0], value])
+            tensors, metadata = scalars, {"kept": "false", "digests": json.dumps(whole),
+                                          "layouts": json.dumps(layouts), "pieces": json.dumps(placed)}
         if doubles:
             metadata[DOUBLES] = json.dumps({prefix + name: float(value) for name, value in doubles.items()})
         self.save({prefix + name: tensor for name, tensor in tensors.items()},
                   str(step_file(self.folder, step, self.rank)), metadata)
+
+
+def layout(tensor) -> list:
+    """[dtype, shape] of a torch tensor or numpy array, in numpy's dtype names (torch's without their ``torch.``
+    prefix: the same names for every dtype a step holds), as ``read_header`` gives a kept tensor's."""
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
 
 
 def _batches(tensors):
@@ -95,9 +119,20 @@ def _batches(tensors):
         yield batch
 
 
-def read_header(path) -> tuple[bool, dict[str, tuple[str, list[int]]], dict[str, str]]:
-    """(whether the step's state tensors are kept, {tensor: (dtype, shape)} of what the file holds, {tensor: digest} of
-    the state tensors it holds as digests only); from the header alone."""
+class StepHeader(NamedTuple):
+    """A step file's header: whether its state tensors are kept; {tensor: (dtype, shape)} of the tensors it holds;
+    {tensor: digest} and {tensor: [dtype, shape]} of those it holds as digests only; {tensor: [[start, end, dtype,
+    digest]]} of the pieces it holds digests of."""
+
+    kept: bool
+    layouts: dict
+    digests: dict
+    digest_layouts: dict
+    pieces: dict
+
+
+def read_header(path) -> StepHeader:
+    """The step file's header alone (no tensor data read)."""
     from safetensors import safe_open
 
     from harness.case.checkpoints import SAFETENSORS_DTYPES
@@ -108,7 +143,8 @@ def read_header(path) -> tuple[bool, dict[str, tuple[str, list[int]]], dict[str,
         for name in handle.keys():
             piece = handle.get_slice(name)
             layouts[name] = (SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype()), list(piece.get_shape()))
-    return metadata.get("kept") == "true", layouts, json.loads(metadata.get("digests", "{}"))
+    return StepHeader(metadata.get("kept") == "true", layouts, *(json.loads(metadata.get(key, "{}"))
+                                                                 for key in ("digests", "layouts", "pieces")))
 
 
 def state_locations(family: str, framework: str, quantities) -> dict[str, str]:
@@ -135,9 +171,16 @@ def flip_bit(array: np.ndarray, index, bit: int) -> np.ndarray:
     return flipped
 
 
+def flips_here(flip: dict | None, step: int, rank: int) -> bool:
+    """Whether this rank plants the negative control's bit after `step`: every rank does (each flips its own copy or
+    piece, so the ranks stay consistent) unless ``flip.rank`` names one, which alone flips its own (its ranks then
+    disagree: the planted departure)."""
+    return bool(flip) and flip["after_step"] == step and flip.get("rank") in (None, rank)
+
+
 def validate(folder, case) -> str:
     """What is wrong with a training side's step files for `case` (its request's steps_kept), or "": every step's file,
-    every kept tensor in its dtype and shape, every other state tensor's digest."""
+    every kept tensor, and every other state tensor's digest, in its dtype and shape."""
     from harness.case.ops import resolve_dtype, train_step_outputs
 
     train, m = case.config["train"], case.config["model"]
@@ -146,59 +189,124 @@ def validate(folder, case) -> str:
         if not path.exists():
             return f"{path} is missing"
         try:
-            kept, layouts, digests = read_header(path)
+            header = read_header(path)
         except Exception as error:  # safetensors raises several unrelated types for a bad file
             return f"{path}: not a readable step file: {error}"
-        if kept != (step in train["steps_kept"]):
-            return f"{path}: kept is {kept}, the request keeps steps {train['steps_kept']}"
+        if header.kept != (step in train["steps_kept"]):
+            return f"{path}: kept is {header.kept}, the request keeps steps {train['steps_kept']}"
         for spec in train_step_outputs(m, train, step):
             scalar = spec.name.count(".") == 1
-            if not (kept or scalar):
-                if spec.name not in digests:
+            if header.kept or scalar:
+                if spec.name not in header.layouts:
+                    if spec.optional:  # a scalar the stack does not compute (a norm without clipping)
+                        continue
+                    return f"{path} lacks tensor {spec.name!r} (has {len(header.layouts)} tensors)"
+                dtype, shape = header.layouts[spec.name]
+            else:
+                value = header.digests.get(spec.name)
+                if value is None:
                     return f"{path} has no digest of {spec.name!r}"
-                if not digests[spec.name].startswith(f"{DIGEST}:"):
-                    return (f"{path}: the digest of {spec.name!r} is not {DIGEST} ({digests[spec.name][:24]!r}): "
+                if not value.startswith(f"{DIGEST}:"):
+                    return (f"{path}: the digest of {spec.name!r} is not {DIGEST} ({value[:24]!r}): "
                             "written by another version of the harness")
-                continue
-            if spec.name not in layouts:
-                if spec.optional:  # a scalar the stack does not compute (a norm without clipping)
-                    continue
-                return f"{path} lacks tensor {spec.name!r} (has {len(layouts)} tensors)"
-            dtype, shape = layouts[spec.name]
+                if spec.name not in header.digest_layouts:
+                    return f"{path} has no layout (dtype, shape) of the digested {spec.name!r}"
+                dtype, shape = header.digest_layouts[spec.name]
             if dtype != resolve_dtype(spec.dtype, case.dtype) or tuple(shape) != tuple(spec.shape):
-                return (f"{path}: tensor {spec.name!r} is {dtype}{shape}, expected "
+                return (f"{path}: tensor {spec.name!r} is {dtype}{list(shape)}, expected "
                         f"{resolve_dtype(spec.dtype, case.dtype)}{list(spec.shape)}")
     return ""
 
 
 def ranks_agree(folder, case, ranks: int) -> dict:
     """Whether every rank of a training side ended every step with rank 0's state: per step, each other rank's scalars
-    and state digests against rank 0's. {"ranks", "checked", "differing" (the first 20 names, rank named),
-    "differing_count"} or {"problem": why} when a rank's file is missing or unreadable."""
+    and the digests of its replicas against rank 0's tensors (dtype, shape and bits), and each piece it holds against
+    the same place of rank 0's tensor. {"ranks", "checked", "differing" (the first 20, rank named),
+    "differing_count", "departures" ({rank: {"step", "tensors", "first"}}: its first step that differs, how many
+    there, the first)}, or {"problem": why} when a file is missing, unreadable or lacks what the check needs."""
+    checked, differing, departures = 0, [], {}
+    for step in range(1, case.config["train"]["steps"] + 1):
+        try:
+            reference = _rank0_reference(step_file(folder, step))
+            for rank in range(1, ranks):
+                other = step_file(folder, step, rank)
+                if not other.exists():
+                    return {"problem": f"{other} is missing"}
+                departed = []
+                for name, where, theirs in _rank_entries(other):
+                    expected = reference(name, where)
+                    if expected is None:
+                        return {"problem": f"{step_file(folder, step)} has nothing to check {other}'s {name}"
+                                           + (f" elements {where[0]}:{where[1]}" if where else "") + " against"}
+                    checked += 1
+                    if theirs != expected:
+                        departed.append(name + (f"[{where[0]}:{where[1]}]" if where else ""))
+                differing += [f"{name} (rank {rank})" for name in departed]
+                if departed and str(rank) not in departures:
+                    departures[str(rank)] = {"step": step, "tensors": len(departed), "first": departed[0]}
+        except _BadStepFile as error:
+            return {"problem": str(error)}
+    return {"ranks": ranks, "checked": checked, "differing": differing[:20], "differing_count": len(differing),
+            "departures": departures}
+
+
+class _BadStepFile(Exception):
+    """A step file the rank check cannot read; the message names it."""
+
+
+def _header(path) -> StepHeader:
+    try:
+        return read_header(path)
+    except Exception as error:  # safetensors raises several unrelated types for a bad file
+        raise _BadStepFile(f"{path}: not a readable step file: {error}") from None
+
+
+def _tensor_digest(array: np.ndarray) -> str:
+    return digest(np.ascontiguousarray(array).view(np.uint8))
+
+
+def _rank0_reference(path):
+    """A function (name, place or None) -> what rank 0's step file says of that tensor or place: (dtype, shape,
+    digest) of a whole tensor, (dtype, digest) of a place [start, end); None when it says nothing of it."""
     from safetensors import safe_open
 
-    train = case.config["train"]
-    checked, differing = 0, []
-    for step in range(1, train["steps"] + 1):
-        path = step_file(folder, step)
-        kept, layouts, digests = read_header(path)
-        with safe_open(str(path), framework="numpy") as handle:
-            reference = {name: digests.get(name) or digest(np.ascontiguousarray(handle.get_tensor(name))
-                                                              .view(np.uint8))
-                         for name in (*layouts, *digests)}
-        for rank in range(1, ranks):
-            other = step_file(folder, step, rank)
-            if not other.exists():
-                return {"problem": f"{other} is missing"}
-            try:
-                _, other_layouts, other_digests = read_header(other)
-                with safe_open(str(other), framework="numpy") as handle:
-                    theirs = {**other_digests, **{name: digest(np.ascontiguousarray(handle.get_tensor(name))
-                                                               .view(np.uint8)) for name in other_layouts}}
-            except Exception as error:  # safetensors raises several unrelated types for a bad file
-                return {"problem": f"{other}: not a readable step file: {error}"}
-            for name, expected in reference.items():
-                checked += 1
-                if theirs.get(name) != expected:
-                    differing.append(f"{name} (rank {rank})")
-    return {"ranks": ranks, "checked": checked, "differing": differing[:20], "differing_count": len(differing)}
+    header = _header(path)
+    with safe_open(str(path), framework="numpy") as handle:
+        held = {name: handle.get_tensor(name) for name in header.layouts}
+    pieces = {name: {(start, end): (dtype, value) for start, end, dtype, value in entries}
+              for name, entries in header.pieces.items()}
+
+    def reference(name, where):
+        if name in held:
+            array = held[name]
+            if where is None:
+                return array.dtype.name, list(array.shape), _tensor_digest(array)
+            start, end = where
+            if not 0 <= start <= end <= array.size:
+                raise _BadStepFile(f"{path.parent}: a rank holds elements {start}:{end} of {name}, which has "
+                                   f"{array.size}")
+            return array.dtype.name, _tensor_digest(array.reshape(-1)[start:end])
+        if where is None:
+            return (*header.digest_layouts[name], header.digests[name]) if name in header.digests else None
+        return pieces.get(name, {}).get(tuple(where))
+
+    return reference
+
+
+def _rank_entries(path):
+    """(name, place or None, what this rank holds there) of every scalar, replica and piece in another rank's step
+    file, in the form ``_rank0_reference`` answers."""
+    from safetensors import safe_open
+
+    header = _header(path)
+    with safe_open(str(path), framework="numpy") as handle:
+        for name in header.layouts:
+            array = handle.get_tensor(name)
+            yield name, None, (array.dtype.name, list(array.shape), _tensor_digest(array))
+    for name, value in header.digests.items():
+        if name not in header.digest_layouts:
+            raise _BadStepFile(f"{path} has no layout (dtype, shape) of the digested {name!r}")
+        yield name, None, (*header.digest_layouts[name], value)
+    for name, entries in header.pieces.items():
+        for start, end, dtype, value in entries:
+            yield name, (start, end), (dtype, value)

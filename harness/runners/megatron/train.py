@@ -17,8 +17,9 @@ On several ranks (``train.dp``, ``train.ep``; docs/training-ranks.md) it runs as
 ``initialize_model_parallel(1, expert_model_parallel_size=ep)``, each data-parallel rank its own micro-batches of the
 global batch (``num_microbatches`` = micro_batches / dp), DDP's gradient reduction (an all-reduce, or with the
 distributed optimizer a reduce-scatter and the parameters' all-gather) and the MoE layer's allgather token dispatcher
-over the expert-parallel ranks. Every rank then puts the canonical state back together (``MegatronStates.canonical``:
-a distributed optimizer's shards by its own range maps, another rank's experts) and rank 0 writes the step.
+over the expert-parallel ranks. Rank 0 then puts the canonical state back together (``MegatronStates.held``: a
+distributed optimizer's shards by its own range maps, another rank's experts) and writes the step; every other rank
+writes the digests of what it holds itself, its replicas and its own pieces, before any gather.
 
 CPU adapters (listed in meta.json, none changes a computation; tests/test_train_runners.py ablates each): the model's
 (``harness.runners.megatron.model.install_adapters``) and two of the optimizer's, in one ``TorchFunctionMode`` active
@@ -44,11 +45,11 @@ from torch.overrides import TorchFunctionMode
 from harness.case.ops import train_state_names
 from harness.case.train import rank_micro_batches
 from harness.run.protocol import Phases, rank_and_world
-from harness.run.steps import StepWriter, state_locations
+from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
-from harness.runners.torch.train_state import flip_state, host_bytes, keeps_bits, load_state, save_on_host
+from harness.runners.torch.train_state import INT_VIEW, host_bytes, keeps_bits, load_state, save_on_host
 
 QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
               "expert_bias")
@@ -173,13 +174,12 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         with phases(f"step {step}"), mode():
             if refeed:
                 load_state(states, refeed, step, states.set_lr)
-            scalars, tensors, doubles = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train, dtype,
-                                                   refeed, rank)
+            scalars, tensors, pieces, doubles = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train,
+                                                           dtype, refeed, rank)
             if scalars:
-                writer.write(step, scalars, tensors, doubles)
-            flip = train.get("flip")
-            if flip and flip["after_step"] == step:
-                flip_state(states, flip)
+                writer.write(step, scalars, tensors, pieces, doubles)
+            if flips_here(train.get("flip"), step, rank):
+                states.flip(train["flip"])
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     from megatron.core import __version__ as megatron_version
@@ -283,7 +283,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         load_grads(states, refeed, step)
     lr = states.lr()
     bare = train.get("bare")  # bench_speed: Megatron's calls alone, nothing observed or written
-    grads = {} if bare else {f"grad.{n}": t.clone() for n, t in states.canonical("grad").items()}
+    tensors, pieces = ({}, {}) if bare else held(states, "grad", clone=True)  # optimizer.step() clips them in place
     with nullcontext([]) if bare else clip_scale() as scales:
         update_successful, grad_norm, _ = optimizer.step()
     if not update_successful:
@@ -292,7 +292,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         raise RuntimeError(f"chained optimizers clipped by different scales: {scales}")
     scheduler.step(increment=1)
     if bare:
-        return {}, {}, {}
+        return {}, {}, {}, {}
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     loss = ranks.global_losses(torch.stack(losses).detach(), train["dp"], states.group)
     # Megatron's norm and clip coefficient are Python doubles; the coefficient reaches the main grads through
@@ -304,16 +304,25 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     if train["clip_grad"] > 0:  # 1 when the coefficient is >= 1: the gradients are left as they are
         scalars["clip_coeff"] = torch.tensor(scales[0] if scales else 1.0, dtype=wide)
         doubles["clip_coeff"] = float(scales[0]) if scales else 1.0
-    tensors = dict(grads)
     for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
         if quantity == "master" and not states.masters:
             continue
-        tensors.update({f"{quantity}.{name}": t for name, t in states.canonical(quantity).items()})
+        whole, parts = held(states, quantity)
+        tensors.update(whole)
+        pieces.update(parts)
     # Megatron keeps the routing bias in float32 whatever the model's dtype (TopKRouter._maintain_float32_expert_bias):
     # a float64 case gets it upcast, exactly
     tensors.update({f"expert_bias.{name}": buffer.to(wide) for name, buffer in states.buffers.items()})
-    return scalars, {name: t.detach() for name, t in tensors.items()}, doubles  # on the device: host copies one at a
-    # time
+    return scalars, tensors, pieces, doubles  # on the device: host copies one at a time
+
+
+def held(states, quantity: str, clone: bool = False) -> tuple[dict, dict]:
+    """``MegatronStates.held`` of `quantity` in step-file names (``grad.<p>``), copied when `clone`."""
+    copy = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
+    whole, pieces = states.held(quantity)
+    return ({f"{quantity}.{name}": copy(t) for name, t in whole.items()},
+            {f"{quantity}.{name}": [(start, end, copy(t)) for start, end, t in parts]
+             for name, parts in pieces.items()})
 
 
 class MegatronStates:
@@ -323,8 +332,9 @@ class MegatronStates:
 
     On several ranks (`group`: harness.runners.torch.ranks) a rank holds pieces: a distributed optimizer owns a range
     of each flattened parameter on each data-parallel rank (its main param, moments, and the reduced gradient there:
-    ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``canonical`` puts each
-    quantity back together on every rank; ``put`` writes each rank's part of a canonical tensor."""
+    ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``held`` gives what a
+    rank writes of a quantity (rank 0: every tensor put back together); ``put`` writes each rank's part of a canonical
+    tensor."""
 
     def __init__(self, names: dict, model, optimizer, shapes: dict | None = None, group=None,
                  expert_parallel: int = 1):
@@ -405,26 +415,40 @@ class MegatronStates:
             return True
         return self.distributed and quantity != "param"
 
-    def canonical(self, quantity: str, names=None) -> dict[str, torch.Tensor]:
-        """{name: the whole canonical tensor} (on several ranks a collective: every rank calls it alike)."""
-        names = list(self.shapes) if names is None else list(names)
-        pieced = [name for name in names if self._pieced(quantity, name)]
-        whole = {}
-        if pieced:
-            parts = {name: part for name in pieced if (part := self.part(quantity, name)) is not None}
-            device = next(iter(self.rules.values())).device
-            whole = ranks.gather_pieces(parts, self.shapes, self.group, device)
-        out = {}
-        for name in names:
-            if name in whole:
-                out[name] = whole[name]
-            else:
-                start, end, values = self.part(quantity, name)
-                out[name] = values.view(self.shapes[name])
-        return out
+    def held(self, quantity: str) -> tuple[dict, dict]:
+        """What this rank writes of `quantity` (on several ranks a collective: every rank calls it alike):
+        ({name: canonical tensor}, {name: [(start, end, flat values)]}). Rank 0: every canonical tensor whole (the
+        pieces gathered to it), and of each tensor held in pieces the places the other ranks hold, from it; another
+        rank: the tensors it holds whole (its replicas), and its own pieces of the others, before any gather."""
+        pieced = [name for name in self.shapes if self._pieced(quantity, name)]
+        whole = {name: self.part(quantity, name)[2].view(self.shapes[name]) for name in self.shapes
+                 if name not in pieced}
+        if not pieced:
+            return whole, {}
+        own = {name: part for name in pieced if (part := self.part(quantity, name)) is not None}
+        gathered, places = ranks.gather_pieces(own, self.shapes, self.group, next(iter(self.rules.values())).device)
+        if torch.distributed.get_rank(self.group) != 0:
+            return whole, {name: [part] for name, part in own.items()}
+        whole.update(gathered)
+        return whole, {name: [(start, end, whole[name].reshape(-1)[start:end]) for start, end in spans]
+                       for name, spans in places.items()}
 
-    def one(self, quantity: str, name: str) -> torch.Tensor:
-        return self.canonical(quantity, [name])[name]
+    @torch.no_grad()
+    def flip(self, flip: dict) -> None:
+        """The negative control's bit, in this rank's own part of the tensor (a view of Megatron's own): a rank that
+        does not hold the element leaves it; one named by ``flip.rank`` must hold it."""
+        flat = 0
+        for i, size in zip(flip["index"], self.shapes[flip["tensor"]], strict=True):
+            flat = flat * size + i
+        part = self.part(flip["state"], flip["tensor"])
+        if part is None or not part[0] <= flat < part[1]:
+            if flip.get("rank") is not None:
+                raise RuntimeError(f"train.flip.rank = {flip['rank']}: this rank holds no element {flip['index']} of "
+                                   f"the {flip['state']} of {flip['tensor']} (holds "
+                                   f"{'none' if part is None else f'elements {part[0]}:{part[1]}'})")
+            return
+        bits = part[2].view(INT_VIEW[part[2].dtype])
+        bits[flat - part[0]] ^= 1 << flip["bit"]  # the registry keeps the bit below the sign bit
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:

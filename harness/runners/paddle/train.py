@@ -14,7 +14,8 @@ pieces, every per-step quantity written in canonical names.
 On several data-parallel ranks (``train.dp``, docs/training-ranks.md; ``paddle.distributed.launch``, gloo on the
 CPU): ``paddle.distributed.init_parallel_env()`` and ``paddle.DataParallel(model)`` with its defaults (gradients
 averaged over the ranks in its fused buckets), each rank its own micro-batches (``no_sync()`` but for the last); every
-rank then steps the same optimizer on the same gradients. Expert parallel (``train.ep > 1``) is PaddleFormers'
+rank then steps the same optimizer on the same gradients and digests its own copy of the whole state (only the step's
+losses are gathered). Expert parallel (``train.ep > 1``) is PaddleFormers'
 ``DeepseekV3MoEFlexToken``, whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
 ``paddlefleet_ops.deep_ep``, PaddleFleet's CUDA package): UNSUPPORTED naming it where it is not installed.
 
@@ -35,7 +36,7 @@ from harness.capture.paddle import apply_rule, to_host
 from harness.case.ops import train_buffer_names, train_state_names
 from harness.case.train import rank_micro_batches
 from harness.run.protocol import Phases, rank_and_world
-from harness.run.steps import StepWriter, flip_bit, state_locations, step_file
+from harness.run.steps import StepWriter, flip_bit, flips_here, state_locations, step_file
 from harness.runners.paddle import model as paddle_model
 from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
 
@@ -113,7 +114,7 @@ def run(request: dict, phases: Phases) -> dict:
             if scalars:
                 writer.write(step, scalars, states)
             flip = train.get("flip")
-            if flip and flip["after_step"] == step:
+            if flips_here(flip, step, rank):
                 value = flip_bit(trainer.one(flip["state"], flip["tensor"]), flip["index"], flip["bit"])
                 trainer.put(flip["state"], flip["tensor"], value)
     return {**provenance,

@@ -13,7 +13,9 @@ On several data-parallel ranks (``train.dp``, docs/training-ranks.md) the model 
 ``DistributedDataParallel`` (gloo on the CPU, NCCL on GPUs): each rank runs its own micro-batches of the global batch
 (``(loss / local micro-batches).backward()``, under ``no_sync()`` but the last), DDP averages the gradients over the
 ranks in its buckets, and every rank then steps the same optimizer on the same gradients. With bf16 masters the
-model's bf16 gradients are reduced by DDP and added into the masters once, after the last micro-batch.
+model's bf16 gradients are reduced by DDP and added into the masters once, after the last micro-batch. Every rank
+holds the whole state and digests its own copy: nothing it writes was gathered but the step's losses
+(``ranks.global_losses``).
 
 The float64 truth of a training case is this runner in float64 (hf_model's float64 mode: HF's float32 islands lifted).
 Where each quantity lives: ``[hf.train]`` of the name map, copied into meta.json.
@@ -32,7 +34,7 @@ from harness.case.models import NameMap
 from harness.case.ops import train_buffer_names, train_state_names
 from harness.case.train import rank_micro_batches
 from harness.run.protocol import Phases, Unsupported, rank_and_world
-from harness.run.steps import StepWriter, state_locations
+from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import hf_model, ranks
 from harness.runners.torch.train_state import TorchStates, flip_state, host_bytes, load_grads, load_state, save_on_host
@@ -97,9 +99,8 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
             scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed)
             if scalars:
                 writer.write(step, scalars, states)
-            flip = train.get("flip")
-            if flip and flip["after_step"] == step:
-                flip_state(trainer.states, flip)
+            if flips_here(train.get("flip"), step, rank):
+                flip_state(trainer.states, train["flip"])
     if world > 1:
         dist.destroy_process_group()
     return {

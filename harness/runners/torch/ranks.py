@@ -1,11 +1,11 @@
 """A torch training run on several ranks (data and expert parallel, docs/training-ranks.md): the global batch's
-micro-batches per rank, and the canonical state put back together on every rank so each writes the same step.
+micro-batches per rank, and the canonical state put back together on rank 0, which writes the step.
 
-Every collective here copies bits and computes nothing: ``all_gather_object`` of tensors moved to the host (gloo,
-whatever the training's backend: a group of its own, made by ``gather_group``). A step's canonical loss is each
-micro-batch's share of the global step's loss in the global micro-batch order (``global_losses``); a tensor held in
-pieces (a distributed optimizer's shard of a flattened parameter, an expert on its expert-parallel rank) is
-assembled from every rank's pieces, which must cover it exactly once (``assemble``).
+Every collective here copies bits and computes nothing: ``all_gather_object`` / ``gather_object`` of tensors moved to
+the host (gloo, whatever the training's backend: a group of its own, made by ``gather_group``). A step's canonical
+loss is each micro-batch's share of the global step's loss in the global micro-batch order (``global_losses``); a
+tensor held in pieces (a distributed optimizer's shard of a flattened parameter, an expert on its expert-parallel
+rank) is assembled on rank 0 from every rank's pieces, which must cover it exactly once (``assemble``).
 """
 
 from __future__ import annotations
@@ -56,11 +56,25 @@ def assemble(name: str, shape, pieces: list[tuple[int, int, torch.Tensor]]) -> t
     return torch.cat([values.reshape(-1) for _, _, values in ordered]).view(*shape)
 
 
-def gather_pieces(pieces: dict[str, tuple[int, int, torch.Tensor]], shapes: dict, group, device) -> dict:
-    """{name: whole tensor on `device`} for every name some rank holds a piece of (`shapes`: name -> shape)."""
-    by_name: dict[str, list] = {}
+def to_rank0(value, group) -> list | None:
+    """`value` from every rank, in rank order, on rank 0; None on the others (pickled: tensors must be on the host)."""
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(value, out, dst=0, group=group)
+    return out
+
+
+def gather_pieces(pieces: dict[str, tuple[int, int, torch.Tensor]], shapes: dict, group, device) -> tuple[dict, dict]:
+    """On rank 0: ({name: whole tensor on `device`} for every name some rank holds a piece of (`shapes`: name ->
+    shape), {name: [(start, end)] of the pieces the other ranks hold}); on the others ({}, {}), their pieces sent."""
     # a clone each: pickling a view pickles its whole storage (a piece of Megatron's flat buffer would carry all of it)
-    for held in everyone({n: (s, e, t.detach().cpu().clone()) for n, (s, e, t) in pieces.items()}, group):
-        for name, piece in held.items():
+    held = to_rank0({n: (s, e, t.detach().cpu().clone()) for n, (s, e, t) in pieces.items()}, group)
+    if held is None:
+        return {}, {}
+    by_name: dict[str, list] = {}
+    places: dict[str, list] = {}
+    for rank, mine in enumerate(held):
+        for name, piece in mine.items():
             by_name.setdefault(name, []).append(piece)
-    return {name: assemble(name, shapes[name], parts).to(device) for name, parts in by_name.items()}
+            if rank:
+                places.setdefault(name, []).append(piece[:2])
+    return {name: assemble(name, shapes[name], parts).to(device) for name, parts in by_name.items()}, places
