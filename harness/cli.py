@@ -10,24 +10,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from harness import pipeline
 from harness.bits import FORMATS
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.case.select import SELECT_HELP, SelectError, select
-from harness.commands import (
-    baseline,
-    doctor,
-    failsafe,
-    gate_matrix,
-    nightly,
-    nightly_merge,
-    publish,
-    run_folder,
-    sweep,
-)
-from harness.commands import compare as pipeline
+from harness.commands import baseline, doctor, gate_matrix, nightly, nightly_merge, publish, sweep
 from harness.compare.result import EXIT_CODES
+from harness.levels import AXES
+from harness.pipeline import failsafe, run_folder
 from harness.report import case_report as report
 
 
@@ -62,24 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
     compare.add_argument("--tp", type=int, help="tensor-parallel size (1, 2, 4, 8); default: the case's")
-    compare.add_argument("--versus-tp", type=int, metavar="N",
-                         help="compare one runner at the case's tp (side a) with itself at tp=N (side b)")
-    compare.add_argument("--runner", help="the runner for --versus-tp, --versus-dp or --versus-ep (default: the case's "
-                                          "first)")
+    compare.add_argument("--versus", type=versus, metavar="AXIS=VALUE",
+                         help="one runner against itself: side a as the case says, side b at another tp=N (tensor "
+                              "parallel), impl=LEVEL (the Paddle runner's implementation level: "
+                              + ", ".join(KNOBS["paddle_impl"].choices) + "), dp=N or ep=N (training cases: data- "
+                              "or expert-parallel ranks on the same global batch)")
+    compare.add_argument("--runner", help="the runner on both sides of --versus (default: the case's first)")
     compare.add_argument("--dp", type=int, help="training cases: data-parallel ranks, each training its own "
                                                 "micro-batches of the same global batch (1, 2, 4, 8; default: the "
                                                 "case's train.dp)")
     compare.add_argument("--ep", type=int, help="training cases: expert-parallel ranks among them (Megatron's MoE "
                                                 "layer; default: the case's train.ep)")
-    compare.add_argument("--versus-dp", type=int, metavar="N",
-                         help="training cases: one runner at the case's dp (side a) against itself at dp=N (side b) "
-                              "on the same global batch: which quantities stay bitwise, from which step they part")
-    compare.add_argument("--versus-ep", type=int, metavar="N",
-                         help="training cases: one runner at the case's ep (side a) against itself at ep=N (side b)")
-    compare.add_argument("--versus-impl", metavar="LEVEL", choices=KNOBS["paddle_impl"].choices,
-                         help="compare the Paddle runner at the case's implementation level (side a; --paddle-impl "
-                              "sets it) with itself at LEVEL (side b) on the same inputs: "
-                              + ", ".join(KNOBS["paddle_impl"].choices))
     compare.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                          help="also run the framework-free truth oracle and show each side's distance from it "
                               "(default: on; ops without an oracle say so)")
@@ -145,15 +130,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     options = pipeline.CompareOptions(
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
-        weights_file=args.weights, versus_tp=args.versus_tp, runner=args.runner, tp=args.tp, oracle=args.oracle,
-        versus_impl=args.versus_impl, dp=args.dp, ep=args.ep, versus_dp=args.versus_dp, versus_ep=args.versus_ep,
+        weights_file=args.weights, tp=args.tp, oracle=args.oracle, dp=args.dp, ep=args.ep,
+        versus=pipeline.Versus(args.versus[0], args.versus[1], args.runner) if args.versus else None,
         repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process, steps_kept=args.steps_kept,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
-        return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus_tp=None,
-                                                  runner=None, tp=None, versus_impl=None, versus_dp=None,
-                                                  versus_ep=None,
-                                                  runners=(args.runners or [None])[0]))
+        return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus=None,
+                                                  tp=None, runners=(args.runners or [None])[0]))
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, options)
@@ -173,6 +156,22 @@ def token_counts(text: str) -> list[int]:
     if not counts or any(count <= 0 for count in counts):
         raise argparse.ArgumentTypeError(f"expects positive integers separated by commas (got {text!r})")
     return counts
+
+
+def versus(text: str) -> tuple[str, int | str]:
+    """`--versus tp=2`, `--versus impl=recipe`, `--versus dp=2`: (axis, side b's value; a number but for impl)."""
+    axis, _, value = text.partition("=")
+    if axis not in AXES or not value:
+        raise argparse.ArgumentTypeError(f"expects AXIS=VALUE with AXIS one of {', '.join(AXES)} (got {text!r})")
+    if axis == "impl":
+        if value not in KNOBS["paddle_impl"].choices:
+            raise argparse.ArgumentTypeError(f"--versus impl expects one of {', '.join(KNOBS['paddle_impl'].choices)} "
+                                             f"(got {value!r})")
+        return axis, value
+    try:
+        return axis, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--versus {axis} expects a whole number (got {value!r})") from None
 
 
 def runner_pair(text: str) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harness.commands.compare import CompareOptions, compare_case
+from harness import CompareOptions, compare_case
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import fake_interpreter
 
@@ -122,7 +122,7 @@ def test_a_signal_during_repeats_lets_the_oracle_round_end_before_the_runs_own_w
     ends first, also when a signal stops the pair (else it may start a worker in a pool already closed)."""
     import threading
 
-    from harness.commands import compare
+    from harness.pipeline import comparison
     from harness.run import supervisor, workers
 
     events, closed, real_close = [], threading.Event(), workers.Pool.close
@@ -140,7 +140,7 @@ def test_a_signal_during_repeats_lets_the_oracle_round_end_before_the_runs_own_w
         raise KeyboardInterrupt
 
     monkeypatch.setattr(workers.Pool, "close", close)
-    monkeypatch.setattr(compare.orchestrate, "run_sides", run_sides_double)
+    monkeypatch.setattr(comparison.orchestrate, "run_sides", run_sides_double)
     with pytest.raises(supervisor.Interrupted):
         compare_case("tiny", CompareOptions(cases_dir=env / "cases", checkpoints_dir=env / "ck",
                                             reports_dir=env / "reports", repeat=2))

@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import E2E_TOKENS
+from harness import CompareOptions, compare_case
 from harness.case.checkpoints import load_tensors, tensor_sha256
-from harness.commands.compare import CompareOptions, compare_case
 from harness.run.protocol import cpu_isa_flags
 from tests.support.e2e import (
     LINEAR_OPS,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
+from harness import CompareOptions, compare_case
 from harness.case.checkpoints import load_tensors
 from harness.case.tolerance import Tolerance
-from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.tolerance import judge
 from tests.support.e2e import assert_counts_match_outputs, paddle_bf16_gemm_unavailable, verdict_of
 

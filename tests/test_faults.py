@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 
 from harness import paths, resources
 from harness.cli import main
-from harness.commands import run_folder
+from harness.pipeline import run_folder
 from tests.support import fault_storage as storage
 from tests.support.cases import tiny_case
 from tests.support.fault_runners import interpreter
@@ -505,12 +505,12 @@ def test_storage_error_without_a_file_name_names_the_folder(tmp_path):
 # ---------------------------------------------------------------- failures of the harness itself, options
 
 def test_harness_failure_is_error_with_a_report_not_exit_1(world, capsys, monkeypatch):
-    from harness.commands import compare
+    from harness.levels import op
 
     def broken(*args, **kwargs):  # a named fault: the comparator itself fails
         raise RuntimeError("injected comparator failure")
 
-    monkeypatch.setattr(compare, "compare_dumps", broken)
+    monkeypatch.setattr(op, "compare_dumps", broken)
     got, err = run_main(capsys, world.args("--no-oracle", *world.python(megatron="good", paddle="good")))
     found = assert_ends(world, got, err, 2, "ERROR", "harness failure: RuntimeError: injected comparator failure")
     assert "RuntimeError" in "".join(found["harness"]["traceback"])
@@ -590,12 +590,12 @@ def test_sigterm_stops_a_whole_sweep(world):
 
 
 def test_interrupt_outside_a_run_is_said_on_stderr(world, capsys, monkeypatch):
-    from harness.commands import compare
+    from harness import pipeline
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compare, "compare_case", interrupted)
+    monkeypatch.setattr(pipeline, "compare_case", interrupted)
     got, err = run_main(capsys, world.args("--no-oracle"))
     assert got == 130 and "interrupted by SIGINT" in err and "no report was written" in err
 
@@ -608,7 +608,7 @@ def test_human_sizes():
 LIBRARY_CTRL_C = """
 import json, os, signal, sys, threading, time
 from pathlib import Path
-from harness.commands.compare import CompareOptions, compare_case
+from harness import CompareOptions, compare_case
 from harness.run.supervisor import Interrupted
 root, to, hang = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a live Ctrl-C (a shell's `cmd &` starts with it ignored)
@@ -676,7 +676,7 @@ def test_disk_full_after_the_first_runner_started_stops_it(world, capsys, monkey
 @pytest.mark.parametrize("field, value", [("timeout", float("nan")), ("timeout", -1), ("repeat", 0)])
 def test_options_record_refuses_nonsense_when_built(field, value):
     """A library caller gets the same up-front refusal as the command line (here: the options record itself)."""
-    from harness.commands.compare import CompareOptions
+    from harness import CompareOptions
 
     with pytest.raises(ValueError, match=f"CompareOptions.{field}"):
         CompareOptions(**{field: value})

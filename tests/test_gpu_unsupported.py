@@ -9,7 +9,7 @@ find); it tests the harness's handling only.
 import pytest
 import torch
 
-from harness.commands.compare import CompareOptions, compare_case
+from harness import CompareOptions, compare_case
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import missing_package_python
 

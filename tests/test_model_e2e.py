@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
+from harness import CompareOptions, compare_case
 from harness.case.checkpoints import load_tensors
 from harness.case.registry import Perturbation, Registry
-from harness.commands.compare import CompareOptions, compare_case
 from tests.support.installed import missing_required, on_ci
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]

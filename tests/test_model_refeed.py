@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
+from harness import CompareOptions, compare_case
 from harness.capture import GRAD, INPUT, input_key, part_of, refeed_units
 from harness.case.models import Rule
 from harness.case.registry import Registry
-from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.model_refeed import attribute, owner
 from harness.compare.tensors import compare_tensor
 from harness.report import blocks, refeed_section

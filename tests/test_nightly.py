@@ -11,9 +11,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from harness import CompareOptions
 from harness.cli import main
 from harness.commands import nightly
-from harness.commands.compare import CompareOptions
 from harness.compare.result import CaseResult
 from tests.support.cases import tiny_case, write_cases
 

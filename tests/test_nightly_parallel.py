@@ -142,8 +142,8 @@ def test_merging_the_same_shard_twice_is_refused(oracle_registry, capsys):
 def test_a_nightly_cell_takes_a_gpu_for_every_rank_of_its_sides(tmp_path, monkeypatch):
     """A TP=2 case and a training case on 2 data-parallel ranks each need 2 GPUs (a rank on a GPU its cell was not
     given would end the side ERROR). The placement is a test double: it records what each cell asks for."""
+    from harness import CompareOptions
     from harness.commands import nightly
-    from harness.commands.compare import CompareOptions
     from tests.support.cases import write_cases
     from tests.support.train import TINY_TRAIN, tiny_train_case
 

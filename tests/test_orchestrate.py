@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from harness.commands.compare import CompareOptions, compare_case
+from harness import CompareOptions, compare_case
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import alive, fake_interpreter
 

@@ -179,7 +179,7 @@ def test_the_nightly_table_names_each_cases_paddle_level():
 
 @pytest.mark.e2e
 def test_pinning_paddlefleet_on_this_cpu_is_unsupported_with_the_reason(tmp_path):
-    from harness.commands.compare import CompareOptions, compare_case
+    from harness import CompareOptions, compare_case
 
     result, run_dir = compare_case("kimi_rmsnorm", CompareOptions(
         runners=("paddle", "paddle"), oracle=False, tokens=4, config_overrides={"paddle_impl": "paddlefleet"},

@@ -5,11 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli
+from harness import CompareOptions, cli
 from harness.case.checkpoints import load_tensors
 from harness.case.registry import CaseError, Registry
 from harness.commands import sweep
-from harness.commands.compare import CompareOptions
 from tests.support.cases import tiny_case, write_cases
 from tests.support.e2e import assert_counts_match_outputs, verdict_of
 
@@ -94,8 +93,8 @@ class _Cells:
     def start_case(self, name, options):
         import threading
 
-        from harness.commands.compare import Started
         from harness.compare.result import CaseResult
+        from harness.pipeline import Started
 
         run_dir = Path(options.reports_dir) / f"{name}-{options.tokens}"
         run_dir.mkdir()

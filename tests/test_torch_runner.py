@@ -10,8 +10,8 @@ import json
 import pytest
 
 from conftest import E2E_TOKENS
+from harness import CompareOptions, compare_case
 from harness.case.checkpoints import load_tensors
-from harness.commands.compare import CompareOptions, compare_case
 from tests.support.e2e import assert_counts_match_outputs, verdict_of
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import E2E_TOKENS
+from harness import CompareOptions, Versus, compare_case
 from harness.case.checkpoints import load_tensors
-from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.result import EXIT_CODES
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("runner", ["megatron", "paddle"])
 def test_tp2_versus_tp1_lists_the_tp_invariant_tensors(runner, checkpoints_dir, tmp_path):
     result, run_dir = compare_case("kimi_shared_fc2_fp32_tp2", CompareOptions(
-        tokens=E2E_TOKENS, versus_tp=1, runner=runner, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))
+        tokens=E2E_TOKENS, versus=Versus("tp", 1, runner), checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))
     report = json.loads((run_dir / "report.json").read_text())
     assert result.verdict != "ERROR", f"{result.message}\n{report['sides'][0]['stderr_tail']}"
     a, b = (load_tensors(run_dir / f"{label}-{runner}-tp{tp}" / "outputs.safetensors") for label, tp in (("a", 2),

@@ -284,7 +284,7 @@ def test_truth_distance_counts_differing_bits_and_the_largest_difference():
 
 
 def test_steps_kept_is_refused_on_other_cases_and_outside_the_steps(tmp_path):
-    from harness.commands.compare import CompareOptions, compare_case
+    from harness import CompareOptions, compare_case
     from tests.support.cases import tiny_case
 
     cases = tmp_path / "cases"

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from harness.commands.compare import CompareOptions
+from harness import CompareOptions
 from tests.support.cases import write_cases
 from tests.support.train import TINY_MODEL, TINY_TRAIN, run_train_case, tiny_train_case
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from harness import CompareOptions, Versus, compare_case
 from harness.case.registry import CaseError, Registry
 from harness.case.train import rank_micro_batches
-from harness.commands.compare import CompareOptions, compare_case
 from harness.compare.train import invariance
 from harness.run import launch
 from harness.run.steps import StepWriter, ranks_agree, step_file
@@ -232,14 +232,14 @@ def cases(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, options, message", [
-    ("t_linear", {"dp": 2}, "--dp and --ep are for training cases"),
-    ("t_linear", {"versus_dp": 1}, "--versus-dp is for training cases"),
+    ("t_linear", {"dp": 2}, "--dp is for training cases"),
+    ("t_linear", {"versus": Versus("dp", 1)}, "--versus dp: op-level cases take --versus tp, impl"),
     ("t_train", {"dp": 4}, r"--dp / --ep: train.dp must divide micro_batches \(2\)"),
     ("t_train", {"dp": 2, "ep": 2}, "train.ep = 2: runner 'hf_model' has no expert-parallel MoE layer"),
-    ("t_megatron", {"versus_dp": 1}, "--versus-dp 1 is side a's dp already"),
-    ("t_megatron", {"versus_ep": 2}, r"--versus-ep: train.ep must divide dp \(1\)"),
+    ("t_megatron", {"versus": Versus("dp", 1)}, "--versus dp=1 is side a's dp already"),
+    ("t_megatron", {"versus": Versus("ep", 2)}, r"--versus ep: train.ep must divide dp \(1\)"),
     ("t_megatron", {"dp": 2, "refeed_ops": True}, "--refeed re-runs one rank's training"),
-    ("t_flip_rank", {"versus_dp": 1}, r"tiny.toml: case 't_flip_rank': train.flip.rank must be a "
+    ("t_flip_rank", {"versus": Versus("dp", 1)}, r"tiny.toml: case 't_flip_rank': train.flip.rank must be a "
                                       r"data-parallel rank of side b, which trains on dp = 1 \(got 1\)"),
 ])
 def test_the_command_line_refuses_rank_counts_before_any_runner_starts(cases, tmp_path, name, options, message):
@@ -249,9 +249,11 @@ def test_the_command_line_refuses_rank_counts_before_any_runner_starts(cases, tm
     assert re.search(message, result.message), result.message
 
 
-def test_one_comparison_at_a_time():
-    with pytest.raises(ValueError, match="versus_tp and versus_dp compare one thing at a time"):
-        CompareOptions(versus_tp=1, versus_dp=1)
+def test_versus_names_one_axis():
+    with pytest.raises(ValueError, match="Versus.axis must be one of tp, impl, dp, ep"):
+        Versus("pp", 2)
+    with pytest.raises(ValueError, match=r"CompareOptions.versus must be a Versus\(axis, b\)"):
+        CompareOptions(versus=("dp", 1))
 
 
 def test_an_expert_parallel_rank_holds_its_own_experts_under_their_local_numbers():

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from harness import Versus
 from harness.compare.baseline import isa_level
 from harness.compare.train import ORDER
 from harness.run.protocol import cpu_isa_flags
@@ -106,7 +107,7 @@ def _own_pieces(side, step=1):
 
 
 def _versus(name, cases, tmp_path, checkpoints_dir, **options):
-    """A --versus-dp / --versus-ep run without the truth: its result, report and the two sides' first departures
+    """A --versus dp / --versus ep run without the truth: its result, report and the two sides' first departures
     from their step files; the report's invariance lists must be what the files say."""
     result, run_dir, report, tails = run_train_case(name, cases, tmp_path, checkpoints_dir, oracle=False, **options)
     departs = _first_departures(report, 2)
@@ -119,7 +120,7 @@ def _versus(name, cases, tmp_path, checkpoints_dir, **options):
 @pytest.mark.parametrize("name", ["t_megatron", "t_hf", "t_paddle"])
 def test_plain_data_parallel_is_bitwise_one_rank_in_each_stack(name, cases, tmp_path, checkpoints_dir):
     """The headline claim (docs/training-ranks.md): one micro-batch per rank, DP=2 gives DP=1's bits at every step."""
-    result, run_dir, report = _versus(name, cases, tmp_path, checkpoints_dir, versus_dp=1)
+    result, run_dir, report = _versus(name, cases, tmp_path, checkpoints_dir, versus=Versus("dp", 1))
     assert (result.verdict, result.exit_code) == ("BITWISE_PASS", 0), result.message
     a, b = report["sides"][:2]
     _check_ranked_side(a)
@@ -158,7 +159,7 @@ def test_megatron_distributed_optimizer_at_dp2_parts_from_dp1_at_the_grad_norm(c
     """Each rank's sum of squares over its own range, all-reduced: the grad norm parts at step 1 (another order of
     the same sum; its last bits come from this CPU's kernels), the moments and parameters at step 2; the
     reduce-scattered gradients stay DP=1's."""
-    result, run_dir, report = _versus("t_megatron_distopt", cases, tmp_path, checkpoints_dir, versus_dp=1)
+    result, run_dir, report = _versus("t_megatron_distopt", cases, tmp_path, checkpoints_dir, versus=Versus("dp", 1))
     a = report["sides"][0]
     _check_ranked_side(a)
     assert _own_pieces(a) == {"grad": 15, "exp_avg": 15, "exp_avg_sq": 15}, "rank 1 digested its own ranges"
@@ -166,7 +167,7 @@ def test_megatron_distributed_optimizer_at_dp2_parts_from_dp1_at_the_grad_norm(c
 
 
 def test_megatron_at_ep2_parts_from_ep1_at_step_1s_gradients(cases, tmp_path, checkpoints_dir):
-    result, run_dir, report = _versus("t_megatron_ep", cases, tmp_path, checkpoints_dir, versus_ep=1)
+    result, run_dir, report = _versus("t_megatron_ep", cases, tmp_path, checkpoints_dir, versus=Versus("ep", 1))
     a, b = report["sides"][:2]
     _check_ranked_side(a)
     _check_ranked_side(b)
@@ -189,7 +190,7 @@ def test_a_rank_that_departs_from_rank_0_fails_the_run(runner, state, cases, tmp
     a flipped parameter changes rank 1's forward too, so the all-reduced gradients of both ranks (and rank 0's state
     against DP=1), and rank 1's parameter alone departs from rank 0's."""
     result, run_dir, report, tails = run_train_case(f"t_planted_{runner}_{state}", cases, tmp_path,
-                                                    checkpoints_dir, versus_dp=1, oracle=False)
+                                                    checkpoints_dir, versus=Versus("dp", 1), oracle=False)
     assert (result.verdict, result.exit_code) == ("DIFF", 1), (result.message, tails)
     departed = [f"step2.{q}.{Q_A}" for q in (("exp_avg", "param") if state == "exp_avg" else ("param",))]
     assert report["sides"][0]["meta"]["ranks_agree"]["differing"] == [f"{name} (rank 1)" for name in departed]

@@ -90,7 +90,7 @@ def test_onednn_failing_with_avx512_or_in_float32_is_raised(monkeypatch):
 
 
 def _compare(name, tmp_path, **options):
-    from harness.commands.compare import CompareOptions, compare_case
+    from harness import CompareOptions, compare_case
 
     return compare_case(name, CompareOptions(oracle=False, tokens=4, checkpoints_dir=tmp_path / "ckpt",
                                              reports_dir=tmp_path / "reports", **options))

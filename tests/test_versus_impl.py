@@ -1,11 +1,11 @@
-"""``compare CASE --versus-impl LEVEL``: the Paddle runner at the case's implementation level (side a) against itself
+"""``compare CASE --versus impl=LEVEL``: the Paddle runner at the case's implementation level (side a) against itself
 at LEVEL (side b), on the same inputs. The plumbing is tested with a stand-in level (tests/support/
 paddle_level_double.py, a test double): each side gets its own ``config.paddle_impl``, the comparison names both and
 which tensors differ, and no case expectation applies. One run compares two real levels."""
 
 import pytest
 
-from harness.commands.compare import CompareOptions, compare_case
+from harness import CompareOptions, Versus, compare_case
 from harness.compare.result import ERROR
 from tests.support import paddle_level_double
 
@@ -20,7 +20,7 @@ def options(tmp_path, **fields):
 @pytest.mark.e2e
 def test_each_side_runs_its_own_level_on_the_same_inputs(tmp_path):
     python = paddle_level_double.interpreter(tmp_path)
-    result, run_dir = compare_case("kimi_rmsnorm_recipe", options(tmp_path, versus_impl="fp32_islands",
+    result, run_dir = compare_case("kimi_rmsnorm_recipe", options(tmp_path, versus=Versus("impl", "fp32_islands"),
                                                                   pythons={"paddle": python}))
     assert result.verdict == "DIFF", result.message
     by_label = {side.label: side for side in result.sides}
@@ -40,7 +40,7 @@ def test_each_side_runs_its_own_level_on_the_same_inputs(tmp_path):
 @pytest.mark.e2e
 def test_two_real_levels_the_recipe_against_its_fp32_island_variant(tmp_path):
     """bf16 SwiGLU: the recipe rounds silu(gate) * up twice (PaddleFleet's order), the island once."""
-    result, _ = compare_case("kimi_swiglu", options(tmp_path, versus_impl="fp32_islands",
+    result, _ = compare_case("kimi_swiglu", options(tmp_path, versus=Versus("impl", "fp32_islands"),
                                                     config_overrides={"paddle_impl": "recipe"}))
     assert result.verdict == "DIFF", result.message
     assert {t.name for t in result.tensors if t.mismatches} == {"out", "grad.input"}
@@ -49,27 +49,22 @@ def test_two_real_levels_the_recipe_against_its_fp32_island_variant(tmp_path):
 
 
 @pytest.mark.parametrize("level, problem", [
-    ("recipe", "--versus-impl 'recipe' is side a's level already"),
-    ("nonsense", "--versus-impl must be one of auto, paddlefleet, paddleformers, recipe, fp32_islands"),
+    ("recipe", "--versus impl=recipe is side a's level already"),
+    ("nonsense", "--versus impl must be one of auto, paddlefleet, paddleformers, recipe, fp32_islands"),
 ])
 def test_a_level_that_cannot_be_compared_is_an_error_naming_it(tmp_path, level, problem):
-    result, _ = compare_case("kimi_rmsnorm_recipe", options(tmp_path, versus_impl=level))
+    result, _ = compare_case("kimi_rmsnorm_recipe", options(tmp_path, versus=Versus("impl", level)))
     assert result.verdict == ERROR and problem in result.message and "kimi_rmsnorm_recipe" in result.message
 
 
 def test_a_model_case_is_refused(tmp_path):
-    result, _ = compare_case("kimi_k2_2layer", options(tmp_path, versus_impl="recipe"))
-    assert result.verdict == ERROR and "runs a whole model" in result.message
-
-
-def test_tp_and_levels_are_compared_one_at_a_time():
-    with pytest.raises(ValueError, match="one thing at a time"):
-        CompareOptions(versus_tp=2, versus_impl="recipe")
+    result, _ = compare_case("kimi_k2_2layer", options(tmp_path, versus=Versus("impl", "recipe")))
+    assert result.verdict == ERROR and "--versus impl: model-level cases take no --versus" in result.message
 
 
 def test_the_option_is_on_the_command_line():
     from harness.cli import main
 
     with pytest.raises(SystemExit) as raised:
-        main(["compare", "kimi_rmsnorm", "--versus-impl", "nonsense"])
+        main(["compare", "kimi_rmsnorm", "--versus", "impl=nonsense"])
     assert raised.value.code == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.commands.compare import CompareOptions
+from harness import CompareOptions
 from harness.commands.sweep import run_sweep
 
 CASE, TOKENS = "kimi_mla_q_a_fp32", [8, 16]  # float32: every CPU has the kernels

@@ -139,6 +139,7 @@ class Op:
     # Outputs that each tensor-parallel rank holds as a partial sum, all-reduced across ranks as Megatron does
     # (a framework path without its own TP layers sums them itself).
     reduced: tuple[str, ...] = ()
+    level: str = "op"  # the level that runs and compares it (harness.levels): op, model or train
 
     def resolve(self, config: Mapping[str, object]) -> dict[str, object]:
         """The case's knobs completed with this op's defaults (knobs the op does not read are kept as given)."""
@@ -593,7 +594,7 @@ def _causal_lm_outputs(shapes, tokens, config):
 
 
 # The whole model: TP=1 (tp_split_field None); its one knob is the model config (harness/case/models/).
-CAUSAL_LM = Op("causal_lm", "model", (), _causal_lm_inputs, _causal_lm_outputs, None, ("model",))
+CAUSAL_LM = Op("causal_lm", "model", (), _causal_lm_inputs, _causal_lm_outputs, None, ("model",), level="model")
 OPS[CAUSAL_LM.name] = CAUSAL_LM
 
 
@@ -658,7 +659,7 @@ def _causal_lm_train_outputs(shapes, tokens, config):
 
 
 CAUSAL_LM_TRAIN = Op("causal_lm_train", "train", (), _causal_lm_train_inputs, _causal_lm_train_outputs, None,
-                     ("model",))
+                     ("model",), level="train")
 OPS[CAUSAL_LM_TRAIN.name] = CAUSAL_LM_TRAIN
 MODEL_OPS = (CAUSAL_LM.name, CAUSAL_LM_TRAIN.name)
 TRAIN_OPS = (CAUSAL_LM_TRAIN.name,)

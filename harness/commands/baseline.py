@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.commands import nightly, run_folder
+from harness.commands import nightly
 from harness.compare import baseline, baseline_store
+from harness.pipeline import run_folder
 
 EXIT_REFUSED, EXIT_BAD_INPUT = 1, 2
 SIGNS = {"added": "+", "removed": "-", "changed": "~", "kept": "="}

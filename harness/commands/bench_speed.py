@@ -192,16 +192,16 @@ def measure_model(repo: Path, python: str, scratch: Path) -> dict:
 def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list[str]) -> dict:
     """Every op-level case of `device` swept over `tokens`, in this process, with one pool of runner workers; per case
     its wall and where it went (checkpoints, each side's phases summed over its cells, the harness's own rest)."""
-    from harness.case.ops import MODEL_OPS
     from harness.case.registry import Registry
-    from harness.commands.compare import CompareOptions
     from harness.commands.sweep import run_sweep
+    from harness.levels import level_of
+    from harness.pipeline import CompareOptions
     from harness.run import placement, workers
 
     gpus = len(placement.visible_gpus()) if device == "gpu" else None
     cases, left_out = [], {}
     for case in Registry.load().for_device(device):
-        if case.op in MODEL_OPS or (gpus is not None and case.tp > gpus):
+        if level_of(case).name != "op" or (gpus is not None and case.tp > gpus):
             continue
         weights = case.weights_from
         if weights and not weights.package and not weights.file:

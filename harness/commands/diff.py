@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from harness import __version__
-from harness.commands import failsafe, run_folder
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import CaseResult, decide
+from harness.pipeline import failsafe, run_folder
 from harness.report import case_report as report
 from harness.run.protocol import host_provenance
 

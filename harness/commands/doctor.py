@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness import __version__
 from harness.case.registry import RUNNERS
-from harness.commands import run_folder
+from harness.pipeline import run_folder
 from harness.report import doctor_report
 from harness.run.orchestrate import REPO_ROOT, runner_env, runner_python
 from harness.run.protocol import host_provenance

@@ -13,9 +13,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from harness.commands import compare as pipeline
-from harness.commands import run_folder
+from harness import pipeline
 from harness.compare.result import ERROR, EXIT_CODES
+from harness.pipeline import run_folder
 from harness.report import gate_matrix_report
 from harness.run import workers
 
@@ -23,10 +23,10 @@ SETTINGS = (True, False)
 
 
 def run(name: str, options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS) -> int:
-    from harness.case.ops import TRAIN_OPS
     from harness.case.registry import Registry
+    from harness.levels import level_of
 
-    if Registry.load(Path(options.cases_dir)).get(name).op in TRAIN_OPS:  # a training case: its knobs instead
+    if level_of(Registry.load(Path(options.cases_dir)).get(name)).name == "train":  # a training case: its knobs
         from harness.commands import train_matrix
         return train_matrix.run(name, replace(options, oracle=False))
     cells = []

@@ -25,19 +25,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from harness import __version__
+from harness import __version__, pipeline
 from harness.case.checkpoints import CHECKPOINTS_DIR
-from harness.case.ops import MODEL_OPS
 from harness.case.registry import RUNNERS, Case, Registry
 from harness.case.select import SELECT_HELP, select
-from harness.commands import compare as pipeline
-from harness.commands import doctor, failsafe, nightly_shards, run_folder
-from harness.commands.compare import FRESH_PROCESS_HELP
+from harness.commands import doctor, nightly_shards
 from harness.compare import baseline, baseline_store, trend
-from harness.compare.model import TRUTH_RUNNER
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
+from harness.levels import level_of
+from harness.pipeline import failsafe, run_folder
 from harness.report import junit, nightly_report
-from harness.run import orchestrate, placement
+from harness.run import placement
 from harness.run import workers as runner_workers
 from harness.run.protocol import host_provenance
 
@@ -75,7 +73,7 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--weights", help="safetensors file for cases that import their weights")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
-    parser.add_argument("--fresh-process", action="store_true", help=FRESH_PROCESS_HELP)
+    parser.add_argument("--fresh-process", action="store_true", help=pipeline.FRESH_PROCESS_HELP)
     nightly_shards.add_arguments(parser)
 
 
@@ -119,7 +117,7 @@ def runners_used(cases: list[Case], options: pipeline.CompareOptions) -> list[st
     for case in cases:
         used.update(() if options.runners else case.runners)
         if options.oracle and case.truth:
-            used.add(TRUTH_RUNNER if case.op in MODEL_OPS else "oracle")
+            used.add(level_of(case).truth_runner)
     return [runner for runner in RUNNERS if runner in used]
 
 
@@ -164,7 +162,8 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             return entry
 
         with runner_workers.fresh_processes(options.fresh_process), runner_workers.serving(run_dir / "workers"):
-            entries = placement.run_cells(cases, one, workers=workers, device=device, tp_of=orchestrate.ranks,
+            entries = placement.run_cells(cases, one, workers=workers, device=device,
+                                          tp_of=lambda case: level_of(case).ranks(case),
                                           on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries
     night["finished_at"] = run_folder.now()

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import __version__
-from harness.commands import nightly, run_folder
+from harness.commands import nightly
 from harness.compare import baseline_store
+from harness.pipeline import run_folder
 from harness.run.protocol import host_provenance
 
 

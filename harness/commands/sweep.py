@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from harness.commands import compare as pipeline
-from harness.commands import run_folder
+from harness import pipeline
 from harness.compare.result import EXIT_CODES, CaseResult
+from harness.pipeline import run_folder
 from harness.report import sweep_report
 from harness.report.sweep_report import console  # noqa: F401  (the CLI prints a sweep with sweep.console)
 from harness.run import supervisor, workers

@@ -12,10 +12,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from harness import pipeline
 from harness.case.registry import Registry
-from harness.commands import compare as pipeline
-from harness.commands import run_folder
 from harness.compare.result import ERROR, EXIT_CODES
+from harness.pipeline import run_folder
 from harness.report import train_matrix_report
 from harness.run import workers
 

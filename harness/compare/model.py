@@ -28,7 +28,7 @@ from harness.case.registry import Case
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.compare.versus_oracle import closer_side
-from harness.run.orchestrate import SideResult, SideSpec
+from harness.run.orchestrate import SideResult
 from harness.runners.oracle.runner import round_once
 
 FLOAT64_AGREEMENT = 1e-10  # relative error at scale every pair must reach in float64 (docs/model-contract.md)
@@ -36,11 +36,6 @@ FRAMEWORK_OF = {"hf_model": "hf", "megatron_model": "megatron", "paddle_model": 
 TRUTH_LABEL = "oracle"  # the truth side takes the oracle's place (label, report table)
 TRUTH_RUNNER = "hf_model"
 _EXPERT = re.compile(r"\.experts\.\d+(?=\.|$)")
-
-
-def truth_side(checkpoint) -> SideSpec:
-    """hf_model in float64 on the shared (unperturbed) checkpoint: the model's truth."""
-    return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64")
 
 
 def compare_outputs(case: Case, sides: list[SideResult]) -> tuple[list[TensorComparison], dict, dict]:

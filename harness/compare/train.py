@@ -2,8 +2,6 @@
 one step and one tensor pair at a time, compared on raw bits, summarised along time. Returns data only;
 harness/report/train_section.py renders it.
 
-- ``sides`` / ``truth_side``: the runs a training comparison starts (the planted flip goes to its side only; the
-  float64 truth is ``hf_model``'s training run in float64, without masters or flip).
 - ``compare_steps``: every canonical tensor of every step: kept steps compared element by element
   (``compare_tensor``), the others by digest (equal or not); per step the scalars (equal, or how far apart), "k of
   794" per state quantity, and the step's first differing output; over the run the first divergence in time (the
@@ -23,40 +21,15 @@ from safetensors import safe_open
 
 from harness.bits import format_of
 from harness.case.ops import STATE_QUANTITIES, resolve_dtype, train_step_outputs
-from harness.case.registry import Case, CaseError
-from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER, _numpy_dtype
+from harness.case.registry import Case
+from harness.compare.model import TRUTH_RUNNER, _numpy_dtype
 from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, SHAPE_MISMATCH, TensorComparison, compare_tensor
-from harness.run.orchestrate import SideResult, SideSpec, pair_sides
+from harness.run.orchestrate import SideResult
 from harness.run.steps import DOUBLES, digest, read_header, step_file
 from harness.runners.oracle.runner import round_once
 
 SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
 ORDER = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
-
-
-def sides(case: Case, checkpoint, ranks: tuple[dict, dict] | None = None) -> list[SideSpec]:
-    """The pair; a planted flip (``train.flip``) goes into its own side's request only; comparing rank counts
-    (`ranks`: side a's and side b's {"dp", "ep"}), each side at its own, its folder named by them."""
-    pair = pair_sides(case, checkpoint)
-    flip = case.config["train"].get("flip")
-    out = []
-    for side, sizes in zip(pair, ranks or (None, None), strict=True):
-        train = {**case.config["train"], **(sizes or {})}
-        train["flip"] = flip if flip and flip["side"] == side.label else None
-        if train["flip"] and (train["flip"].get("rank") or 0) >= train["dp"]:  # --dp or --versus-dp gave it fewer
-            raise CaseError(f"{case.source}: case {case.name!r}: train.flip.rank must be a data-parallel rank of side "
-                            f"{side.label}, which trains on dp = {train['dp']} (got {train['flip']['rank']})")
-        folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
-        out.append(side._replace(folder=folder, config={"train": train}))
-    return out
-
-
-def truth_side(case: Case, checkpoint) -> SideSpec:
-    """hf_model's training run in float64 on the shared checkpoint, on one rank (the global batch's exact result does
-    not depend on how ranks split it): no masters, no flip."""
-    train = {**case.config["train"], "master_weights": False, "flip": None, "dp": 1, "ep": 1}
-    return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64",
-                    {"train": train})
 
 
 def quantity_of(name: str) -> str:

@@ -8,15 +8,10 @@ perturbed side is measured against the truth of the inputs it did not get, which
 
 from __future__ import annotations
 
-from harness.case.checkpoints import Checkpoint, load_tensors
+from harness.case.checkpoints import load_tensors
 from harness.case.registry import Case
-from harness.compare.result import ORACLE_LABEL
 from harness.compare.tensors import compare_tensor
-from harness.run.orchestrate import SideResult, SideSpec
-
-
-def oracle_side(checkpoint: Checkpoint) -> SideSpec:
-    return SideSpec(ORACLE_LABEL, "oracle", checkpoint.files, 1, f"{ORACLE_LABEL}-oracle")
+from harness.run.orchestrate import SideResult
 
 
 def versus_oracle(case: Case, pair: list[SideResult], oracle: SideResult | None) -> dict:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from harness import paths, resources
 from harness.case.checkpoints import Checkpoint, CheckpointError, tensor_layouts
-from harness.case.ops import TRAIN_OPS, resolve_dtype
+from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
 from harness.run import launch, placement, shards, steps, supervisor, workers
 from harness.run.kernels import onednn_kernels
@@ -103,6 +103,8 @@ class SideSpec(NamedTuple):
     dtype: str | None = None  # run in another dtype than the case's (the float64 truth of a model case)
     config: dict | None = None  # knobs set over the case's for this side only (comparing Paddle levels; a training
     # run's flip or re-feed)
+    dp: int = 1  # data-parallel ranks: the side runs on tp x dp processes
+    per_step: bool = False  # it writes one file per training step (harness.run.steps), checked rank against rank
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
@@ -133,16 +135,16 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
                 folder.mkdir(parents=True)
                 request = _request(side_case, side.inputs, device, folder, side.tp)
                 (folder / "request.json").write_text(json.dumps(request, indent=2))
-            label, runner, tp, dp = side.label, side.runner, side.tp, data_parallel(side_case)
+            label, runner, tp, dp = side.label, side.runner, side.tp, side.dp
             python = runner_python(runner, pythons)
             started.append((label, runner, folder, python, tp * dp, _start(runner, python, folder, device, tp, dp),
-                            side_case))
+                            side_case, side.per_step))
         deadline = time.monotonic() + timeout
         # One waiter per side, all at once: each side's wall time ends when it does, and each launcher's
         # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
         with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
             try:
-                waiting = [waiters.submit(_finish, *s[:6], deadline, timeout, s[6]) for s in started]
+                waiting = [waiters.submit(_finish, *s[:6], deadline, timeout, *s[6:]) for s in started]
                 # Woken twice a second: a Ctrl-C that the kernel gave to another thread of this process is then
                 # raised here at once. Blocked on the results alone, this thread raised it only when the sides ended
                 # (a library caller's Ctrl-C waited out a 120 s timeout: tests/test_faults.py, once in a full run).
@@ -169,16 +171,6 @@ def _request(case: Case, checkpoint: tuple[Path, ...], device: str, folder: Path
     return {"schema": 1, "case": case.name, "op": case.op, "dtype": case.dtype, "device": device, "tp": tp,
             "tokens": case.tokens, "shapes": case.shapes, "config": config, "seed": case.seed,
             "checkpoint": [str(path.resolve()) for path in checkpoint], "output_dir": str(folder.resolve())}
-
-
-def data_parallel(case: Case) -> int:
-    """A training run's data-parallel ranks (train.dp; 1 for every other op)."""
-    return case.config["train"]["dp"] if case.op in TRAIN_OPS else 1
-
-
-def ranks(case: Case) -> int:
-    """The processes one side of the case as written runs on, and the GPUs it needs: tp x train.dp."""
-    return case.tp * data_parallel(case)
 
 
 def _start(runner: str, python: str, folder: Path, device: str, tp: int, dp: int = 1):
@@ -219,7 +211,7 @@ def _start_in_worker(pool: workers.Pool, runner: str, python: str, folder: Path,
     return cell, start, {"launcher": "worker", "tp": 1}
 
 
-def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, case) -> SideResult:
+def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, case, per_step) -> SideResult:
     process, start, launch_info = launched
     side = SideResult(label, runner, "error", folder, python)
     if process is None:
@@ -259,17 +251,18 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
         side.reason = "; ".join(filter(None, [f"exited with code {side.returncode}", blamed,
                                               side.meta.get("unsupported_on_some_ranks")]))
     else:
-        problem = _validate_outputs(side, case) if case.op in TRAIN_OPS else ""
-        problem = problem or (_gather(side, case, ranks) if ranks > 1 else "")
-        problem = problem or ("" if case.op in TRAIN_OPS else _validate_outputs(side, case))
+        if per_step:  # its step files first, then every rank's state against rank 0's
+            problem = _validate_steps(side, case) or (_gather(side, case, ranks, per_step) if ranks > 1 else "")
+        else:
+            problem = (_gather(side, case, ranks, per_step) if ranks > 1 else "") or _validate_outputs(side, case)
         side.status, side.reason = ("error", f"bad output: {problem}") if problem else ("ok", "")
     return side
 
 
-def _gather(side: SideResult, case: Case, ranks: int) -> str:
+def _gather(side: SideResult, case: Case, ranks: int, per_step: bool) -> str:
     """Put the rank files together (a training run: check every rank's step state against rank 0's); a replicated
     tensor that differs between ranks is recorded in meta.json."""
-    if case.op in TRAIN_OPS:
+    if per_step:
         checks = steps.ranks_agree(side.folder, case, ranks)
         if "problem" in checks:
             return checks["problem"]
@@ -286,11 +279,16 @@ def _gather(side: SideResult, case: Case, ranks: int) -> str:
     return ""
 
 
+def _validate_steps(side: SideResult, case: Case) -> str:
+    """A training side's step files (harness.run.steps), checked before its ranks are."""
+    if not side.meta:
+        return f"{side.folder / META} is missing or unreadable"
+    return steps.validate(side.folder, case)
+
+
 def _validate_outputs(side: SideResult, case: Case) -> str:
     if not side.meta:
         return f"{side.folder / META} is missing or unreadable"
-    if case.op in TRAIN_OPS:  # one file per step (harness.run.steps)
-        return steps.validate(side.folder, case)
     try:
         tensors = tensor_layouts(side.outputs)
     except CheckpointError as error:

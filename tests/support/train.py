@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from harness.commands.compare import CompareOptions, compare_case
+from harness import CompareOptions, compare_case
 from tests.support.cases import tiny_case
 
 TINY_MODEL = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,

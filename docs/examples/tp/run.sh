@@ -27,7 +27,7 @@ for tp in "${@:-2}"; do
   fi
   for case in kimi_shared_fc1 kimi_shared_fc2; do
     echo "=== $case: megatron TP=$tp vs TP=1, $TOKENS tokens"
-    "$PYTHON" -m harness compare "$case" --device gpu --tp "$tp" --versus-tp 1 --runner megatron \
+    "$PYTHON" -m harness compare "$case" --device gpu --tp "$tp" --versus tp=1 --runner megatron \
       --tokens "$TOKENS" --reports "$REPORTS" --timeout 1200
     code=$?
     [ "$code" -le 1 ] || status=1

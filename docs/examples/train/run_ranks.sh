@@ -8,10 +8,10 @@
 #
 # Runs (case kimi_k2_2layer_train_bf16 unless named; bf16 with fp32 masters, 3 steps of 2 micro-batches, the float64
 # truth on one GPU):
-#   megatron_dp        megatron_model DP=2 vs DP=1                      (--dp 2 --versus-dp 1)
+#   megatron_dp        megatron_model DP=2 vs DP=1                      (--dp 2 --versus dp=1)
 #   megatron_distopt   the same with the distributed optimizer          (kimi_k2_2layer_train_bf16_distopt)
-#   megatron_ep        megatron_model EP=2 vs EP=1, both DP=2           (--dp 2 --ep 2 --versus-ep 1)
-#   hf_dp              hf_model (torch DDP) DP=2 vs DP=1                (--dp 2 --versus-dp 1 --runner hf_model)
+#   megatron_ep        megatron_model EP=2 vs EP=1, both DP=2           (--dp 2 --ep 2 --versus ep=1)
+#   hf_dp              hf_model (torch DDP) DP=2 vs DP=1                (--dp 2 --versus dp=1 --runner hf_model)
 #   megatron_hf_dp2    megatron_model vs hf_model, both at DP=2         (--dp 2)
 #   megatron_mb4       megatron_model DP=2 vs DP=1, 4 micro-batches a step: two per rank before the reduction
 #                      (kimi_k2_2layer_train_bf16_mb4)
@@ -52,12 +52,12 @@ fi
 
 arguments() {
     case "$1" in
-        megatron_dp)      echo "kimi_k2_2layer_train_bf16 --dp 2 --versus-dp 1 --runner megatron_model" ;;
-        megatron_distopt) echo "kimi_k2_2layer_train_bf16_distopt --dp 2 --versus-dp 1 --runner megatron_model" ;;
-        megatron_ep)      echo "kimi_k2_2layer_train_bf16 --dp 2 --ep 2 --versus-ep 1 --runner megatron_model" ;;
-        hf_dp)            echo "kimi_k2_2layer_train_bf16 --dp 2 --versus-dp 1 --runner hf_model" ;;
+        megatron_dp)      echo "kimi_k2_2layer_train_bf16 --dp 2 --versus dp=1 --runner megatron_model" ;;
+        megatron_distopt) echo "kimi_k2_2layer_train_bf16_distopt --dp 2 --versus dp=1 --runner megatron_model" ;;
+        megatron_ep)      echo "kimi_k2_2layer_train_bf16 --dp 2 --ep 2 --versus ep=1 --runner megatron_model" ;;
+        hf_dp)            echo "kimi_k2_2layer_train_bf16 --dp 2 --versus dp=1 --runner hf_model" ;;
         megatron_hf_dp2)  echo "kimi_k2_2layer_train_bf16 --dp 2 --runners megatron_model,hf_model" ;;
-        megatron_mb4)     echo "kimi_k2_2layer_train_bf16_mb4 --dp 2 --versus-dp 1 --runner megatron_model" ;;
+        megatron_mb4)     echo "kimi_k2_2layer_train_bf16_mb4 --dp 2 --versus dp=1 --runner megatron_model" ;;
         *) return 1 ;;
     esac
 }

@@ -28,9 +28,9 @@ from pathlib import Path
 from harness import paths, resources
 from harness.case.checkpoints import CheckpointError
 from harness.case.registry import CaseError
-from harness.commands import run_folder
 from harness.compare.dumps import DumpError
 from harness.compare.result import ERROR, EXIT_CODES, CaseResult
+from harness.pipeline import run_folder
 from harness.run import shards, supervisor
 
 # Errors whose message already says what went wrong and where: the message is the verdict's reason.

@@ -1,0 +1,51 @@
+"""The model level: a whole causal LM (op ``causal_lm``) forward and backward in each stack, every module output and
+parameter gradient in canonical names (docs/model.md).
+
+Its truth is ``hf_model`` in float64 (none for a float64 case: the case is its own check); a float64 case is judged by
+the semantic check (a mapping error is ERROR); its re-feed replays side b module by module with side a's inputs
+(``harness.compare.model_refeed``).
+"""
+
+from __future__ import annotations
+
+from harness.compare import model, model_refeed
+from harness.compare.result import CaseResult
+from harness.levels.base import Level, Run
+from harness.levels.float64 import semantic_verdict
+from harness.run.orchestrate import SideSpec, pair_sides
+
+
+class ModelLevel(Level):
+    name = "model"
+    truth_runner = model.TRUTH_RUNNER
+
+    def sides(self, run: Run) -> list[SideSpec]:
+        return pair_sides(run.case, run.checkpoint)
+
+    def truth(self, run: Run) -> SideSpec | None:
+        """hf_model in float64 on the shared (unperturbed) checkpoint; None for a float64 case (its own check)."""
+        if run.case.dtype == "float64":
+            return None
+        return SideSpec(model.TRUTH_LABEL, model.TRUTH_RUNNER, run.checkpoint.files, 1,
+                        f"{model.TRUTH_LABEL}-{model.TRUTH_RUNNER}-float64", "float64")
+
+    def compare(self, run: Run, result: CaseResult) -> None:
+        result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(run.case, run.framework)
+        if result.tensors:
+            result.model = model.summarise(run.case, result.tensors, skipped,
+                                           model.idle_experts(run.case, run.framework))
+
+    def versus_truth(self, run: Run, result: CaseResult) -> None:
+        result.versus_oracle = model.versus_truth(run.case, run.framework, run.truth)
+
+    def refeed(self, run: Run, result: CaseResult, asked: bool) -> None:
+        if asked:  # side a records each module's inputs, side b replays
+            result.refeed = model_refeed.run(run.case, run.pair, result.tensors, run.device, run.run_dir, run.pythons,
+                                             run.timeout)
+
+    def judge(self, run: Run, result: CaseResult) -> None:
+        if run.case.dtype == "float64" and result.tensors:
+            semantic_verdict(result, model.semantic_check(run.case, result.tensors, run.case.runners), result.model)
+
+
+LEVEL = ModelLevel()

@@ -1,0 +1,162 @@
+"""The training level: N optimizer steps of the whole causal LM in each stack's own training code, every state tensor
+after every step (op ``causal_lm_train``, docs/training.md).
+
+Its truth is ``hf_model`` trained in float64; a float64 case is judged at every step from the same state on both sides
+(``harness.compare.train_float64``, which needs the re-feed in time, run for it); ``--versus dp=N`` and
+``--versus ep=N`` compare one stack with itself on another number of ranks (docs/training-ranks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.case.registry import RUNNERS, Case, CaseError
+from harness.case.train import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
+from harness.compare import train, train_float64, train_refeed
+from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER
+from harness.compare.result import ERROR, CaseResult
+from harness.levels.base import Level, Run, Versus, same_runner
+from harness.levels.float64 import semantic_verdict
+from harness.run.orchestrate import SideSpec, pair_sides
+
+RANK_KINDS = {"dp": "data_parallel", "ep": "expert_parallel"}
+
+
+class TrainLevel(Level):
+    name = "train"
+    versus_axes = ("dp", "ep")
+    truth_runner = TRUTH_RUNNER
+
+    def prepare(self, case: Case, dp: int | None, ep: int | None, steps_kept: str | None) -> Case:
+        if steps_kept is not None:
+            try:
+                kept = parse_steps_kept(steps_kept, case.config["train"]["steps"])
+            except ValueError as error:
+                raise CaseError(f"case {case.name!r}: {error}") from None
+            case = replace(case, config={**case.config, "train": {**case.config["train"], "steps_kept": kept}})
+        if dp is not None or ep is not None:
+            train_ = case.config["train"]
+            ranked = with_ranks(train_, case.config["model"], train_["dp"] if dp is None else dp,
+                                train_["ep"] if ep is None else ep, _ranks_error(case, "--dp / --ep"))
+            case = replace(case, config={**case.config, "train": ranked})
+        return case
+
+    def check(self, case: Case, repeat: int, refeed: bool, versus: Versus | None) -> None:
+        if repeat > 1:
+            raise CaseError(f"case {case.name!r}: --repeat is not implemented for training cases")
+        if refeed and (versus or case.config["train"]["dp"] > 1):
+            raise CaseError(f"case {case.name!r}: --refeed re-runs one rank's training (dp = 1): give it without "
+                            "--dp or --versus")
+
+    def versus(self, case: Case, versus: Versus) -> tuple[Case, dict]:
+        if versus.axis not in self.versus_axes:
+            return super().versus(case, versus)
+        option = f"--versus {versus.axis}"
+        pair = same_runner(case, versus, RUNNERS)
+        train_ = case.config["train"]
+        a = {"dp": train_["dp"], "ep": train_["ep"]}
+        b = {**a, versus.axis: versus.b}
+        with_ranks(train_, case.config["model"], b["dp"], b["ep"], _ranks_error(case, option))
+        if a == b:
+            raise CaseError(f"{case.source}: case {case.name!r}: {option}={versus.b} is side a's {versus.axis} already "
+                            f"(train.{versus.axis} = {versus.b}); give side a another with --{versus.axis}")
+        return pair, {"kind": RANK_KINDS[versus.axis], "runner": pair.runners[0],
+                      **{f"{k}_{label}": sizes[k] for label, sizes in zip("ab", (a, b), strict=True)
+                         for k in ("dp", "ep")}}
+
+    def ranks(self, case: Case) -> int:
+        return case.tp * case.config["train"]["dp"]
+
+    def sides(self, run: Run) -> list[SideSpec]:
+        ranked = _ranked(run)
+        for runner, sizes in zip(run.case.runners, ranked or (run.case.config["train"],) * 2, strict=True):
+            if sizes["ep"] > 1 and runner not in EXPERT_PARALLEL_RUNNERS:
+                raise CaseError(f"{run.case.source}: case {run.case.name!r}: train.ep = {sizes['ep']}: runner "
+                                f"{runner!r} has no expert-parallel MoE layer (expert parallel runs on "
+                                f"{', '.join(EXPERT_PARALLEL_RUNNERS)})")
+        return _pair(run, ranked)
+
+    def truth(self, run: Run) -> SideSpec | None:
+        """hf_model's training run in float64 on the shared checkpoint, on one rank (the global batch's exact result
+        does not depend on how ranks split it): no masters, no flip. None for a float64 case (its own check)."""
+        if run.case.dtype == "float64":
+            return None
+        settings = {**run.case.config["train"], "master_weights": False, "flip": None, "dp": 1, "ep": 1}
+        return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, run.checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64",
+                        "float64", {"train": settings}, per_step=True)
+
+    def compare(self, run: Run, result: CaseResult) -> None:
+        result.tensors, result.train = train.compare_steps(run.case, run.framework, run.truth)
+        if run.versus:  # which quantities stay bitwise, from which step each parts
+            result.comparison.update(train.invariance(result.train))
+
+    def refeed(self, run: Run, result: CaseResult, asked: bool) -> None:
+        """Side b re-run from side a's state, step by step: asked, or for a float64 case's check of every step."""
+        if asked or _float64_refeed(run):
+            result.train["refeed"], run.refed = train_refeed.run(run.case, run.checkpoint, run.pair, run.framework,
+                                                                 result.tensors, run.device, run.run_dir,
+                                                                 run.pythons, run.timeout)
+
+    def judge(self, run: Run, result: CaseResult) -> None:
+        """A float64 case: every step judged (harness.compare.train_float64); a re-feed that failed or did not
+        reproduce side b's own steps leaves the check unjudged past step 1: ERROR, saying so."""
+        if run.case.dtype != "float64" or not result.tensors:
+            return
+        refeed = result.train.get("refeed") or {}
+        if _float64_refeed(run) and refeed.get("status") != "ok" and result.verdict in ("DIFF", "BITWISE_PASS"):
+            result.verdict = ERROR
+            result.message = (f"float64 check of every step could not judge steps 2 on: re-feed "
+                              f"{refeed.get('status')}: {refeed.get('reason')}")
+            return
+        semantic_verdict(result, train_float64.check(run.case, result.tensors, run.refed), result.train)
+
+    def notes(self, run: Run, result: CaseResult) -> list[str]:
+        notes = []
+        c = result.comparison
+        if c and result.tensors:
+            kind = "dp" if c["kind"] == "data_parallel" else "ep"
+            departs = ", ".join(f"{q} at step {k}" for q, k in c["departs"].items())
+            notes.append(f"{c['runner']} {kind.upper()}={c[kind + '_a']} vs {kind.upper()}={c[kind + '_b']}: "
+                         f"bitwise at every step: {', '.join(c['bitwise']) or 'none'}; departs: {departs or 'none'}")
+        refeed = result.train.get("refeed") or {}
+        if refeed.get("status") == "unfaithful":
+            notes.append(f"re-feed in time not faithful ({refeed['reason']}): its attribution is not evidence")
+        return notes
+
+
+def _pair(run: Run, ranked: tuple[dict, dict] | None) -> list[SideSpec]:
+    """The pair; a planted flip (``train.flip``) goes into its own side's request only; comparing rank counts
+    (`ranked`: side a's and side b's {"dp", "ep"}), each side at its own, its folder named by them."""
+    case = run.case
+    flip = case.config["train"].get("flip")
+    out = []
+    for side, sizes in zip(pair_sides(case, run.checkpoint), ranked or (None, None), strict=True):
+        settings = {**case.config["train"], **(sizes or {})}
+        settings["flip"] = flip if flip and flip["side"] == side.label else None
+        if settings["flip"] and (settings["flip"].get("rank") or 0) >= settings["dp"]:  # --dp / --versus: fewer
+            raise CaseError(f"{case.source}: case {case.name!r}: train.flip.rank must be a data-parallel rank of side "
+                            f"{side.label}, which trains on dp = {settings['dp']} (got {settings['flip']['rank']})")
+        folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
+        out.append(side._replace(folder=folder, config={"train": settings}, dp=settings["dp"], per_step=True))
+    return out
+
+
+def _ranked(run: Run) -> tuple[dict, dict] | None:
+    """Comparing rank counts: side a's and side b's {"dp", "ep"}."""
+    if run.versus is None:
+        return None
+    a = {"dp": run.case.config["train"]["dp"], "ep": run.case.config["train"]["ep"]}
+    return a, {**a, run.versus.axis: run.versus.b}
+
+
+def _float64_refeed(run: Run) -> bool:
+    """Whether a float64 training case's check gets its re-fed runs (they train one rank)."""
+    return run.case.dtype == "float64" and run.versus is None and run.case.config["train"]["dp"] == 1
+
+
+def _ranks_error(case: Case, option: str):
+    return lambda field, problem, value: CaseError(f"{case.source}: case {case.name!r}: {option}: train.{field} "
+                                                   f"{problem} (got {value!r})")
+
+
+LEVEL = TrainLevel()
