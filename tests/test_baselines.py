@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from harness.baselines import records, store
 from harness.case.registry import Registry
 from harness.cli import main
 from harness.commands import nightly
-from harness.compare import baseline, baseline_store
 from harness.run.protocol import host_provenance
 from tests.support.cases import registry_from, tiny_case, write_cases
 from tests.support.doubles import fake_interpreter
@@ -143,11 +143,11 @@ def test_green_after_update_then_one_flipped_bit_turns_exactly_that_case_red(ben
     code, out, err = bench.update(capsys)  # no --from: the newest night
     assert code == 0, err
     (written,) = bench.baselines.glob("*.json")
-    assert written.name == baseline.file_name(part["platform"]) and written.name.startswith("cpu-")
+    assert written.name == records.file_name(part["platform"]) and written.name.startswith("cpu-")
     assert "+ known_diff: added: DIFF: out 3 mismatches" in out
     assert f"wrote {written}" in out
     stored = json.loads(written.read_text())
-    assert stored["platform"] == part["platform"] == baseline.platform(host_provenance(), "cpu")
+    assert stored["platform"] == part["platform"] == records.platform(host_provenance(), "cpu")
     assert stored["cases"]["known_diff"]["differing"] == {"out": {"status": "DIFF", "mismatches": 3, "max_ulp": 4}}
     assert stored["cases"]["known_diff"]["runners"] == ["megatron", "paddle"]
     assert stored["runners"]["paddle"] == {"env.ONEDNN_MAX_CPU_ISA": "AVX2", "framework": "fake-paddle",
@@ -374,30 +374,30 @@ HOST = {"machine": "x86_64", "cpu": "AMD EPYC 9B14 96-Core Processor", "cpu_isa"
 
 
 def test_the_platform_chooses_the_baseline_and_the_runner_fields_hold_only_what_changes_bits():
-    assert baseline.platform(HOST, "cpu") == {"device": "cpu", "machine": "x86_64",
+    assert records.platform(HOST, "cpu") == {"device": "cpu", "machine": "x86_64",
                                               "cpu": "AMD EPYC 9B14 96-Core Processor",
                                               "cpu_isa": "avx2 avx512_bf16 avx512f"}
-    assert baseline.platform({**HOST, "logical_cpus": 64, "system": "Linux-6.8"}, "cpu") == \
-        baseline.platform(HOST, "cpu")  # core count and kernel version do not pick kernels
+    assert records.platform({**HOST, "logical_cpus": 64, "system": "Linux-6.8"}, "cpu") == \
+        records.platform(HOST, "cpu")  # core count and kernel version do not pick kernels
     sides = [{"label": "a", "meta": {"gpu": "NVIDIA H200"}}]
-    assert baseline.platform(HOST, "gpu", sides) == {"device": "gpu", "gpu": "NVIDIA H200"}
-    assert baseline.file_name(baseline.platform(HOST, "cpu")).startswith("cpu-amd-epyc-9b14-96-core-avx512bf16-")
+    assert records.platform(HOST, "gpu", sides) == {"device": "gpu", "gpu": "NVIDIA H200"}
+    assert records.file_name(records.platform(HOST, "cpu")).startswith("cpu-amd-epyc-9b14-96-core-avx512bf16-")
     meta = {"framework": "megatron-core", "versions": {"megatron-core": "0.19.2"}, "torch": "2.13.0",
             "torch_threads": 2, "cublas": "12.8.4 (/opt/envs/a/lib/libcublas.so.12)", "implementation": "per case",
             "phases": {"forward": 0.1}, "process": {"pid": 12}, "host": HOST,
             "env": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": "2", "OMP_PROC_BIND": "1",
                     "HARNESS_PYTHON_MEGATRON": "/opt/envs/a/bin/python", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",
                     "TORCHDYNAMO_DISABLE": "1"}}
-    assert baseline.runner_fields(meta) == {
+    assert records.runner_fields(meta) == {
         "cublas": "12.8.4", "env.OMP_NUM_THREADS": "2", "env.ONEDNN_MAX_CPU_ISA": "AVX2",
         "env.TORCHDYNAMO_DISABLE": "1", "framework": "megatron-core", "torch": "2.13.0", "torch_threads": "2",
         "versions.megatron-core": "0.19.2"}
-    assert all(baseline.is_runner_field(key) for key in baseline.runner_fields(meta))
-    assert not any(baseline.is_runner_field(key) for key in ("env.ONEDNN_VERBOSE", "implementation", "host.cpu"))
+    assert all(records.is_runner_field(key) for key in records.runner_fields(meta))
+    assert not any(records.is_runner_field(key) for key in ("env.ONEDNN_VERBOSE", "implementation", "host.cpu"))
 
 
 def test_unsupported_reasons_are_normalised():
-    assert baseline.normalise_reason("megatron.core is not importable by /home/u/.venv/bin/python: No module named "
+    assert records.normalise_reason("megatron.core is not importable by /home/u/.venv/bin/python: No module named "
                                      "'megatron' (pid 1234, at 0x7f00deadbeef)") == \
         "megatron.core is not importable by <path>: No module named 'megatron' (pid <pid>, at <address>)"
 
@@ -418,7 +418,7 @@ def test_what_matches_means():
 
     def judged(e, k=known):
         b = {**table, "cases": {} if k is None else {"c": k}}
-        return (lambda j: (j["status"], j["outcome"], j["changes"]))(baseline.judge_case(e, b))
+        return (lambda j: (j["status"], j["outcome"], j["changes"]))(records.judge_case(e, b))
 
     assert judged(entry()) == ("match", "pass", [])
     assert judged(entry(tensors=(("out", 3, 5),))) == ("changed", "fail", ["out: max ulp 4 → 5"])
@@ -437,7 +437,7 @@ def test_what_matches_means():
     assert judged(entry(p="p2")) == ("runner changed", "fail", ["side b (p) framework: p → p2",
                                                                  "tonight's numbers equal the record's"])
     assert judged(entry("BITWISE_PASS", 0, "pass", (), p="p2"))[:2] == ("runner changed", "pass")
-    assert baseline.judge_case(entry(), None)["status"] == "no baseline"
+    assert records.judge_case(entry(), None)["status"] == "no baseline"
     control = copy.deepcopy(known)
     met = entry(exit_code=0, outcome="pass", tensors=(("out", 5, 4),))
     met["result"]["expectation"] = {"verdict": "DIFF", "differs": ["out"]}
@@ -466,8 +466,8 @@ def test_a_met_expectation_never_passes_numbers_that_moved_from_the_record():
     kernel to a missing package. Both are "changed" now and fail, naming what changed. A case that states a
     tolerance may move its numbers within it, nothing else."""
     def judge(recorded, tonight):
-        known = baseline.record(recorded)
-        return baseline.judge_case(tonight, {"platform": {}, "runners": {}, "cases": {"c": known}})
+        known = records.record(recorded)
+        return records.judge_case(tonight, {"platform": {}, "runners": {}, "cases": {"c": known}})
 
     rmsnorm = {"verdict": "DIFF"}
     recorded = _night_entry("DIFF", [("out", 40, 1), ("grad.input", 12, 2)], rmsnorm)
@@ -496,7 +496,7 @@ def test_a_met_expectation_never_passes_numbers_that_moved_from_the_record():
 def test_a_long_record_lists_its_first_steps_and_still_catches_any_change(monkeypatch):
     """A training case differs in thousands of tensors: the record lists the earliest KEPT (step2 before step10) and
     keeps the count and sha256 of all, so a change past the listed ones still fails, and nothing else does."""
-    monkeypatch.setattr(baseline, "KEPT_DIFFERING", 3)
+    monkeypatch.setattr(records, "KEPT_DIFFERING", 3)
 
     def entry(tensors):
         return {"case": "c", "verdict": "DIFF", "message": "", "result": {
@@ -504,54 +504,54 @@ def test_a_long_record_lists_its_first_steps_and_still_catches_any_change(monkey
                 {"name": n, "status": "DIFF", "mismatches": m, "max_ulp": 1} for n, m in tensors]}}
 
     steps = [("step10.loss", 1), ("step2.loss", 1), ("step1.grad.w", 4), ("step3.loss", 1), ("step2.grad.w", 2)]
-    known = baseline.record(entry(steps))
+    known = records.record(entry(steps))
     assert list(known["differing"]) == ["step1.grad.w", "step2.grad.w", "step2.loss"]
-    assert known["differing_all"]["count"] == 5 and baseline.differing_count(known) == 5
-    assert baseline.compare_records(known, baseline.record(entry(reversed(steps)))) == []
-    late = baseline.compare_records(known, baseline.record(entry(steps[:-2] + [("step3.loss", 2), steps[-1]])))
+    assert known["differing_all"]["count"] == 5 and records.differing_count(known) == 5
+    assert records.compare_records(known, records.record(entry(reversed(steps)))) == []
+    late = records.compare_records(known, records.record(entry(steps[:-2] + [("step3.loss", 2), steps[-1]])))
     assert late == ["the differing tensors changed: 5 in the baseline (sha256 "
                     f"{known['differing_all']['sha256'][:12]}), 5 tonight"]
-    fewer = baseline.compare_records(known, baseline.record(entry(steps[:-1])))  # step2.grad.w now equal
+    fewer = records.compare_records(known, records.record(entry(steps[:-1])))  # step2.grad.w now equal
     assert len(fewer) == 1 and fewer[0].endswith("4 tonight")
-    moved = baseline.compare_records(known, baseline.record(entry([*steps[:2], ("step1.grad.w", 5), *steps[3:]])))
+    moved = records.compare_records(known, records.record(entry([*steps[:2], ("step1.grad.w", 5), *steps[3:]])))
     assert moved[1:] == ["step1.grad.w: mismatches 4 → 5"]  # a listed tensor is named
-    assert baseline.expectation_met_by(known, {"verdict": "DIFF", "differs": ["step2.loss"], "equal": ["step1.x"]})
-    assert not baseline.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step3.loss"]})  # past the list
-    assert not baseline.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step9.grad.v"]})  # cannot say
+    assert records.expectation_met_by(known, {"verdict": "DIFF", "differs": ["step2.loss"], "equal": ["step1.x"]})
+    assert not records.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step3.loss"]})  # past the list
+    assert not records.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step9.grad.v"]})  # cannot say
 
 
 def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_path):
     registry = registry_from(tmp_path, tiny_case("one"), tiny_case("two", seed=9))
     case = registry.get("one")
-    good = {"platform": baseline.platform(HOST, "cpu"), "runners": {"megatron": {"framework": "megatron-core"}},
-            "cases": {"one": {"verdict": "DIFF", "definition": baseline_store.case_definition(case), "differing": {},
+    good = {"platform": records.platform(HOST, "cpu"), "runners": {"megatron": {"framework": "megatron-core"}},
+            "cases": {"one": {"verdict": "DIFF", "definition": store.case_definition(case), "differing": {},
                               "runners": ["megatron", None]}}}
-    assert baseline_store.fit_problems(good, registry) == []
+    assert store.fit_problems(good, registry) == []
     stale = copy.deepcopy(good)
     stale["runners"]["megatron"]["env.ONEDNN_VERBOSE"] = "1"
     stale["cases"]["one"]["definition"]["tokens"] = 8  # recorded at 8 tokens: fits (the case is run at 8)
     stale["cases"]["one"]["definition"]["checkpoint_digest"] = "0" * 16
     stale["cases"]["gone"] = stale["cases"]["one"]
-    problems = baseline_store.fit_problems(stale, registry)
+    problems = store.fit_problems(stale, registry)
     assert problems[0] == "runners.megatron: fields no longer in the fingerprint: env.ONEDNN_VERBOSE"
     assert problems[1].startswith("case one: definition changed: checkpoint_digest: 0000000000000000 → ")
     assert problems[2].startswith("case gone: not in today's registry as recorded")
     stated = registry_from(tmp_path, tiny_case("one", expect={"verdict": "BITWISE_PASS"}))
-    assert baseline_store.fit_problems(good, stated) == ["case one: states BITWISE_PASS (differs [], equal []) but "
+    assert store.fit_problems(good, stated) == ["case one: states BITWISE_PASS (differs [], equal []) but "
                                                          "this platform's record is DIFF (all equal): a stated "
                                                          "expectation holds on every platform; fix the case or leave "
                                                          "it to the baselines"]
     good["cases"]["one"]["verdict"] = "UNSUPPORTED"  # a kernel this platform lacks: no contradiction
-    assert baseline_store.fit_problems(good, stated) == []
+    assert store.fit_problems(good, stated) == []
 
 
 def test_every_committed_baseline_fits_the_registry_and_the_fingerprint_fields():
     """A case definition or a fingerprint field changed since a baseline was recorded: record it again."""
     registry = Registry.load()
-    for known in baseline_store.load_all(baseline_store.BASELINES_DIR):
-        problems = baseline_store.fit_problems(known, registry)
+    for known in store.load_all(store.BASELINES_DIR):
+        problems = store.fit_problems(known, registry)
         tokens = (known.get("recorded_from") or {}).get("tokens")
-        command = baseline_store.record_command(known["platform"]["device"], tokens)
+        command = store.record_command(known["platform"]["device"], tokens)
         assert not problems, (f"{known['_file']} no longer fits: {'; '.join(problems[:5])}"
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
                               + f"; on that platform run `{command}` (or `python -m harness baseline update --from "

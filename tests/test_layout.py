@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness"
-STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "run": 2, "runners": 3, "capture": 3, "compare": 4,
+STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "run": 2, "runners": 3, "capture": 3, "compare": 4, "baselines": 4,
           "report": 5, "levels": 6, "pipeline": 7, "commands": 8, "cli": 9, "__main__": 9, "__init__": 0}
 
 

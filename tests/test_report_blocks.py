@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.baselines import trend
 from harness.case.tolerance import Tolerance
-from harness.compare import tolerance, trend
+from harness.compare import tolerance
 from harness.compare.result import CaseResult
 from harness.compare.tensors import compare_tensor
 from harness.report import blocks, case_report, gate_matrix_report, nightly_report, sweep_report

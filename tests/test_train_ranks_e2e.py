@@ -24,7 +24,7 @@ import pytest
 from safetensors import safe_open
 
 from harness import Versus
-from harness.compare.baseline import isa_level
+from harness.baselines.records import isa_level
 from harness.compare.train import ORDER
 from harness.run.protocol import cpu_isa_flags
 from harness.run.steps import read_header, step_file

@@ -2,7 +2,7 @@
 
 import copy
 
-from harness.compare import trend
+from harness.baselines import trend
 from harness.report import blocks as doc
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harness.baselines import records, store
 from harness.commands import nightly
-from harness.compare import baseline, baseline_store
 from harness.pipeline import run_folder
 
 EXIT_REFUSED, EXIT_BAD_INPUT = 1, 2
@@ -28,24 +28,24 @@ def add_parser(commands) -> None:
                         help="nightly run directory or its report.json (default: the newest nightly under --reports)")
     update.add_argument("--device", choices=("cpu", "gpu"), help="with no --from: the newest night of this device")
     update.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
-    update.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR)
+    update.add_argument("--baselines", type=Path, default=store.BASELINES_DIR)
     update.add_argument("--dry-run", action="store_true", help="print what would change; write nothing")
     record = actions.add_parser("record", help="run a night (the nightly's options) and write it as the baseline")
     nightly.add_run_arguments(record)
-    record.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR)
+    record.add_argument("--baselines", type=Path, default=store.BASELINES_DIR)
     record.add_argument("--dry-run", action="store_true", help="print what would change; write nothing")
 
 
 def main(args, pythons: dict[str, str]) -> int:
     try:
-        existing = baseline_store.load_all(args.baselines)
+        existing = store.load_all(args.baselines)
         if args.baseline_action == "record":
             night, run_dir = nightly.run_from_args(args, pythons, args.baselines)
             nightly.print_summary(night, run_dir)
             night["_path"] = str(run_dir / "report.json")
         else:
             night = nightly.load_previous(args.night) if args.night else newest_night(args.reports, args.device)
-    except (nightly.NightlyError, baseline_store.BaselineError) as error:
+    except (nightly.NightlyError, store.BaselineError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return update(night, existing, Path(args.baselines), args.dry_run)
@@ -54,8 +54,8 @@ def main(args, pythons: dict[str, str]) -> int:
 def update(night: dict, existing: list[dict], baselines_dir: Path, dry_run: bool) -> int:
     """Write the baselines `night` makes (one per platform it ran on), printing each one's changes."""
     try:
-        built = baseline_store.build(night, existing)
-    except baseline_store.BaselineError as error:
+        built = store.build(night, existing)
+    except store.BaselineError as error:
         print(f"refused: {error}", file=sys.stderr)
         return EXIT_REFUSED
     for new, changes, previous in built:
@@ -65,14 +65,14 @@ def update(night: dict, existing: list[dict], baselines_dir: Path, dry_run: bool
 
 def _write(new: dict, changes: list[dict], previous: dict | None, baselines_dir: Path, source: str,
            dry_run: bool) -> None:
-    target = Path(previous["_file"]) if previous else baselines_dir / baseline.file_name(new["platform"])
+    target = Path(previous["_file"]) if previous else baselines_dir / records.file_name(new["platform"])
     if previous:
         print(f"baseline {target} (platform {new['platform_id']}) from {source}:")
-        for d in baseline.differences(previous["runners"], new["runners"]):
+        for d in records.differences(previous["runners"], new["runners"]):
             print(f"~ runners.{d['field']}: {d['baseline'] or '(absent)'} → {d['tonight'] or '(absent)'}")
     else:
         print(f"new baseline {target} (platform {new['platform_id']}) from {source}:")
-        for key, value in baseline.flatten(new["platform"]):
+        for key, value in records.flatten(new["platform"]):
             print(f"  {key}: {value}")
     for change in changes:
         details = change["details"]
@@ -83,7 +83,7 @@ def _write(new: dict, changes: list[dict], previous: dict | None, baselines_dir:
                 print(f"    {detail}")
     unchanged = len(new["cases"]) - sum(c["change"] in ("added", "changed", "kept") for c in changes)
     print(f"{unchanged} case(s) unchanged; {len(new['cases'])} in the baseline")
-    unchanged_file = previous and baseline_store.dumps(new) == baseline_store.dumps(
+    unchanged_file = previous and store.dumps(new) == store.dumps(
         {**previous, "recorded_from": new["recorded_from"]})
     if unchanged_file:
         print("no change to the known verdicts: file left as it is")
@@ -92,7 +92,7 @@ def _write(new: dict, changes: list[dict], previous: dict | None, baselines_dir:
         print("dry run: nothing written")
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(baseline_store.dumps(new))
+    target.write_text(store.dumps(new))
     print(f"wrote {target}")
 
 

@@ -6,7 +6,7 @@
 kernel or package here (UNSUPPORTED) or it needs a weights file nobody gave, and fails otherwise; the night
 exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one. Where
 ``baselines/`` holds the known verdicts of a case's platform, the case is judged against them
-(``harness.compare.baseline``): a known difference passes, a change fails, and a case the baseline ran that is
+(``harness.baselines.records``): a known difference passes, a change fails, and a case the baseline ran that is
 UNSUPPORTED or not run tonight fails. Each failed case says why (ERROR, unmet expectation, changed against the
 baseline, lost, or "differs, no baseline": accepted with ``baseline update``). A shard (``--shard``) is judged
 only together with the other shards, by ``nightly-merge``: alone it exits 0 once it has written its run directory.
@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from harness import __version__, pipeline
+from harness.baselines import records, store, trend
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import RUNNERS, Case, Registry
 from harness.case.select import SELECT_HELP, select
 from harness.commands import doctor, nightly_shards
-from harness.compare import baseline, baseline_store, trend
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.levels import level_of
 from harness.pipeline import failsafe, run_folder
@@ -53,7 +53,7 @@ def add_parser(commands) -> None:
     add_run_arguments(parser)
     parser.add_argument("-k", dest="select", metavar="EXPRESSION", help=SELECT_HELP + " (a night of a few cases; "
                         "the baseline judges those, the cases it leaves out are listed, never failed)")
-    parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
+    parser.add_argument("--baselines", type=Path, default=store.BASELINES_DIR,
                         help="folder of known verdicts per platform (README: Known verdicts); default: baselines/")
     parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
                         help="judge every case by its own expectation only")
@@ -126,7 +126,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
         expression: str | None = None) -> tuple[dict, Path]:
     """Every case of `options.device` (at `options.tokens` when given), each in its own folder under the night's;
     or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time; judged
-    against the platform's baseline in `baselines_dir` when there is one (harness.compare.baseline); only the cases
+    against the platform's baseline in `baselines_dir` when there is one (harness.baselines.records); only the cases
     `expression` picks when given (``-k``, as ``list -k``)."""
     device, tokens, cases_dir, reports_dir = options.device, options.tokens, options.cases_dir, options.reports_dir
     try:
@@ -156,7 +156,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             progress.start(case.name)
             entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases"))
             entry["position"] = positions[case.name]  # in the registry's order: shards merge back into it
-            entry["platform"] = baseline.platform(night["harness"]["host"], device,
+            entry["platform"] = records.platform(night["harness"]["host"], device,
                                                   (entry["result"] or {}).get("sides", []))
             progress.done(entry)
             return entry
@@ -177,11 +177,11 @@ def finish(night: dict, previous_night: dict | None, known: list[dict] | None, s
     shard is judged only with the others, after `nightly-merge`), then its summary, exit code and trend."""
     entries = night["cases"]
     if known is not None:
-        night["baseline"] = baseline.apply(night, known, source)
+        night["baseline"] = records.apply(night, known, source)
     for entry in entries:
-        entry["failure"] = baseline.failure_kind(entry)
+        entry["failure"] = records.failure_kind(entry)
     counts = {outcome: sum(e["outcome"] == outcome for e in entries) for outcome in ("pass", "fail", "skip")}
-    failed_by = {kind: sum(e["failure"] == kind for e in entries) for kind in baseline.FAILURE_KINDS}
+    failed_by = {kind: sum(e["failure"] == kind for e in entries) for kind in records.FAILURE_KINDS}
     night["summary"] = {"total": len(entries), "passed": counts["pass"], "failed": counts["fail"],
                         "skipped": counts["skip"], "failed_by": {k: n for k, n in failed_by.items() if n}}
     # a shard's cases are judged with the other shards' (nightly-merge): alone, it fails nothing
@@ -191,8 +191,8 @@ def finish(night: dict, previous_night: dict | None, known: list[dict] | None, s
 
 def load_baselines(baselines_dir: Path | None) -> list[dict]:
     try:
-        return baseline_store.load_all(baselines_dir)
-    except baseline_store.BaselineError as error:
+        return store.load_all(baselines_dir)
+    except store.BaselineError as error:
         raise NightlyError(str(error)) from None
 
 

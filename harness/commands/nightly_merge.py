@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness import __version__
+from harness.baselines import store
 from harness.commands import nightly
-from harness.compare import baseline_store
 from harness.pipeline import run_folder
 from harness.run.protocol import host_provenance
 
@@ -30,7 +30,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--previous", type=Path, help="previous night for the trend (default: the newest one "
                                                       "for this device under --reports)")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
-    parser.add_argument("--baselines", type=Path, default=baseline_store.BASELINES_DIR,
+    parser.add_argument("--baselines", type=Path, default=store.BASELINES_DIR,
                         help="folder of known verdicts per platform; the merged night is judged against them")
     parser.add_argument("--no-baselines", dest="baselines", action="store_const", const=None,
                         help="judge every case by its own expectation only")

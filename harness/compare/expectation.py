@@ -1,5 +1,5 @@
 """Did a run do what its case says (``expect`` in the case file)? The rules, for a run's comparisons and, through
-``exactness_problems``, for a baseline record (harness.compare.baseline)."""
+``exactness_problems``, for a baseline record (harness.baselines.records)."""
 
 from __future__ import annotations
 

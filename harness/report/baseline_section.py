@@ -1,4 +1,4 @@
-"""The nightly report's "Known verdicts (baseline)" section, from the data `harness.compare.baseline.judge` stored
+"""The nightly report's "Known verdicts (baseline)" section, from the data `harness.baselines.records.judge` stored
 in the night's report.json under ``baseline``: per platform the cases ran on, the baseline applied (or none, and
 how to record one), then the cases whose judgement is news."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.compare import baseline
+from harness.baselines import records
 from harness.report import blocks as doc
 
 TITLES = (("changed", "Changed against the baseline (fail)"),
@@ -66,7 +66,7 @@ def describe(platform: dict) -> str:
     """A platform in a few words: device, CPU model or GPU, and the vector-ISA level."""
     if platform.get("device") == "gpu":
         return f"gpu {platform.get('gpu') or '(unknown GPU)'}"
-    return f"{platform.get('device')} {platform.get('cpu')} ({baseline.isa_level(platform.get('cpu_isa') or '')})"
+    return f"{platform.get('device')} {platform.get('cpu')} ({records.isa_level(platform.get('cpu_isa') or '')})"
 
 
 def _short_path(file: str) -> str:

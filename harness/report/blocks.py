@@ -1,7 +1,7 @@
 """The one document model every report is built in, so its report.md and report.html say the same thing.
 
 A report is a list of blocks, built once and rendered twice: ``markdown(blocks)`` and ``html(blocks, title)``.
-Blocks are plain tuples tagged by kind, so a section computed in an earlier stage (``harness.compare.trend``)
+Blocks are plain tuples tagged by kind, so a section computed in an earlier stage (``harness.baselines.trend``)
 can return blocks without importing this package; the constructors below only spell them:
 
     ("h", level, text)                  heading

@@ -10,7 +10,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness.compare import baseline
+from harness.baselines import records
 
 
 def write(night: dict, path: Path) -> None:
@@ -30,7 +30,7 @@ def write(night: dict, path: Path) -> None:
             "time": f"{case['wall_seconds']:.3f}"})
         summary = f"{case['verdict']}: {case['message']}" if case["verdict"] else case["message"]
         if case["outcome"] == "fail":
-            kind = baseline.FAILURE_KINDS.get(case.get("failure"), "failed")
+            kind = records.FAILURE_KINDS.get(case.get("failure"), "failed")
             failure = ET.SubElement(element, "failure", message=f"{kind}: {summary}", type=case["verdict"] or "ERROR")
             failure.text = "\n".join([f"{kind}: {summary}", *case["problems"], f"report: {case['report'] or '(none)'}"])
         elif case["outcome"] == "skip":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.compare import baseline, trend
+from harness.baselines import records, trend
 from harness.report import baseline_section
 from harness.report import blocks as doc
 
@@ -33,7 +33,7 @@ def blocks(night: dict) -> list[tuple]:
             ("table", ["case", "outcome", "verdict", "expected", "paddle level", "differing tensors", "max ULP",
                        "wall s", "why"],
              [_row(c) for c in night["cases"]])]
-    for kind, title in baseline.FAILURE_KINDS.items():
+    for kind, title in records.FAILURE_KINDS.items():
         failures = [c for c in night["cases"] if c.get("failure") == kind]
         if not failures:
             continue
@@ -59,7 +59,7 @@ def blocks(night: dict) -> list[tuple]:
 
 def failed_by(night: dict) -> str:
     """``1 ERROR, 3 differs, no baseline``: the failed cases by why they failed."""
-    return ", ".join(f"{n} {baseline.FAILURE_KINDS[kind]}" for kind, n in night["summary"].get("failed_by", {}).items())
+    return ", ".join(f"{n} {records.FAILURE_KINDS[kind]}" for kind, n in night["summary"].get("failed_by", {}).items())
 
 
 def summary_lines(night: dict, run_dir: Path) -> list[str]:

@@ -33,7 +33,7 @@ from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STDERR_TAIL_CHARS = 4000
 # Intra-op threads of every runner unless the user sets OMP_NUM_THREADS / MKL_NUM_THREADS: oneDNN and MKL may split a
-# reduction across threads, so the count is part of a result (harness.compare.baseline records it). Fixed, so a
+# reduction across threads, so the count is part of a result (harness.baselines.records records it). Fixed, so a
 # night's bits do not move with `--workers` or the machine's core count (2 on this project's CI runners, whose two
 # sides then fill both cores). Paddle uses 1 thread unless told.
 RUNNER_THREADS = "2"

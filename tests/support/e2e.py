@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from harness.baselines import records, store
 from harness.case.ops import OPS
-from harness.compare import baseline, baseline_store
 from harness.report.baseline_section import describe
 from harness.run.protocol import cpu_isa_flags, host_provenance
 
@@ -46,16 +46,16 @@ def verdict_of(report) -> str:
 
 
 # The committed baselines (baselines/), loaded once: what an end-to-end test pins a case's verdict to.
-COMMITTED = baseline_store.load_all(baseline_store.BASELINES_DIR)
+COMMITTED = store.load_all(store.BASELINES_DIR)
 
 
 def this_platform() -> dict:
-    return baseline.platform(host_provenance(), "cpu")
+    return records.platform(host_provenance(), "cpu")
 
 
 def committed_record(case) -> tuple[dict | None, dict | None]:
     """(the record of `case` in this platform's committed baseline, that baseline); None where there is none."""
-    table = baseline_store.for_platform(COMMITTED, this_platform())
+    table = store.for_platform(COMMITTED, this_platform())
     return ((table or {}).get("cases", {}).get(case.name), table)
 
 
@@ -63,8 +63,8 @@ def assert_repeats_the_record(case, report: dict, table: dict) -> None:
     """The run gives exactly what this platform's baseline records for the case: same definition, runners, verdict,
     UNSUPPORTED reason, differing tensors and their numbers. Else the failure says how to record it again."""
     entry = {"case": case.name, "verdict": report["verdict"], "message": report["message"], "result": report}
-    problems = baseline.record_problems(entry, table)
-    command = baseline_store.record_command("cpu", (table.get("recorded_from") or {}).get("tokens"))
+    problems = records.record_problems(entry, table)
+    command = store.record_command("cpu", (table.get("recorded_from") or {}).get("tokens"))
     assert not problems, (
         f"{case.name} on {describe(this_platform())} no longer gives what {table['_file']} records: "
         + "; ".join(problems[:8]) + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
@@ -74,4 +74,4 @@ def assert_repeats_the_record(case, report: dict, table: dict) -> None:
 def no_record_reason(case) -> str:
     """Why a case with no stated expectation and no record is not pinned here, and how to pin it."""
     return (f"{case.name}: no stated expectation and no record in this platform's baseline ({describe(this_platform())}"
-            f"); the platform-independent checks passed. Record it: `{baseline_store.record_command('cpu', 16)}`")
+            f"); the platform-independent checks passed. Record it: `{store.record_command('cpu', 16)}`")

@@ -1,4 +1,4 @@
-"""Baselines on disk: one JSON file per platform under ``baselines/`` (``harness.compare.baseline`` says what a record
+"""Baselines on disk: one JSON file per platform under ``baselines/`` (``harness.baselines.records`` says what a record
 holds and how a night is judged against it). Reading them (a broken or old-schema file is an error naming it),
 writing a night as the baselines of the platforms it ran on (``build``, never a night with an ERROR or a shard),
 and checking that a committed file still fits today's registry and fingerprint fields (``fit_problems``)."""
@@ -9,9 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from harness.case import checkpoints
-from harness.case.registry import CaseError, Registry
-from harness.compare.baseline import (
+from harness.baselines.records import (
     DEFINITION_FIELDS,
     ERROR_VERDICT,
     PLATFORM_FIELDS,
@@ -29,6 +27,8 @@ from harness.compare.baseline import (
     short,
     side_fields,
 )
+from harness.case import checkpoints
+from harness.case.registry import CaseError, Registry
 
 BASELINES_DIR = Path(__file__).resolve().parents[2] / "baselines"
 SCHEMA = 2
@@ -241,7 +241,7 @@ def _summary(rec: dict) -> str:
 
 
 def case_definition(case) -> dict:
-    """The definition a run of `case` records (``baseline.definition``), computed from the case alone: nothing
+    """The definition a run of `case` records (``records.definition``), computed from the case alone: nothing
     runs. A case whose weights come from a file given at run time (``--weights``) has no digest before it runs."""
     described = asdict(case)
     found = {key: described[key] for key in DEFINITION_FIELDS}
