@@ -3,7 +3,7 @@ VENV := .venv
 CASE ?= kimi_shared_fc1
 ARGS ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (0: one process). 2 matches CI's 2 cores; see README "Tests".
+# pytest-xdist workers for `make test` (0: one process). 2 matches CI's 2 cores; see docs/contributing.md ("Tests").
 TEST_WORKERS ?= 2
 DEVICE ?= cpu
 TOKENS ?=

@@ -27,7 +27,7 @@ class CaseResult:
     verdict: str = ERROR
     message: str = ""
     expectation: dict = field(default_factory=dict)
-    comparison: dict = field(default_factory=dict)  # set when one runner is compared with itself at another TP size
+    comparison: dict = field(default_factory=dict)  # --versus: one runner against itself (harness.levels)
     versus_oracle: dict = field(default_factory=dict)  # harness.versus_oracle
     repeats: dict = field(default_factory=dict)  # harness.compare.determinism, with --repeat N > 1
     tolerance: dict = field(default_factory=dict)  # harness.compare.tolerance.judge, when the case states a policy
