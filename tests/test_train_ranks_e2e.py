@@ -133,14 +133,19 @@ def test_plain_data_parallel_is_bitwise_one_rank_in_each_stack(name, cases, tmp_
 
 
 # Where the distributed optimizer and expert parallel part from one rank, per CPU vector-ISA level (the last bits of a
-# reordered sum come from the CPU's kernels): measured on an AMD EPYC with AVX2 only, 2026-12-02. A CPU not listed
-# gets every other check, then a skip naming what to measure.
+# reordered sum come from the CPU's kernels): measured on an AMD EPYC with AVX2 only, 2026-12-02, and on an AMD EPYC
+# with AVX-512 BF16, 2026-12-03 (make test on a fresh clone of b202ee5). A CPU not listed gets every other check, then
+# a skip naming what to measure.
 DEPARTS = {
-    # the clip factor Megatron applies (its double rounded to float32) parts a step after the norm: at step 1 the two
-    # norms' doubles differ and round to one float32 factor
-    "distopt": {"avx2": {"grad_norm": 1, "clip_coeff": 2, "exp_avg": 2, "exp_avg_sq": 2, "param": 2}},
-    # the gradients part at step 1, their float32 norms never here, the clip factor Megatron applies at step 2
-    "ep": {"avx2": {"grad": 1, "clip_coeff": 2, "exp_avg": 1, "exp_avg_sq": 1, "param": 1}},
+    # AVX2: the clip factor Megatron applies (its double rounded to float32) parts a step after the norm: at step 1 the
+    # two norms' doubles differ and round to one float32 factor. AVX-512 BF16: the float32 norms stay equal, the
+    # factor Megatron applies parts at step 1, the gradients at step 2 (from the parameters step 1 made)
+    "distopt": {"avx2": {"grad_norm": 1, "clip_coeff": 2, "exp_avg": 2, "exp_avg_sq": 2, "param": 2},
+                "avx512bf16": {"grad": 2, "clip_coeff": 1, "exp_avg": 1, "exp_avg_sq": 1, "param": 1}},
+    # AVX2: the gradients part at step 1, their float32 norms never, the clip factor Megatron applies at step 2.
+    # AVX-512 BF16: all of them at step 1
+    "ep": {"avx2": {"grad": 1, "clip_coeff": 2, "exp_avg": 1, "exp_avg_sq": 1, "param": 1},
+           "avx512bf16": {"grad": 1, "grad_norm": 1, "clip_coeff": 1, "exp_avg": 1, "exp_avg_sq": 1, "param": 1}},
 }
 
 
