@@ -344,7 +344,7 @@ def _with_ranks(case: Case, dp: int | None, ep: int | None) -> Case:
         raise CaseError(f"{case.source}: case {case.name!r}: --dp and --ep are for training cases (op "
                         f"{', '.join(TRAIN_OPS)}; got {case.op!r})")
     train_ = case.config["train"]
-    ranked = with_ranks(train_, case.config["model"], train_["dp"] if dp is None else dp,
+    ranked = with_ranks(train_, case.model, train_["dp"] if dp is None else dp,
                         train_["ep"] if ep is None else ep, _ranks_error(case, "--dp / --ep"))
     return replace(case, config={**case.config, "train": ranked})
 
@@ -374,7 +374,7 @@ def _versus_ranks(case: Case, kind: str, size: int, runner: str) -> tuple[Case, 
     train_ = case.config["train"]
     a = {"dp": train_["dp"], "ep": train_["ep"]}
     b = {**a, kind: size}
-    with_ranks(train_, case.config["model"], b["dp"], b["ep"], _ranks_error(case, option))
+    with_ranks(train_, case.model, b["dp"], b["ep"], _ranks_error(case, option))
     if a == b:
         raise CaseError(f"{case.source}: case {case.name!r}: {option} {size} is side a's {kind} already (train.{kind}"
                         f" = {size}); give side a another with --{kind}")
