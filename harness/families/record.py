@@ -12,6 +12,13 @@ from typing import Any
 from harness.case.specs import TensorSpec
 
 STACKS = ("megatron", "hf", "paddle")  # one builder module per stack: harness/families/<family>/<stack>.py
+# What the runners ask of a family's builder for each stack (harness/families/deepseek_v3/<stack>.py says what each is).
+BUILDER_API = {
+    "megatron": ("IMPLEMENTATION", "ADAPTERS", "install_adapters", "core_attention", "translate_config"),
+    "hf": ("MODEL", "KNOBS", "modeling", "build", "rotary", "record_routing", "float64_mode"),
+    "paddle": ("MODEL", "KNOBS", "classes", "config_kwargs", "routers", "canonical_modules", "canonical_grads",
+               "explain", "fleet_model"),
+}
 
 
 class ModelConfigError(ValueError):
