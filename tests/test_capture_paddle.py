@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(absent("paddle"), reason="needs paddlepaddle (on
 
 
 class Rules:
-    """A name map with the shape of harness.case.models.NameMap: rule(section, name) -> kind, sources, index, why."""
+    """A name map with the shape of harness.families.names.NameMap: rule(section, name) -> kind, sources, index, why."""
 
     def __init__(self, table):
         self.table = table

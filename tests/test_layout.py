@@ -1,24 +1,37 @@
 """The package tree follows the pipeline: no module imports a module of a later stage.
 
-case (registry, op records, checkpoints) -> run (orchestration, launchers) -> runners (subprocess side) ->
-compare -> report -> levels (op, model, train: one record each) -> pipeline (one comparison at any level) ->
-commands -> cli. `bits` is a shared utility every stage may use.
+case (registry, op records, checkpoints), families (model family records) -> run (orchestration, launchers) ->
+runners (subprocess side) -> compare, baselines -> report -> levels (op, model, train: one record each) -> pipeline
+(one comparison at any level) -> commands -> cli. `bits` is a shared utility every stage may use. A family's
+per-stack builders (harness/families/<family>/megatron.py, hf.py, paddle.py) import their framework: they sit with
+the runners, and only runners and capture import them.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness"
-STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "run": 2, "runners": 3, "capture": 3, "compare": 4, "baselines": 4,
-          "report": 5, "levels": 6, "pipeline": 7, "commands": 8, "cli": 9, "__main__": 9, "__init__": 0}
+STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "families": 1, "run": 2, "runners": 3, "capture": 3,
+          "compare": 4, "baselines": 4, "report": 5, "levels": 6, "pipeline": 7, "commands": 8, "cli": 9,
+          "__main__": 9, "__init__": 0}
+BUILDER = re.compile(r"harness\.families\.\w+\.(megatron|hf|paddle)$")  # a family's builder for one stack
+BUILDER_USERS = ("runners", "capture")
 
 
 def stage_of(module: str) -> str:
-    """`harness.compare.tensors` -> "compare"; `harness` -> "__init__"."""
+    """`harness.compare.tensors` -> "compare"; `harness` -> "__init__"; a family's builder -> "runners"."""
+    if BUILDER.match(module):
+        return "runners"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_of(path: Path) -> str:
+    """harness/families/deepseek_v3/hf.py -> harness.families.deepseek_v3.hf."""
+    return ".".join(("harness", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -43,9 +56,25 @@ def test_every_module_sits_in_a_known_stage():
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_imports_a_later_stage(path):
-    own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    own = stage_of(module_of(path))
     later = {m for m in imported_modules(path) if STAGES[stage_of(m)] > STAGES[own]}
     assert not later, f"{path.relative_to(PACKAGE)} ({own}) imports later stages: {sorted(later)}"
+
+
+def test_only_runners_and_capture_import_a_family_builder():
+    """A builder imports a framework: the harness side (case, run, compare, report, commands) never loads one, nor
+    does a family's record (it names its builders by ``Family.builder``, imported when a runner asks)."""
+    offenders = {module: sorted(m for m in imported if BUILDER.match(m)) for module, imported in module_graph().items()
+                 if stage_of(module) not in BUILDER_USERS}
+    assert not {module: found for module, found in offenders.items() if found}
+
+
+def test_the_builder_check_sees_one():
+    """Negative control: a builder's module name is one (a runner's stage); the record and its other modules are not."""
+    assert BUILDER.match("harness.families.deepseek_v3.megatron") and stage_of("harness.families.deepseek_v3.hf") \
+        == "runners"
+    assert not BUILDER.match("harness.families.deepseek_v3") and not BUILDER.match("harness.families.names")
+    assert stage_of("harness.families.deepseek_v3.layout") == "families"
 
 
 def test_the_check_sees_a_backward_import(tmp_path):

@@ -123,16 +123,18 @@ def test_mla_attention_adapter_computes_mla_attention(megatron_in_process):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from harness.families.deepseek_v3.megatron import MLADotProductAttention
+
     mm = megatron_in_process
-    mm.install_adapters(torch.device("cpu"))
+    mm.install_adapters(torch.device("cpu"), TINY)
     heads, dqk, dv, s = 4, 24, 12, 9
     config = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=heads, q_lora_rank=16,
                                   kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=dv,
                                   params_dtype=torch.float64, attention_dropout=0.0, masked_softmax_fusion=False,
                                   use_cpu_initialization=True, perform_initialization=False)
     scale = 0.37
-    attention = mm.MLADotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                          attention_type="self", softmax_scale=scale, k_channels=dqk, v_channels=dv)
+    attention = MLADotProductAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                       attention_type="self", softmax_scale=scale, k_channels=dqk, v_channels=dv)
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(s, 1, heads, dqk, generator=g, dtype=torch.float64), torch.randn(s, 1, heads, dqk, generator=g,
                                                                                          dtype=torch.float64)

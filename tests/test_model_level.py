@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from harness.capture.torch import capture
-from harness.case import models
 from harness.case.generate import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
 from harness.compare import model
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
+from harness.families import FAMILIES, ModelConfigError, family_of, model_config
+from harness.families.deepseek_v3.config import DeepseekV3Config, RopeScaling
+from harness.families.names import NameMap, expand_stack
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +49,42 @@ def test_outputs_are_forward_then_backward(case):
 
 
 def test_every_default_is_resolved_to_kimi_k2s_values(case):
-    m = case.config["model"]
-    assert set(m) == set(models.KIMI_K2) | {"family"}
+    m = case.config["model"]  # the wire form a request and a report carry
+    assert list(m) == [*DeepseekV3Config().to_dict()] and m["family"] == "deepseek_v3"
     assert m["rope_scaling"] == {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                                  "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     assert (m["rope_theta"], m["routed_scaling_factor"], m["n_group"], m["topk_group"]) == (50000.0, 2.827, 1, 1)
     assert (m["hidden_size"], m["n_routed_experts"], m["num_experts_per_tok"]) == (256, 384, 8)
     full = Registry.load().get("kimi_k2_2layer_full").config["model"]
     assert (full["hidden_size"], full["vocab_size"], full["intermediate_size"]) == (7168, 163840, 18432)
+
+
+def test_the_typed_config_is_what_code_reads_and_gives_the_wire_dict_back(case):
+    m = case.model
+    assert isinstance(m, DeepseekV3Config) and m.family == "deepseek_v3"
+    assert (m.hidden_size, m.n_routed_experts, m.rope_scaling) == (256, 384, RopeScaling())
+    assert m.to_dict() == case.config["model"] and model_config(case.config["model"]) == m
+    assert Registry.load().get("kimi_shared_fc1").model is None  # an op case has no model
+    family = family_of(m.family)
+    assert FAMILIES["deepseek_v3"] is family and (family.dense_layers(m), family.moe_layers(m)) == ([0], [1])
+    assert family.buffers(m) == [("model.layers.1.mlp.gate.e_score_correction_bias", (384,))]
+    with pytest.raises(ModelConfigError, match="unknown model family 'glm'"):
+        family_of("glm")
+
+
+def test_every_family_has_a_builder_per_stack_with_what_runners_ask():
+    """Read from the builders' source (importing one loads its framework)."""
+    import ast
+
+    from harness.families.record import BUILDER_API
+
+    for family in FAMILIES.values():
+        for stack, names in BUILDER_API.items():
+            tree = ast.parse((family.folder / f"{stack}.py").read_text())
+            defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+            defined |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+                        if isinstance(target, ast.Name)}
+            assert set(names) <= defined, (family.name, stack, sorted(set(names) - defined))
 
 
 def test_variants_have_their_dtypes():
@@ -67,6 +97,8 @@ def test_variants_have_their_dtypes():
     ({"hidden_sizee": 4}, "unknown key 'hidden_sizee'"),
     ({"scoring_func": "softmax"}, "scoring_func must be one of"),
     ({"hidden_size": 2.5}, "hidden_size must be int"),
+    ({"rope_scaling.factorr": 4.0}, "unknown key 'rope_scaling.factorr'"),
+    ({"rope_scaling.factor": "4"}, "rope_scaling.factor must be float"),
 ])
 def test_bad_model_config_is_named(tmp_path, given, problem):
     body = ", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in given.items())
@@ -84,7 +116,7 @@ def test_bad_model_config_is_named(tmp_path, given, problem):
 
 
 def test_name_map_rules_for_hf():
-    names = models.NameMap.load("deepseek_v3", "hf")
+    names = NameMap.load("deepseek_v3", "hf")
     rule = names.rule("grads", "model.layers.1.mlp.experts.17.gate_up_proj.weight")
     assert (rule.kind, rule.sources, rule.index) == ("slice", ("model.layers.1.mlp.experts.gate_up_proj",), 17)
     rule = names.rule("grads", "model.layers.0.mlp.gate_up_proj.weight")
@@ -92,17 +124,17 @@ def test_name_map_rules_for_hf():
                                                     "model.layers.0.mlp.up_proj.weight")
     assert names.rule("grads", "lm_head.weight").kind == "same"
     rule = names.rule("checkpoint", "model.layers.1.mlp.experts.gate_up_proj", {"n_routed_experts": 3})
-    assert models.expand_stack(rule)[2] == ["model.layers.1.mlp.experts.2.gate_proj.weight",
+    assert expand_stack(rule)[2] == ["model.layers.1.mlp.experts.2.gate_proj.weight",
                                             "model.layers.1.mlp.experts.2.up_proj.weight"]
     assert names.rule("modules", "model.layers.1.mlp.experts.5").kind == "not_captured"
     assert names.rule("modules", "model.layers.0.self_attn.core_attention").sources == (
         "model.layers.0.self_attn.o_proj",)
-    paddle = models.NameMap.load("deepseek_v3", "paddle")
+    paddle = NameMap.load("deepseek_v3", "paddle")
     assert paddle.rule("grads", "model.layers.1.mlp.experts.3.gate_up_proj.weight").kind == "transpose_cat0"
     assert paddle.float64_floor("grad.lm_head.weight", 1e-10) == 1e-6
-    megatron = models.NameMap.load("deepseek_v3", "megatron")  # its own format: floors only
+    megatron = NameMap.load("deepseek_v3", "megatron")  # its own format: floors only
     assert megatron.own_format and megatron.float64_floor("loss", 1e-10) >= 1e-10
-    with pytest.raises(models.ModelConfigError, match="format of its own"):
+    with pytest.raises(ModelConfigError, match="format of its own"):
         megatron.rule("grads", "lm_head.weight")
 
 
@@ -136,7 +168,7 @@ class Tiny(torch.nn.Module):
 def test_capture_names_hooks_and_gradient_rules(tmp_path):
     torch.manual_seed(0)
     net = Tiny()
-    name_map = models.NameMap("tiny", "torch", {"grads": {
+    name_map = NameMap("tiny", "torch", {"grads": {
         "gate_up.weight": {"cat0": ["gate_proj.weight", "up_proj.weight"]},
         "experts.{E}.weight": {"slice": "experts", "index": "{E}"}}, "modules": {
         "fc1": {"cat_last": ["gate_proj", "up_proj"]}, "act": {"input_of": "o_proj"},
@@ -236,8 +268,8 @@ def test_float64_yarn_tables_are_hfs_formula():
     and the config the runner builds gives HF's mscale-squared softmax scale."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from harness.runners.torch.hf_model import hf_config, yarn_inv_freq
-    m = Registry.load().get("kimi_k2_2layer").config["model"]
+    from harness.families.deepseek_v3.hf import hf_config, yarn_inv_freq
+    m = Registry.load().get("kimi_k2_2layer").model
     config = hf_config(m, hf)
     theirs = hf.DeepseekV3RotaryEmbedding(config)
     ours, scaling = yarn_inv_freq(config, torch.float32)

@@ -17,10 +17,10 @@ import pytest
 from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
 from harness.capture import GRAD, INPUT, input_key, part_of, refeed_units
-from harness.case.models import Rule
 from harness.case.registry import Registry
 from harness.compare.model_refeed import attribute, owner
 from harness.compare.tensors import compare_tensor
+from harness.families.names import Rule
 from harness.report import blocks, refeed_section
 from tests.support.report_text import assert_same_text
 

@@ -24,7 +24,7 @@ def test_the_registry_cases_resolve_every_train_field():
     assert (train["steps"], train["micro_batches"], train["master_weights"]) == (3, 2, False)
     assert train["decay_steps"] == 3 and train["steps_kept"] == [1, 2, 3] and train["flip"] is None
     assert registry.get("kimi_k2_2layer_train_bf16").config["train"]["master_weights"] is True
-    names = [name for name, _ in train_state_names(case.config["model"])]
+    names = [name for name, _ in train_state_names(case.model)]
     assert len(names) == 794  # the model level's canonical gradients: one state name per parameter
     flip = registry.get("kimi_k2_2layer_train_control_megatron").config["train"]["flip"]
     assert flip["side"] == "b" and flip["tensor"] in names
@@ -49,7 +49,7 @@ def test_the_norm_and_the_clip_factor_are_in_the_gradients_dtype_and_absent_with
     torch and Paddle apply; without clipping the harness computed torch's and Paddle's norm itself and wrote it as
     theirs. Now each is at the precision the gradients are scaled in, and without clipping no clip factor is
     written and the norm is optional (Megatron computes one anyway; torch and Paddle none)."""
-    from harness.case.ops import resolve_dtype
+    from harness.case.specs import resolve_dtype
 
     registry = registry_from(tmp_path, tiny_train_case("t32"), tiny_train_case("t16", dtype="bfloat16"),
                              tiny_train_case("t64", dtype="float64"),
@@ -186,7 +186,7 @@ def test_two_digests_are_equal_only_for_the_same_dtype_and_shape(tmp_path):
     """Equal bytes in another shape or dtype have the same digest: the comparator does not call them equal."""
     from safetensors.numpy import save_file
 
-    from harness.case.ops import TensorSpec
+    from harness.case.specs import TensorSpec
     from harness.compare.train import _compare_step
     from harness.run.orchestrate import SideResult
 
@@ -327,7 +327,8 @@ def _write_run(folder, case, change=None):
     """A test double of a training side's step files (numpy): zeros, with `change` {step: [tensor]} set to one."""
     from safetensors.numpy import save_file
 
-    from harness.case.ops import resolve_dtype, train_step_outputs
+    from harness.case.ops import train_step_outputs
+    from harness.case.specs import resolve_dtype
 
     train, m = case.config["train"], case.config["model"]
     writer = steps.StepWriter(folder, train["steps_kept"], lambda t, path, meta: save_file(t, path, meta),

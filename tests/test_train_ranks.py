@@ -33,7 +33,7 @@ def test_dp_and_ep_default_to_one_rank():
     ({"ep": 2}, {}, "train.ep", r"must divide dp \(1\)"),
     ({"dp": 2, "ep": 0}, {}, "train.ep", "must be one of 1, 2, 4, 8"),
     ({"dp": 4, "ep": 4, "micro_batches": 4}, {"n_routed_experts": 6}, "train.ep",
-     r"must divide n_routed_experts \(6\)"),
+     r"must divide the model's routed experts \(6\)"),
 ])
 def test_bad_rank_counts_name_file_case_field_and_value(tmp_path, train, model, field, why):
     (tmp_path / "bad.toml").write_text(tiny_train_case("bad", train={**TINY_TRAIN, **train},
@@ -261,7 +261,7 @@ def test_an_expert_parallel_rank_holds_its_own_experts_under_their_local_numbers
     from harness.runners.megatron.model import name_map
     from harness.runners.megatron.train import expert_shard
 
-    names = name_map([1], [0], 8)
+    names = name_map({"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 8})
     mine = expert_shard(names, 8, 2, 1)["parameters"]
     experts = {c: m for c, (m, _) in mine.items() if ".mlp.experts." in c}
     assert sorted(experts) == sorted(c for c in names["parameters"] if any(f".experts.{e}." in c for e in (4, 5, 6, 7)))

@@ -3,9 +3,9 @@
 Wrap it around your own training step::
 
     from harness.capture.torch import capture
-    from harness.case.models import NameMap
+    from harness.families.names import NameMap
 
-    with capture(model, "step.safetensors", name_map=NameMap.load("deepseek_v3", "hf")) as cap:
+    with capture(model, "step.safetensors", name_map=NameMap.load(family, "hf")) as cap:  # family: a FAMILIES name
         logits = model(input_ids).logits
         loss = loss_fn(logits, labels)
         loss.backward()
@@ -16,7 +16,7 @@ Interface (``harness.capture.paddle`` has the same):
 
 - ``capture(model, path, *, name_map=None, modules=None, grads=None, batch_dim=0)``: a context manager giving a
   ``Capture``. ``path``: the safetensors file written when the block ends without an exception (None: write
-  nothing, read ``cap.tensors``). ``name_map``: a ``harness.case.models.NameMap`` (its ``modules`` and ``grads``
+  nothing, read ``cap.tensors``). ``name_map``: a ``harness.families.names.NameMap`` (its ``modules`` and ``grads``
   tables say how canonical names are made from the framework's); None: canonical names are the framework's own.
   ``modules``: canonical module paths to capture (None: every submodule under its own name; [] none).
   ``grads``: canonical parameter names whose gradients to write (None: every parameter under its own name).
@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness.capture import RefeedBook, input_key, main_input, module_sources
-from harness.case.models import NameMap, Rule
+from harness.families.names import NameMap, Rule
 
 
 class Capture:

@@ -41,11 +41,12 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensor
 import numpy as np
 from safetensors import safe_open
 
-from harness import paths, resources
+from harness import families, paths, resources
 from harness.bits import format_of
 from harness.case import generate, tensorfile
-from harness.case.ops import MODEL_OPS, resolve_dtype
+from harness.case.ops import MODEL_OPS
 from harness.case.registry import SHARED_WEIGHTS, Case
+from harness.case.specs import resolve_dtype
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
 MANIFEST = "manifest.json"
@@ -457,7 +458,6 @@ def _package_file(case: Case, package: str, file: str) -> Path:
     return Path(list(found.submodule_search_locations)[0]) / file
 
 
-SLICED_BY_EXPERT = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 FP8_BLOCK = 128  # DeepSeek-V3 / Kimi-K2 FP8 checkpoints: one weight_scale_inv per 128 x 128 block
 
 
@@ -468,20 +468,21 @@ def _import_model_weights(case: Case, weights_file: str) -> dict[str, tuple[np.n
     weights with a ``weight_scale_inv`` (Kimi-K2's release) are dequantized blockwise in float32 first."""
     path = Path(weights_file).expanduser()
     files = _model_files(path)
+    sliced = families.family_of(case.model.family).sliced_by_expert  # first dim: the routed experts
     imported = {}
     for spec in case.input_specs():
         if spec.role != "weight":
             continue
         if spec.name not in files:
             raise CheckpointError(f"{path}: no tensor {spec.name!r} (case {case.name!r} needs every parameter of its "
-                                  f"{case.config['model']['num_hidden_layers']} layers in HF names)")
+                                  f"{case.model.num_hidden_layers} layers in HF names)")
         array = _read(files[spec.name], spec.name)
         source = {"file": str(files[spec.name].resolve()), "names": [spec.name], "source_dtype": array.dtype.name}
         scale_name = spec.name + "_scale_inv"
         if array.dtype.itemsize == 1 and scale_name in files:
             array = _dequantize_fp8(array, _read(files[scale_name], scale_name))
             source["dequantized_with"] = scale_name
-        if array.shape != spec.shape and spec.name.endswith(SLICED_BY_EXPERT) and \
+        if array.shape != spec.shape and spec.name.endswith(sliced) and \
                 array.shape[1:] == spec.shape[1:] and array.shape[0] >= spec.shape[0]:
             array = array[:spec.shape[0]]
             source["rows"] = [0, spec.shape[0]]

@@ -27,8 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from harness.bits import format_of
-from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
+from harness.case.specs import resolve_dtype
 
 BLOCK = 1 << 25  # elements per block: every CPU case's tensors fit one, so their bits are version 1's
 SCRATCH = 1 << 20  # elements per float32 scratch buffer inside a block

@@ -25,39 +25,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-# A spec dtype meaning "float32, or float64 in a float64 case" (routing probabilities, the loss, the expert bias).
-FLOAT32_OR_WIDER = "float32+"
-
-
-def resolve_dtype(spec_dtype: str | None, case_dtype: str) -> str:
-    """A tensor's dtype name: the spec's own, the case's (None), or float32 widened for a float64 case."""
-    if spec_dtype is None:
-        return case_dtype
-    if spec_dtype == FLOAT32_OR_WIDER:
-        return "float64" if case_dtype == "float64" else "float32"
-    return spec_dtype
+from harness.case.specs import FLOAT32_OR_WIDER, TensorSpec
+from harness.families import family_of, model_config
 
 # MLA's softmax scale with YaRN (MLASelfAttention: mscale = 0.1 * mscale_all_dim * ln(factor) + 1, scale = mscale^2 /
 # sqrt(qk_nope + qk_rope)), at Kimi-K2's factor 32, mscale_all_dim 1, head dim 192.
 KIMI_SOFTMAX_SCALE = (0.1 * 1.0 * math.log(32.0) + 1.0) ** 2 / math.sqrt(192)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    # "weight" | "input" | "grad" (an upstream gradient fed to backward) | "ids" | "labels" (derived from the
-    # ids: next token, -100 at the end) | "output"
-    role: str
-    dtype: str | None = None  # None: the case's dtype; else fixed (fp32 router probabilities, int64 ids)
-    high: int = 0  # for integer tensors: values are drawn from [0, high)
-    # Outputs only: written only when it exists on that side (a routed expert's output exists only when the expert
-    # got tokens); a shape dim of -1 depends on the data.
-    optional: bool = False
-    # Inputs: the distribution when the case states none (else the role's default), e.g. norm weights near 1.
-    default_dist: dict | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -88,9 +63,9 @@ KNOBS: dict[str, Knob] = {
                         "recipe (plain Paddle ops computing what PaddleFleet's code computes, not PaddleFleet), "
                         "fp32_islands (the recipe with the seed PR's FP32-island SwiGLU)",
                         ("auto", "paddlefleet", "paddleformers", "recipe", "fp32_islands")),
-    "model": Knob((dict,), {}, "model cases: the model's config in HF DeepseekV3Config key names, `family` naming "
-                  "its defaults and name map (harness/case/models/); every default resolved when the case loads"),
-    # YaRN rotary embedding (Kimi-K2's rope_scaling: type yarn)
+    "model": Knob((dict,), {}, "model cases: the model's config in its family's HF config key names, `family` "
+                  "naming the family (harness/families/); every default resolved when the case loads"),
+    # YaRN rotary embedding (Kimi-K2's YaRN)
     "rotary_base": Knob((float,), 50000.0, "RoPE theta (Kimi-K2: 50000)"),
     "rotary_scaling_factor": Knob((float,), 32.0, "YaRN factor (Kimi-K2: 32)"),
     "original_max_position_embeddings": Knob((int,), 4096, "YaRN original context length (Kimi-K2: 4096)"),
@@ -464,136 +439,36 @@ OPS: dict[str, Op] = {op.name: op for op in (
 
 
 # --- the model level: a whole causal LM (docs/model-contract.md) ----------------------------------------------------
-# Shapes come from the case's `config.model` (HF DeepseekV3Config names, every default resolved by the registry).
+# Shapes come from the case's model config (its family's record: harness/families/), every default resolved by the
+# registry. An op record is handed the wire config; `model_config` reads its `model` once.
 
 NORM_DIST = {"dist": "normal", "mean": 1.0, "std": 0.02}  # RMSNorm weights near 1
-EXPERT_BIAS_DIST = {"dist": "normal", "mean": 0.0, "std": 0.01}  # the routing bias: small, float32
-
-
-def model_of(config: Mapping[str, object]) -> dict:
-    return dict(config["model"])  # type: ignore[arg-type]
-
-
-def causal_lm_parameters(m: Mapping) -> list[tuple[str, tuple[int, ...], str]]:
-    """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | norm | embedding |
-    router | expert_bias."""
-    h, heads = m["hidden_size"], m["num_attention_heads"]
-    qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
-    params = [("model.embed_tokens.weight", (m["vocab_size"], h), "embedding")]
-    for layer in range(m["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        params += [
-            (p + "input_layernorm.weight", (h,), "norm"),
-            (p + "self_attn.q_a_proj.weight", (m["q_lora_rank"], h), "linear"),
-            (p + "self_attn.q_a_layernorm.weight", (m["q_lora_rank"],), "norm"),
-            (p + "self_attn.q_b_proj.weight", (heads * qk, m["q_lora_rank"]), "linear"),
-            (p + "self_attn.kv_a_proj_with_mqa.weight", (m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "linear"),
-            (p + "self_attn.kv_a_layernorm.weight", (m["kv_lora_rank"],), "norm"),
-            (p + "self_attn.kv_b_proj.weight", (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]),
-             "linear"),
-            (p + "self_attn.o_proj.weight", (h, heads * m["v_head_dim"]), "linear"),
-            (p + "post_attention_layernorm.weight", (h,), "norm"),
-        ]
-        if layer < m["first_k_dense_replace"]:
-            f = m["intermediate_size"]
-            params += [(p + f"mlp.{n}_proj.weight", (f, h), "linear") for n in ("gate", "up")]
-            params.append((p + "mlp.down_proj.weight", (h, f), "linear"))
-            continue
-        e, f, fs = m["n_routed_experts"], m["moe_intermediate_size"], m["moe_intermediate_size"] * m["n_shared_experts"]
-        params += [(p + "mlp.gate.weight", (e, h), "router"),
-                   (p + "mlp.gate.e_score_correction_bias", (e,), "expert_bias")]
-        for expert in range(e):
-            q = p + f"mlp.experts.{expert}."
-            params += [(q + "gate_proj.weight", (f, h), "linear"), (q + "up_proj.weight", (f, h), "linear"),
-                       (q + "down_proj.weight", (h, f), "linear")]
-        params += [(p + f"mlp.shared_experts.{n}_proj.weight", (fs, h), "linear") for n in ("gate", "up")]
-        params.append((p + "mlp.shared_experts.down_proj.weight", (h, fs), "linear"))
-    params += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (m["vocab_size"], h), "linear")]
-    return params
-
-
-def causal_lm_gradients(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
-    """Canonical gradient names (gate and up fused as Megatron fuses them) and shapes, in backward order."""
-    grads: list[tuple[str, tuple[int, ...]]] = []
-    pending: list[tuple[str, tuple[int, ...]]] = []
-    for name, shape, kind in causal_lm_parameters(m):
-        if kind == "expert_bias" or name.endswith("up_proj.weight"):
-            continue  # no gradient; up_proj is fused into gate_proj's entry
-        if name.endswith("gate_proj.weight"):
-            name, shape = name.replace("gate_proj", "gate_up_proj"), (2 * shape[0], shape[1])
-        pending.append((name, shape))
-    # backward order: the reverse of the forward order, except that each MoE layer's experts stay ascending
-    # (down_proj before gate_up_proj: autograd meets fc2 first) so the report reads expert by expert.
-    i = len(pending) - 1
-    while i >= 0:
-        name, shape = pending[i]
-        if ".mlp.experts." in name:
-            j = i
-            while j >= 0 and ".mlp.experts." in pending[j][0]:
-                j -= 1
-            block = pending[j + 1:i + 1]
-            for k in range(0, len(block), 2):
-                grads += [block[k + 1], block[k]]
-            i = j
-            continue
-        grads.append((name, shape))
-        i -= 1
-    return [("grad." + n, s) for n, s in grads]
-
-
-def causal_lm_modules(m: Mapping, tokens: int) -> list[TensorSpec]:
-    """Module outputs in forward order (canonical HF module paths)."""
-    h, heads, t = m["hidden_size"], m["num_attention_heads"], tokens
-    qk = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
-    probs_dtype = FLOAT32_OR_WIDER
-    specs = [TensorSpec("module.model.embed_tokens", (t, h), "output")]
-    for layer in range(m["num_hidden_layers"]):
-        p = f"module.model.layers.{layer}."
-        specs += [TensorSpec(p + name, (t, width), "output") for name, width in (
-            ("input_layernorm", h), ("self_attn.q_a_proj", m["q_lora_rank"]),
-            ("self_attn.q_a_layernorm", m["q_lora_rank"]), ("self_attn.q_b_proj", heads * qk),
-            ("self_attn.kv_a_proj_with_mqa", m["kv_lora_rank"] + m["qk_rope_head_dim"]),
-            ("self_attn.kv_a_layernorm", m["kv_lora_rank"]),
-            ("self_attn.kv_b_proj", heads * (m["qk_nope_head_dim"] + m["v_head_dim"])),
-            ("self_attn.core_attention", heads * m["v_head_dim"]), ("self_attn.o_proj", h),
-            ("post_attention_layernorm", h))]
-        if layer < m["first_k_dense_replace"]:
-            f = m["intermediate_size"]
-            specs += [TensorSpec(p + "mlp.gate_up_proj", (t, 2 * f), "output"),
-                      TensorSpec(p + "mlp.act", (t, f), "output"), TensorSpec(p + "mlp.down_proj", (t, h), "output")]
-        else:
-            e = m["n_routed_experts"]
-            specs += [TensorSpec(p + "mlp.gate.topk_indices", (t, m["num_experts_per_tok"]), "output", "int64"),
-                      TensorSpec(p + "mlp.gate.probs", (t, e), "output", probs_dtype)]
-            specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(e)]
-            specs += [TensorSpec(p + "mlp.shared_experts", (t, h), "output"), TensorSpec(p + "mlp", (t, h), "output")]
-        specs.append(TensorSpec(p.rstrip("."), (t, h), "output"))
-    specs.append(TensorSpec("module.model.norm", (t, h), "output"))
-    return specs
+BUFFER_DIST = {"dist": "normal", "mean": 0.0, "std": 0.01}  # a buffer (the routing bias): small, float32
 
 
 def _causal_lm_inputs(shapes, tokens, config):
-    m = model_of(config)
+    m = model_config(config["model"])
     specs = []
-    for name, shape, kind in causal_lm_parameters(m):
-        if kind == "expert_bias":
-            specs.append(TensorSpec(name, shape, "weight", FLOAT32_OR_WIDER, default_dist=EXPERT_BIAS_DIST))
+    for name, shape, kind in family_of(m.family).parameters(m):
+        if kind == "buffer":
+            specs.append(TensorSpec(name, shape, "weight", FLOAT32_OR_WIDER, default_dist=BUFFER_DIST))
         else:
             specs.append(TensorSpec(name, shape, "weight", default_dist=NORM_DIST if kind == "norm" else None))
-    return specs + [TensorSpec("input_ids", (tokens,), "ids", "int64", high=m["vocab_size"]),
+    return specs + [TensorSpec("input_ids", (tokens,), "ids", "int64", high=m.vocab_size),
                     TensorSpec("labels", (tokens,), "labels", "int64")]
 
 
 def _causal_lm_outputs(shapes, tokens, config):
     """Forward (module outputs, logits, loss), then backward (every parameter gradient): topological order."""
-    m = model_of(config)
+    m = model_config(config["model"])
+    family = family_of(m.family)
     loss_dtype = FLOAT32_OR_WIDER
-    return [*causal_lm_modules(m, tokens), TensorSpec("logits", (tokens, m["vocab_size"]), "output"),
+    return [*family.modules(m, tokens), TensorSpec("logits", (tokens, m.vocab_size), "output"),
             TensorSpec("loss", (), "output", loss_dtype),
-            *(TensorSpec(name, shape, "output") for name, shape in causal_lm_gradients(m))]
+            *(TensorSpec(name, shape, "output") for name, shape in family.gradients(m))]
 
 
-# The whole model: TP=1 (tp_split_field None); its one knob is the model config (harness/case/models/).
+# The whole model: TP=1 (tp_split_field None); its one knob is the model config (harness/families/).
 CAUSAL_LM = Op("causal_lm", "model", (), _causal_lm_inputs, _causal_lm_outputs, None, ("model",), level="model")
 OPS[CAUSAL_LM.name] = CAUSAL_LM
 
@@ -610,18 +485,21 @@ OPS[CAUSAL_LM.name] = CAUSAL_LM
 STATE_QUANTITIES = ("grad", "exp_avg", "exp_avg_sq", "master", "param")  # per parameter, in the step's order
 
 
-def train_buffer_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
-    """The buffers training may change: each MoE layer's routing bias (Megatron updates it after every step:
-    aux-loss-free load balancing; HF's and Paddle's training code leave it)."""
-    return [(name, shape) for name, shape, kind in causal_lm_parameters(m) if kind == "expert_bias"]
+def train_buffer_names(m) -> list[tuple[str, tuple[int, ...]]]:
+    """The buffers training may change (`m`: the model's config, typed or a request's dict): each MoE layer's routing
+    bias (Megatron updates it after every step: aux-loss-free load balancing; HF's and Paddle's training code leave
+    it)."""
+    m = model_config(m)
+    return family_of(m.family).buffers(m)
 
 
-def train_state_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
+def train_state_names(m) -> list[tuple[str, tuple[int, ...]]]:
     """(canonical parameter name, shape) of every trained parameter: the gradient names without "grad."."""
-    return [(name[len("grad."):], shape) for name, shape in causal_lm_gradients(m)]
+    m = model_config(m)
+    return [(name[len("grad."):], shape) for name, shape in family_of(m.family).gradients(m)]
 
 
-def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec]:
+def train_step_outputs(m, train: Mapping, step: int) -> list[TensorSpec]:
     wide = FLOAT32_OR_WIDER
     states = train_state_names(m)
     p = f"step{step}."
@@ -643,18 +521,18 @@ def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec
 
 
 def _causal_lm_train_inputs(shapes, tokens, config):
-    m, train = model_of(config), config["train"]
+    m, train = model_config(config["model"]), config["train"]
     specs = [s for s in _causal_lm_inputs(shapes, tokens, config) if s.role not in ("ids", "labels")]
     for step in range(1, int(train["steps"]) + 1):
         for mb in range(int(train["micro_batches"])):
             p = f"step{step}.mb{mb}."
-            specs += [TensorSpec(p + "input_ids", (tokens,), "ids", "int64", high=m["vocab_size"]),
+            specs += [TensorSpec(p + "input_ids", (tokens,), "ids", "int64", high=m.vocab_size),
                       TensorSpec(p + "labels", (tokens,), "labels", "int64")]
     return specs
 
 
 def _causal_lm_train_outputs(shapes, tokens, config):
-    m, train = model_of(config), config["train"]
+    m, train = model_config(config["model"]), config["train"]
     return [spec for step in range(1, int(train["steps"]) + 1) for spec in train_step_outputs(m, train, step)]
 
 

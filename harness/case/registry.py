@@ -10,16 +10,17 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
-from harness import paths
-from harness.case import models
+from harness import families, paths
 from harness.case import tolerance as tolerance_policy
 from harness.case import train as train_table
-from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, resolve_dtype
+from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op
+from harness.case.specs import resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 # A case's name becomes its checkpoint folder, checkpoints/<case>/; this folder holds the weights cases share.
@@ -113,6 +114,12 @@ class Case:
     @property
     def op_spec(self) -> Op:
         return OPS[self.op]
+
+    @cached_property
+    def model(self):
+        """The model's typed config (its family's record: ``harness.families``), None for an op case. `config` keeps
+        its wire form, the dict a request and a report carry."""
+        return families.model_config(self.config["model"]) if self.op in MODEL_OPS else None
 
     def with_tokens(self, tokens: int) -> Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
@@ -308,16 +315,18 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if ("model" in config) != (op in MODEL_OPS):
         raise f.error("config.model", f"is required for op {op} and only for model ops ({', '.join(MODEL_OPS)})",
                       config.get("model"))
+    model = None
     if op in MODEL_OPS:
         given = config["model"]
         try:
-            config = {**config, "model": models.resolve_config(given.get("family", "deepseek_v3"), given)}
-        except models.ModelConfigError as error:
+            model = families.family_of(given.get("family", families.DEFAULT)).config.resolve(given)
+        except families.ModelConfigError as error:
             raise f.error("config.model", str(error), given) from None
+        config = {**config, "model": model.to_dict()}  # the wire form; the typed one is Case.model
     if "train" in table and op not in TRAIN_OPS:
         raise f.error("train", f"is only for training ops ({', '.join(TRAIN_OPS)})", table["train"])
     if op in TRAIN_OPS:  # stored complete in the config, so the request carries it to every runner
-        config = {**config, "train": train_table.parse(f, dtype, config["model"])}
+        config = {**config, "train": train_table.parse(f, dtype, model)}
     config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, shapes, tp, tokens, config)

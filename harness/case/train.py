@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.case.ops import STATE_QUANTITIES, train_state_names
+from harness.families import routed_experts
 
 DECAY_STYLES = ("cosine", "constant")
 WEIGHT_DECAY_PARAMS = {
@@ -129,8 +130,8 @@ def ranks_problem(train: dict, model: dict) -> tuple[str, str] | None:
                       "of the same global batch")
     if dp % ep:
         return "ep", f"must divide dp ({dp}): Megatron splits the experts across the data-parallel ranks"
-    if model.get("n_routed_experts", 0) % ep:
-        return "ep", f"must divide n_routed_experts ({model.get('n_routed_experts')})"
+    if routed_experts(model) % ep:
+        return "ep", f"must divide the model's routed experts ({routed_experts(model)})"
     return None
 
 

@@ -22,12 +22,13 @@ import re
 
 import numpy as np
 
-from harness.case.models import NameMap, lookup
-from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
+from harness.case.specs import resolve_dtype
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.compare.versus_oracle import closer_side
+from harness.families import family_of
+from harness.families.names import NameMap, lookup
 from harness.run.orchestrate import SideResult
 from harness.runners.oracle.runner import round_once
 
@@ -127,8 +128,8 @@ def _numpy_dtype(name: str):
 def semantic_check(case: Case, tensors: list[TensorComparison], runners: tuple[str, str],
                    agreement: float = FLOAT64_AGREEMENT, table: str = "float64") -> dict:
     """float64 agreement per tensor; `ok` False names the first tensor beyond its limit (a mapping error). `table`:
-    the name maps' table of floors that applies (harness.case.models.FLOORS)."""
-    family = case.config["model"]["family"]
+    the name maps' table of floors that applies (harness.families.names.FLOORS)."""
+    family = case.model.family
     maps = []
     for runner in runners:
         try:
@@ -169,7 +170,7 @@ def idle_experts(case: Case, sides: list[SideResult]) -> dict[str, list[int]]:
     """Per MoE layer, the routed experts no token went to on either side (their gradients are zero on both)."""
     from safetensors import safe_open
     idle = {}
-    experts = case.config["model"]["n_routed_experts"]
+    experts = family_of(case.model.family).routed_experts(case.model)
     for spec in case.output_specs():
         if not spec.name.endswith(".mlp.gate.topk_indices"):
             continue

@@ -20,8 +20,9 @@ import numpy as np
 from safetensors import safe_open
 
 from harness.bits import format_of
-from harness.case.ops import STATE_QUANTITIES, resolve_dtype, train_step_outputs
+from harness.case.ops import STATE_QUANTITIES, train_step_outputs
 from harness.case.registry import Case
+from harness.case.specs import resolve_dtype
 from harness.compare.model import TRUTH_RUNNER, _numpy_dtype
 from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, SHAPE_MISMATCH, TensorComparison, compare_tensor
 from harness.run.orchestrate import SideResult

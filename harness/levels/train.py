@@ -36,7 +36,7 @@ class TrainLevel(Level):
             case = replace(case, config={**case.config, "train": {**case.config["train"], "steps_kept": kept}})
         if dp is not None or ep is not None:
             train_ = case.config["train"]
-            ranked = with_ranks(train_, case.config["model"], train_["dp"] if dp is None else dp,
+            ranked = with_ranks(train_, case.model, train_["dp"] if dp is None else dp,
                                 train_["ep"] if ep is None else ep, _ranks_error(case, "--dp / --ep"))
             case = replace(case, config={**case.config, "train": ranked})
         return case
@@ -56,7 +56,7 @@ class TrainLevel(Level):
         train_ = case.config["train"]
         a = {"dp": train_["dp"], "ep": train_["ep"]}
         b = {**a, versus.axis: versus.b}
-        with_ranks(train_, case.config["model"], b["dp"], b["ep"], _ranks_error(case, option))
+        with_ranks(train_, case.model, b["dp"], b["ep"], _ranks_error(case, option))
         if a == b:
             raise CaseError(f"{case.source}: case {case.name!r}: {option}={versus.b} is side a's {versus.axis} already "
                             f"(train.{versus.axis} = {versus.b}); give side a another with --{versus.axis}")

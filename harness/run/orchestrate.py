@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 from harness import paths, resources
 from harness.case.checkpoints import Checkpoint, CheckpointError, tensor_layouts
-from harness.case.ops import resolve_dtype
 from harness.case.registry import Case
+from harness.case.specs import resolve_dtype
 from harness.run import launch, placement, shards, steps, supervisor, workers
 from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS

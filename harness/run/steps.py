@@ -152,9 +152,9 @@ def state_locations(family: str, framework: str, quantities) -> dict[str, str]:
     quantities the runner writes."""
     import tomllib
 
-    from harness.case.models import FOLDER
+    from harness.families import family_of
 
-    table = tomllib.loads((FOLDER / f"{family}.toml").read_text())[framework].get("train", {})
+    table = tomllib.loads(family_of(family).names.read_text())[framework].get("train", {})
     if set(table) != set(quantities):
         raise ValueError(f"[{framework}.train] of the {family} name map names {sorted(table)}; the runner writes "
                          f"{sorted(quantities)}")
@@ -181,9 +181,10 @@ def flips_here(flip: dict | None, step: int, rank: int) -> bool:
 def validate(folder, case) -> str:
     """What is wrong with a training side's step files for `case` (its request's steps_kept), or "": every step's file,
     every kept tensor, and every other state tensor's digest, in its dtype and shape."""
-    from harness.case.ops import resolve_dtype, train_step_outputs
+    from harness.case.ops import train_step_outputs
+    from harness.case.specs import resolve_dtype
 
-    train, m = case.config["train"], case.config["model"]
+    train, m = case.config["train"], case.model
     for step in range(1, train["steps"] + 1):
         path = step_file(folder, step)
         if not path.exists():

@@ -1,6 +1,6 @@
-"""``python -m harness.runners.hf_model``: HF transformers' DeepseekV3, a whole model: one forward and backward (op
-``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with torch's AdamW (op ``causal_lm_train``,
-``torch/hf_train.py``)."""
+"""``python -m harness.runners.hf_model``: HF transformers' model of a family (harness/families/<family>/hf.py), a whole
+model: one forward and backward (op ``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with torch's AdamW (op
+``causal_lm_train``, ``torch/hf_train.py``)."""
 
 from harness.run.protocol import Phases, import_answer, model_op_table, serve
 
@@ -22,13 +22,15 @@ def probe(device: str) -> dict:
               "cuda_available": torch.cuda.is_available()}
     if device == "gpu" and not torch.cuda.is_available():
         answer["device_problem"] = f"torch {torch.__version__} sees no GPU"
+    from harness.families import FAMILIES
+
     try:
         import transformers
-        from transformers.models.deepseek_v3 import modeling_deepseek_v3
+        builders = [family.builder("hf") for family in FAMILIES.values()]
+        model = ", ".join(f"{builder.modeling().__name__}.{builder.MODEL}" for builder in builders)
     except Exception as error:  # noqa: BLE001
         return {**answer, **import_answer("transformers", error)}
     answer["versions"]["transformers"] = transformers.__version__
-    model = f"{modeling_deepseek_v3.__name__}.DeepseekV3ForCausalLM"
     return {**answer, "importable": True, "ops": model_op_table("hf_model", {
         "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW + clip_grad_norm_ + transformers' "
                                                "LambdaLR schedule"})}

@@ -1,6 +1,6 @@
-"""``python -m harness.runners.paddle_model``: a whole model, PaddleFleet's GPTModel (GPU) or PaddleFormers'
-DeepseekV3 (CPU): one forward and backward (op ``causal_lm``, ``paddle/model.py``) or N optimizer steps with Paddle's
-AdamW (op ``causal_lm_train``, ``paddle/train.py``)."""
+"""``python -m harness.runners.paddle_model``: a whole model, PaddleFleet's GPTModel (GPU) or PaddleFormers' model of
+a family (CPU; harness/families/<family>/paddle.py): one forward and backward (op ``causal_lm``, ``paddle/model.py``)
+or N optimizer steps with Paddle's AdamW (op ``causal_lm_train``, ``paddle/train.py``)."""
 
 from harness.run.protocol import Phases, Unsupported, import_answer, import_failure, model_op_table, serve
 
@@ -34,16 +34,19 @@ def probe(device: str) -> dict:
         return {**answer, "importable": True, "ops": model_op_table("paddle_model", {
             "causal_lm": "paddlefleet GPTModel", "causal_lm_train": {
                 "would_run": None, "reason": "training on a GPU: PaddleFleet's loop is not written"}})}
+    from harness.families import FAMILIES
     from harness.runners.paddle import paddlefleet_ops_shim
 
     try:
         paddlefleet_ops_shim.install()
         import paddleformers
-        from paddleformers.transformers import deepseek_v3  # noqa: F401
+        builders = [family.builder("paddle") for family in FAMILIES.values()]
+        for builder in builders:
+            builder.classes()
     except Exception as error:  # noqa: BLE001
         return {**answer, **import_answer("paddleformers", error)}
     answer["versions"]["paddleformers"] = getattr(paddleformers, "__version__", "unknown")
-    formers = "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM (Paddle dygraph, CPU)"
+    formers = ", ".join(builder.MODEL for builder in builders) + " (Paddle dygraph, CPU)"
     try:
         paddle.set_device("cpu")
         model._probe_cpu_bf16_matmul()

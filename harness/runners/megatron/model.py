@@ -1,17 +1,15 @@
-"""Megatron-Core model runner (op ``causal_lm``): ``GPTModel`` with the local spec (no Transformer Engine),
-``MLASelfAttention`` and ``MoELayer`` with ``SequentialMLP`` experts, for DeepSeek-V3 / Kimi-K2 configs given in
-HF ``DeepseekV3Config`` key names (``docs/model-contract.md``).
+"""Megatron-Core model runner (op ``causal_lm``): ``GPTModel`` with the local spec (no Transformer Engine), for a
+model family's config given in its HF key names (``docs/model-contract.md``).
 
-The HF config is translated to ``MLATransformerConfig`` (``translate_config``); the HF-named checkpoint is loaded
-through the ``[megatron]`` section of ``harness/case/models/deepseek_v3.toml``; the forward runs with labels so that
-Megatron's own LM-loss path computes the per-token cross entropy, and the loss is its mean over the positions whose
-label is not -100 (Megatron's ``loss_mask`` convention). Module outputs come from forward hooks (``capture``),
-parameter gradients from ``param.grad``, all written in canonical names with the batch dim dropped.
+The family's Megatron builder (``harness/families/<family>/megatron.py``) translates the HF config to Megatron's
+(``translate_config``) and names the core attention the layers get; the HF-named checkpoint is loaded through the
+``[megatron]`` section of the family's ``names.toml`` (``name_map``); the forward runs with labels so that Megatron's
+own LM-loss path computes the per-token cross entropy, and the loss is its mean over the positions whose label is not
+-100 (Megatron's ``loss_mask`` convention). Module outputs come from forward hooks (``capture``), parameter gradients
+from ``param.grad``, all written in canonical names with the batch dim dropped.
 
-Adapters (each listed in meta.json, none changes a computation; ``tests/test_megatron_model.py`` tests each):
-- ``MLADotProductAttention``: the local ``DotProductAttention`` refuses the ``k_channels``/``v_channels`` that
-  ``MLASelfAttention`` passes. The subclass accepts them and sizes its output view with ``v_channels`` (MLA's v head
-  dim differs from the qk head dim); the scores and context are the parent's own code, with MLA's softmax scale.
+Adapters (each listed in meta.json, none changes a computation; ``tests/test_megatron_model.py`` tests each): the
+family's own first (DeepSeek-V3: ``MLADotProductAttention``, ``mla_have_te_false``), then
 - CPU only: ``torch.cuda.current_device`` returns ``"cpu"`` (YaRN RoPE, router buffers and the global memory buffer
   ask for the "current GPU"); the RNG tracker is initialised without CUDA (``DotProductAttention`` forks it
   around a dropout of p=0); 0.16.1's ``moe_utils.te_general_gemm`` is defined as None without TE.
@@ -22,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
+from types import ModuleType
 
 import tomllib
 
@@ -32,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from harness.families import family_of, model_config  # noqa: E402
 from harness.run.cell_state import patch  # noqa: E402
 from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
@@ -45,57 +44,39 @@ from harness.runners.torch import env as torch_env  # noqa: E402
 try:
     from megatron.core import __version__ as megatron_version
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
 except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; installed but broken: ERROR (in run)
     MEGATRON_IMPORT_ERROR: Exception | None = error
-    DotProductAttention = object
 else:
     MEGATRON_IMPORT_ERROR = None
 
-NAME_MAP = Path(__file__).resolve().parents[2] / "case" / "models" / "deepseek_v3.toml"
 DTYPES = {**torch_env.DTYPES, "float64": torch.float64}
 IGNORE_INDEX = -100
 
 
-class MLADotProductAttention(DotProductAttention):
-    """The local ``DotProductAttention`` as MLA calls it: ``k_channels`` (qk head dim incl. RoPE) and ``v_channels``
-    accepted. Its computation reads the head dims from the query/key/value tensors themselves (``reshape(..., -1)``);
-    the only size taken from the config is the output view ``hidden_size_per_partition`` (kv_channels * heads),
-    which must be ``v_channels * heads`` here. The softmax scale is MLA's explicit one (YaRN mscale^2 / sqrt(qk))."""
-
-    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if v_channels is not None:
-            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-        self.k_channels, self.v_channels = k_channels, v_channels
+def builder(model) -> ModuleType:
+    """The Megatron builder of `model`'s family (`model`: the request's config.model, or typed)."""
+    return family_of(model_config(model).family).builder("megatron")
 
 
 ADAPTER_DOCS = {
-    "MLADotProductAttention": "subclass of megatron.core.transformer.dot_product_attention.DotProductAttention that "
-    "accepts MLASelfAttention's k_channels/v_channels keywords (the local class refuses them) and sizes its output "
-    "view [s, b, heads * v_head_dim] from v_channels; scores, softmax and context are the parent's code",
     "cpu_current_device": "CPU only: torch.cuda.current_device() returns 'cpu' (YarnRotaryEmbedding, TopKRouter "
     "buffers and the global memory buffer ask for the current GPU)",
     "cpu_rng_tracker": "CPU only: tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True) instead "
     "of model_parallel_cuda_manual_seed (DotProductAttention forks the CUDA RNG tracker around dropout p=0)",
-    "mla_have_te_false": "without Transformer Engine: multi_latent_attention.HAVE_TE = False. Megatron's TE extension "
-    "module imports with MagicMock stand-ins, so MLA believes TE is present and its isinstance(linear_proj, TELinear) "
-    "check (fp8/fp4 only) raises TypeError on the mock; the flag only guards TE/fp8 branches",
     "te_general_gemm_none": "megatron-core < 0.19 without Transformer Engine: moe_utils.te_general_gemm = None "
     "(the router references the name unguarded)",
 }
 
 
-def install_adapters(device: torch.device, skip=()) -> list[dict]:
-    """The shims (the CPU ones only on a CPU), each returned as a meta.json entry; `skip` is for the tests that
-    show each one is needed. Each patch lasts for this cell only (``harness.run.cell_state.patch``)."""
-    from megatron.core.transformer import multi_latent_attention
+def install_adapters(device: torch.device, model, skip=()) -> list[dict]:
+    """The shims (the family's of `model`, then the CPU ones only on a CPU), each returned as a meta.json entry;
+    `skip` is for the tests that show each one is needed. Each patch lasts for this cell only
+    (``harness.run.cell_state.patch``)."""
     from megatron.core.transformer.moe import moe_utils
 
-    names = [] if "MLADotProductAttention" in skip else ["MLADotProductAttention"]
-    if not te_importable() and multi_latent_attention.HAVE_TE and "mla_have_te_false" not in skip:
-        patch(multi_latent_attention, "HAVE_TE", False)
-        names.append("mla_have_te_false")
+    family = builder(model)
+    docs = {**family.ADAPTERS, **ADAPTER_DOCS}
+    names = family.install_adapters(skip, te_importable())
     if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
         patch(moe_utils, "te_general_gemm", None)
         names.append("te_general_gemm_none")
@@ -108,7 +89,7 @@ def install_adapters(device: torch.device, skip=()) -> list[dict]:
             names.append("cpu_rng_tracker")
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    return [{"name": n, "why": ADAPTER_DOCS[n], "changes_computation": False} for n in names]
+    return [{"name": n, "why": docs[n], "changes_computation": False} for n in names]
 
 
 def te_importable() -> bool:
@@ -119,116 +100,28 @@ def te_importable() -> bool:
     return True
 
 
-def translate_config(model: dict, dtype: torch.dtype, device: torch.device, expert_parallel: int = 1):
-    """HF ``DeepseekV3Config`` keys -> (``MLATransformerConfig``, knobs: every setting chosen and why);
-    `expert_parallel`: the experts split over that many ranks (a training run's train.ep)."""
-    from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    def need(condition, why):
-        if not condition:
-            raise Unsupported(f"megatron_model: {why}")
-
-    layers, experts, topk = model["num_hidden_layers"], model["n_routed_experts"], model["num_experts_per_tok"]
-    need(model.get("scoring_func", "sigmoid") == "sigmoid", "only scoring_func sigmoid is mapped")
-    need(model.get("norm_topk_prob", True) or topk == 1,
-         "Megatron's sigmoid router always normalises the top-k probabilities (norm_topk_prob false)")
-    need(not model.get("tie_word_embeddings", False), "tied embeddings are not mapped")
-    need(not model.get("attention_bias", False), "attention_bias is not mapped")
-    need(model.get("num_key_value_heads", model["num_attention_heads"]) == model["num_attention_heads"],
-         "MLA with num_key_value_heads != num_attention_heads")
-    need(model.get("q_lora_rank") is not None, "q_lora_rank None (linear_q_proj) is not mapped")
-    n_group, topk_group = model.get("n_group") or 1, model.get("topk_group") or 1
-    # HF picks groups by the sum of each group's top-2 scores; Megatron by the sum of its top (topk // group_topk).
-    need(n_group == 1 or topk // topk_group == 2,
-         f"group-limited routing with topk {topk} / topk_group {topk_group} != 2 (HF sums each group's top-2)")
-    rope = dict(model.get("rope_scaling") or {})
-    rope_type = rope.get("type", rope.get("rope_type", "default"))
-    need(rope_type in ("yarn", "default"), f"rope_scaling type {rope_type!r}")
-    need(model.get("rope_interleave", True), "rope_interleave false (Megatron's MLA RoPE de-interleaves)")
-    dense = int(model.get("first_k_dense_replace", 0))
-    yarn = {}
-    if rope_type == "yarn":
-        yarn = dict(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                    beta_fast=float(rope.get("beta_fast", 32)), beta_slow=float(rope.get("beta_slow", 1)),
-                    mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
-    else:
-        yarn = dict(rope_type="rope", rotary_scaling_factor=1.0)
-    router_dtype = "fp64" if dtype == torch.float64 else "fp32"
-    knobs = {
-        "spec": "get_gpt_decoder_block_spec(use_transformer_engine=False, normalization='RMSNorm'): local modules, "
-                "WrappedTorchNorm (torch.nn.RMSNorm) for every norm incl. the final one",
-        "moe_layer_freq": f"{dense} dense layer(s) then MoE (first_k_dense_replace)",
-        "moe_grouped_gemm": "False: SequentialMLP, one MLP per expert",
-        "moe_token_dispatcher_type": "allgather" + (
-            f": expert_model_parallel_size {expert_parallel}, every rank all-gathers the tokens and runs its own "
-            "experts on those routed to them" if expert_parallel > 1 else " (one expert-parallel rank)"),
-        "moe_router_dtype": f"{router_dtype}: the gating GEMM and routing in {router_dtype} (fp32 is Kimi-K2's "
-                            "training setting; float64 cases keep float64). Megatron computes sigmoid(logits.float()) "
-                            "in fp32 whatever this says",
-        "router_gating_gemm": "megatron-core >= 0.19 with Transformer Engine installed: te_general_gemm for a fp32 "
-                              "router (Megatron's own choice); otherwise torch (RouterGatingLinearFunction)",
-        "moe_router_load_balancing_type": "none, moe_aux_loss_coeff 0: no auxiliary loss in the gradients "
-                                          "(HF has none)",
-        "moe_router_num_groups": f"{n_group if n_group > 1 else None} (n_group), group_topk "
-                                 f"{topk_group if n_group > 1 else None}",
-        "bias_activation_fusion": "True: SwiGLU through bias_swiglu_impl / weighted_bias_swiglu_impl (hand-written "
-                                  "backward), eager (TORCHDYNAMO_DISABLE=1)",
-        "attention_softmax_in_fp32": "True: FusedScaleMaskSoftmax's unfused path upcasts bf16 scores "
-                                     "(no-op in fp32/64)",
-        "masked_softmax_fusion": "False: the torch softmax path (the fused kernels are CUDA extensions)",
-        "apply_rope_fusion": "False: unfused MLA RoPE (_apply_rotary_pos_emb_bshd, de-interleaving HF's rope dims)",
-        "cross_entropy_loss_fusion": "False: tensor_parallel.vocab_parallel_cross_entropy (fp32 logits)",
-        "hidden_dropout / attention_dropout": "0.0",
-        "attention_backend": "local: the local spec's DotProductAttention (with the default 'auto', GPTModel asserts "
-                             "on the NVTE_FLASH_ATTN=0 / NVTE_FUSED_ATTN=0 the harness sets on a GPU)",
-        "share_embeddings_and_output_weights": "False",
-        "deterministic_mode": "False (F.embedding)",
-        "params_dtype": f"{dtype}: GPTModel cast with .to(dtype) as Float16Module does for bf16 (norm weights "
-                        "included); the router's expert_bias stays float32 (Megatron keeps it so)",
-    }
-    config = MLATransformerConfig(
-        num_layers=layers, hidden_size=model["hidden_size"], ffn_hidden_size=model["intermediate_size"],
-        num_attention_heads=model["num_attention_heads"],
-        q_lora_rank=model["q_lora_rank"], kv_lora_rank=model["kv_lora_rank"], qk_head_dim=model["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=model["qk_rope_head_dim"], v_head_dim=model["v_head_dim"],
-        rotary_base=float(model.get("rope_theta", 10000.0)), **yarn,
-        normalization="RMSNorm", layernorm_epsilon=float(model["rms_norm_eps"]), qk_layernorm=True,
-        attention_backend=AttnBackend.local,
-        add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        bias_activation_fusion=True, masked_softmax_fusion=False, attention_softmax_in_fp32=True,
-        apply_rope_fusion=False, cross_entropy_loss_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        num_moe_experts=experts, moe_ffn_hidden_size=model["moe_intermediate_size"], moe_router_topk=topk,
-        moe_layer_freq=[0] * dense + [1] * (layers - dense),
-        moe_shared_expert_intermediate_size=(model["moe_intermediate_size"] * model["n_shared_experts"]
-                                             if model.get("n_shared_experts") else None),
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
-        moe_router_topk_scaling_factor=float(model.get("routed_scaling_factor", 1.0)),
-        moe_router_num_groups=n_group if n_group > 1 else None,
-        moe_router_group_topk=topk_group if n_group > 1 else None,
-        moe_router_dtype=router_dtype, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
-        expert_model_parallel_size=expert_parallel,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False,
-        use_cpu_initialization=device.type == "cpu", perform_initialization=False,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=1, sequence_parallel=False)
-    return config, knobs
+def translate_config(model, dtype: torch.dtype, device: torch.device, expert_parallel: int = 1):
+    """The family's Megatron config for `model` (the request's config.model): (config, knobs: every setting chosen
+    and why); `expert_parallel`: the experts split over that many ranks (a training run's train.ep)."""
+    typed = model_config(model)
+    return builder(typed).translate_config(typed, dtype, device, expert_parallel)
 
 
-def build_model(config, model_cfg: dict, device: torch.device, core_attention=MLADotProductAttention):
-    """``GPTModel`` on the local block spec, every layer's core attention swapped for ``MLADotProductAttention``."""
+def build_model(config, model, device: torch.device, skip_adapters=()):
+    """``GPTModel`` on the local block spec, every layer's core attention the family's (``core_attention``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    model = model_config(model)
+    core_attention = builder(model).core_attention(skip_adapters)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = core_attention
     spec.layer_norm = WrappedTorchNorm
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model_cfg["vocab_size"],
-                     max_sequence_length=int(model_cfg.get("max_position_embeddings", 4096)), pre_process=True,
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model.vocab_size,
+                     max_sequence_length=int(model.max_position_embeddings), pre_process=True,
                      post_process=True, parallel_output=True, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope")
     # Every parameter in the case dtype, as Megatron's Float16Module does for bf16 (module.bfloat16()): the local
@@ -238,10 +131,15 @@ def build_model(config, model_cfg: dict, device: torch.device, core_attention=ML
 
 # ---------------------------------------------------------------------------------------------- name map
 
-def name_map(moe_layers: list[int], dense_layers: list[int], experts: int, section: str = "megatron") -> dict:
-    """The TOML section expanded for this model: {"parameters": {canonical: (megatron, [checkpoint names])},
-    "buffers": {...same...}, "modules": {canonical: megatron}, "not_captured": {canonical: why}}."""
-    data = tomllib.loads(NAME_MAP.read_text())[section]
+def name_map(model, section: str = "megatron") -> dict:
+    """The family's TOML section expanded for `model` (the request's config.model, or typed): {"parameters":
+    {canonical: (megatron, [checkpoint names])}, "buffers": {...same...}, "modules": {canonical: megatron},
+    "not_captured": {canonical: why}}."""
+    model = model_config(model)
+    family = family_of(model.family)
+    dense_layers, moe_layers = family.dense_layers(model), family.moe_layers(model)
+    experts = family.routed_experts(model)
+    data = tomllib.loads(family.names.read_text())[section]
     groups = {"model": [{}], "layer": [{"L": L} for L in sorted(dense_layers + moe_layers)],
               "dense": [{"L": L} for L in dense_layers], "moe": [{"L": L} for L in moe_layers],
               "expert": [{"L": L, "E": E} for L in moe_layers for E in range(experts)]}
@@ -340,12 +238,6 @@ class Capture:
 
 # ---------------------------------------------------------------------------------------------- run
 
-def layer_kinds(model_cfg: dict) -> tuple[list[int], list[int]]:
-    dense = int(model_cfg.get("first_k_dense_replace", 0))
-    layers = model_cfg["num_hidden_layers"]
-    return list(range(min(dense, layers))), list(range(dense, layers))
-
-
 # MultiLatentAttention.forward calls self.core_attention(query, key, value, attention_mask, packed_seq_params=...,
 # attn_mask_type=...): megatron-core 0.16.1 as installed, and NVIDIA/Megatron-LM
 # megatron/core/transformer/multi_latent_attention.py @ 003b4ce2615f4e501ecbc39e01e0f76d237a35d9.
@@ -423,12 +315,10 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
         determinism = torch_env.apply_determinism(device)
-        adapters = install_adapters(device, skip_adapters)
+        adapters = install_adapters(device, model_cfg, skip_adapters)
         config, knobs = translate_config(model_cfg, dtype, device)
-        model = build_model(config, model_cfg, device, DotProductAttention if "MLADotProductAttention" in
-                            skip_adapters else MLADotProductAttention)
-        dense_layers, moe_layers = layer_kinds(model_cfg)
-        names = name_map(moe_layers, dense_layers, model_cfg["n_routed_experts"])
+        model = build_model(config, model_cfg, device, skip_adapters)
+        names = name_map(model_cfg)
         tensors = torch_env.load_inputs(request["checkpoint"], device)
         load_weights(model, names, tensors)
         model.train()
@@ -436,9 +326,7 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
     outputs = forward_backward(model, names, tensors, device, phases, loss_path, refeed)
     # Megatron's cross entropy is float32 whatever the model dtype; a float64 case gets it exactly upcast.
     outputs["loss"] = outputs["loss"].to(torch.float64 if dtype == torch.float64 else torch.float32)
-    meta = {"implementation": "megatron.core.models.gpt.GPTModel, local spec (no TE): MLASelfAttention "
-                              "(MLADotProductAttention), MoELayer(TopKRouter, SequentialMLP, SharedExpertMLP), "
-                              "WrappedTorchNorm RMSNorm, vocab_parallel_cross_entropy",
+    meta = {"implementation": builder(model_cfg).IMPLEMENTATION,
             "adapters": adapters, "knobs": knobs, "not_captured": names["not_captured"],
             "determinism": determinism, "parameter_gradients": len(names["parameters"])}
     if refeed:

@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import train_state_names
 from harness.case.train import rank_micro_batches
+from harness.families import routed_experts
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
@@ -129,7 +130,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         init_ranks(device, train["ep"])
         group = ranks.gather_group()
         determinism = torch_env.apply_determinism(device)
-        adapters = megatron_model.install_adapters(device, skip_adapters)
+        adapters = megatron_model.install_adapters(device, m, skip_adapters)
         on_cpu, float64 = device.type == "cpu", dtype == torch.float64
         named = {**(TRAIN_ADAPTERS if on_cpu else {}), **(FLOAT64_ADAPTER if float64 else {})}
         adapters += [{"name": n, "why": why, "changes_computation": False} for n, why in named.items()
@@ -141,9 +142,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         if train["expert_bias_update"] == "off":  # read by finalize_model_grads after every step's backward
             config.moe_router_bias_update_rate = 0.0
         model = megatron_model.build_model(config, m, device)
-        dense, moe = megatron_model.layer_kinds(m)
-        names = expert_shard(megatron_model.name_map(moe, dense, m["n_routed_experts"]), m["n_routed_experts"],
-                             train["ep"], parallel_state.get_expert_model_parallel_rank())
+        names = expert_shard(megatron_model.name_map(m), routed_experts(m), train["ep"],
+                             parallel_state.get_expert_model_parallel_rank())
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         megatron_model.load_weights(model, names, checkpoint)
         model.train()

@@ -86,21 +86,19 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("import"):
         adapter = paddlefleet_ops_shim.install()
         import paddleformers
-        from paddleformers.transformers.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+        paddle_family = paddle_model.builder(request["config"]["model"])
+        paddle_family.classes()
     train, dtype = request["config"]["train"], request["dtype"]
     rank, world = rank_and_world()
     if world != train["dp"]:
         raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train['dp']}")
     if train["ep"] > 1:
         expert_parallel_dispatch()
-    m = {k: v for k, v in request["config"]["model"].items() if k not in ("family", "rope_interleave")}
-    if not request["config"]["model"].get("rope_interleave", True):
-        raise paddle_model.Unsupported("rope_interleave = False: PaddleFormers' DeepseekV3 always de-interleaves")
     with phases("setup"):
         if world > 1:
             paddle.distributed.init_parallel_env()
-        model, checkpoint, name_map, loaded = paddle_model.build_model(m, dtype, request["checkpoint"],
-                                                                       DeepseekV3Config, DeepseekV3ForCausalLM)
+        model, checkpoint, name_map, loaded = paddle_model.build_model(request["config"]["model"], dtype,
+                                                                       request["checkpoint"])
         trainer = Trainer(model, train, request["config"]["model"], name_map, rank)
     writer = StepWriter(request["output_dir"], train["steps_kept"], _save,
                         lambda a: np.ascontiguousarray(a).view(np.uint8), rank)
@@ -118,7 +116,7 @@ def run(request: dict, phases: Phases) -> dict:
                 value = flip_bit(trainer.one(flip["state"], flip["tensor"]), flip["index"], flip["bit"])
                 trainer.put(flip["state"], flip["tensor"], value)
     return {**provenance,
-        "implementation": "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM (Paddle dygraph, CPU) "
+        "implementation": f"{paddle_family.MODEL} (Paddle dygraph, CPU) "
                           "trained with paddle.optimizer.AdamW, paddle.nn.ClipGradByGlobalNorm and "
                           f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
@@ -126,7 +124,7 @@ def run(request: dict, phases: Phases) -> dict:
         "adapters": ([adapter] if adapter else []) + [
             {"name": "clip_norm_and_factor", "why": "observer: " + clip_norm_and_factor.__doc__.strip(),
              "changes_computation": False}],
-        "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_model.KNOBS.items()}, **trainer.knobs},
+        "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_family.KNOBS.items()}, **trainer.knobs},
         "state_locations": state_locations(request["config"]["model"]["family"], "paddle", QUANTITIES),
         "weights_loaded": loaded, "steps_kept": train["steps_kept"], "refeed": refeed or {},
         "data_parallel": train["dp"], "distributed_backend": "gloo" if world > 1 else None,
@@ -197,7 +195,7 @@ class Trainer:
                              if self.parallel else "one rank"},
             "expert_bias_update": {"value": train["expert_bias_update"], "why": "this training loop (Paddle's "
                                                                                 "optimizer) never changes "
-                                                                                "e_score_correction_bias"},
+                                                                                "the routing bias"},
         }
 
     # --- one step --------------------------------------------------------------------------------------------------

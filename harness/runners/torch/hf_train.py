@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from harness.case.models import NameMap
 from harness.case.ops import train_buffer_names, train_state_names
 from harness.case.train import rank_micro_batches
+from harness.families.names import NameMap
 from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.torch import env as torch_env
@@ -69,8 +69,9 @@ def run(request: dict, phases: Phases) -> dict:
         raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
     with phases("import"):
         import transformers
-        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
-    with hf_model.float64_mode(hf, on=request["dtype"] == "float64") as replaced:  # put back when the cell ends
+        hf_family = hf_model.builder(request["config"]["model"])
+        hf = hf_family.modeling()
+    with hf_family.float64_mode(hf, on=request["dtype"] == "float64") as replaced:  # put back when the cell ends
         return _run(request, phases, hf, transformers, replaced)
 
 
@@ -155,7 +156,7 @@ class Trainer:
                                                "no_sync() but for the last micro-batch" if self.ddp else
                                                "one rank"},
             "expert_bias_update": {"value": train["expert_bias_update"], "why": "HF's training code never changes "
-                                                                                "e_score_correction_bias"},
+                                                                                "the routing bias"},
         })
         self.states = TorchStates({name: rule for name, _ in train_state_names(m)
                                    for rule in [name_map.rule("grads", name, m)]},

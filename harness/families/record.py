@@ -1,0 +1,62 @@
+"""The ``Family`` record type: what the harness asks of a model family, and nothing family-specific itself."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from harness.case.specs import TensorSpec
+
+STACKS = ("megatron", "hf", "paddle")  # one builder module per stack: harness/families/<family>/<stack>.py
+# What the runners ask of a family's builder for each stack (harness/families/deepseek_v3/<stack>.py says what each is).
+BUILDER_API = {
+    "megatron": ("IMPLEMENTATION", "ADAPTERS", "install_adapters", "core_attention", "translate_config"),
+    "hf": ("MODEL", "KNOBS", "modeling", "build", "rotary", "record_routing", "float64_mode"),
+    "paddle": ("MODEL", "KNOBS", "classes", "config_kwargs", "routers", "canonical_modules", "canonical_grads",
+               "explain", "fleet_model"),
+}
+
+
+class ModelConfigError(ValueError):
+    """A model config key or value the harness cannot use; the message names the key and value."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: one record per family, compared by identity
+class Family:
+    """One model family (like an ``Op`` record one floor up). Every callable takes the family's typed config.
+
+    `config` is the typed config class: ``resolve(given)`` (a case's ``config.model``: defaults filled, validated,
+    errors naming key and value), ``from_dict(wire)`` (a request's resolved ``config.model``) and ``to_dict()`` (the
+    wire dict, with ``family``). Canonical names are HF checkpoint names (docs/model-contract.md)."""
+
+    name: str
+    config: type
+    folder: Path  # names.toml (the name maps and float64 floors) and the builder modules
+    # (HF checkpoint name, shape, kind) of every parameter and buffer, in forward order; kinds are the family's, but
+    # "norm" (weights near 1) and "buffer" (not trained, float32 or wider: a routing bias) are read by the harness
+    parameters: Callable[[Any], list[tuple[str, tuple[int, ...], str]]]
+    gradients: Callable[[Any], list[tuple[str, tuple[int, ...]]]]  # "grad.<name>", shape, in backward order
+    modules: Callable[[Any, int], list[TensorSpec]]  # module outputs at a token count, in forward order
+    dense_layers: Callable[[Any], list[int]]
+    moe_layers: Callable[[Any], list[int]]
+    routed_experts: Callable[[Any], int]  # per MoE layer (0: a dense model)
+    # Checkpoint name suffixes whose first dim counts the routed experts: sliced when a real checkpoint has more
+    sliced_by_expert: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> Path:
+        return self.folder / "names.toml"
+
+    def buffers(self, config) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of the buffers: in the checkpoint and the state a training step may change, never trained."""
+        return [(name, shape) for name, shape, kind in self.parameters(config) if kind == "buffer"]
+
+    def builder(self, stack: str) -> ModuleType:
+        """The module that builds this family in one stack (it imports that stack's framework: runners only)."""
+        if stack not in STACKS:
+            raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
+        return importlib.import_module(f"harness.families.{self.name}.{stack}")
