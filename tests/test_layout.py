@@ -1,7 +1,7 @@
 """The package tree follows the pipeline: no module imports a module of a later stage.
 
-case (registry, op records, checkpoints) -> run (orchestration, launchers) -> runners (subprocess side) ->
-compare -> report -> commands -> cli. `bits` is a shared utility every stage may use.
+case (registry, op records, checkpoints) and optimizers (framework-free records) -> run (orchestration, launchers) ->
+runners (subprocess side) -> compare -> report -> commands -> cli. `bits` is a shared utility every stage may use.
 """
 
 import ast
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness"
-STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "run": 2, "runners": 3, "capture": 3, "compare": 4,
-          "report": 5, "commands": 6, "cli": 7, "__main__": 7, "__init__": 0}
+STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "optimizers": 1, "run": 2, "runners": 3, "capture": 3,
+          "compare": 4, "report": 5, "commands": 6, "cli": 7, "__main__": 7, "__init__": 0}
 
 
 def stage_of(module: str) -> str:

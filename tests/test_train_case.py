@@ -20,14 +20,15 @@ from tests.support.train import TINY_TRAIN, tiny_train_case
 def test_the_registry_cases_resolve_every_train_field():
     registry = Registry.load()
     case = registry.get("kimi_k2_2layer_train")
-    train = case.config["train"]
-    assert (train["steps"], train["micro_batches"], train["master_weights"]) == (3, 2, False)
-    assert train["decay_steps"] == 3 and train["steps_kept"] == [1, 2, 3] and train["flip"] is None
-    assert registry.get("kimi_k2_2layer_train_bf16").config["train"]["master_weights"] is True
+    train = case.train
+    assert (train.steps, train.micro_batches, train.master_weights) == (3, 2, False)
+    assert train.decay_steps == 3 and train.steps_kept == (1, 2, 3) and train.flip is None
+    assert train.record.name == "adamw" and train.optimizer.betas == (0.9, 0.95)
+    assert registry.get("kimi_k2_2layer_train_bf16").train.master_weights is True
     names = [name for name, _ in train_state_names(case.config["model"])]
     assert len(names) == 794  # the model level's canonical gradients: one state name per parameter
-    flip = registry.get("kimi_k2_2layer_train_control_megatron").config["train"]["flip"]
-    assert flip["side"] == "b" and flip["tensor"] in names
+    flip = registry.get("kimi_k2_2layer_train_control_megatron").train.flip
+    assert flip.side == "b" and flip.tensor in names
 
 
 def test_outputs_follow_a_step_in_its_own_order_and_masters_only_in_bf16(tmp_path):
@@ -121,7 +122,7 @@ def test_train_is_refused_on_other_ops_and_required_fields_come_from_defaults(tm
         Registry.load(tmp_path)
     (tmp_path / "ok").mkdir()
     case = registry_from(tmp_path / "ok", tiny_train_case("plain", train=None)).get("plain")
-    assert case.config["train"]["steps"] == 3 and case.config["train"]["lr"] == 1e-3
+    assert case.train.steps == 3 and case.train.lr == 1e-3
 
 
 def test_steps_kept_on_the_command_line():
@@ -139,11 +140,11 @@ def test_step_files_are_validated_against_the_case(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     case = registry_from(tmp_path, tiny_train_case(train={**TINY_TRAIN, "steps_kept": [2]})).get("tiny_train")
-    train, m = case.config["train"], case.config["model"]
+    train, m = case.train, case.config["model"]
     from harness.case.ops import train_step_outputs
 
     def write(kept_all=False, drop=None, change=None):
-        writer = steps.StepWriter(tmp_path / "side", train["steps_kept"] if not kept_all else [1, 2],
+        writer = steps.StepWriter(tmp_path / "side", train.steps_kept if not kept_all else [1, 2],
                                   lambda t, path, meta: save_file(t, path, meta),
                                   lambda a: np.ascontiguousarray(a).view(np.uint8))
         for step in (1, 2):
@@ -329,10 +330,10 @@ def _write_run(folder, case, change=None):
 
     from harness.case.ops import resolve_dtype, train_step_outputs
 
-    train, m = case.config["train"], case.config["model"]
-    writer = steps.StepWriter(folder, train["steps_kept"], lambda t, path, meta: save_file(t, path, meta),
+    train, m = case.train, case.config["model"]
+    writer = steps.StepWriter(folder, train.steps_kept, lambda t, path, meta: save_file(t, path, meta),
                               lambda a: np.ascontiguousarray(a).view(np.uint8))
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         tensors = {}
         for spec in train_step_outputs(m, train, step):
             name = spec.name.split(".", 1)[1]

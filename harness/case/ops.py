@@ -27,6 +27,9 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from harness.case.train import TrainSettings
+from harness.optimizers import Optimizer
+
 # A spec dtype meaning "float32, or float64 in a float64 case" (routing probabilities, the loss, the expert bias).
 FLOAT32_OR_WIDER = "float32+"
 
@@ -598,15 +601,29 @@ OPS[CAUSAL_LM.name] = CAUSAL_LM
 
 
 # --- the training level: N optimizer steps of the whole causal LM (docs/training.md) --------------------------------
-# `config["train"]` is the case's `train` table, resolved by harness/case/train.py (steps, micro_batches,
-# master_weights, ...). Per step k (1-based) and micro-batch m: inputs `step{k}.mb{m}.input_ids` / `.labels`; outputs
-# in the order a step makes them and the report reads them: the lr the step used, each micro-batch's loss as
-# backpropagated (its mean cross entropy / micro_batches), the accumulated gradient the optimizer starts from (before
-# clipping), the global norm, the clip factor the gradients were multiplied by (1 when not clipped), both Adam moments,
-# the fp32 masters (bf16 cases), the parameters, each MoE layer's routing bias as the next step reads it. State tensors
-# use the canonical gradient names (gate and up fused); the routing bias its checkpoint name.
+# `config["train"]` is the case's training settings as the request carries them (harness/case/train.py: steps,
+# micro_batches, master_weights, the optimizer, ...). Per step k (1-based) and micro-batch m: inputs
+# `step{k}.mb{m}.input_ids` / `.labels`; outputs in the order a step makes them and the report reads them: the lr the
+# step used, each micro-batch's loss as backpropagated (its mean cross entropy / micro_batches), the accumulated
+# gradient the optimizer starts from (before clipping), the global norm, the clip factor the gradients were multiplied
+# by (1 when not clipped), the optimizer's state (the quantities its record names, harness.optimizers), the fp32
+# masters (bf16 cases), the parameters, each MoE layer's routing bias as the next step reads it. State tensors use the
+# canonical gradient names (gate and up fused); the routing bias its checkpoint name.
 
-STATE_QUANTITIES = ("grad", "exp_avg", "exp_avg_sq", "master", "param")  # per parameter, in the step's order
+
+def step_quantities(optimizer: Optimizer) -> tuple[str, ...]:
+    """Every quantity a training step writes, in the order it makes them (the report's order within a step)."""
+    return ("lr", "loss", "grad", "grad_norm", "clip_coeff", *optimizer.state, "master", "param", "expert_bias")
+
+
+def state_quantities(optimizer: Optimizer) -> tuple[str, ...]:
+    """The quantities a step writes per parameter, in the step's order."""
+    return ("grad", *carried_quantities(optimizer))
+
+
+def carried_quantities(optimizer: Optimizer) -> tuple[str, ...]:
+    """What a step hands to the next per parameter (a re-feed loads them; the gradients are made again)."""
+    return (*optimizer.state, "master", "param")
 
 
 def train_buffer_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
@@ -620,21 +637,21 @@ def train_state_names(m: Mapping) -> list[tuple[str, tuple[int, ...]]]:
     return [(name[len("grad."):], shape) for name, shape in causal_lm_gradients(m)]
 
 
-def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec]:
+def train_step_outputs(m: Mapping, train: TrainSettings, step: int) -> list[TensorSpec]:
     wide = FLOAT32_OR_WIDER
     states = train_state_names(m)
     p = f"step{step}."
     specs = [TensorSpec(p + "lr", (), "output", "float64"),
-             TensorSpec(p + "loss", (int(train["micro_batches"]),), "output", wide)]
+             TensorSpec(p + "loss", (train.micro_batches,), "output", wide)]
     specs += [TensorSpec(f"{p}grad.{name}", shape, "output", wide) for name, shape in states]
     # At the gradients' precision, the one a stack applies them at (Megatron's doubles are shown beside them). Without
     # clipping no stack multiplies by a factor, and only Megatron computes a norm: the others write none of their own.
-    clipped = train["clip_grad"] > 0
+    clipped = train.clip_grad > 0
     specs.append(TensorSpec(p + "grad_norm", (), "output", wide, optional=not clipped))
     specs += [TensorSpec(p + "clip_coeff", (), "output", wide)] if clipped else []
-    for quantity in ("exp_avg", "exp_avg_sq"):
+    for quantity in train.record.state:
         specs += [TensorSpec(f"{p}{quantity}.{name}", shape, "output", wide) for name, shape in states]
-    if train["master_weights"]:
+    if train.master_weights:
         specs += [TensorSpec(f"{p}master.{name}", shape, "output", "float32") for name, shape in states]
     specs += [TensorSpec(f"{p}param.{name}", shape, "output") for name, shape in states]
     biases = train_buffer_names(m)
@@ -642,10 +659,10 @@ def train_step_outputs(m: Mapping, train: Mapping, step: int) -> list[TensorSpec
 
 
 def _causal_lm_train_inputs(shapes, tokens, config):
-    m, train = model_of(config), config["train"]
+    m, train = model_of(config), TrainSettings.from_dict(config["train"])
     specs = [s for s in _causal_lm_inputs(shapes, tokens, config) if s.role not in ("ids", "labels")]
-    for step in range(1, int(train["steps"]) + 1):
-        for mb in range(int(train["micro_batches"])):
+    for step in range(1, train.steps + 1):
+        for mb in range(train.micro_batches):
             p = f"step{step}.mb{mb}."
             specs += [TensorSpec(p + "input_ids", (tokens,), "ids", "int64", high=m["vocab_size"]),
                       TensorSpec(p + "labels", (tokens,), "labels", "int64")]
@@ -653,8 +670,8 @@ def _causal_lm_train_inputs(shapes, tokens, config):
 
 
 def _causal_lm_train_outputs(shapes, tokens, config):
-    m, train = model_of(config), config["train"]
-    return [spec for step in range(1, int(train["steps"]) + 1) for spec in train_step_outputs(m, train, step)]
+    m, train = model_of(config), TrainSettings.from_dict(config["train"])
+    return [spec for step in range(1, train.steps + 1) for spec in train_step_outputs(m, train, step)]
 
 
 CAUSAL_LM_TRAIN = Op("causal_lm_train", "train", (), _causal_lm_train_inputs, _causal_lm_train_outputs, None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from harness import paths
 from harness.case import models
 from harness.case import tolerance as tolerance_policy
 from harness.case import train as train_table
-from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, resolve_dtype
+from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, resolve_dtype, train_state_names
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
 # A case's name becomes its checkpoint folder, checkpoints/<case>/; this folder holds the weights cases share.
@@ -114,6 +115,17 @@ class Case:
     def op_spec(self) -> Op:
         return OPS[self.op]
 
+    @cached_property
+    def train(self) -> train_table.TrainSettings | None:
+        """A training case's settings (None for other ops). The request carries them as ``config["train"]``
+        (``TrainSettings.to_dict``), which is what this reads: one source, the wire format unchanged."""
+        settings = self.config.get("train")
+        return train_table.TrainSettings.from_dict(settings) if settings is not None else None
+
+    def with_train(self, train: train_table.TrainSettings) -> Case:
+        """The case with other training settings (--steps-kept, --dp, --ep)."""
+        return replace(self, config={**self.config, "train": train.to_dict()})
+
     def with_tokens(self, tokens: int) -> Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
@@ -136,7 +148,7 @@ class Case:
                             f"(got {','.join(runners)!r})")
         if tuple(runners) == self.runners:
             return self
-        control = self.perturb or (self.config.get("train") or {}).get("flip")
+        control = self.perturb or (self.train and self.train.flip)
         return replace(self, runners=tuple(runners), expect=self.expect if control else Expectation())
 
     def with_tp(self, tp: int) -> Case:
@@ -317,7 +329,8 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if "train" in table and op not in TRAIN_OPS:
         raise f.error("train", f"is only for training ops ({', '.join(TRAIN_OPS)})", table["train"])
     if op in TRAIN_OPS:  # stored complete in the config, so the request carries it to every runner
-        config = {**config, "train": train_table.parse(f, dtype, config["model"])}
+        settings = train_table.parse(f, dtype, config["model"], dict(train_state_names(config["model"])))
+        config = {**config, "train": settings.to_dict()}
     config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, shapes, tp, tokens, config)

@@ -164,7 +164,7 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         if is_train and (o.repeat > 1 or tps or impls):
             raise CaseError(f"case {name!r}: --repeat, --versus-tp and --versus-impl are not implemented for "
                             "training cases")
-        if is_train and o.refeed_ops and (ranked or case.config["train"]["dp"] > 1):
+        if is_train and o.refeed_ops and (ranked or case.train.dp > 1):
             raise CaseError(f"case {name!r}: --refeed re-runs one rank's training (dp = 1): give it without --dp, "
                             "--versus-dp or --versus-ep")
         if is_train:
@@ -281,7 +281,7 @@ class _Clock:
 
 def _float64_refeed(case: Case, ranked) -> bool:
     """Whether a float64 training case's check gets its re-fed runs (they train one rank)."""
-    return case.dtype == "float64" and ranked is None and case.config["train"]["dp"] == 1
+    return case.dtype == "float64" and ranked is None and case.train.dp == 1
 
 
 def _train_semantic_verdict(result: CaseResult, case: Case, refed: dict | None, wanted: bool) -> None:
@@ -325,14 +325,14 @@ def _semantic_verdict(result: CaseResult, check: dict, summary: dict) -> None:
 
 def _with_steps_kept(case: Case, text: str) -> Case:
     """The case with ``--steps-kept`` over its train.steps_kept (a training case only)."""
-    train = case.config.get("train")
+    train = case.train
     if train is None:
         raise CaseError(f"case {case.name!r}: --steps-kept is for training cases (op causal_lm_train)")
     try:
-        kept = parse_steps_kept(text, train["steps"])
+        kept = parse_steps_kept(text, train.steps)
     except ValueError as error:
         raise CaseError(f"case {case.name!r}: {error}") from None
-    return replace(case, config={**case.config, "train": {**train, "steps_kept": kept}})
+    return case.with_train(replace(train, steps_kept=tuple(kept)))
 
 
 RANK_KINDS = {"dp": "data_parallel", "ep": "expert_parallel"}
@@ -343,15 +343,15 @@ def _with_ranks(case: Case, dp: int | None, ep: int | None) -> Case:
     if case.op not in TRAIN_OPS:
         raise CaseError(f"{case.source}: case {case.name!r}: --dp and --ep are for training cases (op "
                         f"{', '.join(TRAIN_OPS)}; got {case.op!r})")
-    train_ = case.config["train"]
-    ranked = with_ranks(train_, case.config["model"], train_["dp"] if dp is None else dp,
-                        train_["ep"] if ep is None else ep, _ranks_error(case, "--dp / --ep"))
-    return replace(case, config={**case.config, "train": ranked})
+    train_ = case.train
+    ranked = with_ranks(train_, case.config["model"], train_.dp if dp is None else dp,
+                        train_.ep if ep is None else ep, _ranks_error(case, "--dp / --ep"))
+    return case.with_train(ranked)
 
 
 def _check_expert_parallel(case: Case, ranked: tuple[dict, dict] | None) -> None:
     """Refuse a side at ep > 1 whose runner has no expert-parallel MoE layer, before anything starts."""
-    for runner, sizes in zip(case.runners, ranked or (case.config["train"],) * 2, strict=True):
+    for runner, sizes in zip(case.runners, ranked or ({"dp": case.train.dp, "ep": case.train.ep},) * 2, strict=True):
         if sizes["ep"] > 1 and runner not in EXPERT_PARALLEL_RUNNERS:
             raise CaseError(f"{case.source}: case {case.name!r}: train.ep = {sizes['ep']}: runner {runner!r} has no "
                             f"expert-parallel MoE layer (expert parallel runs on {', '.join(EXPERT_PARALLEL_RUNNERS)})")
@@ -371,8 +371,8 @@ def _versus_ranks(case: Case, kind: str, size: int, runner: str) -> tuple[Case, 
     if runner not in RUNNERS:
         raise CaseError(f"{case.source}: case {case.name!r}: --runner must be one of {', '.join(RUNNERS)} "
                         f"(got {runner!r})")
-    train_ = case.config["train"]
-    a = {"dp": train_["dp"], "ep": train_["ep"]}
+    train_ = case.train
+    a = {"dp": train_.dp, "ep": train_.ep}
     b = {**a, kind: size}
     with_ranks(train_, case.config["model"], b["dp"], b["ep"], _ranks_error(case, option))
     if a == b:

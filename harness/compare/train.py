@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import math
 from contextlib import ExitStack
+from dataclasses import replace
 
 import numpy as np
 from safetensors import safe_open
 
 from harness.bits import format_of
-from harness.case.ops import STATE_QUANTITIES, resolve_dtype, train_step_outputs
+from harness.case.ops import resolve_dtype, state_quantities, step_quantities, train_step_outputs
 from harness.case.registry import Case, CaseError
 from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER, _numpy_dtype
 from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, SHAPE_MISMATCH, TensorComparison, compare_tensor
@@ -31,32 +32,30 @@ from harness.run.steps import DOUBLES, digest, read_header, step_file
 from harness.runners.oracle.runner import round_once
 
 SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
-ORDER = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
 
 
 def sides(case: Case, checkpoint, ranks: tuple[dict, dict] | None = None) -> list[SideSpec]:
     """The pair; a planted flip (``train.flip``) goes into its own side's request only; comparing rank counts
     (`ranks`: side a's and side b's {"dp", "ep"}), each side at its own, its folder named by them."""
     pair = pair_sides(case, checkpoint)
-    flip = case.config["train"].get("flip")
+    flip = case.train.flip
     out = []
     for side, sizes in zip(pair, ranks or (None, None), strict=True):
-        train = {**case.config["train"], **(sizes or {})}
-        train["flip"] = flip if flip and flip["side"] == side.label else None
-        if train["flip"] and (train["flip"].get("rank") or 0) >= train["dp"]:  # --dp or --versus-dp gave it fewer
+        train = replace(case.train, **(sizes or {}), flip=flip if flip and flip.side == side.label else None)
+        if train.flip and (train.flip.rank or 0) >= train.dp:  # --dp or --versus-dp gave it fewer
             raise CaseError(f"{case.source}: case {case.name!r}: train.flip.rank must be a data-parallel rank of side "
-                            f"{side.label}, which trains on dp = {train['dp']} (got {train['flip']['rank']})")
+                            f"{side.label}, which trains on dp = {train.dp} (got {train.flip.rank})")
         folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
-        out.append(side._replace(folder=folder, config={"train": train}))
+        out.append(side._replace(folder=folder, config={"train": train.to_dict()}))
     return out
 
 
 def truth_side(case: Case, checkpoint) -> SideSpec:
     """hf_model's training run in float64 on the shared checkpoint, on one rank (the global batch's exact result does
     not depend on how ranks split it): no masters, no flip."""
-    train = {**case.config["train"], "master_weights": False, "flip": None, "dp": 1, "ep": 1}
+    train = replace(case.train, master_weights=False, flip=None, dp=1, ep=1)
     return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64", "float64",
-                    {"train": train})
+                    {"train": train.to_dict()})
 
 
 def quantity_of(name: str) -> str:
@@ -66,9 +65,9 @@ def quantity_of(name: str) -> str:
 
 def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None = None) -> tuple[list, dict]:
     """(every comparison in time order, the summary along time)."""
-    train, m = case.config["train"], case.config["model"]
+    train, m = case.train, case.config["model"]
     comparisons, steps = [], []
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         specs = train_step_outputs(m, train, step)
         rows = _compare_step(step, specs, pair)
         comparisons += rows
@@ -76,10 +75,10 @@ def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None =
     first = next((s for s in steps if s["first_divergence"]), None)
     parameters = sum(1 for s in train_step_outputs(m, train, 1) if quantity_of(s.name) == "param")
     return comparisons, {
-        "steps": steps, "parameters": parameters, "steps_kept": train["steps_kept"],
+        "steps": steps, "parameters": parameters, "steps_kept": list(train.steps_kept),
         "first_divergence": ({"step": first["step"], "quantity": quantity_of(first["first_divergence"]),
                               "tensor": first["first_divergence"]} if first else None),
-        "order": list(ORDER), "truth": _truth_status(truth),
+        "order": list(step_quantities(train.record)), "truth": _truth_status(truth),
     }
 
 
@@ -92,14 +91,15 @@ def invariance(summary: dict) -> dict:
         differing += [q for q, counts in step["quantities"].items() if counts["equal"] < counts["total"]]
         for quantity in differing:
             departs.setdefault(quantity, step["step"])
-    present = [q for q in ORDER if any(q in step["scalars"] or q in step["quantities"] for step in summary["steps"])]
+    present = [q for q in summary["order"] if any(q in step["scalars"] or q in step["quantities"]
+                                                  for step in summary["steps"])]
     return {"bitwise": [q for q in present if q not in departs],
             "departs": {q: departs[q] for q in present if q in departs}}
 
 
 def compare_step(case: Case, step: int, pair: list[SideResult]) -> list[TensorComparison]:
     """One step's comparisons of two sides (a re-feed's check against a plain run)."""
-    return _compare_step(step, train_step_outputs(case.config["model"], case.config["train"], step), pair)
+    return _compare_step(step, train_step_outputs(case.config["model"], case.train, step), pair)
 
 
 def _open(path, stack):
@@ -147,7 +147,7 @@ def _by_digest(spec, digests: list[str], layouts: list) -> TensorComparison:
 def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth, case: Case) -> dict:
     by_name = {row.name: row for row in rows}
     quantities = {}
-    for quantity in (*STATE_QUANTITIES, "expert_bias"):
+    for quantity in (*state_quantities(case.train.record), "expert_bias"):
         members = [row for row in rows if quantity_of(row.name) == quantity]
         if members:
             differing = [row.name for row in members if row.status != EQUAL]
@@ -155,7 +155,7 @@ def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth,
                                     "differing": differing[:20]}
     first = next((row.name for row in rows if row.status != EQUAL), None)
     summary = {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
-               "kept": step in case.config["train"]["steps_kept"],
+               "kept": step in case.train.steps_kept,
                "scalars": _scalars(step, specs, pair, by_name), "quantities": quantities}
     if truth is not None and truth.status == "ok":
         summary["truth"] = _versus_truth(step, specs, pair, truth, case)

@@ -19,7 +19,7 @@ from harness.compare import model
 from harness.compare.expectation import step_of
 from harness.compare.tensors import TensorComparison
 from harness.compare.train import quantity_of
-from harness.compare.train_refeed import UPDATE_MADE
+from harness.compare.train_refeed import update_made
 
 
 def parts(plain: list[TensorComparison], refed: dict[str, list] | None) -> list[tuple[str, str, list]]:
@@ -30,7 +30,7 @@ def parts(plain: list[TensorComparison], refed: dict[str, list] | None) -> list[
         judged += [("side b re-fed from side a's state", "float64",
                     [t for t in refed["state"] if step_of(t.name) > 1]),
                    ("side b's optimizer on side a's gradients", "float64_update",
-                    [t for t in refed["update"] if quantity_of(t.name) in UPDATE_MADE])]
+                    [t for t in refed["update"] if update_made(quantity_of(t.name))])]
     return judged
 
 

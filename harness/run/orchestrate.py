@@ -173,7 +173,7 @@ def _request(case: Case, checkpoint: tuple[Path, ...], device: str, folder: Path
 
 def data_parallel(case: Case) -> int:
     """A training run's data-parallel ranks (train.dp; 1 for every other op)."""
-    return case.config["train"]["dp"] if case.op in TRAIN_OPS else 1
+    return case.train.dp if case.op in TRAIN_OPS else 1
 
 
 def ranks(case: Case) -> int:
