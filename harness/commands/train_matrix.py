@@ -2,7 +2,7 @@
 as written, then with each choice the stacks make differently set to one value through every stack's own API, then
 all of them aligned. Each cell is an ordinary run with its own report; the matrix says per cell how many tensors
 differ per quantity over all steps and how many fewer (or more) than the case as written: which knob removes which
-difference. A difference no knob removes is a formula difference (Paddle's Adam and clip, Megatron's norm).
+difference. A difference no knob removes is a formula difference (Paddle's Adam, Momentum and clip, Megatron's norm).
 Exit code: 2 if a cell is ERROR, else 0 (the matrix reports, it does not judge).
 """
 

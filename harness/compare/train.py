@@ -7,9 +7,9 @@ harness/report/train_section.py renders it.
 - ``compare_steps``: every canonical tensor of every step: kept steps compared element by element
   (``compare_tensor``), the others by digest (equal or not); per step the scalars (equal, or how far apart), "k of
   794" per state quantity, and the step's first differing output; over the run the first divergence in time (the
-  first step, and in it the first quantity in the step's order: lr, loss, gradients, norm, clip, moments, masters,
-  parameters, then the routing biases the next step reads); with the truth, per step and quantity which side is
-  closer.
+  first step, and in it the first quantity in the step's order: lr, loss, gradients, norm, clip, the optimizer's
+  state, masters, parameters, then the routing biases the next step reads); with the truth, per step and quantity
+  which side is closer.
 """
 
 from __future__ import annotations

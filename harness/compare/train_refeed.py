@@ -2,16 +2,17 @@
 each step starting from side a's state, so every difference at step k is attributed to something step k did or to
 what it was handed.
 
-- ``state``: before each step k > 1 side b loads side a's state after step k - 1 (parameters, masters, both moments,
-  routing biases) and, at every step, side a's lr; its step counts are its own (it made the same number of steps).
-  A quantity that differs here was made by step k itself (its forward/backward, norm, clip or update).
+- ``state``: before each step k > 1 side b loads side a's state after step k - 1 (parameters, masters, the
+  optimizer's state, routing biases) and, at every step, side a's lr; its step counts are its own (it made the same
+  number of steps). A quantity that differs here was made by step k itself (its forward/backward, norm, clip or
+  update).
 - ``update``: the same, and side a's accumulated gradients of step k in place of side b's, so side b's norm, clip and
   optimizer run on side a's inputs alone: what differs here is made by those formulas, not by the gradients.
 
 Attribution per step and quantity (``attribute``), counting tensors:
 - lr: both re-fed runs take side a's lr, so a plain difference is made by the schedule;
 - loss, gradients: made by the step's forward/backward where they differ when re-fed, else carried in;
-- norm, clip, the optimizer's state (AdamW's moments, SGD's momentum buffer), masters, parameters: made by the
+- norm, clip, the optimizer's state (its record's: harness.optimizers), masters, parameters: made by the
   optimizer (its norm, clip and update together) where they differ on side a's gradients too, else made by the step's
   gradients where they differ re-fed, else carried in (with clip_grad = 0 the update's formula stands alone: the knob
   that separates it from the norm's);

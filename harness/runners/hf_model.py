@@ -1,6 +1,6 @@
 """``python -m harness.runners.hf_model``: HF transformers' DeepseekV3, a whole model: one forward and backward (op
-``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with torch's AdamW (op ``causal_lm_train``,
-``torch/hf_train.py``)."""
+``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with the case's torch optimizer, AdamW or SGD (op
+``causal_lm_train``, ``torch/hf_train.py``)."""
 
 from harness.run.protocol import Phases, import_answer, model_op_table, serve
 
@@ -30,8 +30,8 @@ def probe(device: str) -> dict:
     answer["versions"]["transformers"] = transformers.__version__
     model = f"{modeling_deepseek_v3.__name__}.DeepseekV3ForCausalLM"
     return {**answer, "importable": True, "ops": model_op_table("hf_model", {
-        "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW + clip_grad_norm_ + transformers' "
-                                               "LambdaLR schedule"})}
+        "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW or SGD + clip_grad_norm_ + "
+                                               "transformers' LambdaLR schedule"})}
 
 
 if __name__ == "__main__":

@@ -330,13 +330,13 @@ def held(states, quantity: str, clone: bool = False) -> tuple[dict, dict]:
 class MegatronStates:
     """The per-parameter state of Megatron's optimizer in canonical names (the interface of
     harness.runners.torch.train_state): Megatron's parameters are canonical already ([megatron.parameters]); a
-    parameter's main param and Adam moments come from the chained optimizer that owns it.
+    parameter's main param and optimizer state come from the chained optimizer that owns it.
 
     On several ranks (`group`: harness.runners.torch.ranks) a rank holds pieces: a distributed optimizer owns a range
-    of each flattened parameter on each data-parallel rank (its main param, moments, and the reduced gradient there:
-    ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``held`` gives what a
-    rank writes of a quantity (rank 0: every tensor put back together); ``put`` writes each rank's part of a canonical
-    tensor. `carried`: what a step hands to the next (harness.case.ops.carried_quantities)."""
+    of each flattened parameter on each data-parallel rank (its main param, Adam's moments, and the reduced gradient
+    there: ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``held`` gives
+    what a rank writes of a quantity (rank 0: every tensor put back together); ``put`` writes each rank's part of a
+    canonical tensor. `carried`: what a step hands to the next (harness.case.ops.carried_quantities)."""
 
     def __init__(self, names: dict, model, optimizer, shapes: dict | None = None, group=None,
                  expert_parallel: int = 1, carried: tuple[str, ...] = ()):
@@ -360,7 +360,7 @@ class MegatronStates:
                 for group_ in inner.fp32_from_fp32_groups:
                     for param in group_:
                         self.owner[param] = (inner, param)
-            else:  # FP32Optimizer: AdamW on the model parameters
+            else:  # FP32Optimizer: AdamW or SGD on the model parameters
                 for group_ in inner.optimizer.param_groups:
                     for param in group_["params"]:
                         self.owner[param] = (inner, param)
