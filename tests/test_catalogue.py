@@ -22,7 +22,7 @@ def test_every_family_has_a_cpu_negative_control():
     families = {case.family for case in registry.cases.values()}
     # a planted bit in an input (perturb), or in a training run's optimizer state after a step (train.flip)
     controlled = {case.family for case in registry.for_device("cpu")
-                  if case.perturb or (case.config.get("train") or {}).get("flip")}
+                  if case.perturb or (case.train and case.train.flip)}
     assert families <= controlled, f"families without a negative control: {sorted(families - controlled)}"
 
 

@@ -14,20 +14,21 @@ from harness.case.registry import CaseError, Registry
 from harness.case.train import parse_steps_kept
 from harness.run import steps
 from tests.support.cases import registry_from
-from tests.support.train import TINY_TRAIN, tiny_train_case
+from tests.support.train import TINY_SGD, TINY_TRAIN, tiny_train_case
 
 
 def test_the_registry_cases_resolve_every_train_field():
     registry = Registry.load()
     case = registry.get("kimi_k2_2layer_train")
-    train = case.config["train"]
-    assert (train["steps"], train["micro_batches"], train["master_weights"]) == (3, 2, False)
-    assert train["decay_steps"] == 3 and train["steps_kept"] == [1, 2, 3] and train["flip"] is None
-    assert registry.get("kimi_k2_2layer_train_bf16").config["train"]["master_weights"] is True
+    train = case.train
+    assert (train.steps, train.micro_batches, train.master_weights) == (3, 2, False)
+    assert train.decay_steps == 3 and train.steps_kept == (1, 2, 3) and train.flip is None
+    assert train.record.name == "adamw" and train.optimizer.betas == (0.9, 0.95)
+    assert registry.get("kimi_k2_2layer_train_bf16").train.master_weights is True
     names = [name for name, _ in train_state_names(case.model)]
     assert len(names) == 794  # the model level's canonical gradients: one state name per parameter
-    flip = registry.get("kimi_k2_2layer_train_control_megatron").config["train"]["flip"]
-    assert flip["side"] == "b" and flip["tensor"] in names
+    flip = registry.get("kimi_k2_2layer_train_control_megatron").train.flip
+    assert flip.side == "b" and flip.tensor in names
 
 
 def test_outputs_follow_a_step_in_its_own_order_and_masters_only_in_bf16(tmp_path):
@@ -115,13 +116,77 @@ def test_bad_train_fields_name_file_case_field_and_value(tmp_path, train, field)
         Registry.load(tmp_path)
 
 
+FLIP_SGD = {"side": "b", "after_step": 1, "state": "momentum_buffer", "tensor": "lm_head.weight", "index": [0, 0],
+            "bit": 3}
+
+
+@pytest.mark.parametrize("train, field, why", [
+    ({"optimizer": "adam"}, "train.optimizer", "must be one of adamw, sgd"),
+    ({"betas": [0.9, 0.95]}, "train.betas", "is a setting of AdamW"),
+    ({"torch_adamw": "fused"}, "train.torch_adamw", "is a setting of AdamW"),
+    ({"momentum": 0.0}, "train.momentum", "must be in"),
+    ({"momentum": 1.0}, "train.momentum", "must be in"),
+    ({"distributed_optimizer": True}, "train.distributed_optimizer", "Megatron.s DistributedOptimizer takes Adam only"),
+    ({"flip": {**FLIP_SGD, "state": "exp_avg"}}, "train.flip.state", "must be one of momentum_buffer, param"),
+])
+def test_bad_sgd_fields_name_file_case_field_and_value(tmp_path, train, field, why):
+    (tmp_path / "bad.toml").write_text(tiny_train_case("bad", train={**TINY_SGD, **train}))
+    with pytest.raises(CaseError, match=f"bad.toml: case 'bad': field '{field}': {why}"):
+        Registry.load(tmp_path)
+
+
+def test_an_sgd_case_writes_its_buffer_and_names_its_optimizer_in_the_request(tmp_path):
+    """The wire format: AdamW's dict as before (no `optimizer` key), SGD's with `optimizer` and its own field in
+    place of AdamW's; TrainSettings reads either back as it was parsed."""
+    from harness.case.train import TrainSettings
+
+    registry = registry_from(tmp_path, tiny_train_case("adamw"),
+                             tiny_train_case("sgd", train={**TINY_SGD, "flip": FLIP_SGD}))
+    adamw, sgd = registry.get("adamw"), registry.get("sgd")
+    assert "optimizer" not in adamw.config["train"] and list(adamw.config["train"])[4:6] == ["betas", "eps"]
+    wire = sgd.config["train"]
+    assert (wire["optimizer"], wire["momentum"]) == ("sgd", 0.9)
+    assert not {"betas", "eps", "torch_adamw"} & set(wire)
+    for case in (adamw, sgd):
+        assert TrainSettings.from_dict(case.config["train"]) == case.train
+        assert case.train.to_dict() == case.config["train"]
+    assert sgd.train.flip.state == "momentum_buffer" and sgd.train.record.state == ("momentum_buffer",)
+    quantities = {s.name.split(".")[1] for s in sgd.output_specs()}
+    assert "momentum_buffer" in quantities and not quantities & {"exp_avg", "exp_avg_sq"}
+    with pytest.raises(ValueError, match="unknown betas"):
+        TrainSettings.from_dict({**wire, "betas": [0.9, 0.95]})
+
+
+def test_an_optimizer_state_is_named_by_its_record_only(tmp_path):
+    """Issue 30: the state names live in one place. No string literal in the harness outside harness/optimizers/
+    names an optimizer's state or Paddle's accumulator of it: the quantities tuples derive from the record. The
+    check sees one planted in a file of its own (its control)."""
+    from pathlib import Path
+
+    from harness.optimizers import OPTIMIZERS
+
+    names = {q for o in OPTIMIZERS.values() for q in (*o.state, *o.paddle_accumulators.values())}
+    package = Path(__file__).resolve().parents[1] / "harness"
+    paths = [p for p in package.rglob("*.py") if "optimizers" not in p.relative_to(package).parts]
+    assert not _literals(paths, names)
+    (tmp_path / "planted.py").write_text('"""exp_avg in a docstring is prose."""\nQUANTITIES = ("grad", "exp_avg")\n')
+    assert _literals([tmp_path / "planted.py"], names) == [f"{tmp_path / 'planted.py'}:2 'exp_avg'"]
+
+
+def _literals(paths, names) -> list[str]:
+    import ast
+
+    return [f"{path}:{node.lineno} {node.value!r}" for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and node.value in names]
+
+
 def test_train_is_refused_on_other_ops_and_required_fields_come_from_defaults(tmp_path):
     (tmp_path / "bad.toml").write_text(tiny_train_case("bad", op="causal_lm"))
     with pytest.raises(CaseError, match="field 'train': is only for training ops"):
         Registry.load(tmp_path)
     (tmp_path / "ok").mkdir()
     case = registry_from(tmp_path / "ok", tiny_train_case("plain", train=None)).get("plain")
-    assert case.config["train"]["steps"] == 3 and case.config["train"]["lr"] == 1e-3
+    assert case.train.steps == 3 and case.train.lr == 1e-3
 
 
 def test_steps_kept_on_the_command_line():
@@ -139,11 +204,11 @@ def test_step_files_are_validated_against_the_case(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     case = registry_from(tmp_path, tiny_train_case(train={**TINY_TRAIN, "steps_kept": [2]})).get("tiny_train")
-    train, m = case.config["train"], case.config["model"]
+    train, m = case.train, case.config["model"]
     from harness.case.ops import train_step_outputs
 
     def write(kept_all=False, drop=None, change=None):
-        writer = steps.StepWriter(tmp_path / "side", train["steps_kept"] if not kept_all else [1, 2],
+        writer = steps.StepWriter(tmp_path / "side", train.steps_kept if not kept_all else [1, 2],
                                   lambda t, path, meta: save_file(t, path, meta),
                                   lambda a: np.ascontiguousarray(a).view(np.uint8))
         for step in (1, 2):
@@ -249,6 +314,7 @@ def test_refeed_attribution_names_what_made_each_difference():
 def test_knob_matrix_counts_differences_per_quantity_and_says_what_a_knob_removed():
     """harness.commands.train_matrix and its report on hand-made cells (test doubles of two runs' summaries)."""
     from harness.commands.train_matrix import differing_per_quantity, knobs_for
+    from harness.optimizers import OPTIMIZERS
     from harness.report.train_matrix_report import markdown
 
     step = {"scalars": {"lr": {"equal": True}, "grad_norm": {"equal": False}},
@@ -265,6 +331,8 @@ def test_knob_matrix_counts_differences_per_quantity_and_says_what_a_knob_remove
     assert any("expert_bias_update = off" in row and "| 0 (-2) |" in row for row in rows), rows
     assert {"expert_bias_update": "off"} in knobs_for(("megatron_model", "hf_model"))
     assert {"torch_adamw": "fused"} not in knobs_for(("megatron_model", "paddle_model"))
+    sgd = knobs_for(("megatron_model", "hf_model"), OPTIMIZERS["sgd"])  # no torch flag, no distributed optimizer
+    assert not any("torch_adamw" in k or "distributed_optimizer" in k for k in sgd) and {"clip_grad": 0.0} in sgd
 
 
 def test_truth_distance_counts_differing_bits_and_the_largest_difference():
@@ -330,10 +398,10 @@ def _write_run(folder, case, change=None):
     from harness.case.ops import train_step_outputs
     from harness.case.specs import resolve_dtype
 
-    train, m = case.config["train"], case.config["model"]
-    writer = steps.StepWriter(folder, train["steps_kept"], lambda t, path, meta: save_file(t, path, meta),
+    train, m = case.train, case.config["model"]
+    writer = steps.StepWriter(folder, train.steps_kept, lambda t, path, meta: save_file(t, path, meta),
                               lambda a: np.ascontiguousarray(a).view(np.uint8))
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         tensors = {}
         for spec in train_step_outputs(m, train, step):
             name = spec.name.split(".", 1)[1]

@@ -8,6 +8,10 @@ of a few dozen, 8 tokens), 2 steps of 2 micro-batches (tests/support/train.py), 
   some steps kept the others are compared by digest and give the same per-tensor verdicts.
 - Megatron-Core against PaddleFormers gives per-step verdicts; Paddle cannot train in bf16 on a CPU (UNSUPPORTED,
   the kernel named).
+- SGD with momentum (harness/optimizers/sgd.py) on the three stacks: on side a's gradients Megatron's SGD is
+  torch.optim.SGD bit for bit, Paddle's Momentum is not (its own rounding); one flipped bit of a momentum buffer is
+  found where it must be on Megatron and on Paddle; each stack re-fed from its own SGD state reproduces itself; the
+  float64 check judges the buffer.
 """
 
 import json
@@ -16,12 +20,13 @@ import pytest
 
 from harness import CompareOptions
 from tests.support.cases import write_cases
-from tests.support.train import TINY_MODEL, TINY_TRAIN, run_train_case, tiny_train_case
+from tests.support.train import TINY_MODEL, TINY_SGD, TINY_TRAIN, run_train_case, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
 TENSOR = "model.layers.0.self_attn.q_a_proj.weight"
 FLIP = {"side": "b", "after_step": 1, "state": "exp_avg", "tensor": TENSOR, "index": [5, 7], "bit": 20}
+FLIP_SGD = {**FLIP, "state": "momentum_buffer"}
 ALIGNED = {"expert_bias_update": "off", "weight_decay_params": "not_1d"}  # the stacks' choices made the same
 RUNNERS = ("megatron_model", "hf_model", "paddle_model")
 
@@ -41,6 +46,13 @@ def cases(tmp_path_factory):
         tiny_train_case("t_float64_dense", dtype="float64", train={**TINY_TRAIN, **ALIGNED},
                         config={"model": {**TINY_MODEL, "first_k_dense_replace": 2}}),
         *[tiny_train_case(f"t_self_{runner}", runners=[runner, runner]) for runner in RUNNERS],
+        tiny_train_case("t_sgd_megatron_hf_aligned", train={**TINY_SGD, **ALIGNED, "clip_grad": 0.0}),
+        tiny_train_case("t_sgd_megatron_paddle_aligned", runners=["megatron_model", "paddle_model"],
+                        train={**TINY_SGD, **ALIGNED, "clip_grad": 0.0}),
+        *[tiny_train_case(f"t_sgd_control_{runner}", runners=[runner, runner], train={**TINY_SGD, "flip": FLIP_SGD})
+          for runner in ("megatron_model", "paddle_model")],
+        *[tiny_train_case(f"t_sgd_self_{runner}", runners=[runner, runner], train=TINY_SGD) for runner in RUNNERS],
+        tiny_train_case("t_sgd_float64", dtype="float64", train={**TINY_SGD, **ALIGNED}),
         tiny_train_case("t_float64_planted", dtype="float64", runners=["hf_model", "hf_model"],
                         train={**TINY_TRAIN, **ALIGNED},
                         perturb={"side": "b", "tensor": "model.layers.0.self_attn.kv_b_proj.weight", "index": [5, 3],
@@ -214,13 +226,17 @@ def test_refeed_in_time_says_the_planted_bit_was_carried_into_step_2(cases, tmp_
     assert "Re-feed in time" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_a_stack_refed_from_its_own_state_reproduces_its_plain_run(cases, tmp_path, checkpoints_dir, runner):
+def test_a_stack_refed_from_its_own_state_reproduces_its_plain_run(cases, tmp_path, checkpoints_dir, runner,
+                                                                   optimizer):
     """The re-feed's control (issue 29, finding 5): a stack against itself, re-fed from side a's state (its own bits),
     gives its plain run bit for bit at every step and quantity in both modes: loading the state and the gradients
-    through the stack's own tensors changes nothing, so a re-fed difference elsewhere is the step's own."""
-    result, run_dir, report, tails = run_train_case(f"t_self_{runner}", cases, tmp_path, checkpoints_dir,
-                                                    oracle=False, refeed_ops=True)
+    through the stack's own tensors changes nothing, so a re-fed difference elsewhere is the step's own. For AdamW
+    (both moments) and SGD (its momentum buffer: Paddle's accumulator "velocity")."""
+    name = f"t_self_{runner}" if optimizer == "adamw" else f"t_sgd_self_{runner}"
+    result, run_dir, report, tails = run_train_case(name, cases, tmp_path, checkpoints_dir, oracle=False,
+                                                    refeed_ops=True)
     assert result.verdict == "BITWISE_PASS" and result.exit_code == 0, (result.message, tails)
     refeed = report["train"]["refeed"]
     assert refeed["status"] == "ok", (refeed["reason"], tails)
@@ -270,3 +286,82 @@ def test_knob_matrix_shows_which_knob_removes_which_difference(cases, tmp_path, 
     written, off = matrix["cells"]
     assert written["differing"]["expert_bias"] == 2 and off["differing"]["expert_bias"] == 0
     assert "expert_bias_update = off" in (next((tmp_path / "reports").glob("*knob-matrix*/matrix.md")).read_text())
+
+
+def test_sgd_on_side_a_gradients_megatron_is_torch_sgd(cases, tmp_path, checkpoints_dir):
+    """SGD with momentum, no clipping, the choices aligned: on side a's gradients Megatron's optimizer and
+    torch.optim.SGD give the same buffers and parameters bit for bit at every step (measured 2026-12-03: so does the
+    research's direct comparison, with clipping and in bf16 too); each stack writes the buffer where its record says."""
+    result, run_dir, report, tails = run_train_case("t_sgd_megatron_hf_aligned", cases, tmp_path, checkpoints_dir,
+                                                    oracle=False, refeed_ops=True)
+    assert result.verdict == "DIFF", (result.message, tails)  # the two models part at step 1's loss on any CPU
+    assert report["train"]["order"][5:7] == ["momentum_buffer", "master"]
+    assert set(report["train"]["steps"][0]["quantities"]) == {"grad", "momentum_buffer", "param", "expert_bias"}
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    for step in refeed["steps"]:
+        for quantity in ("momentum_buffer", "param"):
+            assert "optimizer" not in step["attribution"].get(quantity, ""), (step["step"], step["attribution"])
+    megatron, hf = (side["meta"] for side in report["sides"][:2])
+    assert "state[main_param]['momentum_buffer']" in megatron["state_locations"]["momentum_buffer"]
+    assert "torch.optim.SGD" in hf["implementation"] and "inner SGD" in megatron["implementation"]
+
+
+def test_sgd_paddle_momentum_makes_its_own_parameters_on_side_a_gradients(cases, tmp_path, checkpoints_dir):
+    """paddle.optimizer.Momentum's CPU kernel rounds wd·p and lr·buf on their own where torch fuses them (one FMA
+    each). On side a's gradients and state (the re-feed's update run) Paddle's step makes other parameters at every
+    step, and other buffers for every decayed parameter with a gradient; the 1-D parameters (not decayed: not_1d) get
+    Megatron's buffer bits, since buf·momentum + g rounds alike on both (measured 2026-12-03, tiny 2-layer)."""
+    import numpy as np
+
+    from harness.case.ops import train_state_names
+
+    result, run_dir, report, tails = run_train_case("t_sgd_megatron_paddle_aligned", cases, tmp_path,
+                                                    checkpoints_dir, oracle=False, refeed_ops=True)
+    refeed = report["train"]["refeed"]
+    assert refeed["status"] == "ok", (refeed["reason"], tails)
+    assert all("made by the optimizer" in step["attribution"]["param"] for step in refeed["steps"]), refeed["steps"]
+    a, b = _step_bytes(run_dir / "a-megatron_model"), _step_bytes(run_dir / "b-paddle_model-refeed-update")
+    for step in (1, 2):
+        for name, shape in train_state_names(TINY_MODEL):
+            buffer = f"step{step}.momentum_buffer.{name}"
+            gradient = np.frombuffer(a[f"step{step}.grad.{name}"], np.float32)
+            if len(shape) == 1:
+                assert a[buffer] == b[buffer], buffer
+            elif gradient.any():
+                assert a[buffer] != b[buffer], buffer
+    assert "velocity" in report["sides"][1]["meta"]["state_locations"]["momentum_buffer"]
+    assert "paddle.optimizer.Momentum" in report["sides"][1]["meta"]["implementation"]
+
+
+@pytest.mark.parametrize("runner", ["megatron_model", "paddle_model"])
+def test_sgd_negative_control_is_found_at_its_step_in_its_parameter(cases, tmp_path, checkpoints_dir, runner):
+    """One bit of one momentum buffer flipped on side b after step 1 (Megatron's torch.optim.SGD state, Paddle's
+    "velocity" accumulator): step 1 bitwise, at step 2 exactly that buffer (one element) and its parameter."""
+    result, run_dir, report, tails = run_train_case(f"t_sgd_control_{runner}", cases, tmp_path, checkpoints_dir,
+                                                    oracle=False)
+    assert result.verdict == "DIFF", (result.message, tails)
+    step1, step2 = report["train"]["steps"]
+    assert step1["verdict"] == "BITWISE_PASS"
+    assert report["train"]["first_divergence"] == {"step": 2, "quantity": "momentum_buffer",
+                                                   "tensor": f"step2.momentum_buffer.{TENSOR}"}
+    differing = {t["name"] for t in report["tensors"] if t["status"] != "EQUAL" and t["name"].startswith("step2.")}
+    assert differing == {f"step2.momentum_buffer.{TENSOR}", f"step2.param.{TENSOR}"}
+    buffer = next(t for t in report["tensors"] if t["name"] == f"step2.momentum_buffer.{TENSOR}")
+    assert buffer["mismatches"] == 1 and buffer["first_mismatch"]["index"] == [5, 7]
+
+
+def test_float64_check_judges_the_sgd_buffer_at_every_step(cases, tmp_path, checkpoints_dir):
+    """The float64 check of an SGD case (Megatron vs HF, clip 1.0): the buffer carries the clip factor's error
+    (Megatron's fp32 norm: 3.0e-8 measured) on side a's gradients, within [megatron.float64_update]'s "step*"."""
+    result, run_dir, report, tails = run_train_case("t_sgd_float64", cases, tmp_path, checkpoints_dir, oracle=False)
+    semantic = report["train"].get("semantic")
+    assert semantic and semantic["ok"], (result.verdict, result.message, tails)
+    assert result.verdict == "WITHIN_TOLERANCE", result.message
+    names = [t["name"] for t in report["tensors"]]
+    update = {"grad_norm", "clip_coeff", "momentum_buffer", "param"}
+    parts = {part["judged_by"]: part for part in semantic["parts"]}
+    assert parts["side b's optimizer on side a's gradients"]["checked"] == sum(n.split(".")[1] in update
+                                                                               for n in names)
+    assert any(name.startswith("side b's optimizer on side a's gradients: step1.momentum_buffer.")
+               for name in semantic["floors"])

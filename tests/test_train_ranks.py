@@ -21,10 +21,10 @@ from tests.support.train import TINY_MODEL, TINY_TRAIN, tiny_train_case
 
 
 def test_dp_and_ep_default_to_one_rank():
-    train = Registry.load().get("kimi_k2_2layer_train").config["train"]
-    assert (train["dp"], train["ep"]) == (1, 1)
-    ranked = Registry.load().get("kimi_k2_2layer_train_control_megatron_ranks").config["train"]
-    assert (ranked["dp"], ranked["ep"], ranked["distributed_optimizer"]) == (2, 2, True)
+    train = Registry.load().get("kimi_k2_2layer_train").train
+    assert (train.dp, train.ep) == (1, 1)
+    ranked = Registry.load().get("kimi_k2_2layer_train_control_megatron_ranks").train
+    assert (ranked.dp, ranked.ep, ranked.distributed_optimizer) == (2, 2, True)
 
 
 @pytest.mark.parametrize("train, model, field, why", [
@@ -215,7 +215,8 @@ def test_invariance_names_what_stays_bitwise_and_the_step_each_quantity_departs_
                                        ("lr", "loss", "grad_norm", "clip_coeff")},
                 "quantities": {"grad": {"equal": grads_equal, "total": 3}, "param": {"equal": 3, "total": 3}}}
 
-    summary = {"steps": [step(1, {"lr", "loss", "clip_coeff"}, 3), step(2, {"lr"}, 1)]}
+    summary = {"steps": [step(1, {"lr", "loss", "clip_coeff"}, 3), step(2, {"lr"}, 1)],
+               "order": ["lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "param"]}
     assert invariance(summary) == {"bitwise": ["lr", "param"],
                                    "departs": {"loss": 2, "grad": 2, "grad_norm": 1, "clip_coeff": 2}}
 

@@ -28,7 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from harness.case.specs import FLOAT32_OR_WIDER, TensorSpec
+from harness.case.train import TrainSettings
 from harness.families import family_of, model_config
+from harness.optimizers import Optimizer
 
 # MLA's softmax scale with YaRN (MLASelfAttention: mscale = 0.1 * mscale_all_dim * ln(factor) + 1, scale = mscale^2 /
 # sqrt(qk_nope + qk_rope)), at Kimi-K2's factor 32, mscale_all_dim 1, head dim 192.
@@ -474,15 +476,29 @@ OPS[CAUSAL_LM.name] = CAUSAL_LM
 
 
 # --- the training level: N optimizer steps of the whole causal LM (docs/training.md) --------------------------------
-# `config["train"]` is the case's `train` table, resolved by harness/case/train.py (steps, micro_batches,
-# master_weights, ...). Per step k (1-based) and micro-batch m: inputs `step{k}.mb{m}.input_ids` / `.labels`; outputs
-# in the order a step makes them and the report reads them: the lr the step used, each micro-batch's loss as
-# backpropagated (its mean cross entropy / micro_batches), the accumulated gradient the optimizer starts from (before
-# clipping), the global norm, the clip factor the gradients were multiplied by (1 when not clipped), both Adam moments,
-# the fp32 masters (bf16 cases), the parameters, each MoE layer's routing bias as the next step reads it. State tensors
-# use the canonical gradient names (gate and up fused); the routing bias its checkpoint name.
+# `config["train"]` is the case's training settings as the request carries them (harness/case/train.py: steps,
+# micro_batches, master_weights, the optimizer, ...). Per step k (1-based) and micro-batch m: inputs
+# `step{k}.mb{m}.input_ids` / `.labels`; outputs in the order a step makes them and the report reads them: the lr the
+# step used, each micro-batch's loss as backpropagated (its mean cross entropy / micro_batches), the accumulated
+# gradient the optimizer starts from (before clipping), the global norm, the clip factor the gradients were multiplied
+# by (1 when not clipped), the optimizer's state (the quantities its record names, harness.optimizers), the fp32
+# masters (bf16 cases), the parameters, each MoE layer's routing bias as the next step reads it. State tensors use the
+# canonical gradient names (gate and up fused); the routing bias its checkpoint name.
 
-STATE_QUANTITIES = ("grad", "exp_avg", "exp_avg_sq", "master", "param")  # per parameter, in the step's order
+
+def step_quantities(optimizer: Optimizer) -> tuple[str, ...]:
+    """Every quantity a training step writes, in the order it makes them (the report's order within a step)."""
+    return ("lr", "loss", "grad", "grad_norm", "clip_coeff", *optimizer.state, "master", "param", "expert_bias")
+
+
+def state_quantities(optimizer: Optimizer) -> tuple[str, ...]:
+    """The quantities a step writes per parameter, in the step's order."""
+    return ("grad", *carried_quantities(optimizer))
+
+
+def carried_quantities(optimizer: Optimizer) -> tuple[str, ...]:
+    """What a step hands to the next per parameter (a re-feed loads them; the gradients are made again)."""
+    return (*optimizer.state, "master", "param")
 
 
 def train_buffer_names(m) -> list[tuple[str, tuple[int, ...]]]:
@@ -499,21 +515,21 @@ def train_state_names(m) -> list[tuple[str, tuple[int, ...]]]:
     return [(name[len("grad."):], shape) for name, shape in family_of(m.family).gradients(m)]
 
 
-def train_step_outputs(m, train: Mapping, step: int) -> list[TensorSpec]:
+def train_step_outputs(m, train: TrainSettings, step: int) -> list[TensorSpec]:
     wide = FLOAT32_OR_WIDER
     states = train_state_names(m)
     p = f"step{step}."
     specs = [TensorSpec(p + "lr", (), "output", "float64"),
-             TensorSpec(p + "loss", (int(train["micro_batches"]),), "output", wide)]
+             TensorSpec(p + "loss", (train.micro_batches,), "output", wide)]
     specs += [TensorSpec(f"{p}grad.{name}", shape, "output", wide) for name, shape in states]
     # At the gradients' precision, the one a stack applies them at (Megatron's doubles are shown beside them). Without
     # clipping no stack multiplies by a factor, and only Megatron computes a norm: the others write none of their own.
-    clipped = train["clip_grad"] > 0
+    clipped = train.clip_grad > 0
     specs.append(TensorSpec(p + "grad_norm", (), "output", wide, optional=not clipped))
     specs += [TensorSpec(p + "clip_coeff", (), "output", wide)] if clipped else []
-    for quantity in ("exp_avg", "exp_avg_sq"):
+    for quantity in train.record.state:
         specs += [TensorSpec(f"{p}{quantity}.{name}", shape, "output", wide) for name, shape in states]
-    if train["master_weights"]:
+    if train.master_weights:
         specs += [TensorSpec(f"{p}master.{name}", shape, "output", "float32") for name, shape in states]
     specs += [TensorSpec(f"{p}param.{name}", shape, "output") for name, shape in states]
     biases = train_buffer_names(m)
@@ -521,10 +537,10 @@ def train_step_outputs(m, train: Mapping, step: int) -> list[TensorSpec]:
 
 
 def _causal_lm_train_inputs(shapes, tokens, config):
-    m, train = model_config(config["model"]), config["train"]
+    m, train = model_config(config["model"]), TrainSettings.from_dict(config["train"])
     specs = [s for s in _causal_lm_inputs(shapes, tokens, config) if s.role not in ("ids", "labels")]
-    for step in range(1, int(train["steps"]) + 1):
-        for mb in range(int(train["micro_batches"])):
+    for step in range(1, train.steps + 1):
+        for mb in range(train.micro_batches):
             p = f"step{step}.mb{mb}."
             specs += [TensorSpec(p + "input_ids", (tokens,), "ids", "int64", high=m.vocab_size),
                       TensorSpec(p + "labels", (tokens,), "labels", "int64")]
@@ -532,8 +548,8 @@ def _causal_lm_train_inputs(shapes, tokens, config):
 
 
 def _causal_lm_train_outputs(shapes, tokens, config):
-    m, train = model_config(config["model"]), config["train"]
-    return [spec for step in range(1, int(train["steps"]) + 1) for spec in train_step_outputs(m, train, step)]
+    m, train = model_config(config["model"]), TrainSettings.from_dict(config["train"])
+    return [spec for step in range(1, train.steps + 1) for spec in train_step_outputs(m, train, step)]
 
 
 CAUSAL_LM_TRAIN = Op("causal_lm_train", "train", (), _causal_lm_train_inputs, _causal_lm_train_outputs, None,

@@ -19,7 +19,7 @@ import tomllib
 from harness import families, paths
 from harness.case import tolerance as tolerance_policy
 from harness.case import train as train_table
-from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op
+from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, train_state_names
 from harness.case.specs import resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
@@ -121,6 +121,17 @@ class Case:
         its wire form, the dict a request and a report carry."""
         return families.model_config(self.config["model"]) if self.op in MODEL_OPS else None
 
+    @cached_property
+    def train(self) -> train_table.TrainSettings | None:
+        """A training case's settings (None for other ops). The request carries them as ``config["train"]``
+        (``TrainSettings.to_dict``), which is what this reads: one source, the wire format unchanged."""
+        settings = self.config.get("train")
+        return train_table.TrainSettings.from_dict(settings) if settings is not None else None
+
+    def with_train(self, train: train_table.TrainSettings) -> Case:
+        """The case with other training settings (--steps-kept, --dp, --ep)."""
+        return replace(self, config={**self.config, "train": train.to_dict()})
+
     def with_tokens(self, tokens: int) -> Case:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
             raise CaseError(f"case {self.name!r}: tokens must be a positive integer (got {tokens!r})")
@@ -143,7 +154,7 @@ class Case:
                             f"(got {','.join(runners)!r})")
         if tuple(runners) == self.runners:
             return self
-        control = self.perturb or (self.config.get("train") or {}).get("flip")
+        control = self.perturb or (self.train and self.train.flip)
         return replace(self, runners=tuple(runners), expect=self.expect if control else Expectation())
 
     def with_tp(self, tp: int) -> Case:
@@ -326,7 +337,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if "train" in table and op not in TRAIN_OPS:
         raise f.error("train", f"is only for training ops ({', '.join(TRAIN_OPS)})", table["train"])
     if op in TRAIN_OPS:  # stored complete in the config, so the request carries it to every runner
-        config = {**config, "train": train_table.parse(f, dtype, model)}
+        config = {**config, "train": train_table.parse(f, dtype, model, dict(train_state_names(model))).to_dict()}
     config = spec.resolve(config)
 
     _check_tensor_parallel(f, spec, shapes, tp, tokens, config)

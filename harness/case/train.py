@@ -1,18 +1,27 @@
-"""The ``train`` table of a training case (op ``causal_lm_train``): every field defaulted and validated, the result
-stored complete in ``config["train"]`` so every runner reads the same settings and decides no default itself.
+"""The ``train`` table of a training case (op ``causal_lm_train``) as typed settings: ``TrainSettings`` and, for a
+negative control, its planted ``Flip``. ``parse`` defaults and validates every field (each error names file, case,
+field and value); code reads ``case.train.steps``.
+
+At the boundary the settings are a dict: ``to_dict`` writes the request's ``config.train`` (and report.json's case),
+which every runner reads back with ``from_dict``, so every side trains with the same settings and none decides a
+default. For an AdamW case the dict is the one cases had before the optimizer records; ``optimizer`` appears in it only
+when it is not AdamW, followed by that optimizer's own fields (``harness.optimizers``: each optimizer's record says its
+fields, its state and how each stack builds it).
 
 A field is one of the case's training settings; how each stack expresses it in its own API is the runners' business
-(``harness/runners/*/train.py``), and docs/training.md says it per stack. Where the stacks differ by a choice
-(which parameters weight decay applies to, torch AdamW's implementation), the default is each stack's own choice
-("default") and the case may set one for all of them.
+(``harness/runners/*/train.py``, the optimizer's record), and docs/training.md says it per stack. Where the stacks
+differ by a choice (which parameters weight decay applies to, torch AdamW's implementation), the default is each
+stack's own choice ("default") and the case may set one for all of them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
-from harness.case.ops import STATE_QUANTITIES, train_state_names
 from harness.families import routed_experts
+from harness.optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from harness.optimizers import OPTIMIZERS, Optimizer
 
 DECAY_STYLES = ("cosine", "constant")
 WEIGHT_DECAY_PARAMS = {
@@ -21,9 +30,8 @@ WEIGHT_DECAY_PARAMS = {
     "all": "every parameter decays (Megatron: config_overrides={}; torch: one param group; Paddle: no "
            "apply_decay_param_fun)",
     "not_1d": "1-D parameters do not decay (Megatron's default; torch: a param group with weight_decay 0; Paddle: "
-              "apply_decay_param_fun)",
+              "apply_decay_param_fun, or with Momentum an L2Decay(0.0) regularizer per parameter)",
 }
-TORCH_ADAMW = ("default", "for_loop", "foreach", "fused")  # torch.optim.AdamW's foreach / fused flags (hf_model)
 EXPERT_BIAS_UPDATE = {
     "default": "each stack's own: Megatron adds sign(mean load - load) x moe_router_bias_update_rate (1e-3) to each "
                "routing bias after every step (finalize_model_grads); HF's and Paddle's training code leave it",
@@ -35,14 +43,15 @@ RANK_SIZES = (1, 2, 4, 8)  # data- and expert-parallel sizes (docs/training-rank
 # UNSUPPORTED without it). HF transformers' DeepseekV3 has no expert-parallel plan (transformers 5.3).
 EXPERT_PARALLEL_RUNNERS = ("megatron_model", "paddle_model")
 
-# field -> (accepted types, default); a default of None is resolved from other fields (below)
-FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
+# field -> (accepted types, default), every optimizer's; a default of None is resolved from other fields (below). In
+# the dict's order the optimizer's own fields follow min_lr and its stack fields follow ep (the order AdamW's had).
+HEAD = {
     "steps": ((int,), 3),
     "micro_batches": ((int,), 1),
     "lr": ((float,), 1e-3),
     "min_lr": ((float,), 0.0),
-    "betas": ((list,), [0.9, 0.95]),
-    "eps": ((float,), 1e-8),
+}
+MIDDLE = {
     "weight_decay": ((float,), 0.1),
     "weight_decay_params": ((str,), "default"),
     "clip_grad": ((float,), 1.0),
@@ -53,80 +62,188 @@ FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "distributed_optimizer": ((bool,), False),
     "dp": ((int,), 1),  # data-parallel ranks, each training its own micro-batches of the same global batch
     "ep": ((int,), 1),  # expert-parallel ranks among them (Megatron's MoE layer; ep divides dp)
-    "torch_adamw": ((str,), "default"),
+}
+TAIL = {
     "expert_bias_update": ((str,), "default"),
     "steps_kept": ((str, list), "all"),
     "flip": ((dict,), None),
 }
+FIELDS = {**HEAD, **MIDDLE, **TAIL}  # the fields every optimizer shares
 
 
-def parse(f, dtype: str, model: dict) -> dict:
-    """The case's `train` table, complete. `f` is the registry's field reader (errors name file, case, field, value)."""
+@dataclass(frozen=True)
+class Flip:
+    """The negative control's planted flip: one bit of one element of one state tensor, on one side, right after a
+    step (its outputs written first), so the next step starts from it. On every data-parallel rank (each its own copy
+    or piece: the ranks stay consistent), or with `rank` on that one only (a planted departure of one rank)."""
+
+    side: str  # "a" or "b"
+    after_step: int
+    state: str  # a state quantity: the optimizer's, "master" or "param"
+    tensor: str  # canonical parameter name
+    index: tuple[int, ...]
+    bit: int
+    rank: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"side": self.side, "after_step": self.after_step, "state": self.state, "tensor": self.tensor,
+                "index": list(self.index), "bit": self.bit, "rank": self.rank}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Flip:
+        return cls(values["side"], values["after_step"], values["state"], values["tensor"], tuple(values["index"]),
+                   values["bit"], values.get("rank"))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int
+    micro_batches: int  # gradient accumulation
+    lr: float
+    min_lr: float
+    optimizer: Any  # the optimizer's own settings (harness.optimizers); `.record` is its record
+    weight_decay: float
+    weight_decay_params: str  # WEIGHT_DECAY_PARAMS
+    clip_grad: float  # global norm; 0: no clipping
+    warmup_steps: int
+    decay_style: str  # DECAY_STYLES
+    decay_steps: int
+    master_weights: bool  # fp32 masters: exactly the bf16 cases
+    distributed_optimizer: bool  # Megatron's
+    dp: int
+    ep: int
+    expert_bias_update: str  # EXPERT_BIAS_UPDATE
+    steps_kept: tuple[int, ...]  # the steps whose tensors stay on disk (the others: scalars and digests)
+    flip: Flip | None = None
+    bare: bool = False  # bench_speed: each stack's training calls alone, nothing observed or written (no case sets it)
+
+    @property
+    def record(self) -> Optimizer:
+        """The optimizer's record: its state quantities, its builders per stack."""
+        return self.optimizer.record
+
+    def to_dict(self) -> dict:
+        """The request's ``config.train`` (see the module docstring for its order and its ``optimizer`` field)."""
+        record = self.record
+        named = {"optimizer": record.name} if record.name != DEFAULT_OPTIMIZER else {}
+        own = self.optimizer.to_dict()
+        values = {key: getattr(self, key) for key in FIELDS}
+        values["steps_kept"] = list(self.steps_kept)
+        values["flip"] = self.flip.to_dict() if self.flip else None
+        return {**{key: values[key] for key in HEAD}, **named, **{key: own[key] for key in record.fields},
+                **{key: values[key] for key in MIDDLE}, **{key: own[key] for key in record.stack_fields},
+                **{key: values[key] for key in TAIL}, **({"bare": True} if self.bare else {})}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainSettings:
+        """The settings a request carries (written by ``to_dict``); a key it does not know or lacks is an error, not
+        a default: a request of another version of the harness would otherwise train with other settings."""
+        record = OPTIMIZERS.get(values.get("optimizer", DEFAULT_OPTIMIZER))
+        if record is None:
+            raise ValueError(f"config.train.optimizer: no such optimizer {values['optimizer']!r}; known: "
+                             f"{', '.join(OPTIMIZERS)}")
+        own = {*record.fields, *record.stack_fields}
+        known = {*FIELDS, *own, "optimizer", "bare"}
+        unknown = sorted(set(values) - known)
+        missing = [key for key in (*FIELDS, *own) if key not in values]
+        if unknown or missing:
+            raise ValueError(f"config.train of {record.name}: " + "; ".join(
+                ([f"unknown {', '.join(unknown)}"] if unknown else []) + ([f"lacks {', '.join(missing)}"]
+                                                                          if missing else [])))
+        flip = values["flip"]
+        return cls(**{key: values[key] for key in FIELDS if key not in ("steps_kept", "flip")},
+                   optimizer=record.settings.from_dict({key: values[key] for key in own}),
+                   steps_kept=tuple(values["steps_kept"]), flip=Flip.from_dict(flip) if flip else None,
+                   bare=bool(values.get("bare", False)))
+
+    def state_choices(self) -> tuple[str, ...]:
+        """What a flip may plant a bit in: the optimizer's state, the masters (bf16), the parameters."""
+        return (*self.record.state, *(("master",) if self.master_weights else ()), "param")
+
+
+def parse(f, dtype: str, model: dict, parameters: dict) -> TrainSettings:
+    """The case's `train` table, complete. `f` is the registry's field reader (errors name file, case, field, value);
+    `parameters` the canonical parameter names and shapes (what a flip may name)."""
     table = f.get("train", dict, {})
-    unknown = sorted(set(table) - set(FIELDS))
-    if unknown:
-        raise f.error(f"train.{unknown[0]}", f"unknown field; known: {', '.join(FIELDS)}", table[unknown[0]])
+    name = f.get("optimizer", str, DEFAULT_OPTIMIZER, where=table, label="train.optimizer")
+    if name not in OPTIMIZERS:
+        raise f.error("train.optimizer", f"must be one of {', '.join(OPTIMIZERS)}", name)
+    record = OPTIMIZERS[name]
+    own = {**record.fields, **record.stack_fields}
+    fields = {**FIELDS, **own}
+    for key in table:
+        if key in fields or key == "optimizer":
+            continue
+        other = next((o for o in OPTIMIZERS.values() if key in o.fields or key in o.stack_fields), None)
+        if other is not None:
+            raise f.error(f"train.{key}", f"is a setting of {other.label} (optimizer = {other.name!r}); this case "
+                                          f"trains with {record.label} (optimizer = {record.name!r})", table[key])
+        raise f.error(f"train.{key}", f"unknown field; known: {', '.join(['optimizer', *fields])}", table[key])
     given = {}
-    for key, (kinds, _) in FIELDS.items():
+    for key, (kinds, _) in fields.items():
         if key in table:
             value = table[key]
             if float in kinds and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             given[key] = f.get(key, kinds, where={key: value}, label=f"train.{key}")
-    train = {key: given.get(key, default) for key, (_, default) in FIELDS.items()}
-    train["decay_steps"] = train["steps"] if train["decay_steps"] is None else train["decay_steps"]
-    if train["master_weights"] is None:
-        train["master_weights"] = dtype == "bfloat16"
+    raw = {key: given.get(key, default) for key, (_, default) in FIELDS.items()}
+    raw["decay_steps"] = raw["steps"] if raw["decay_steps"] is None else raw["decay_steps"]
+    if raw["master_weights"] is None:
+        raw["master_weights"] = dtype == "bfloat16"
 
-    def bad(key, problem):
-        raise f.error(f"train.{key}", problem, train[key])
+    def bad(key, problem, value=...):
+        raise f.error(f"train.{key}", problem, raw[key] if value is ... else value)
 
     for key in ("steps", "micro_batches", "decay_steps"):
-        if train[key] < 1:
+        if raw[key] < 1:
             bad(key, "must be >= 1")
-    if train["warmup_steps"] < 0:
+    if raw["warmup_steps"] < 0:
         bad("warmup_steps", "must be >= 0")
-    if train["warmup_steps"] >= train["decay_steps"]:
-        bad("warmup_steps", f"must be < decay_steps ({train['decay_steps']}): the decay needs a step")
-    for key in ("lr", "eps"):
-        if not train[key] > 0:
-            bad(key, "must be > 0")
-    if not 0 <= train["min_lr"] <= train["lr"]:
-        bad("min_lr", f"must be in [0, lr = {train['lr']}]")
+    if raw["warmup_steps"] >= raw["decay_steps"]:
+        bad("warmup_steps", f"must be < decay_steps ({raw['decay_steps']}): the decay needs a step")
+    if not raw["lr"] > 0:
+        bad("lr", "must be > 0")
+    settings = record.parse({key: value for key, value in given.items() if key in own})
+    problem = settings.problem()
+    if problem:
+        bad(problem[0], problem[1], given.get(problem[0], own[problem[0]][1]))
+    if not 0 <= raw["min_lr"] <= raw["lr"]:
+        bad("min_lr", f"must be in [0, lr = {raw['lr']}]")
     for key in ("weight_decay", "clip_grad"):
-        if train[key] < 0:
+        if raw[key] < 0:
             bad(key, "must be >= 0 (clip_grad 0: no clipping)")
-    betas = train["betas"]
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-                                  for b in betas):
-        bad("betas", "must be two numbers in [0, 1): [beta1, beta2]")
-    train["betas"] = [float(b) for b in betas]
     for key, choices in (("decay_style", DECAY_STYLES), ("weight_decay_params", tuple(WEIGHT_DECAY_PARAMS)),
-                         ("torch_adamw", TORCH_ADAMW), ("expert_bias_update", tuple(EXPERT_BIAS_UPDATE))):
-        if train[key] not in choices:
+                         ("expert_bias_update", tuple(EXPERT_BIAS_UPDATE))):
+        if raw[key] not in choices:
             bad(key, f"must be one of {', '.join(choices)}")
-    if train["master_weights"] != (dtype == "bfloat16"):
+    if raw["master_weights"] != (dtype == "bfloat16"):
         bad("master_weights", "fp32 master weights are what a bfloat16 case trains with (Megatron keeps them "
                               "always) and what no float32/float64 case has: true exactly for bfloat16")
-    problem = ranks_problem(train, model)
+    if raw["distributed_optimizer"] and not record.distributed_optimizer:
+        bad("distributed_optimizer", f"Megatron's DistributedOptimizer takes Adam only (distrib_optimizer.py asserts "
+                                     f"it); this case trains with {record.label}")
+    kept = steps_kept(raw["steps_kept"], raw["steps"],
+                      lambda problem: f.error("train.steps_kept", problem, table.get("steps_kept")))
+    flip = raw["flip"]
+    settings = TrainSettings(**{key: raw[key] for key in FIELDS if key not in ("steps_kept", "flip")},
+                             optimizer=settings, steps_kept=tuple(kept))
+    problem = ranks_problem(settings, model)
     if problem:
         bad(*problem)
-    train["steps_kept"] = steps_kept(train["steps_kept"], train["steps"],
-                                     lambda problem: f.error("train.steps_kept", problem, table.get("steps_kept")))
-    if train["flip"] is not None:
-        train["flip"] = _flip(f, train, dtype, model)
-    return train
+    if flip is not None:
+        settings = replace(settings, flip=_flip(f, settings, flip, dtype, parameters))
+    return settings
 
 
-def ranks_problem(train: dict, model: dict) -> tuple[str, str] | None:
+def ranks_problem(train: TrainSettings, model: dict) -> tuple[str, str] | None:
     """(field, why) when `dp` data-parallel and `ep` expert-parallel ranks cannot split this training run: the one
     check, in one wording, for case files, ``--dp``, ``--ep`` and ``--versus-dp`` / ``--versus-ep``."""
-    dp, ep = train["dp"], train["ep"]
+    dp, ep = train.dp, train.ep
     for key, size in (("dp", dp), ("ep", ep)):
         if size not in RANK_SIZES:
             return key, f"must be one of {', '.join(map(str, RANK_SIZES))}"
-    if train["micro_batches"] % dp:
-        return "dp", (f"must divide micro_batches ({train['micro_batches']}): each rank trains micro_batches / dp "
+    if train.micro_batches % dp:
+        return "dp", (f"must divide micro_batches ({train.micro_batches}): each rank trains micro_batches / dp "
                       "of the same global batch")
     if dp % ep:
         return "ep", f"must divide dp ({dp}): Megatron splits the experts across the data-parallel ranks"
@@ -135,13 +252,13 @@ def ranks_problem(train: dict, model: dict) -> tuple[str, str] | None:
     return None
 
 
-def with_ranks(train: dict, model: dict, dp: int, ep: int, error) -> dict:
+def with_ranks(train: TrainSettings, model: dict, dp: int, ep: int, error) -> TrainSettings:
     """`train` at `dp` x `ep` ranks (the command line's --dp / --ep / --versus-*); `error(field, problem, value)`
     builds the exception to raise."""
-    ranked = {**train, "dp": dp, "ep": ep}
+    ranked = replace(train, dp=dp, ep=ep)
     problem = ranks_problem(ranked, model)
     if problem:
-        raise error(*problem, ranked[problem[0]])
+        raise error(*problem, getattr(ranked, problem[0]))
     return ranked
 
 
@@ -181,12 +298,9 @@ def parse_steps_kept(text: str, steps: int) -> list[int]:
     return steps_kept(value, steps, lambda problem: ValueError(f"--steps-kept {text}: {problem}"))
 
 
-def _flip(f, train: dict, dtype: str, model: dict) -> dict:
-    """The negative control's planted flip: one bit of one element of one optimizer state tensor, on one side, right
-    after a step (its outputs written first), so the next step starts from it. On every data-parallel rank (each its
-    own copy or piece: the ranks stay consistent), or with `rank` on that one only (a planted departure of one rank
-    from the others)."""
-    table = train["flip"]
+def _flip(f, train: TrainSettings, table: dict, dtype: str, parameters: dict) -> Flip:
+    """The case's ``flip`` table (see ``Flip``), checked against the settings: a state the optimizer writes, a
+    parameter, an element and a bit of it, a step a later one reads, a rank of the case."""
     for key in sorted(set(table) - FLIP_FIELDS):
         raise f.error(f"train.flip.{key}", f"unknown field; known: {', '.join(sorted(FLIP_FIELDS))}", table[key])
 
@@ -198,17 +312,15 @@ def _flip(f, train: dict, dtype: str, model: dict) -> dict:
     index, bit = list(field("index", list)), field("bit", int)
     if side not in ("a", "b"):
         raise f.error("train.flip.side", "must be 'a' or 'b'", side)
-    if not 1 <= after < train["steps"]:
-        raise f.error("train.flip.after_step", f"must be in 1..{train['steps'] - 1} (a later step must read it)",
-                      after)
-    states = [q for q in STATE_QUANTITIES if q != "grad" and (q != "master" or train["master_weights"])]
+    if not 1 <= after < train.steps:
+        raise f.error("train.flip.after_step", f"must be in 1..{train.steps - 1} (a later step must read it)", after)
+    states = train.state_choices()
     if state not in states:
         raise f.error("train.flip.state", f"must be one of {', '.join(states)}", state)
-    shapes = dict(train_state_names(model))
-    if tensor not in shapes:
+    if tensor not in parameters:
         raise f.error("train.flip.tensor", "no such parameter (canonical names, gate and up fused as "
                                            "'...gate_up_proj.weight')", tensor)
-    shape = shapes[tensor]
+    shape = parameters[tensor]
     if len(index) != len(shape) or not all(isinstance(i, int) and 0 <= i < n for i, n in zip(index, shape,
                                                                                              strict=False)):
         raise f.error("train.flip.index", f"must index into {tensor} of shape {list(shape)}", index)
@@ -217,8 +329,7 @@ def _flip(f, train: dict, dtype: str, model: dict) -> dict:
         raise f.error("train.flip.bit", f"must be a mantissa or exponent bit of the {width}-bit {state}, "
                                         f"0..{width - 2}", bit)
     rank = f.get("rank", int, None, where=table, label="train.flip.rank")
-    if rank is not None and not 0 <= rank < train["dp"]:
-        raise f.error("train.flip.rank", f"must be a data-parallel rank of the case, 0..{train['dp'] - 1} (train.dp "
-                                         f"= {train['dp']})", rank)
-    return {"side": side, "after_step": after, "state": state, "tensor": tensor, "index": index, "bit": bit,
-            "rank": rank}
+    if rank is not None and not 0 <= rank < train.dp:
+        raise f.error("train.flip.rank", f"must be a data-parallel rank of the case, 0..{train.dp - 1} (train.dp "
+                                         f"= {train.dp})", rank)
+    return Flip(side, after, state, tensor, tuple(index), bit, rank)

@@ -2,7 +2,7 @@
 as written, then with each choice the stacks make differently set to one value through every stack's own API, then
 all of them aligned. Each cell is an ordinary run with its own report; the matrix says per cell how many tensors
 differ per quantity over all steps and how many fewer (or more) than the case as written: which knob removes which
-difference. A difference no knob removes is a formula difference (Paddle's Adam and clip, Megatron's norm).
+difference. A difference no knob removes is a formula difference (Paddle's Adam, Momentum and clip, Megatron's norm).
 Exit code: 2 if a cell is ERROR, else 0 (the matrix reports, it does not judge).
 """
 
@@ -14,7 +14,9 @@ from pathlib import Path
 
 from harness import pipeline
 from harness.case.registry import Registry
+from harness.case.train import TrainSettings
 from harness.compare.result import ERROR, EXIT_CODES
+from harness.optimizers import DEFAULT, OPTIMIZERS, Optimizer
 from harness.pipeline import run_folder
 from harness.report import train_matrix_report
 from harness.run import workers
@@ -22,27 +24,29 @@ from harness.run import workers
 ALIGNED = {"weight_decay_params": "not_1d", "expert_bias_update": "off"}
 
 
-def knobs_for(runners) -> list[dict]:
-    """The settings worth a cell for this pair: each a {train field: value} over the case's own."""
+def knobs_for(runners, optimizer: Optimizer = OPTIMIZERS[DEFAULT]) -> list[dict]:
+    """The settings worth a cell for this pair and optimizer: each a {train field: value} over the case's own (the
+    optimizer's stack fields from its record)."""
     cells = [{"weight_decay_params": "not_1d"}, {"weight_decay_params": "all"}]
     if "megatron_model" in runners:
-        cells += [{"expert_bias_update": "off"}, {"distributed_optimizer": True}]
-    if "hf_model" in runners:
-        cells += [{"torch_adamw": "foreach"}, {"torch_adamw": "fused"}]
+        cells += [{"expert_bias_update": "off"}] + ([{"distributed_optimizer": True}]
+                                                    if optimizer.distributed_optimizer else [])
+    for runner, stack_cells in optimizer.matrix.items():
+        cells += list(stack_cells) if runner in runners else []
     return cells + [{"clip_grad": 0.0}, dict(ALIGNED), {**ALIGNED, "clip_grad": 0.0}]
 
 
 def run(name: str, options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS, knobs: list[dict] | None = None) -> int:
     case = Registry.load(Path(options.cases_dir)).get(name)
     runners = options.runners or case.runners
-    settings = [{}] + (knobs if knobs is not None else knobs_for(runners))
+    settings = [{}] + (knobs if knobs is not None else knobs_for(runners, case.train.record))
     _, matrix_dir = run_folder.new_run_dir(Path(options.reports_dir), f"{name}-knob-matrix")
     cells = []
     with workers.fresh_processes(options.fresh_process), workers.serving(matrix_dir / "workers"):
         for setting in settings:
-            train = {**case.config["train"], **setting}
+            train = TrainSettings.from_dict({**case.train.to_dict(), **setting})  # a setting is a train field
             result, run_dir = pipeline.compare_case(
-                name, replace(options, config_overrides={**options.config_overrides, "train": train}))
+                name, replace(options, config_overrides={**options.config_overrides, "train": train.to_dict()}))
             cells.append({"setting": setting, "verdict": result.verdict, "message": result.message,
                           "sides": " vs ".join(result.case.get("runners", ())),
                           "first_divergence": (result.train or {}).get("first_divergence"),

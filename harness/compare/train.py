@@ -5,9 +5,9 @@ harness/report/train_section.py renders it.
 - ``compare_steps``: every canonical tensor of every step: kept steps compared element by element
   (``compare_tensor``), the others by digest (equal or not); per step the scalars (equal, or how far apart), "k of
   794" per state quantity, and the step's first differing output; over the run the first divergence in time (the
-  first step, and in it the first quantity in the step's order: lr, loss, gradients, norm, clip, moments, masters,
-  parameters, then the routing biases the next step reads); with the truth, per step and quantity which side is
-  closer.
+  first step, and in it the first quantity in the step's order: lr, loss, gradients, norm, clip, the optimizer's
+  state, masters, parameters, then the routing biases the next step reads); with the truth, per step and quantity
+  which side is closer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 
 from harness.bits import format_of
-from harness.case.ops import STATE_QUANTITIES, train_step_outputs
+from harness.case.ops import state_quantities, step_quantities, train_step_outputs
 from harness.case.registry import Case
 from harness.case.specs import resolve_dtype
 from harness.compare.model import TRUTH_RUNNER, _numpy_dtype
@@ -30,7 +30,6 @@ from harness.run.steps import DOUBLES, digest, read_header, step_file
 from harness.runners.oracle.runner import round_once
 
 SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
-ORDER = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
 
 
 def quantity_of(name: str) -> str:
@@ -40,9 +39,9 @@ def quantity_of(name: str) -> str:
 
 def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None = None) -> tuple[list, dict]:
     """(every comparison in time order, the summary along time)."""
-    train, m = case.config["train"], case.config["model"]
+    train, m = case.train, case.config["model"]
     comparisons, steps = [], []
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         specs = train_step_outputs(m, train, step)
         rows = _compare_step(step, specs, pair)
         comparisons += rows
@@ -50,10 +49,10 @@ def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None =
     first = next((s for s in steps if s["first_divergence"]), None)
     parameters = sum(1 for s in train_step_outputs(m, train, 1) if quantity_of(s.name) == "param")
     return comparisons, {
-        "steps": steps, "parameters": parameters, "steps_kept": train["steps_kept"],
+        "steps": steps, "parameters": parameters, "steps_kept": list(train.steps_kept),
         "first_divergence": ({"step": first["step"], "quantity": quantity_of(first["first_divergence"]),
                               "tensor": first["first_divergence"]} if first else None),
-        "order": list(ORDER), "truth": _truth_status(truth),
+        "order": list(step_quantities(train.record)), "truth": _truth_status(truth),
     }
 
 
@@ -66,14 +65,15 @@ def invariance(summary: dict) -> dict:
         differing += [q for q, counts in step["quantities"].items() if counts["equal"] < counts["total"]]
         for quantity in differing:
             departs.setdefault(quantity, step["step"])
-    present = [q for q in ORDER if any(q in step["scalars"] or q in step["quantities"] for step in summary["steps"])]
+    present = [q for q in summary["order"] if any(q in step["scalars"] or q in step["quantities"]
+                                                  for step in summary["steps"])]
     return {"bitwise": [q for q in present if q not in departs],
             "departs": {q: departs[q] for q in present if q in departs}}
 
 
 def compare_step(case: Case, step: int, pair: list[SideResult]) -> list[TensorComparison]:
     """One step's comparisons of two sides (a re-feed's check against a plain run)."""
-    return _compare_step(step, train_step_outputs(case.config["model"], case.config["train"], step), pair)
+    return _compare_step(step, train_step_outputs(case.config["model"], case.train, step), pair)
 
 
 def _open(path, stack):
@@ -121,7 +121,7 @@ def _by_digest(spec, digests: list[str], layouts: list) -> TensorComparison:
 def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth, case: Case) -> dict:
     by_name = {row.name: row for row in rows}
     quantities = {}
-    for quantity in (*STATE_QUANTITIES, "expert_bias"):
+    for quantity in (*state_quantities(case.train.record), "expert_bias"):
         members = [row for row in rows if quantity_of(row.name) == quantity]
         if members:
             differing = [row.name for row in members if row.status != EQUAL]
@@ -129,7 +129,7 @@ def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth,
                                     "differing": differing[:20]}
     first = next((row.name for row in rows if row.status != EQUAL), None)
     summary = {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
-               "kept": step in case.config["train"]["steps_kept"],
+               "kept": step in case.train.steps_kept,
                "scalars": _scalars(step, specs, pair, by_name), "quantities": quantities}
     if truth is not None and truth.status == "ok":
         summary["truth"] = _versus_truth(step, specs, pair, truth, case)

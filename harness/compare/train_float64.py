@@ -2,14 +2,14 @@
 
 In float64 every pair of stacks must agree on every state tensor to about 1e-10, bar the floors a stack states in the
 name map; beyond it is a mapping error (ERROR naming the step and the tensor), never a DIFF. A plain run starts only
-step 1 from the same state: later steps carry the earlier steps' rounding, amplified by Adam. So the check reads
-three comparisons (``parts``):
+step 1 from the same state: later steps carry the earlier steps' rounding, amplified by the optimizer (Adam most). So
+the check reads three comparisons (``parts``):
 
 - the plain run: step 1, every tensor, and the lr of every step (a schedule depends on the step count alone);
 - side b re-fed from side a's state (``harness.compare.train_refeed``, mode ``state``): every tensor of steps 2..N;
 - side b's optimizer on side a's gradients too (mode ``update``): what the optimizer makes at every step (norm, clip,
-  moments, masters, parameters), against the ``[<fw>.float64_update]`` floors: no gradient error feeds it there, so
-  a wrong lr, weight decay, schedule or update shows at its own scale.
+  the optimizer's state, masters, parameters), against the ``[<fw>.float64_update]`` floors: no gradient error feeds
+  it there, so a wrong lr, weight decay, schedule or update shows at its own scale.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from harness.compare import model
 from harness.compare.expectation import step_of
 from harness.compare.tensors import TensorComparison
 from harness.compare.train import quantity_of
-from harness.compare.train_refeed import UPDATE_MADE
+from harness.compare.train_refeed import update_made
 
 
 def parts(plain: list[TensorComparison], refed: dict[str, list] | None) -> list[tuple[str, str, list]]:
@@ -30,7 +30,7 @@ def parts(plain: list[TensorComparison], refed: dict[str, list] | None) -> list[
         judged += [("side b re-fed from side a's state", "float64",
                     [t for t in refed["state"] if step_of(t.name) > 1]),
                    ("side b's optimizer on side a's gradients", "float64_update",
-                    [t for t in refed["update"] if quantity_of(t.name) in UPDATE_MADE])]
+                    [t for t in refed["update"] if update_made(quantity_of(t.name))])]
     return judged
 
 

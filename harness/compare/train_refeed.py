@@ -2,18 +2,20 @@
 each step starting from side a's state, so every difference at step k is attributed to something step k did or to
 what it was handed.
 
-- ``state``: before each step k > 1 side b loads side a's state after step k - 1 (parameters, masters, both moments,
-  routing biases) and, at every step, side a's lr; its step counts are its own (it made the same number of steps).
-  A quantity that differs here was made by step k itself (its forward/backward, norm, clip or update).
+- ``state``: before each step k > 1 side b loads side a's state after step k - 1 (parameters, masters, the
+  optimizer's state, routing biases) and, at every step, side a's lr; its step counts are its own (it made the same
+  number of steps). A quantity that differs here was made by step k itself (its forward/backward, norm, clip or
+  update).
 - ``update``: the same, and side a's accumulated gradients of step k in place of side b's, so side b's norm, clip and
   optimizer run on side a's inputs alone: what differs here is made by those formulas, not by the gradients.
 
 Attribution per step and quantity (``attribute``), counting tensors:
 - lr: both re-fed runs take side a's lr, so a plain difference is made by the schedule;
 - loss, gradients: made by the step's forward/backward where they differ when re-fed, else carried in;
-- norm, clip, moments, masters, parameters: made by the optimizer (its norm, clip and Adam together) where they
-  differ on side a's gradients too, else made by the step's gradients where they differ re-fed, else carried in
-  (with clip_grad = 0 the Adam formula stands alone: the knob that separates it from the norm's);
+- norm, clip, the optimizer's state (its record's: harness.optimizers), masters, parameters: made by the
+  optimizer (its norm, clip and update together) where they differ on side a's gradients too, else made by the step's
+  gradients where they differ re-fed, else carried in (with clip_grad = 0 the update's formula stands alone: the knob
+  that separates it from the norm's);
 - routing bias: made by the step (Megatron's update of it) where it differs re-fed, else carried in.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.case.ops import carried_quantities
 from harness.case.registry import Case, CaseError
 from harness.compare.tensors import EQUAL
 from harness.compare.train import compare_step, compare_steps, quantity_of
@@ -28,19 +31,26 @@ from harness.run import orchestrate
 from harness.run.orchestrate import SideResult, SideSpec
 
 MODES = ("state", "update")
-STATE = ("exp_avg", "exp_avg_sq", "master", "param", "expert_bias")  # what a step hands to the next one
 GRADIENT_MADE = ("loss", "grad")
-UPDATE_MADE = ("grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param")
+# the schedule's, the forward/backward's, and Megatron's routing-bias update: none is the optimizer step's
+NOT_UPDATE_MADE = ("lr", *GRADIENT_MADE, "expert_bias")
+
+
+def update_made(quantity: str) -> bool:
+    """Whether the optimizer step makes `quantity`: the norm, the clip factor, the optimizer's state, the masters and
+    the parameters, whichever optimizer (every quantity of the step but the lr, the loss, the gradients and the
+    routing bias)."""
+    return quantity not in NOT_UPDATE_MADE
 
 
 def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], plain: list, device: str,
         run_dir: Path, pythons: dict, timeout: float) -> tuple[dict, dict[str, list] | None]:
     """Side b re-fed from side a, in both modes: (per step and quantity what made each difference, with the re-feed's
     own check; each mode's comparisons with side a, None when a re-fed run failed)."""
-    train = case.config["train"]
-    if train["steps_kept"] != list(range(1, train["steps"] + 1)):
+    train = case.train
+    if train.steps_kept != tuple(range(1, train.steps + 1)):
         raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
-                        f"\"all\"; got {train['steps_kept']})")
+                        f"\"all\"; got {list(train.steps_kept)})")
     side_a, spec_b = sides[0], pair[1]
     runs, compared, faithful = {}, {}, {}
     for mode in MODES:
@@ -70,12 +80,13 @@ def reproduces(case: Case, plain: list, side_b: SideResult, refed: SideResult, m
     by_step: dict[int, set[str]] = {}
     for name in differs:
         by_step.setdefault(int(name.split(".")[0].removeprefix("step")), set()).add(quantity_of(name))
-    flip = case.config["train"].get("flip")
-    planted = flip["after_step"] + 1 if flip and flip["side"] == "b" else None  # side b's state held a bit its step
-    # file does not show, which the re-fed run's load overwrote
+    flip = case.train.flip
+    planted = flip.after_step + 1 if flip and flip.side == "b" else None  # side b's state held a bit its step file
+    # does not show, which the re-fed run's load overwrote
+    handed = {*carried_quantities(case.train.record), "expert_bias"}  # what a step hands to the next one
     checked, missed = [], []
-    for step in range(1, case.config["train"]["steps"] + 1):
-        before = by_step.get(step - 1, set()) & set(STATE) if step > 1 else set()
+    for step in range(1, case.train.steps + 1):
+        before = by_step.get(step - 1, set()) & handed if step > 1 else set()
         now = by_step.get(step, set()) & ({"lr", "grad"} if mode == "update" else {"lr"})
         if before or now or step == planted:
             continue
@@ -115,7 +126,7 @@ def _how(quantity: str, plain: bool, state: bool, update: bool) -> str:
         return "made by the schedule" if plain else "equal"
     if quantity in GRADIENT_MADE:
         return "made by the step's forward/backward" if state else "carried in"
-    if quantity in UPDATE_MADE:
+    if update_made(quantity):
         if update:
             return "made by the optimizer on side a's gradients"
         return "made by the step's gradients" if state else "carried in"

@@ -30,21 +30,21 @@ class TrainLevel(Level):
     def prepare(self, case: Case, dp: int | None, ep: int | None, steps_kept: str | None) -> Case:
         if steps_kept is not None:
             try:
-                kept = parse_steps_kept(steps_kept, case.config["train"]["steps"])
+                kept = parse_steps_kept(steps_kept, case.train.steps)
             except ValueError as error:
                 raise CaseError(f"case {case.name!r}: {error}") from None
-            case = replace(case, config={**case.config, "train": {**case.config["train"], "steps_kept": kept}})
+            case = case.with_train(replace(case.train, steps_kept=tuple(kept)))
         if dp is not None or ep is not None:
-            train_ = case.config["train"]
-            ranked = with_ranks(train_, case.model, train_["dp"] if dp is None else dp,
-                                train_["ep"] if ep is None else ep, _ranks_error(case, "--dp / --ep"))
-            case = replace(case, config={**case.config, "train": ranked})
+            train_ = case.train
+            ranked = with_ranks(train_, case.model, train_.dp if dp is None else dp,
+                                train_.ep if ep is None else ep, _ranks_error(case, "--dp / --ep"))
+            case = case.with_train(ranked)
         return case
 
     def check(self, case: Case, repeat: int, refeed: bool, versus: Versus | None) -> None:
         if repeat > 1:
             raise CaseError(f"case {case.name!r}: --repeat is not implemented for training cases")
-        if refeed and (versus or case.config["train"]["dp"] > 1):
+        if refeed and (versus or case.train.dp > 1):
             raise CaseError(f"case {case.name!r}: --refeed re-runs one rank's training (dp = 1): give it without "
                             "--dp or --versus")
 
@@ -53,8 +53,8 @@ class TrainLevel(Level):
             return super().versus(case, versus)
         option = f"--versus {versus.axis}"
         pair = same_runner(case, versus, RUNNERS)
-        train_ = case.config["train"]
-        a = {"dp": train_["dp"], "ep": train_["ep"]}
+        train_ = case.train
+        a = {"dp": train_.dp, "ep": train_.ep}
         b = {**a, versus.axis: versus.b}
         with_ranks(train_, case.model, b["dp"], b["ep"], _ranks_error(case, option))
         if a == b:
@@ -65,11 +65,12 @@ class TrainLevel(Level):
                          for k in ("dp", "ep")}}
 
     def ranks(self, case: Case) -> int:
-        return case.tp * case.config["train"]["dp"]
+        return case.tp * case.train.dp
 
     def sides(self, run: Run) -> list[SideSpec]:
         ranked = _ranked(run)
-        for runner, sizes in zip(run.case.runners, ranked or (run.case.config["train"],) * 2, strict=True):
+        for runner, sizes in zip(run.case.runners, ranked or ({"dp": run.case.train.dp, "ep": run.case.train.ep},) * 2,
+                                 strict=True):
             if sizes["ep"] > 1 and runner not in EXPERT_PARALLEL_RUNNERS:
                 raise CaseError(f"{run.case.source}: case {run.case.name!r}: train.ep = {sizes['ep']}: runner "
                                 f"{runner!r} has no expert-parallel MoE layer (expert parallel runs on "
@@ -81,7 +82,7 @@ class TrainLevel(Level):
         does not depend on how ranks split it): no masters, no flip. None for a float64 case (its own check)."""
         if run.case.dtype == "float64":
             return None
-        settings = {**run.case.config["train"], "master_weights": False, "flip": None, "dp": 1, "ep": 1}
+        settings = replace(run.case.train, master_weights=False, flip=None, dp=1, ep=1).to_dict()
         return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, run.checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64",
                         "float64", {"train": settings}, per_step=True)
 
@@ -128,16 +129,15 @@ def _pair(run: Run, ranked: tuple[dict, dict] | None) -> list[SideSpec]:
     """The pair; a planted flip (``train.flip``) goes into its own side's request only; comparing rank counts
     (`ranked`: side a's and side b's {"dp", "ep"}), each side at its own, its folder named by them."""
     case = run.case
-    flip = case.config["train"].get("flip")
+    flip = case.train.flip
     out = []
     for side, sizes in zip(pair_sides(case, run.checkpoint), ranked or (None, None), strict=True):
-        settings = {**case.config["train"], **(sizes or {})}
-        settings["flip"] = flip if flip and flip["side"] == side.label else None
-        if settings["flip"] and (settings["flip"].get("rank") or 0) >= settings["dp"]:  # --dp / --versus: fewer
+        settings = replace(case.train, **(sizes or {}), flip=flip if flip and flip.side == side.label else None)
+        if settings.flip and (settings.flip.rank or 0) >= settings.dp:  # --dp / --versus: fewer
             raise CaseError(f"{case.source}: case {case.name!r}: train.flip.rank must be a data-parallel rank of side "
-                            f"{side.label}, which trains on dp = {settings['dp']} (got {settings['flip']['rank']})")
+                            f"{side.label}, which trains on dp = {settings.dp} (got {settings.flip.rank})")
         folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
-        out.append(side._replace(folder=folder, config={"train": settings}, dp=settings["dp"], per_step=True))
+        out.append(side._replace(folder=folder, config={"train": settings.to_dict()}, dp=settings.dp, per_step=True))
     return out
 
 
@@ -145,13 +145,13 @@ def _ranked(run: Run) -> tuple[dict, dict] | None:
     """Comparing rank counts: side a's and side b's {"dp", "ep"}."""
     if run.versus is None:
         return None
-    a = {"dp": run.case.config["train"]["dp"], "ep": run.case.config["train"]["ep"]}
+    a = {"dp": run.case.train.dp, "ep": run.case.train.ep}
     return a, {**a, run.versus.axis: run.versus.b}
 
 
 def _float64_refeed(run: Run) -> bool:
     """Whether a float64 training case's check gets its re-fed runs (they train one rank)."""
-    return run.case.dtype == "float64" and run.versus is None and run.case.config["train"]["dp"] == 1
+    return run.case.dtype == "float64" and run.versus is None and run.case.train.dp == 1
 
 
 def _ranks_error(case: Case, option: str):

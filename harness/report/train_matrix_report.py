@@ -9,12 +9,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from harness.case.ops import step_quantities
+from harness.optimizers import OPTIMIZERS
 from harness.report import blocks as doc
 from harness.report.blocks import h, p, table
 from harness.report.case_report import VERDICT_STYLE
-from harness.report.train_section import QUANTITY_LABELS
-
-ORDER = tuple(QUANTITY_LABELS)
+from harness.report.train_section import label
 
 
 def write(name: str, cells: list[dict], matrix_dir: Path) -> None:
@@ -28,7 +28,12 @@ def setting(cell: dict) -> str:
 
 
 def quantities(cells: list[dict]) -> list[str]:
-    return [q for q in ORDER if any(q in c["differing"] for c in cells)]
+    """The quantities any cell counts, in a step's order (every cell trains with the case's optimizer)."""
+    return sorted({q for c in cells for q in c["differing"]}, key=_position)
+
+
+def _position(quantity: str) -> int:
+    return next(order.index(quantity) for order in map(step_quantities, OPTIMIZERS.values()) if quantity in order)
 
 
 def change(cell: dict, baseline: dict, quantity: str) -> str:
@@ -42,7 +47,7 @@ def change(cell: dict, baseline: dict, quantity: str) -> str:
 
 def first(cell: dict) -> str:
     f = cell["first_divergence"]
-    return f"step {f['step']}, {QUANTITY_LABELS[f['quantity']]}" if f else "none"
+    return f"step {f['step']}, {label(f['quantity'])}" if f else "none"
 
 
 def blocks(name: str, cells: list[dict]) -> list[tuple]:
@@ -55,7 +60,7 @@ def blocks(name: str, cells: list[dict]) -> list[tuple]:
               "group, a flag, a config field); each cell the tensors (scalars: steps) whose bits differ over all "
               "steps, and in brackets the change against the case as written. A knob that removes a difference "
               "names the choice behind it; what no knob removes is a formula difference."),
-            table(["setting", "verdict", "first divergence in time", *(QUANTITY_LABELS[q] for q in columns),
+            table(["setting", "verdict", "first divergence in time", *(label(q) for q in columns),
                    "report"], rows, "lll" + "r" * len(columns) + "l")]
 
 
@@ -66,7 +71,7 @@ def markdown(name: str, cells: list[dict]) -> str:
 def console(name: str, cells: list[dict], matrix_dir: Path, out: Console | None = None) -> None:
     matrix = Table(title=f"knob matrix: {name}")
     columns = quantities(cells)
-    for column in ("setting", "verdict", "first divergence", *(QUANTITY_LABELS[q] for q in columns)):
+    for column in ("setting", "verdict", "first divergence", *(label(q) for q in columns)):
         matrix.add_column(column)
     for c in cells:
         matrix.add_row(setting(c), f"[{VERDICT_STYLE[c['verdict']]}]{c['verdict']}[/]", first(c),

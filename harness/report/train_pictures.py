@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.report.pictures import _pyplot
-from harness.report.train_section import QUANTITY_LABELS
+from harness.report.train_section import label
 
 
 def steps_matrix_png(train: dict, path: Path) -> None:
@@ -30,7 +30,7 @@ def steps_matrix_png(train: dict, path: Path) -> None:
     colours = matplotlib.colormaps["viridis"].with_extremes(bad="white")
     image = axes.imshow(np.ma.masked_equal(share, 0), cmap=colours, vmin=0, vmax=1, aspect="auto",
                         interpolation="nearest")
-    axes.set_yticks(range(len(quantities)), [QUANTITY_LABELS[q] for q in quantities])
+    axes.set_yticks(range(len(quantities)), [label(q) for q in quantities])
     ticks = list(range(len(steps))) if len(steps) <= 30 else list(range(0, len(steps), max(1, len(steps) // 20)))
     axes.set_xticks(ticks, [str(steps[t]["step"]) for t in ticks])
     axes.set_xlabel("step")

@@ -8,10 +8,14 @@ from __future__ import annotations
 from harness.compare.model import group_rows
 from harness.report.blocks import details, figure, h, p, table, ul
 
+# A quantity not named here (an optimizer's state: exp_avg, momentum_buffer, ...) is labelled by its own name.
 QUANTITY_LABELS = {"lr": "lr", "loss": "loss", "grad": "gradients", "grad_norm": "grad norm",
-                   "clip_coeff": "clip coefficient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
-                   "master": "masters", "param": "parameters", "expert_bias": "routing bias"}
-STATES = ("grad", "exp_avg", "exp_avg_sq", "master", "param", "expert_bias")
+                   "clip_coeff": "clip coefficient", "master": "masters", "param": "parameters",
+                   "expert_bias": "routing bias"}
+
+
+def label(quantity: str) -> str:
+    return QUANTITY_LABELS.get(quantity, quantity)
 
 
 def headline(data: dict) -> list[str]:
@@ -24,9 +28,9 @@ def headline(data: dict) -> list[str]:
     lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** ({train['parameters']} parameters; tensors of "
              f"steps {_steps(train['steps_kept'], len(steps))} kept, the others compared by digest)"]
     if first:
-        lines.append(f"**first divergence in time: step {first['step']}, {QUANTITY_LABELS[first['quantity']]}** "
+        lines.append(f"**first divergence in time: step {first['step']}, {label(first['quantity'])}** "
                      f"(`{first['tensor']}`; order within a step: "
-                     f"{', '.join(QUANTITY_LABELS[q] for q in train['order'])})")
+                     f"{', '.join(label(q) for q in train['order'])})")
     semantic = train.get("semantic")
     if semantic:
         state = ("passed" if semantic["ok"] else f"FAILED: mapping error at step {semantic.get('first_step')}, "
@@ -75,13 +79,14 @@ def _count_cell(quantities: dict, quantity: str) -> str:
 
 
 def states_of(train: dict) -> list[str]:
-    """The state quantities this run has (masters only in bf16)."""
-    return [q for q in STATES if any(q in s["quantities"] for s in train["steps"])]
+    """The tensor quantities this run has, in the step's order (masters only in bf16)."""
+    return [q for q in train["order"] if q not in SCALAR_COLUMNS and any(q in s["quantities"]
+                                                                      for s in train["steps"])]
 
 
 def step_header(train: dict) -> list[str]:
     return ["step", "verdict", "lr", "loss", "grad norm", "clip coeff",
-            *(QUANTITY_LABELS[q] for q in states_of(train)), "first differing output"]
+            *(label(q) for q in states_of(train)), "first differing output"]
 
 
 def step_rows(train: dict) -> list[list]:
@@ -97,7 +102,7 @@ def refeed_lines(refeed: dict) -> list[str]:
     """One line per step: each differing quantity and what made its tensors' differences."""
     lines = []
     for step in refeed.get("steps", []):
-        made = "; ".join(f"{QUANTITY_LABELS[q]}: {how}" for q, how in step["attribution"].items())
+        made = "; ".join(f"{label(q)}: {how}" for q, how in step["attribution"].items())
         lines.append(f"step {step['step']}: {made or 'nothing differs'}")
     return lines
 
@@ -108,13 +113,14 @@ def refeed_blocks(train: dict) -> list[tuple]:
         return []
     order = [q for q in train["order"] if any(q in s["attribution"] for s in refeed["steps"])]
     return [h(3, "Re-feed in time: what made each step's differences (tensors)"),
-            p("Side b re-run twice from side a's state after the previous step (parameters, masters, moments, routing "
-              "biases; side a's lr): once on its own gradients, once on side a's. Made by the step's "
+            p("Side b re-run twice from side a's state after the previous step (parameters, masters, the optimizer's "
+              "state, routing biases; side a's lr): once on its own gradients, once on side a's. Made by the step's "
               "forward/backward: differs from side a's state already; made by the optimizer on side a's gradients: its "
-              "norm, clip and Adam differ even there; made by the step's gradients: differs on its own gradients only; "
+              "norm, clip and update differ even there; made by the step's gradients: differs on its own gradients "
+              "only; "
               "carried in: "
               "equal once re-fed (the difference came with the state)."),
-            table(["step", *(QUANTITY_LABELS[q] for q in order)],
+            table(["step", *(label(q) for q in order)],
                   [[s["step"], *(s["attribution"].get(q, "equal") for q in order)] for s in refeed["steps"]],
                   "r" + "l" * len(order))]
 
@@ -136,7 +142,7 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
     if any("truth" in s for s in train["steps"]):
         out += [h(3, "Closer to the float64 truth (tensors per quantity: a / b / tie)"),
                 p(train["truth"]["what"]),
-                table(["step", *(QUANTITY_LABELS[q] for q in train["order"])],
+                table(["step", *(label(q) for q in train["order"])],
                       [[s["step"], *(_tally(s.get("truth", {}).get(q)) for q in train["order"])]
                        for s in train["steps"]], "r" + "l" * len(train["order"]))]
     out += refeed_blocks(train)

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from harness.case.train import Flip
+
 STEPS_DIR = "steps"
 
 
@@ -147,18 +149,19 @@ def read_header(path) -> StepHeader:
                                                                  for key in ("digests", "layouts", "pieces")))
 
 
-def state_locations(family: str, framework: str, quantities) -> dict[str, str]:
-    """[<fw>.train] of the family's name map: where the framework keeps each quantity. It must name exactly the
-    quantities the runner writes."""
+def state_locations(family: str, framework: str, optimizer, quantities) -> dict[str, str]:
+    """Where the framework keeps each quantity the runner writes: [<fw>.train] of the family's name map, and the
+    optimizer's state from its record (harness.optimizers). Together they must name exactly `quantities`."""
     import tomllib
 
     from harness.families import family_of
 
     table = tomllib.loads(family_of(family).names.read_text())[framework].get("train", {})
-    if set(table) != set(quantities):
-        raise ValueError(f"[{framework}.train] of the {family} name map names {sorted(table)}; the runner writes "
-                         f"{sorted(quantities)}")
-    return dict(table)
+    located = {**table, **optimizer.locations[framework]}
+    if set(located) != set(quantities) or set(table) & set(optimizer.state):
+        raise ValueError(f"[{framework}.train] of the {family} name map names {sorted(table)}, the {optimizer.name} "
+                         f"record {sorted(optimizer.locations[framework])}; the runner writes {sorted(quantities)}")
+    return {quantity: located[quantity] for quantity in quantities}
 
 
 def flip_bit(array: np.ndarray, index, bit: int) -> np.ndarray:
@@ -171,11 +174,11 @@ def flip_bit(array: np.ndarray, index, bit: int) -> np.ndarray:
     return flipped
 
 
-def flips_here(flip: dict | None, step: int, rank: int) -> bool:
+def flips_here(flip: Flip | None, step: int, rank: int) -> bool:
     """Whether this rank plants the negative control's bit after `step`: every rank does (each flips its own copy or
     piece, so the ranks stay consistent) unless ``flip.rank`` names one, which alone flips its own (its ranks then
     disagree: the planted departure)."""
-    return bool(flip) and flip["after_step"] == step and flip.get("rank") in (None, rank)
+    return bool(flip) and flip.after_step == step and flip.rank in (None, rank)
 
 
 def validate(folder, case) -> str:
@@ -184,8 +187,8 @@ def validate(folder, case) -> str:
     from harness.case.ops import train_step_outputs
     from harness.case.specs import resolve_dtype
 
-    train, m = case.config["train"], case.model
-    for step in range(1, train["steps"] + 1):
+    train, m = case.train, case.model
+    for step in range(1, train.steps + 1):
         path = step_file(folder, step)
         if not path.exists():
             return f"{path} is missing"
@@ -193,8 +196,8 @@ def validate(folder, case) -> str:
             header = read_header(path)
         except Exception as error:  # safetensors raises several unrelated types for a bad file
             return f"{path}: not a readable step file: {error}"
-        if header.kept != (step in train["steps_kept"]):
-            return f"{path}: kept is {header.kept}, the request keeps steps {train['steps_kept']}"
+        if header.kept != (step in train.steps_kept):
+            return f"{path}: kept is {header.kept}, the request keeps steps {list(train.steps_kept)}"
         for spec in train_step_outputs(m, train, step):
             scalar = spec.name.count(".") == 1
             if header.kept or scalar:
@@ -226,7 +229,7 @@ def ranks_agree(folder, case, ranks: int) -> dict:
     "differing_count", "departures" ({rank: {"step", "tensors", "first"}}: its first step that differs, how many
     there, the first)}, or {"problem": why} when a file is missing, unreadable or lacks what the check needs."""
     checked, differing, departures = 0, [], {}
-    for step in range(1, case.config["train"]["steps"] + 1):
+    for step in range(1, case.train.steps + 1):
         try:
             reference = _rank0_reference(step_file(folder, step))
             for rank in range(1, ranks):

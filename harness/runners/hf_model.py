@@ -1,6 +1,6 @@
 """``python -m harness.runners.hf_model``: HF transformers' model of a family (harness/families/<family>/hf.py), a whole
-model: one forward and backward (op ``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with torch's AdamW (op
-``causal_lm_train``, ``torch/hf_train.py``)."""
+model: one forward and backward (op ``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with the case's torch
+optimizer, AdamW or SGD (op ``causal_lm_train``, ``torch/hf_train.py``)."""
 
 from harness.run.protocol import Phases, import_answer, model_op_table, serve
 
@@ -32,8 +32,8 @@ def probe(device: str) -> dict:
         return {**answer, **import_answer("transformers", error)}
     answer["versions"]["transformers"] = transformers.__version__
     return {**answer, "importable": True, "ops": model_op_table("hf_model", {
-        "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW + clip_grad_norm_ + transformers' "
-                                               "LambdaLR schedule"})}
+        "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW or SGD + clip_grad_norm_ + "
+                                               "transformers' LambdaLR schedule"})}
 
 
 if __name__ == "__main__":

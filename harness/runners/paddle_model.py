@@ -1,6 +1,6 @@
 """``python -m harness.runners.paddle_model``: a whole model, PaddleFleet's GPTModel (GPU) or PaddleFormers' model of
 a family (CPU; harness/families/<family>/paddle.py): one forward and backward (op ``causal_lm``, ``paddle/model.py``)
-or N optimizer steps with Paddle's AdamW (op ``causal_lm_train``, ``paddle/train.py``)."""
+or N optimizer steps with Paddle's AdamW or Momentum (op ``causal_lm_train``, ``paddle/train.py``)."""
 
 from harness.run.protocol import Phases, Unsupported, import_answer, import_failure, model_op_table, serve
 
@@ -55,7 +55,8 @@ def probe(device: str) -> dict:
         bf16 = {"would_run": None, "reason": str(missing)}
     return {**answer, "importable": True, "ops": model_op_table("paddle_model", {
         "causal_lm": {"bfloat16": bf16, "float32": {"would_run": formers}},
-        "causal_lm_train": {"bfloat16": bf16, "float32": {"would_run": formers + " + paddle.optimizer.AdamW"}}})}
+        "causal_lm_train": {"bfloat16": bf16,
+                            "float32": {"would_run": formers + " + paddle.optimizer.AdamW or Momentum"}}})}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ TINY_MODEL = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_re
               "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
               "vocab_size": 128}
 TINY_TRAIN = {"steps": 2, "micro_batches": 2, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0, "decay_steps": 2}
+# SGD with momentum (harness/optimizers/sgd.py): a schedule all three stacks compute alike (1e-2 -> 1e-3 would not:
+# Megatron's cosine gives 0.010000000000000002 at step 1, HF's 0.01)
+TINY_SGD = {**TINY_TRAIN, "optimizer": "sgd", "momentum": 0.9, "lr": 1e-2, "min_lr": 5e-3}
 
 
 def tiny_train_case(name: str = "tiny_train", **fields) -> str:

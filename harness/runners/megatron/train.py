@@ -4,10 +4,12 @@
 
 - ``DistributedDataParallel`` (``grad_reduce_in_fp32``: Megatron-LM's ``accumulate_allreduce_grads_in_fp32``, which it
   sets for bf16; gradients land in ``param.main_grad``), ``use_distributed_optimizer`` from the case;
-- ``get_megatron_optimizer(OptimizerConfig(optimizer="adam", ...))``: a ``ChainedOptimizer`` over Megatron's
-  ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` (fp32 masters) / ``DistributedOptimizer``, whose inner
-  optimizer is ``torch.optim.AdamW`` without Transformer Engine or Apex; default param groups exempt 1-D parameters
-  from weight decay (``wd_mult`` 0), ``weight_decay_params = "all"`` passes ``config_overrides={}``;
+- ``get_megatron_optimizer(OptimizerConfig(optimizer=..., ...))``, the optimizer's own fields from its record
+  (``harness.optimizers``: "adam" or "sgd"): a ``ChainedOptimizer`` over Megatron's ``FP32Optimizer`` /
+  ``Float16OptimizerWithFloat16Params`` (fp32 masters) / ``DistributedOptimizer`` (Adam only), whose inner optimizer
+  is ``torch.optim.AdamW`` / ``torch.optim.SGD`` without Transformer Engine or Apex; default param groups exempt 1-D
+  parameters from weight decay (``wd_mult`` 0, which reaches the groups through the scheduler),
+  ``weight_decay_params = "all"`` passes ``config_overrides={}``;
 - ``OptimizerParamScheduler`` (linear warmup from 0, cosine or constant, ``step(increment=1)`` after each step);
 - ``get_forward_backward_func()`` (``forward_backward_no_pipelining``) over the micro-batches, with Megatron-LM's
   ``no_sync_func`` and ``finalize_model_grads``; the loss function is Megatron-LM's GPT one (pretrain_gpt.py
@@ -42,8 +44,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch.overrides import TorchFunctionMode
 
-from harness.case.ops import train_state_names
-from harness.case.train import rank_micro_batches
+from harness.case.ops import carried_quantities, step_quantities, train_state_names
+from harness.case.train import TrainSettings, rank_micro_batches
 from harness.families import routed_experts
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
@@ -52,8 +54,6 @@ from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
 from harness.runners.torch.train_state import INT_VIEW, host_bytes, keeps_bits, load_state, save_on_host
 
-QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
-              "expert_bias")
 TRAIN_ADAPTERS = {
     "cuda_factory_to_cpu": "CPU only: a torch factory call with a literal device='cuda' (optimizer.py, clip_grads.py, "
                            "schedules.py, param_and_grad_buffer.py) makes its tensor on the CPU (a TorchFunctionMode "
@@ -120,14 +120,14 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     megatron_model.admit(request)
-    m, train = request["config"]["model"], request["config"]["train"]
+    m, train = request["config"]["model"], TrainSettings.from_dict(request["config"]["train"])
     dtype = megatron_model.DTYPES[request["dtype"]]
     rank, world = rank_and_world()
-    if world != train["dp"]:
-        raise RuntimeError(f"megatron_model was started on {world} ranks; the request trains on dp = {train['dp']}")
+    if world != train.dp:
+        raise RuntimeError(f"megatron_model was started on {world} ranks; the request trains on dp = {train.dp}")
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
-        init_ranks(device, train["ep"])
+        init_ranks(device, train.ep)
         group = ranks.gather_group()
         determinism = torch_env.apply_determinism(device)
         adapters = megatron_model.install_adapters(device, m, skip_adapters)
@@ -138,39 +138,39 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         adapters.append({"name": "clip_scale", "why": clip_scale.__doc__.split("(")[0].strip() + " (an observer)",
                          "changes_computation": False})
         mode = (lambda: CudaOnCpu(skip_adapters, on_cpu, float64)) if on_cpu or float64 else _nothing
-        config, knobs = megatron_model.translate_config(m, dtype, device, train["ep"])
-        if train["expert_bias_update"] == "off":  # read by finalize_model_grads after every step's backward
+        config, knobs = megatron_model.translate_config(m, dtype, device, train.ep)
+        if train.expert_bias_update == "off":  # read by finalize_model_grads after every step's backward
             config.moe_router_bias_update_rate = 0.0
         model = megatron_model.build_model(config, m, device)
-        names = expert_shard(megatron_model.name_map(m), routed_experts(m), train["ep"],
+        names = expert_shard(megatron_model.name_map(m), routed_experts(m), train.ep,
                              parallel_state.get_expert_model_parallel_rank())
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         megatron_model.load_weights(model, names, checkpoint)
         model.train()
-        beta1, beta2 = train["betas"]
+        own, _, _ = train.record.megatron(train.optimizer)  # optimizer= and the optimizer's own fields
         with mode():
             ddp = DistributedDataParallel(config, DistributedDataParallelConfig(  # float64 keeps float64 grads
-                grad_reduce_in_fp32=not float64, use_distributed_optimizer=train["distributed_optimizer"]), model)
+                grad_reduce_in_fp32=not float64, use_distributed_optimizer=train.distributed_optimizer), model)
             config.no_sync_func = ddp.no_sync
             config.finalize_model_grads_func = finalize_model_grads
             optimizer_config = OptimizerConfig(
-                optimizer="adam", lr=train["lr"], min_lr=train["min_lr"], weight_decay=train["weight_decay"],
-                adam_beta1=beta1, adam_beta2=beta2, adam_eps=train["eps"], clip_grad=train["clip_grad"],
-                bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                use_distributed_optimizer=train["distributed_optimizer"])
-            overrides = {} if train["weight_decay_params"] == "all" else None  # None: Megatron's standard groups
+                lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay, **own, clip_grad=train.clip_grad,
+                bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=train.distributed_optimizer)
+            overrides = {} if train.weight_decay_params == "all" else None  # None: Megatron's standard groups
             optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
+            # its __init__ sets each group's lr and weight_decay (x wd_mult): SGD's 1-D groups get their 0 only here
             scheduler = OptimizerParamScheduler(
-                optimizer, init_lr=0.0, max_lr=train["lr"], min_lr=train["min_lr"],
-                lr_warmup_steps=train["warmup_steps"], lr_decay_steps=train["decay_steps"],
-                lr_decay_style=train["decay_style"], start_wd=train["weight_decay"], end_wd=train["weight_decay"],
-                wd_incr_steps=train["decay_steps"], wd_incr_style="constant")
-        states = MegatronStates(names, model, optimizer, dict(train_state_names(m)), group, train["ep"])
-        if train["ep"] == 1 and set(states.rules) != set(states.shapes):
+                optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+                lr_warmup_steps=train.warmup_steps, lr_decay_steps=train.decay_steps,
+                lr_decay_style=train.decay_style, start_wd=train.weight_decay, end_wd=train.weight_decay,
+                wd_incr_steps=train.decay_steps, wd_incr_style="constant")
+        states = MegatronStates(names, model, optimizer, dict(train_state_names(m)), group, train.ep,
+                                carried_quantities(train.record))
+        if train.ep == 1 and set(states.rules) != set(states.shapes):
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
-    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes, rank)
+    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank)
     refeed = request["config"].get("train_refeed")
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         with phases(f"step {step}"), mode():
             if refeed:
                 load_state(states, refeed, step, states.set_lr)
@@ -178,8 +178,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                                                            dtype, refeed, rank)
             if scalars:
                 writer.write(step, scalars, tensors, pieces, doubles)
-            if flips_here(train.get("flip"), step, rank):
-                states.flip(train["flip"])
+            if flips_here(train.flip, step, rank):
+                states.flip(train.flip)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     from megatron.core import __version__ as megatron_version
@@ -193,9 +193,10 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                               + ", inner " + type(optimizer.chained_optimizers[0].optimizer).__name__
                               + "), OptimizerParamScheduler, forward_backward_no_pipelining",
             "adapters": adapters, "knobs": {**knobs, **training_knobs(train, optimizer)},
-            "state_locations": state_locations(m["family"], "megatron", QUANTITIES),
-            "steps_kept": train["steps_kept"], "refeed": refeed or {}, "determinism": determinism,
-            "tensor_parallel": 1, "data_parallel": train["dp"], "expert_parallel": train["ep"],
+            "state_locations": state_locations(m["family"], "megatron", train.record,
+                                               step_quantities(train.record)),
+            "steps_kept": list(train.steps_kept), "refeed": refeed or {}, "determinism": determinism,
+            "tensor_parallel": 1, "data_parallel": train.dp, "expert_parallel": train.ep,
             "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
 
@@ -244,12 +245,13 @@ def expert_shard(names: dict, experts: int, expert_parallel: int, ep_rank: int) 
     return {**names, "parameters": parameters}
 
 
-def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: dict, dtype, refeed, rank: int = 0):
+def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: TrainSettings, dtype, refeed,
+               rank: int = 0):
     """Megatron-LM's train_step: zero the grad buffer, forward/backward over this rank's micro-batches,
     optimizer.step(), scheduler.step(increment=1)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    mine = rank_micro_batches(train["micro_batches"], train["dp"], rank)
+    mine = rank_micro_batches(train.micro_batches, train.dp, rank)
     n = len(mine)
     losses = []
 
@@ -282,7 +284,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         from harness.runners.torch.train_state import load_grads
         load_grads(states, refeed, step)
     lr = states.lr()
-    bare = train.get("bare")  # bench_speed: Megatron's calls alone, nothing observed or written
+    bare = train.bare  # bench_speed: Megatron's calls alone, nothing observed or written
     tensors, pieces = ({}, {}) if bare else held(states, "grad", clone=True)  # optimizer.step() clips them in place
     with nullcontext([]) if bare else clip_scale() as scales:
         update_successful, grad_norm, _ = optimizer.step()
@@ -294,17 +296,17 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     if bare:
         return {}, {}, {}, {}
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    loss = ranks.global_losses(torch.stack(losses).detach(), train["dp"], states.group)
+    loss = ranks.global_losses(torch.stack(losses).detach(), train.dp, states.group)
     # Megatron's norm and clip coefficient are Python doubles; the coefficient reaches the main grads through
     # local_multi_tensor_scale's `grad * scale`, which torch computes at the gradients' precision (the scale rounded
     # to float32 for fp32 grads: tests/test_train_runners.py): those values are compared, the doubles shown beside
     scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": loss.to(wide),
                "grad_norm": torch.tensor(float(grad_norm), dtype=wide)}
     doubles = {"grad_norm": float(grad_norm)}
-    if train["clip_grad"] > 0:  # 1 when the coefficient is >= 1: the gradients are left as they are
+    if train.clip_grad > 0:  # 1 when the coefficient is >= 1: the gradients are left as they are
         scalars["clip_coeff"] = torch.tensor(scales[0] if scales else 1.0, dtype=wide)
         doubles["clip_coeff"] = float(scales[0]) if scales else 1.0
-    for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
+    for quantity in states.carried:
         if quantity == "master" and not states.masters:
             continue
         whole, parts = held(states, quantity)
@@ -328,16 +330,17 @@ def held(states, quantity: str, clone: bool = False) -> tuple[dict, dict]:
 class MegatronStates:
     """The per-parameter state of Megatron's optimizer in canonical names (the interface of
     harness.runners.torch.train_state): Megatron's parameters are canonical already ([megatron.parameters]); a
-    parameter's main param and Adam moments come from the chained optimizer that owns it.
+    parameter's main param and optimizer state come from the chained optimizer that owns it.
 
     On several ranks (`group`: harness.runners.torch.ranks) a rank holds pieces: a distributed optimizer owns a range
-    of each flattened parameter on each data-parallel rank (its main param, moments, and the reduced gradient there:
-    ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``held`` gives what a
-    rank writes of a quantity (rank 0: every tensor put back together); ``put`` writes each rank's part of a canonical
-    tensor."""
+    of each flattened parameter on each data-parallel rank (its main param, Adam's moments, and the reduced gradient
+    there: ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``held`` gives
+    what a rank writes of a quantity (rank 0: every tensor put back together); ``put`` writes each rank's part of a
+    canonical tensor. `carried`: what a step hands to the next (harness.case.ops.carried_quantities)."""
 
     def __init__(self, names: dict, model, optimizer, shapes: dict | None = None, group=None,
-                 expert_parallel: int = 1):
+                 expert_parallel: int = 1, carried: tuple[str, ...] = ()):
+        self.carried = carried
         params = dict(model.named_parameters())
         self.rules = {canonical: params[megatron] for canonical, (megatron, _) in names["parameters"].items()}
         self.shapes = shapes or {name: tuple(param.shape) for name, param in self.rules.items()}
@@ -357,7 +360,7 @@ class MegatronStates:
                 for group_ in inner.fp32_from_fp32_groups:
                     for param in group_:
                         self.owner[param] = (inner, param)
-            else:  # FP32Optimizer: AdamW on the model parameters
+            else:  # FP32Optimizer: AdamW or SGD on the model parameters
                 for group_ in inner.optimizer.param_groups:
                     for param in group_["params"]:
                         self.owner[param] = (inner, param)
@@ -434,21 +437,21 @@ class MegatronStates:
                        for name, spans in places.items()}
 
     @torch.no_grad()
-    def flip(self, flip: dict) -> None:
-        """The negative control's bit, in this rank's own part of the tensor (a view of Megatron's own): a rank that
-        does not hold the element leaves it; one named by ``flip.rank`` must hold it."""
+    def flip(self, flip) -> None:
+        """The negative control's bit (a ``harness.case.train.Flip``), in this rank's own part of the tensor (a view of
+        Megatron's own): a rank that does not hold the element leaves it; one named by ``flip.rank`` must hold it."""
         flat = 0
-        for i, size in zip(flip["index"], self.shapes[flip["tensor"]], strict=True):
+        for i, size in zip(flip.index, self.shapes[flip.tensor], strict=True):
             flat = flat * size + i
-        part = self.part(flip["state"], flip["tensor"])
+        part = self.part(flip.state, flip.tensor)
         if part is None or not part[0] <= flat < part[1]:
-            if flip.get("rank") is not None:
-                raise RuntimeError(f"train.flip.rank = {flip['rank']}: this rank holds no element {flip['index']} of "
-                                   f"the {flip['state']} of {flip['tensor']} (holds "
+            if flip.rank is not None:
+                raise RuntimeError(f"train.flip.rank = {flip.rank}: this rank holds no element {list(flip.index)} "
+                                   f"of the {flip.state} of {flip.tensor} (holds "
                                    f"{'none' if part is None else f'elements {part[0]}:{part[1]}'})")
             return
         bits = part[2].view(INT_VIEW[part[2].dtype])
-        bits[flat - part[0]] ^= 1 << flip["bit"]  # the registry keeps the bit below the sign bit
+        bits[flat - part[0]] ^= 1 << flip.bit  # the registry keeps the bit below the sign bit
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
@@ -461,34 +464,34 @@ class MegatronStates:
             values.copy_(value.reshape(-1)[start:end])
 
 
-def training_knobs(train: dict, optimizer) -> dict:
+def training_knobs(train: TrainSettings, optimizer) -> dict:
     groups = [(inner.optimizer.param_groups) for inner in optimizer.chained_optimizers]
     exempt = sum(len(g["params"]) for gs in groups for g in gs if g.get("wd_mult", 1.0) == 0.0)
+    own, shown, why = train.record.megatron(train.optimizer)
     return {
-        "OptimizerConfig": {"value": {"optimizer": "adam", "lr": train["lr"], "min_lr": train["min_lr"],
-                                      "weight_decay": train["weight_decay"], "betas": train["betas"],
-                                      "eps": train["eps"], "clip_grad": train["clip_grad"],
-                                      "use_distributed_optimizer": train["distributed_optimizer"]},
-                            "why": "Megatron's Adam is torch.optim.AdamW (decoupled weight decay) without TE/Apex"},
-        "weight_decay_params": {"value": train["weight_decay_params"],
+        "OptimizerConfig": {"value": {"optimizer": own["optimizer"], "lr": train.lr, "min_lr": train.min_lr,
+                                      "weight_decay": train.weight_decay, **shown, "clip_grad": train.clip_grad,
+                                      "use_distributed_optimizer": train.distributed_optimizer},
+                            "why": why},
+        "weight_decay_params": {"value": train.weight_decay_params,
                                 "why": f"{exempt} parameters in groups with wd_mult 0 ("
                                        + ("Megatron's standard overrides: 1-D parameters and biases"
-                                          if train["weight_decay_params"] != "all" else "config_overrides={}")
+                                          if train.weight_decay_params != "all" else "config_overrides={}")
                                        + ")"},
         "DistributedDataParallelConfig": {"value": {"grad_reduce_in_fp32": "True (float64: False)",
-                                                    "use_distributed_optimizer": train["distributed_optimizer"]},
+                                                    "use_distributed_optimizer": train.distributed_optimizer},
                                           "why": "Megatron-LM accumulates and reduces gradients in fp32 for bf16 "
                                                  "(accumulate_allreduce_grads_in_fp32)"},
-        "OptimizerParamScheduler": {"value": {"init_lr": 0.0, "max_lr": train["lr"], "min_lr": train["min_lr"],
-                                              "lr_warmup_steps": train["warmup_steps"],
-                                              "lr_decay_steps": train["decay_steps"],
-                                              "lr_decay_style": train["decay_style"]},
+        "OptimizerParamScheduler": {"value": {"init_lr": 0.0, "max_lr": train.lr, "min_lr": train.min_lr,
+                                              "lr_warmup_steps": train.warmup_steps,
+                                              "lr_decay_steps": train.decay_steps,
+                                              "lr_decay_style": train.decay_style},
                                     "why": "step(increment=1) after every optimizer step, as Megatron-LM with "
                                            "micro-batch size 1 counted in steps"},
-        "micro_batches": {"value": train["micro_batches"], "why": "forward_backward_no_pipelining's "
-                                                                  "num_microbatches (gradient accumulation)"},
-        "moe_router_bias_update_rate": {"value": 0.0 if train["expert_bias_update"] == "off" else 1e-3,
-                                        "why": f"expert_bias_update = {train['expert_bias_update']!r}: "
+        "micro_batches": {"value": train.micro_batches, "why": "forward_backward_no_pipelining's "
+                                                               "num_microbatches (gradient accumulation)"},
+        "moe_router_bias_update_rate": {"value": 0.0 if train.expert_bias_update == "off" else 1e-3,
+                                        "why": f"expert_bias_update = {train.expert_bias_update!r}: "
                                                "finalize_model_grads moves each routing bias by sign(mean load - "
                                                "load) x this rate after every step's backward"},
     }

@@ -2,8 +2,11 @@
 ``DeepseekV3ForCausalLM`` (the model of ``harness.runners.paddle.model``, CPU, float32) with Paddle's own training
 pieces, every per-step quantity written in canonical names.
 
-- ``paddle.optimizer.AdamW`` (``multi_precision`` off: float32 parameters have no masters), weight decay on every
-  parameter unless the case says ``not_1d`` (then ``apply_decay_param_fun`` leaves the 1-D ones out);
+- the optimizer the case names, built by its record (``harness.optimizers``): ``paddle.optimizer.AdamW`` or
+  ``paddle.optimizer.Momentum`` (``multi_precision`` off: float32 parameters have no masters), weight decay on every
+  parameter unless the case says ``not_1d`` (then the record's way leaves the 1-D ones out: AdamW's
+  ``apply_decay_param_fun``, Momentum's per-parameter ``L2Decay(0.0)``); its state is read from the optimizer's
+  accumulators the record names;
 - ``paddle.nn.ClipGradByGlobalNorm`` as the optimizer's ``grad_clip`` (clip_norm / max(norm, clip_norm), no 1e-6);
 - ``paddle.optimizer.lr``: ``LinearWarmup`` (from 0) around ``CosineAnnealingDecay`` (which LinearWarmup steps with
   an explicit epoch: its closed form), the bare ``CosineAnnealingDecay`` without warmup (its recursive form), or a
@@ -20,7 +23,8 @@ losses are gathered). Expert parallel (``train.ep > 1``) is PaddleFormers'
 ``paddlefleet_ops.deep_ep``, PaddleFleet's CUDA package): UNSUPPORTED naming it where it is not installed.
 
 Paddle's Adam keeps its step count as fp32 running products (``beta1_pow_acc``, ``beta2_pow_acc``); its formula scales
-eps by sqrt(1 - beta2^t) and folds the bias correction into the lr (docs/training.md). Observers (change nothing):
+eps by sqrt(1 - beta2^t) and folds the bias correction into the lr; its Momentum rounds every product on its own
+(docs/training.md). Observers (change nothing):
 ``clip_norm_and_factor`` records the outputs of the one ``paddle.sqrt`` (the global norm) and the one ``paddle.divide``
 (the clip factor) that ``ClipGradByGlobalNorm._dygraph_clip`` calls, since Paddle exposes neither.
 """
@@ -33,16 +37,12 @@ import numpy as np
 from safetensors import safe_open
 
 from harness.capture.paddle import apply_rule, to_host
-from harness.case.ops import train_buffer_names, train_state_names
-from harness.case.train import rank_micro_batches
+from harness.case.ops import carried_quantities, step_quantities, train_buffer_names, train_state_names
+from harness.case.train import TrainSettings, rank_micro_batches
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flip_bit, flips_here, state_locations, step_file
 from harness.runners.paddle import model as paddle_model
 from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
-
-QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
-              "expert_bias")
-MOMENTS = {"exp_avg": "moment1", "exp_avg_sq": "moment2"}
 
 
 @contextmanager
@@ -88,11 +88,11 @@ def run(request: dict, phases: Phases) -> dict:
         import paddleformers
         paddle_family = paddle_model.builder(request["config"]["model"])
         paddle_family.classes()
-    train, dtype = request["config"]["train"], request["dtype"]
+    train, dtype = TrainSettings.from_dict(request["config"]["train"]), request["dtype"]
     rank, world = rank_and_world()
-    if world != train["dp"]:
-        raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train['dp']}")
-    if train["ep"] > 1:
+    if world != train.dp:
+        raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train.dp}")
+    if train.ep > 1:
         expert_parallel_dispatch()
     with phases("setup"):
         if world > 1:
@@ -100,10 +100,10 @@ def run(request: dict, phases: Phases) -> dict:
         model, checkpoint, name_map, loaded = paddle_model.build_model(request["config"]["model"], dtype,
                                                                        request["checkpoint"])
         trainer = Trainer(model, train, request["config"]["model"], name_map, rank)
-    writer = StepWriter(request["output_dir"], train["steps_kept"], _save,
+    writer = StepWriter(request["output_dir"], train.steps_kept, _save,
                         lambda a: np.ascontiguousarray(a).view(np.uint8), rank)
     refeed = request["config"].get("train_refeed")
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         with phases(f"step {step}"):
             if refeed:
                 trainer.load_state(refeed, step)
@@ -111,13 +111,14 @@ def run(request: dict, phases: Phases) -> dict:
                 lambda step=step: trainer.step(step, checkpoint, refeed), f"training step {step}", request)
             if scalars:
                 writer.write(step, scalars, states)
-            flip = train.get("flip")
+            flip = train.flip
             if flips_here(flip, step, rank):
-                value = flip_bit(trainer.one(flip["state"], flip["tensor"]), flip["index"], flip["bit"])
-                trainer.put(flip["state"], flip["tensor"], value)
+                value = flip_bit(trainer.one(flip.state, flip.tensor), flip.index, flip.bit)
+                trainer.put(flip.state, flip.tensor, value)
     return {**provenance,
         "implementation": f"{paddle_family.MODEL} (Paddle dygraph, CPU) "
-                          "trained with paddle.optimizer.AdamW, paddle.nn.ClipGradByGlobalNorm and "
+                          f"trained with paddle.optimizer.{type(trainer.optimizer).__name__}, "
+                          "paddle.nn.ClipGradByGlobalNorm and "
                           f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
@@ -125,9 +126,10 @@ def run(request: dict, phases: Phases) -> dict:
             {"name": "clip_norm_and_factor", "why": "observer: " + clip_norm_and_factor.__doc__.strip(),
              "changes_computation": False}],
         "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_family.KNOBS.items()}, **trainer.knobs},
-        "state_locations": state_locations(request["config"]["model"]["family"], "paddle", QUANTITIES),
-        "weights_loaded": loaded, "steps_kept": train["steps_kept"], "refeed": refeed or {},
-        "data_parallel": train["dp"], "distributed_backend": "gloo" if world > 1 else None,
+        "state_locations": state_locations(request["config"]["model"]["family"], "paddle", train.record,
+                                           step_quantities(train.record)),
+        "weights_loaded": loaded, "steps_kept": list(train.steps_kept), "refeed": refeed or {},
+        "data_parallel": train.dp, "distributed_backend": "gloo" if world > 1 else None,
     }
 
 
@@ -153,9 +155,9 @@ def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
 
 
 class Trainer:
-    def __init__(self, model, train: dict, m: dict, name_map, rank: int = 0):
+    def __init__(self, model, train: TrainSettings, m: dict, name_map, rank: int = 0):
         self.model, self.train = model, train
-        self.mine, self.dp = rank_micro_batches(train["micro_batches"], train["dp"], rank), train["dp"]
+        self.mine, self.dp = rank_micro_batches(train.micro_batches, train.dp, rank), train.dp
         self.n = len(self.mine)
         # paddle.DataParallel's defaults: gradients averaged over the ranks, fused into buckets
         self.parallel = paddle.DataParallel(model) if self.dp > 1 else None
@@ -169,33 +171,28 @@ class Trainer:
         if set(self.buffers) != wanted:
             raise RuntimeError(f"routing biases not found in the Paddle model: {sorted(wanted - set(self.buffers))}")
         self.scheduler = schedule(train)
-        beta1, beta2 = train["betas"]
-        one_d = {p.name for p in self.params.values() if len(p.shape) <= 1}
-        decay = (lambda name: name not in one_d) if train["weight_decay_params"] == "not_1d" else None
-        self.clip = paddle.nn.ClipGradByGlobalNorm(train["clip_grad"]) if train["clip_grad"] > 0 else None
-        self.optimizer = paddle.optimizer.AdamW(
-            learning_rate=self.scheduler, beta1=beta1, beta2=beta2, epsilon=train["eps"],
-            parameters=list(self.params.values()), weight_decay=train["weight_decay"],
-            apply_decay_param_fun=decay, grad_clip=self.clip, multi_precision=False)
+        exempt = [p for p in self.params.values() if len(p.shape) <= 1] \
+            if train.weight_decay_params == "not_1d" else []
+        self.clip = paddle.nn.ClipGradByGlobalNorm(train.clip_grad) if train.clip_grad > 0 else None
+        self.optimizer, knobs, decay = train.record.paddle(train.optimizer, self.scheduler, list(self.params.values()),
+                                                           train.weight_decay, exempt, self.clip)
+        self.accumulators = train.record.paddle_accumulators  # state quantity -> Paddle's accumulator
+        self.carried = tuple(q for q in carried_quantities(train.record) if q != "master")  # no fp32 masters here
         self.knobs = {
-            "AdamW": {"value": {"beta1": beta1, "beta2": beta2, "epsilon": train["eps"],
-                                "weight_decay": train["weight_decay"], "multi_precision": False},
-                      "why": "paddle.optimizer.AdamW (decoupled weight decay, eps scaled by sqrt(1 - beta2^t))"},
-            "weight_decay_params": {"value": train["weight_decay_params"],
-                                    "why": f"apply_decay_param_fun leaves the {len(one_d)} 1-D parameters out"
-                                    if decay else "Paddle decays every parameter (no apply_decay_param_fun)"},
-            "grad_clip": {"value": train["clip_grad"], "why": "ClipGradByGlobalNorm (0: none)"},
+            **knobs,
+            "weight_decay_params": {"value": train.weight_decay_params, "why": decay},
+            "grad_clip": {"value": train.clip_grad, "why": "ClipGradByGlobalNorm (0: none)"},
             "scheduler": {"value": type(self.scheduler).__name__,
-                          "why": f"{train['decay_style']}, warmup {train['warmup_steps']} from 0, decay to "
-                                 f"{train['min_lr']} over {train['decay_steps']} steps"},
+                          "why": f"{train.decay_style}, warmup {train.warmup_steps} from 0, decay to "
+                                 f"{train.min_lr} over {train.decay_steps} steps"},
             "gradient_accumulation": {"value": self.n, "why": "(loss / micro_batches).backward() per micro-batch "
                                                              "of this rank"},
             "DataParallel": {"value": {"world_size": self.dp} if self.parallel else None,
                              "why": "paddle.DataParallel with its defaults, no_sync() but for the last micro-batch"
                              if self.parallel else "one rank"},
-            "expert_bias_update": {"value": train["expert_bias_update"], "why": "this training loop (Paddle's "
-                                                                                "optimizer) never changes "
-                                                                                "the routing bias"},
+            "expert_bias_update": {"value": train.expert_bias_update, "why": "this training loop (Paddle's "
+                                                                             "optimizer) never changes "
+                                                                             "the routing bias"},
         }
 
     # --- one step --------------------------------------------------------------------------------------------------
@@ -214,7 +211,7 @@ class Trainer:
             for key, value in _read(refeed["from"], step, [f"step{step}.grad.{n}" for n in self.rules]).items():
                 self.put("grad", key.split(".", 2)[2], value)
         lr = self.optimizer.get_lr()
-        if self.train.get("bare"):  # bench_speed: Paddle's calls alone, nothing observed or written
+        if self.train.bare:  # bench_speed: Paddle's calls alone, nothing observed or written
             self.optimizer.step()
             self.optimizer.clear_grad()
             self.scheduler.step()
@@ -239,7 +236,7 @@ class Trainer:
                    "loss": loss.astype(np.float64) if self.float64 else loss,
                    **{name: _at(wide, name, value) for name, value in clipping.items()}}
         states = dict(grads)
-        for quantity in ("exp_avg", "exp_avg_sq", "param"):
+        for quantity in self.carried:
             states.update({f"{quantity}.{name}": value for name, value in self.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.buffers.items()})
         return scalars, {name: np.require(value, requirements="C") for name, value in states.items()}
@@ -253,8 +250,8 @@ class Trainer:
             if param.grad is None:
                 raise RuntimeError(f"{name} has no gradient")
             return param.grad
-        if quantity in MOMENTS:
-            return self.optimizer._accumulators[MOMENTS[quantity]][param.name]
+        if quantity in self.accumulators:
+            return self.optimizer._accumulators[self.accumulators[quantity]][param.name]
         raise ValueError(f"paddle_model keeps no {quantity!r} (float32 parameters have no masters)")
 
     def one(self, quantity: str, name: str) -> np.ndarray:
@@ -282,10 +279,10 @@ class Trainer:
             target.set_value(paddle.to_tensor(np.ascontiguousarray(part), place=paddle.CPUPlace()))
 
     def load_state(self, refeed: dict, step: int) -> None:
-        """Side a's parameters and moments after step - 1, and side a's lr for this step (the scheduler's last_lr,
-        which the optimizer reads). The beta powers (Paddle's step count) stay this run's own."""
+        """Side a's parameters and optimizer state after step - 1, and side a's lr for this step (the scheduler's
+        last_lr, which the optimizer reads). AdamW's beta powers (Paddle's step count) stay this run's own."""
         if step > 1:
-            names = [f"step{step - 1}.{q}.{n}" for q in ("exp_avg", "exp_avg_sq", "param") for n in self.rules]
+            names = [f"step{step - 1}.{q}.{n}" for q in self.carried for n in self.rules]
             names += [f"step{step - 1}.expert_bias.{n}" for n in self.buffers]
             for key, value in _read(refeed["from"], step - 1, names).items():
                 _, quantity, name = key.split(".", 2)
@@ -333,15 +330,13 @@ def _read(folder, step: int, names) -> dict[str, np.ndarray]:
         return {name: handle.get_tensor(name) for name in names}
 
 
-def schedule(train: dict):
+def schedule(train: TrainSettings):
     lr = paddle.optimizer.lr
-    if train["decay_style"] == "cosine":
-        inner = lr.CosineAnnealingDecay(learning_rate=train["lr"], T_max=max(1, train["decay_steps"] -
-                                                                              train["warmup_steps"]),
-                                        eta_min=train["min_lr"])
+    if train.decay_style == "cosine":
+        inner = lr.CosineAnnealingDecay(learning_rate=train.lr, T_max=max(1, train.decay_steps - train.warmup_steps),
+                                        eta_min=train.min_lr)
     else:
-        inner = train["lr"]
-    if train["warmup_steps"] > 0:
-        return lr.LinearWarmup(learning_rate=inner, warmup_steps=train["warmup_steps"], start_lr=0.0,
-                               end_lr=train["lr"])
-    return inner if isinstance(inner, lr.LRScheduler) else lr.LambdaDecay(train["lr"], lambda epoch: 1.0)
+        inner = train.lr
+    if train.warmup_steps > 0:
+        return lr.LinearWarmup(learning_rate=inner, warmup_steps=train.warmup_steps, start_lr=0.0, end_lr=train.lr)
+    return inner if isinstance(inner, lr.LRScheduler) else lr.LambdaDecay(train.lr, lambda epoch: 1.0)

@@ -1,13 +1,15 @@
 """hf_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of HF transformers'
 ``DeepseekV3ForCausalLM`` with torch's own training pieces, every per-step quantity written in canonical names.
 
-The pieces are torch's and transformers' own: ``torch.optim.AdamW`` (the case's ``torch_adamw`` picks its foreach /
-fused flags; "default" passes neither), ``torch.nn.utils.clip_grad_norm_``, and the ``LambdaLR`` that
+The pieces are torch's and transformers' own: the optimizer the case names, built by its record
+(``harness.optimizers``: ``torch.optim.AdamW``, whose foreach / fused flags the case's ``torch_adamw`` picks, "default"
+passing neither; ``torch.optim.SGD`` with momentum), ``torch.nn.utils.clip_grad_norm_``, and the ``LambdaLR`` that
 ``transformers.get_cosine_with_min_lr_schedule_with_warmup`` (or ``get_constant_schedule_with_warmup``) builds, as HF's
 Trainer does. The loop around them is this runner's, written as a plain torch training loop: per micro-batch
 ``(loss / micro_batches).backward()`` (HF Trainer's gradient accumulation), then clip, step, scheduler step. A bf16 case
-keeps fp32 master weights: AdamW updates fp32 copies whose ``.grad`` receives each micro-batch's bf16 gradient (added
-into zeros, as Megatron's fp32 grad buffer does), and each step's masters are copied (rounded) into the bf16 model.
+keeps fp32 master weights: the optimizer updates fp32 copies whose ``.grad`` receives each micro-batch's bf16 gradient
+(added into zeros, as Megatron's fp32 grad buffer does), and each step's masters are copied (rounded) into the bf16
+model.
 
 On several data-parallel ranks (``train.dp``, docs/training-ranks.md) the model is wrapped in torch's
 ``DistributedDataParallel`` (gloo on the CPU, NCCL on GPUs): each rank runs its own micro-batches of the global batch
@@ -30,17 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from harness.case.ops import train_buffer_names, train_state_names
-from harness.case.train import rank_micro_batches
+from harness.case.ops import carried_quantities, step_quantities, train_buffer_names, train_state_names
+from harness.case.train import TrainSettings, rank_micro_batches
 from harness.families.names import NameMap
 from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import hf_model, ranks
 from harness.runners.torch.train_state import TorchStates, flip_state, host_bytes, load_grads, load_state, save_on_host
-
-QUANTITIES = ("lr", "loss", "grad", "grad_norm", "clip_coeff", "exp_avg", "exp_avg_sq", "master", "param",
-              "expert_bias")
 
 
 class ClipFactor(TorchFunctionMode):
@@ -76,12 +75,12 @@ def run(request: dict, phases: Phases) -> dict:
 
 
 def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) -> dict:
-    m, train = request["config"]["model"], request["config"]["train"]
+    m, train = request["config"]["model"], TrainSettings.from_dict(request["config"]["train"])
     dtype = torch_env.DTYPES[request["dtype"]]
     name_map = NameMap.load(m["family"], "hf")
     rank, world = rank_and_world()
-    if world != train["dp"] or train["ep"] != 1:
-        raise RuntimeError(f"hf_model was started on {world} ranks for dp = {train['dp']}, ep = {train['ep']} "
+    if world != train.dp or train.ep != 1:
+        raise RuntimeError(f"hf_model was started on {world} ranks for dp = {train.dp}, ep = {train.ep} "
                            "(it trains data parallel only)")
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
@@ -91,31 +90,33 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
         trainer = Trainer(model, train, m, name_map, dtype, transformers, rank)
-    writer = StepWriter(request["output_dir"], train["steps_kept"], save_on_host, host_bytes, rank)
+    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank)
     refeed = request["config"].get("train_refeed")
-    for step in range(1, train["steps"] + 1):
+    for step in range(1, train.steps + 1):
         with phases(f"step {step}"):
             if refeed:  # side a's state after the previous step, and its lr for this one
                 load_state(trainer.states, refeed, step, trainer.set_lr)
             scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed)
             if scalars:
                 writer.write(step, scalars, states)
-            if flips_here(train.get("flip"), step, rank):
-                flip_state(trainer.states, train["flip"])
+            if flips_here(train.flip, step, rank):
+                flip_state(trainer.states, train.flip)
     if world > 1:
         dist.destroy_process_group()
     return {
         "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "implementation": f"{hf.__name__}.DeepseekV3ForCausalLM trained with torch.optim.AdamW, "
+        "implementation": f"{hf.__name__}.DeepseekV3ForCausalLM trained with "
+                          f"torch.optim.{type(trainer.optimizer).__name__}, "
                           f"torch.nn.utils.clip_grad_norm_ and transformers' LambdaLR schedule "
-                          f"({'fp32 master weights' if train['master_weights'] else 'no master weights'})",
+                          f"({'fp32 master weights' if train.master_weights else 'no master weights'})",
         "adapters": [{"name": "ClipFactor", "why": ClipFactor.__doc__.split(":")[0] + " (an observer)",
                       "changes_computation": False}],
-        "knobs": trainer.knobs, "state_locations": state_locations(m["family"], "hf", QUANTITIES),
-        "data_parallel": train["dp"], "distributed_backend": ("nccl" if device.type == "cuda" else "gloo")
+        "knobs": trainer.knobs,
+        "state_locations": state_locations(m["family"], "hf", train.record, step_quantities(train.record)),
+        "data_parallel": train.dp, "distributed_backend": ("nccl" if device.type == "cuda" else "gloo")
         if world > 1 else None,
         "float64_mode": float64_mode,
-        "steps_kept": train["steps_kept"], "refeed": refeed or {}, "determinism": determinism,
+        "steps_kept": list(train.steps_kept), "refeed": refeed or {}, "determinism": determinism,
         **torch_env.provenance(device),
     }
 
@@ -123,50 +124,44 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
 class Trainer:
     """The model, its optimizer and schedule, and one training step."""
 
-    def __init__(self, model, train: dict, m: dict, name_map: NameMap, dtype, transformers, rank: int = 0):
-        self.model, self.train, self.micro_batches = model, train, train["micro_batches"]
-        self.mine, self.dp = rank_micro_batches(train["micro_batches"], train["dp"], rank), train["dp"]
+    def __init__(self, model, train: TrainSettings, m: dict, name_map: NameMap, dtype, transformers, rank: int = 0):
+        self.model, self.train, self.micro_batches = model, train, train.micro_batches
+        self.mine, self.dp = rank_micro_batches(train.micro_batches, train.dp, rank), train.dp
         # DistributedDataParallel's defaults (25 MB buckets, gradients averaged: divided by the world size, summed)
         self.ddp = torch.nn.parallel.DistributedDataParallel(model) if self.dp > 1 else None
         self.group = ranks.gather_group()
         params = dict(model.named_parameters())
         self.masters = ({name: p.detach().float().clone().requires_grad_(True) for name, p in params.items()}
-                        if train["master_weights"] else {})
+                        if train.master_weights else {})
         optimized = self.masters or params
         groups, self.knobs = param_groups(optimized, train)
-        flags = {"default": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True},
-                 "fused": {"fused": True}}[train["torch_adamw"]]
-        beta1, beta2 = train["betas"]
-        self.optimizer = torch.optim.AdamW(groups, lr=train["lr"], betas=(beta1, beta2), eps=train["eps"],
-                                           weight_decay=train["weight_decay"], **flags)
+        self.optimizer, knobs = train.record.torch(train.optimizer, groups, train.lr, train.weight_decay)
         self.scheduler = schedule(self.optimizer, train, transformers)
         self.knobs.update({
-            "AdamW": {"value": {"lr": train["lr"], "betas": [beta1, beta2], "eps": train["eps"],
-                                "weight_decay": train["weight_decay"], **flags},
-                      "why": f"torch.optim.AdamW; torch_adamw = {train['torch_adamw']!r}"},
-            "clip_grad_norm_": {"value": train["clip_grad"], "why": "global L2 norm over the optimized tensors' "
-                                                                    "gradients (0: not clipped)"},
+            **knobs,
+            "clip_grad_norm_": {"value": train.clip_grad, "why": "global L2 norm over the optimized tensors' "
+                                                                 "gradients (0: not clipped)"},
             "schedule": {"value": type(self.scheduler).__name__ + " from " + self.scheduler_source,
-                         "why": f"{train['decay_style']}: warmup {train['warmup_steps']} steps from 0, "
-                                f"decay to {train['min_lr']} over {train['decay_steps']} steps"},
+                         "why": f"{train.decay_style}: warmup {train.warmup_steps} steps from 0, "
+                                f"decay to {train.min_lr} over {train.decay_steps} steps"},
             "gradient_accumulation": {"value": len(self.mine), "why": "(loss / micro_batches).backward() per "
                                                                        "micro-batch of this rank, as HF's Trainer"},
             "DistributedDataParallel": {"value": {"world_size": self.dp} if self.ddp else None,
                                         "why": "torch.nn.parallel.DistributedDataParallel with its defaults, "
                                                "no_sync() but for the last micro-batch" if self.ddp else
                                                "one rank"},
-            "expert_bias_update": {"value": train["expert_bias_update"], "why": "HF's training code never changes "
-                                                                                "the routing bias"},
+            "expert_bias_update": {"value": train.expert_bias_update, "why": "HF's training code never changes "
+                                                                             "the routing bias"},
         })
         self.states = TorchStates({name: rule for name, _ in train_state_names(m)
                                    for rule in [name_map.rule("grads", name, m)]},
-                                  params, self.masters, self.optimizer)
+                                  params, self.masters, self.optimizer, carried_quantities(train.record))
         buffers = dict(model.named_buffers())  # HF's buffer names are the checkpoint's ([hf.checkpoint]: same)
         self.states.buffers = {name: buffers[name] for name, _ in train_buffer_names(m)}
 
     @property
     def scheduler_source(self) -> str:
-        return ("transformers.get_cosine_with_min_lr_schedule_with_warmup" if self.train["decay_style"] == "cosine"
+        return ("transformers.get_cosine_with_min_lr_schedule_with_warmup" if self.train.decay_style == "cosine"
                 else "transformers.get_constant_schedule_with_warmup")
 
     def set_lr(self, lr: float) -> None:
@@ -206,14 +201,14 @@ class Trainer:
         lrs = {group["lr"] for group in self.optimizer.param_groups}
         if len(lrs) != 1:
             raise RuntimeError(f"param groups disagree on the lr: {sorted(lrs)}")
-        bare = self.train.get("bare")  # bench_speed: the stack's calls alone, nothing observed or written
+        bare = self.train.bare  # bench_speed: the stack's calls alone, nothing observed or written
         grads = {} if bare else {f"grad.{n}": t.clone() for n, t in self.states.canonical("grad").items()}
         optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
         clipping = {}  # without clipping torch computes neither a norm nor a factor: none is written as its own
-        if self.train["clip_grad"] > 0:
+        if self.train.clip_grad > 0:
             observer = ClipFactor()
             with nullcontext() if bare else observer:
-                norm = torch.nn.utils.clip_grad_norm_(optimized, self.train["clip_grad"])
+                norm = torch.nn.utils.clip_grad_norm_(optimized, self.train.clip_grad)
             clipping = {} if bare else {"grad_norm": norm, "clip_coeff": observer.factor()}
         self.optimizer.step()
         self.scheduler.step()
@@ -228,7 +223,7 @@ class Trainer:
         scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": loss.to(loss_dtype),
                    **{name: value.detach().reshape(()) for name, value in clipping.items()}}  # the gradients' dtype
         states = dict(grads)
-        for quantity in ("exp_avg", "exp_avg_sq", "master", "param"):
+        for quantity in carried_quantities(self.train.record):
             if quantity == "master" and not self.masters:
                 continue
             states.update({f"{quantity}.{name}": tensor for name, tensor in self.states.canonical(quantity).items()})
@@ -236,9 +231,9 @@ class Trainer:
         return scalars, {name: tensor.detach() for name, tensor in states.items()}  # host copies: one at a time
 
 
-def param_groups(optimized: dict, train: dict) -> tuple[list[dict], dict]:
+def param_groups(optimized: dict, train: TrainSettings) -> tuple[list[dict], dict]:
     """torch's way of exempting parameters from weight decay: a param group with weight_decay 0."""
-    choice = train["weight_decay_params"]
+    choice = train.weight_decay_params
     if choice in ("default", "all"):
         return [{"params": list(optimized.values())}], {
             "weight_decay_params": {"value": choice, "why": "one param group: torch decays every parameter"}}
@@ -249,10 +244,10 @@ def param_groups(optimized: dict, train: dict) -> tuple[list[dict], dict]:
                                                         f"{len(exempt)} 1-D parameters (Megatron's default)"}}
 
 
-def schedule(optimizer, train: dict, transformers):
-    if train["decay_style"] == "cosine":
+def schedule(optimizer, train: TrainSettings, transformers):
+    if train.decay_style == "cosine":
         return transformers.get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, num_warmup_steps=train["warmup_steps"], num_training_steps=train["decay_steps"],
-            min_lr=train["min_lr"])
-    return transformers.get_constant_schedule_with_warmup(optimizer, num_warmup_steps=train["warmup_steps"])
+            optimizer, num_warmup_steps=train.warmup_steps, num_training_steps=train.decay_steps,
+            min_lr=train.min_lr)
+    return transformers.get_constant_schedule_with_warmup(optimizer, num_warmup_steps=train.warmup_steps)
 

@@ -1,9 +1,11 @@
 """A torch training run's per-parameter state in canonical names, both ways: read for the per-step dumps, written back
 for the negative control's planted bit and for the re-feed in time (side b starts a step from side a's state).
 
-``States`` is the interface (``canonical(quantity)``, ``put(quantity, name, value)``); ``TorchStates`` implements it
-through name-map rules (hf_model: the ``[hf.grads]`` rule of each canonical name, applied to the parameter, its master,
-its gradient or its AdamW moments alike); Megatron's runner has its own (its parameters are canonical already).
+``States`` is the interface (``canonical(quantity)``, ``put(quantity, name, value)``, ``carried``: what a step hands
+to the next); ``TorchStates`` implements it through name-map rules (hf_model: the ``[hf.grads]`` rule of each canonical
+name, applied to the parameter, its master, its gradient or its optimizer state alike: torch's optimizers key their
+state by the canonical quantity names, ``state[p]["exp_avg"]``, ``state[p]["momentum_buffer"]``); Megatron's runner has
+its own (its parameters are canonical already).
 Writing back inverts the rule with copies only (a slice of a fused tensor, the halves of a cat0, a transpose).
 """
 
@@ -17,12 +19,12 @@ from harness.run.steps import step_file
 
 INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
             torch.float16: torch.int16}
-STATE = ("exp_avg", "exp_avg_sq", "master", "param")  # what a step hands to the next (the grads are remade)
 
 
 class TorchStates:
-    def __init__(self, rules: dict, params: dict, masters: dict, optimizer):
+    def __init__(self, rules: dict, params: dict, masters: dict, optimizer, carried: tuple[str, ...]):
         self.rules, self.params, self.masters, self.optimizer = rules, params, masters, optimizer
+        self.carried = carried  # what a step hands to the next (harness.case.ops.carried_quantities)
         self.buffers: dict[str, torch.Tensor] = {}  # canonical routing-bias name -> the model's buffer
 
     def source(self, quantity: str, name: str) -> torch.Tensor:
@@ -37,7 +39,8 @@ class TorchStates:
             return self.masters[name]
         state = self.optimizer.state.get(optimized, {})
         if quantity not in state:
-            raise RuntimeError(f"AdamW keeps no {quantity!r} for {name} (it has {sorted(state)})")
+            raise RuntimeError(f"{type(self.optimizer).__name__} keeps no {quantity!r} for {name} (it has "
+                               f"{sorted(state)})")
         return state[quantity]
 
     def canonical(self, quantity: str) -> dict[str, torch.Tensor]:
@@ -101,14 +104,15 @@ def save_on_host(tensors: dict[str, torch.Tensor], path: str, metadata: dict) ->
 
 
 @torch.no_grad()
-def flip_state(states, flip: dict) -> None:
-    """The negative control: one bit of one element of one state tensor, through the framework's own tensor."""
-    value = states.one(flip["state"], flip["tensor"]).clone()
+def flip_state(states, flip) -> None:
+    """The negative control (a ``harness.case.train.Flip``): one bit of one element of one state tensor, through the
+    framework's own tensor."""
+    value = states.one(flip.state, flip.tensor).clone()
     bits = value.view(INT_VIEW[value.dtype])
-    index = tuple(flip["index"])
-    mask = torch.tensor(1 << flip["bit"], dtype=bits.dtype)  # the registry keeps the bit below the sign bit
+    index = tuple(flip.index)
+    mask = torch.tensor(1 << flip.bit, dtype=bits.dtype)  # the registry keeps the bit below the sign bit
     bits[index] = torch.bitwise_xor(bits[index], mask)
-    states.put(flip["state"], flip["tensor"], value)
+    states.put(flip.state, flip.tensor, value)
 
 
 def _read(folder, step: int, names) -> dict[str, torch.Tensor]:
@@ -124,11 +128,11 @@ def _read(folder, step: int, names) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_state(states, refeed: dict, step: int, set_lr) -> None:
-    """Side a's state after step - 1 (parameters, masters, both moments, the routing biases) into this run, and side
-    a's lr for this step. The step count stays this run's own: it made the same number of steps."""
+    """Side a's state after step - 1 (parameters, masters, the optimizer's state, the routing biases) into this run,
+    and side a's lr for this step. The step count stays this run's own: it made the same number of steps."""
     folder = refeed["from"]
     if step > 1:
-        quantities = [q for q in STATE if q != "master" or getattr(states, "masters", True)]
+        quantities = [q for q in states.carried if q != "master" or getattr(states, "masters", True)]
         names = [f"step{step - 1}.{q}.{n}" for q in quantities for n in states.rules]
         names += [f"step{step - 1}.expert_bias.{n}" for n in states.buffers]
         for key, value in _read(folder, step - 1, names).items():
