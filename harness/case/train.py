@@ -21,7 +21,7 @@ from typing import Any
 
 from harness.families import routed_experts
 from harness.optimizers import DEFAULT as DEFAULT_OPTIMIZER
-from harness.optimizers import OPTIMIZERS, Optimizer
+from harness.optimizers import OPTIMIZERS, Optimizer, optimizer
 
 DECAY_STYLES = ("cosine", "constant")
 WEIGHT_DECAY_PARAMS = {
@@ -138,10 +138,7 @@ class TrainSettings:
     def from_dict(cls, values: dict) -> TrainSettings:
         """The settings a request carries (written by ``to_dict``); a key it does not know or lacks is an error, not
         a default: a request of another version of the harness would otherwise train with other settings."""
-        record = OPTIMIZERS.get(values.get("optimizer", DEFAULT_OPTIMIZER))
-        if record is None:
-            raise ValueError(f"config.train.optimizer: no such optimizer {values['optimizer']!r}; known: "
-                             f"{', '.join(OPTIMIZERS)}")
+        record = optimizer(values.get("optimizer", DEFAULT_OPTIMIZER))
         own = {*record.fields, *record.stack_fields}
         known = {*FIELDS, *own, "optimizer", "bare"}
         unknown = sorted(set(values) - known)

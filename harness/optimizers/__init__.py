@@ -49,9 +49,9 @@ class Optimizer:
 
 
 def optimizer(name: str) -> Optimizer:
-    """The record of `name`; a KeyError naming the known ones."""
+    """The record of `name` (a request's or a caller's); a ValueError naming the known ones."""
     if name not in OPTIMIZERS:
-        raise KeyError(f"no optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+        raise ValueError(f"no optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name]
 
 
