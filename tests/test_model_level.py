@@ -12,7 +12,7 @@ from harness.capture.torch import capture
 from harness.case.generate import generate
 from harness.case.ops import OPS
 from harness.case.registry import CaseError, Registry
-from harness.compare import model
+from harness.compare import model_outputs
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.families import FAMILIES, ModelConfigError, family_of, model_config
 from harness.families.deepseek_v3.config import DeepseekV3Config, RopeScaling
@@ -198,14 +198,14 @@ def test_semantic_check_names_the_first_tensor_beyond_1e10(case):
                _comparison("module.model.layers.0.input_layernorm", [1.0, 2.0], [1.0, 2.0 * (1 + 1e-13)]),
                _comparison("module.model.layers.0.self_attn.q_a_proj", [1.0, 2.0], [1.0, 2.0 * (1 + 1e-6)]),
                _comparison("grad.lm_head.weight", [1.0, 5.0], [1.0, 2.0])]
-    check = model.semantic_check(case, tensors, ("hf_model", "hf_model"))
+    check = model_outputs.semantic_check(case, tensors, ("hf_model", "hf_model"))
     assert not check["ok"] and check["first_mismatch"] == "module.model.layers.0.self_attn.q_a_proj"
     assert check["first_module"] == "model.layers.0.self_attn.q_a_proj"
     assert [r["name"] for r in check["tensors_beyond"]] == ["module.model.layers.0.self_attn.q_a_proj",
                                                             "grad.lm_head.weight"]
-    assert model.semantic_check(case, tensors[:2], ("hf_model", "hf_model"))["ok"]
+    assert model_outputs.semantic_check(case, tensors[:2], ("hf_model", "hf_model"))["ok"]
     integers = compare_tensor("module.model.layers.1.mlp.gate.topk_indices", np.array([1, 2]), np.array([1, 3]))
-    assert not model.semantic_check(case, [integers], ("hf_model", "hf_model"))["ok"]
+    assert not model_outputs.semantic_check(case, [integers], ("hf_model", "hf_model"))["ok"]
 
 
 def test_expert_families_fold_into_one_row_each():
@@ -216,7 +216,7 @@ def test_expert_families_fold_into_one_row_each():
             t.status, t.mismatches, t.max_ulp = DIFF, 3, 5 + expert
             t.first_mismatch = {"index": [0, 1], "a_bits": "0x1", "b_bits": "0x2"}
         rows.append(t.to_dict())
-    grouped = model.group_rows(rows)
+    grouped = model_outputs.group_rows(rows)
     assert [r["name"] for r in grouped] == ["grad.lm_head.weight",
                                             "grad.model.layers.1.mlp.experts.*.down_proj.weight (384 tensors)"]
     family = grouped[1]
@@ -229,7 +229,7 @@ def test_summary_counts_and_first_divergence_as_a_module_path(case):
     by_name = {t.name: t for t in tensors}
     by_name["module.model.layers.1.mlp.shared_experts"].status = DIFF
     by_name["grad.model.layers.1.mlp.experts.3.gate_up_proj.weight"].status = DIFF
-    summary = model.summarise(case, tensors, {"module.model.layers.1.mlp.experts.0": "fused",
+    summary = model_outputs.summarise(case, tensors, {"module.model.layers.1.mlp.experts.0": "fused",
                                               "module.model.layers.1.mlp.experts.1": "fused"})
     assert summary["gradients"] == {"total": 794, "bitwise_pass": 793, "compared": 794,
                                     "bitwise_pass_of_idle_experts": 0}
@@ -284,7 +284,7 @@ def test_float64_yarn_tables_are_hfs_formula():
 def test_semantic_check_takes_signed_zeros_as_agreement_and_reads_floors(case):
     zeros = compare_tensor("grad.model.layers.1.mlp.experts.3.down_proj.weight", np.array([-0.0, 0.0]),
                            np.array([0.0, 0.0]))
-    assert zeros.status == DIFF and model.semantic_check(case, [zeros], ("hf_model", "hf_model"))["ok"]
+    assert zeros.status == DIFF and model_outputs.semantic_check(case, [zeros], ("hf_model", "hf_model"))["ok"]
     rope = _comparison("module.model.layers.0.self_attn.core_attention", [1.0, 2.0], [1.0, 2.0 * (1 + 2e-9)])
-    assert not model.semantic_check(case, [rope], ("hf_model", "hf_model"))["ok"]
-    assert model.semantic_check(case, [rope], ("megatron_model", "hf_model"))["ok"]  # its stated float32 floor
+    assert not model_outputs.semantic_check(case, [rope], ("hf_model", "hf_model"))["ok"]
+    assert model_outputs.semantic_check(case, [rope], ("megatron_model", "hf_model"))["ok"]  # its stated float32 floor

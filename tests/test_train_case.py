@@ -11,7 +11,7 @@ import pytest
 from harness.case.generate import generate
 from harness.case.ops import train_state_names
 from harness.case.registry import CaseError, Registry
-from harness.case.train import parse_steps_kept
+from harness.case.train_settings import parse_steps_kept
 from harness.run import steps
 from tests.support.cases import registry_from
 from tests.support.train import TINY_SGD, TINY_TRAIN, tiny_train_case
@@ -138,7 +138,7 @@ def test_bad_sgd_fields_name_file_case_field_and_value(tmp_path, train, field, w
 def test_an_sgd_case_writes_its_buffer_and_names_its_optimizer_in_the_request(tmp_path):
     """The wire format: AdamW's dict as before (no `optimizer` key), SGD's with `optimizer` and its own field in
     place of AdamW's; TrainSettings reads either back as it was parsed."""
-    from harness.case.train import TrainSettings
+    from harness.case.train_settings import TrainSettings
 
     registry = registry_from(tmp_path, tiny_train_case("adamw"),
                              tiny_train_case("sgd", train={**TINY_SGD, "flip": FLIP_SGD}))
@@ -252,7 +252,7 @@ def test_two_digests_are_equal_only_for_the_same_dtype_and_shape(tmp_path):
     from safetensors.numpy import save_file
 
     from harness.case.specs import TensorSpec
-    from harness.compare.train import _compare_step
+    from harness.compare.train_steps import _compare_step
     from harness.run.orchestrate import SideResult
 
     def side(name, tensor):
@@ -339,7 +339,7 @@ def test_truth_distance_counts_differing_bits_and_the_largest_difference():
     import ml_dtypes
 
     from harness.compare.tensors import compare_tensor
-    from harness.compare.train import distance
+    from harness.compare.train_steps import distance
 
     rng = np.random.default_rng(0)
     for dtype in (np.float32, ml_dtypes.bfloat16, np.float64):
@@ -415,8 +415,8 @@ def test_a_refed_step_that_does_not_give_side_bs_own_bits_is_named(tmp_path):
     """The re-feed's own check (issue 29, finding 5; harness.compare.train_refeed.reproduces, on test doubles of step
     files): where side b's plain step started from side a's inputs, the re-fed step must give side b's plain bits;
     a step it differs at is named, and a step whose inputs differed in the plain run is not checked."""
-    from harness.compare.train import compare_steps
     from harness.compare.train_refeed import reproduces
+    from harness.compare.train_steps import compare_steps
     from harness.run.orchestrate import SideResult
 
     case = registry_from(tmp_path, tiny_train_case(train={**TINY_TRAIN, "steps": 3, "decay_steps": 3})) \

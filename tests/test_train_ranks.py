@@ -12,8 +12,8 @@ from safetensors.numpy import save_file
 
 from harness import CompareOptions, Versus, compare_case
 from harness.case.registry import CaseError, Registry
-from harness.case.train import rank_micro_batches
-from harness.compare.train import invariance
+from harness.case.train_settings import rank_micro_batches
+from harness.compare.train_steps import invariance
 from harness.run import launch
 from harness.run.steps import StepWriter, ranks_agree, step_file
 from tests.support.cases import registry_from, tiny_case, write_cases

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from harness.case.specs import FLOAT32_OR_WIDER, TensorSpec
-from harness.case.train import TrainSettings
+from harness.case.train_settings import TrainSettings
 from harness.families import family_of, model_config
 from harness.optimizers import Optimizer
 
@@ -476,7 +476,7 @@ OPS[CAUSAL_LM.name] = CAUSAL_LM
 
 
 # --- the training level: N optimizer steps of the whole causal LM (docs/training.md) --------------------------------
-# `config["train"]` is the case's training settings as the request carries them (harness/case/train.py: steps,
+# `config["train"]` is the case's training settings as the request carries them (harness/case/train_settings.py: steps,
 # micro_batches, master_weights, the optimizer, ...). Per step k (1-based) and micro-batch m: inputs
 # `step{k}.mb{m}.input_ids` / `.labels`; outputs in the order a step makes them and the report reads them: the lr the
 # step used, each micro-batch's loss as backpropagated (its mean cross entropy / micro_batches), the accumulated

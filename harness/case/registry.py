@@ -18,7 +18,7 @@ import tomllib
 
 from harness import families, paths
 from harness.case import tolerance as tolerance_policy
-from harness.case import train as train_table
+from harness.case import train_settings as train_table
 from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, train_state_names
 from harness.case.specs import resolve_dtype
 
@@ -379,7 +379,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
         name=name, source=path, description=f.get("description", str, ""), family=f.get("family", str, spec.family),
         op=op, dtype=dtype, tp=tp, seed=seed, tokens=tokens, shapes=dict(shapes), config=dict(config),
         tensors=tensors, runners=runners, devices=devices,
-        # a float64 model case is judged by the semantic check (harness.compare.model), a tolerance of its own
+        # a float64 model case is judged by the semantic check (harness.compare.model_outputs), a tolerance of its own
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config),
                             tolerance is not None or (op in MODEL_OPS and dtype == "float64")),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},

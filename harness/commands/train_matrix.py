@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness import pipeline
 from harness.case.registry import Registry
-from harness.case.train import TrainSettings
+from harness.case.train_settings import TrainSettings
 from harness.compare.result import ERROR, EXIT_CODES
 from harness.optimizers import DEFAULT, OPTIMIZERS, Optimizer
 from harness.pipeline import run_folder

@@ -34,7 +34,7 @@ from pathlib import Path
 from harness.capture import GRAD, REFEED_FILE, input_key, split_input_key
 from harness.case import checkpoints
 from harness.case.registry import Case
-from harness.compare.model import module_path
+from harness.compare.model_outputs import module_path
 from harness.compare.refeed import attribution
 from harness.compare.tensors import compare_tensor
 from harness.run import orchestrate

@@ -34,8 +34,8 @@ class CaseResult:
     harness: dict = field(default_factory=dict)
     first_divergence: str | None = None  # first differing output in the op's topological order
     refeed: dict = field(default_factory=dict)  # per-op re-run from side a's tensors (compare --refeed)
-    model: dict = field(default_factory=dict)  # model cases: harness.compare.model.summarise (+ "semantic")
-    train: dict = field(default_factory=dict)  # training cases: harness.compare.train.compare_steps' summary
+    model: dict = field(default_factory=dict)  # model cases: harness.compare.model_outputs.summarise (+ "semantic")
+    train: dict = field(default_factory=dict)  # training cases: harness.compare.train_steps.compare_steps' summary
     started_at: str = ""
     finished_at: str = ""
     interrupted: int | None = None  # the signal that stopped the run (its exit code is 128 + it)

@@ -15,11 +15,11 @@ the check reads three comparisons (``parts``):
 from __future__ import annotations
 
 from harness.case.registry import Case
-from harness.compare import model
+from harness.compare import model_outputs
 from harness.compare.expectation import step_of
 from harness.compare.tensors import TensorComparison
-from harness.compare.train import quantity_of
 from harness.compare.train_refeed import update_made
+from harness.compare.train_steps import quantity_of
 
 
 def parts(plain: list[TensorComparison], refed: dict[str, list] | None) -> list[tuple[str, str, list]]:
@@ -40,12 +40,12 @@ def check(case: Case, plain: list[TensorComparison], refed: dict[str, list] | No
     ranks: the re-feed trains one rank) only step 1 and the lr are judged, and `not_judged` says so."""
     found = []
     for label, table, rows in parts(plain, refed):
-        summary = model.semantic_check(case, rows, case.runners, table=table)
+        summary = model_outputs.semantic_check(case, rows, case.runners, table=table)
         found.append({"judged_by": label, "table": table, **summary})
     failing = [f for f in found if not f["ok"]]
     first = min(failing, key=lambda f: step_of(f["first_mismatch"])) if failing else None
     merged = {
-        "agreement": model.FLOAT64_AGREEMENT, "ok": first is None,
+        "agreement": model_outputs.FLOAT64_AGREEMENT, "ok": first is None,
         "first_mismatch": first and first["first_mismatch"], "first_step": first and step_of(first["first_mismatch"]),
         "judged_by": first and first["judged_by"], "first_module": None,
         "max_relative_error": max((f["max_relative_error"] for f in found), default=0.0),

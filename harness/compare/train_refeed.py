@@ -26,7 +26,7 @@ from pathlib import Path
 from harness.case.ops import carried_quantities
 from harness.case.registry import Case, CaseError
 from harness.compare.tensors import EQUAL
-from harness.compare.train import compare_step, compare_steps, quantity_of
+from harness.compare.train_steps import compare_step, compare_steps, quantity_of
 from harness.run import orchestrate
 from harness.run.orchestrate import SideResult, SideSpec
 

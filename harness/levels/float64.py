@@ -1,5 +1,5 @@
 """A float64 case's semantic verdict, shared by the model and training levels: in float64 the sides must agree to
-~1e-10 (``harness.compare.model.semantic_check``); beyond it is a mapping error (ERROR), within it the rounding
+~1e-10 (``harness.compare.model_outputs.semantic_check``); beyond it is a mapping error (ERROR), within it the rounding
 differences are no finding (WITHIN_TOLERANCE); never a numeric DIFF."""
 
 from __future__ import annotations

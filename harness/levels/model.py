@@ -8,7 +8,7 @@ the semantic check (a mapping error is ERROR); its re-feed replays side b module
 
 from __future__ import annotations
 
-from harness.compare import model, model_refeed
+from harness.compare import model_outputs, model_refeed
 from harness.compare.result import CaseResult
 from harness.levels.base import Level, Run
 from harness.levels.float64 import semantic_verdict
@@ -17,7 +17,7 @@ from harness.run.orchestrate import SideSpec, pair_sides
 
 class ModelLevel(Level):
     name = "model"
-    truth_runner = model.TRUTH_RUNNER
+    truth_runner = model_outputs.TRUTH_RUNNER
 
     def sides(self, run: Run) -> list[SideSpec]:
         return pair_sides(run.case, run.checkpoint)
@@ -26,17 +26,18 @@ class ModelLevel(Level):
         """hf_model in float64 on the shared (unperturbed) checkpoint; None for a float64 case (its own check)."""
         if run.case.dtype == "float64":
             return None
-        return SideSpec(model.TRUTH_LABEL, model.TRUTH_RUNNER, run.checkpoint.files, 1,
-                        f"{model.TRUTH_LABEL}-{model.TRUTH_RUNNER}-float64", "float64")
+        return SideSpec(model_outputs.TRUTH_LABEL, model_outputs.TRUTH_RUNNER, run.checkpoint.files, 1,
+                        f"{model_outputs.TRUTH_LABEL}-{model_outputs.TRUTH_RUNNER}-float64", "float64")
 
     def compare(self, run: Run, result: CaseResult) -> None:
-        result.tensors, result.harness["comparator_memory"], skipped = model.compare_outputs(run.case, run.framework)
+        compared = model_outputs.compare_outputs(run.case, run.framework)
+        result.tensors, result.harness["comparator_memory"], skipped = compared
         if result.tensors:
-            result.model = model.summarise(run.case, result.tensors, skipped,
-                                           model.idle_experts(run.case, run.framework))
+            result.model = model_outputs.summarise(run.case, result.tensors, skipped,
+                                                   model_outputs.idle_experts(run.case, run.framework))
 
     def versus_truth(self, run: Run, result: CaseResult) -> None:
-        result.versus_oracle = model.versus_truth(run.case, run.framework, run.truth)
+        result.versus_oracle = model_outputs.versus_truth(run.case, run.framework, run.truth)
 
     def refeed(self, run: Run, result: CaseResult, asked: bool) -> None:
         if asked:  # side a records each module's inputs, side b replays
@@ -45,7 +46,8 @@ class ModelLevel(Level):
 
     def judge(self, run: Run, result: CaseResult) -> None:
         if run.case.dtype == "float64" and result.tensors:
-            semantic_verdict(result, model.semantic_check(run.case, result.tensors, run.case.runners), result.model)
+            check = model_outputs.semantic_check(run.case, result.tensors, run.case.runners)
+            semantic_verdict(result, check, result.model)
 
 
 LEVEL = ModelLevel()

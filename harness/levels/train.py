@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from harness.case.registry import RUNNERS, Case, CaseError
-from harness.case.train import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
-from harness.compare import train, train_float64, train_refeed
-from harness.compare.model import TRUTH_LABEL, TRUTH_RUNNER
+from harness.case.train_settings import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
+from harness.compare import train_float64, train_refeed, train_steps
+from harness.compare.model_outputs import TRUTH_LABEL, TRUTH_RUNNER
 from harness.compare.result import ERROR, CaseResult
 from harness.levels.base import Level, Run, Versus, same_runner
 from harness.levels.float64 import semantic_verdict
@@ -87,9 +87,9 @@ class TrainLevel(Level):
                         "float64", {"train": settings}, per_step=True)
 
     def compare(self, run: Run, result: CaseResult) -> None:
-        result.tensors, result.train = train.compare_steps(run.case, run.framework, run.truth)
+        result.tensors, result.train = train_steps.compare_steps(run.case, run.framework, run.truth)
         if run.versus:  # which quantities stay bitwise, from which step each parts
-            result.comparison.update(train.invariance(result.train))
+            result.comparison.update(train_steps.invariance(result.train))
 
     def refeed(self, run: Run, result: CaseResult, asked: bool) -> None:
         """Side b re-run from side a's state, step by step: asked, or for a float64 case's check of every step."""

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness.compare import model as model_level
+from harness.compare import model_outputs
 from harness.compare.result import CaseResult
 from harness.report import blocks as doc
 from harness.report import (
@@ -81,7 +81,7 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
                    "max abs err", "ULPs at scale"):
         table.add_column(column, justify="left" if column in ("tensor", "status") else "right")
     rows = [t.to_dict() for t in result.tensors] if not result.train else []  # a training run: per step, below
-    for t in model_level.group_rows(rows) if result.model else rows:  # a model: one row per expert family
+    for t in model_outputs.group_rows(rows) if result.model else rows:  # a model: one row per expert family
         table.add_row(t["name"], t["status"], str(t["mismatches"]), f"{t['mismatch_share']:.4%}", str(t["max_ulp"]),
                       str(t["p99_ulp"]), str(t["sign_flips"]), f"{t['max_abs_error']:.3g}",
                       f"{t['max_error_in_scale_ulps']:.3g}", style="green" if t["status"] == "EQUAL" else "red")

@@ -34,13 +34,13 @@ def versus_oracle(data: dict, figures: dict) -> list[tuple]:
 
 
 def _rows(data: dict, tensors: list[dict]) -> list[dict]:
-    from harness.compare.model import group_rows
+    from harness.compare.model_outputs import group_rows
     return group_rows(tensors) if data.get("model") else tensors
 
 
 def _family_closer(closer: dict) -> dict:
     """Per expert family (one folded row), the side closer on more of its members."""
-    from harness.compare.model import family
+    from harness.compare.model_outputs import family
     votes: dict[str, dict[str, int]] = {}
     for name, label in closer.items():
         key = family(name)

@@ -1,6 +1,6 @@
 """Model cases (op causal_lm): the head of the report in the model's terms: how many of the canonical gradients and
 module outputs are bitwise equal, the first divergence as a module path, what was not compared and why, and the
-float64 semantic check. Data from ``harness.compare.model`` (``CaseResult.model``); nothing is computed here."""
+float64 semantic check. Data from ``harness.compare.model_outputs`` (``CaseResult.model``); nothing is computed here."""
 
 from __future__ import annotations
 

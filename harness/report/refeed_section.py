@@ -52,7 +52,7 @@ def model_items(refeed: dict) -> list[str]:
 
 def model_rows(refeed: dict) -> list[list]:
     """Rows that are not equal, per-expert tensors folded into one row per family and attribution."""
-    from harness.compare.model import family
+    from harness.compare.model_outputs import family
 
     rows, folded = [], {}
     for r in refeed.get("rows", []):

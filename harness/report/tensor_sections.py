@@ -46,8 +46,8 @@ def tensors(data: dict, figures: dict) -> list[tuple]:
 
 
 def _rows(data: dict, tensors: list[dict]) -> list[dict]:
-    """A model case's per-expert tensors folded into one row per expert family (harness.compare.model)."""
-    from harness.compare.model import group_rows
+    """A model case's per-expert tensors folded into one row per expert family (harness.compare.model_outputs)."""
+    from harness.compare.model_outputs import group_rows
     return group_rows(tensors) if data.get("model") else tensors
 
 

@@ -1,11 +1,11 @@
 """Training cases (op causal_lm_train): the report along time. The first divergence in time, one row per step (the
 scalars equal or how far apart, "k of 794" per state quantity, the step's first differing output), the scalars'
 values, which side the float64 truth finds closer, the picture of mismatches per step and quantity, and per step the
-differing tensors (expert families folded). Data from ``harness.compare.train`` (``CaseResult.train``)."""
+differing tensors (expert families folded). Data from ``harness.compare.train_steps`` (``CaseResult.train``)."""
 
 from __future__ import annotations
 
-from harness.compare.model import group_rows
+from harness.compare.model_outputs import group_rows
 from harness.report.blocks import details, figure, h, p, table, ul
 
 # A quantity not named here (an optimizer's state: exp_avg, momentum_buffer, ...) is labelled by its own name.

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from harness.case.train import Flip
+from harness.case.train_settings import Flip
 
 STEPS_DIR = "steps"
 

@@ -45,7 +45,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import carried_quantities, step_quantities, train_state_names
-from harness.case.train import TrainSettings, rank_micro_batches
+from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.families import routed_experts
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
@@ -438,8 +438,9 @@ class MegatronStates:
 
     @torch.no_grad()
     def flip(self, flip) -> None:
-        """The negative control's bit (a ``harness.case.train.Flip``), in this rank's own part of the tensor (a view of
-        Megatron's own): a rank that does not hold the element leaves it; one named by ``flip.rank`` must hold it."""
+        """The negative control's bit (a ``harness.case.train_settings.Flip``), in this rank's own part of the tensor (a
+        view of Megatron's own): a rank that does not hold the element leaves it; one named by ``flip.rank`` must hold
+        it."""
         flat = 0
         for i, size in zip(flip.index, self.shapes[flip.tensor], strict=True):
             flat = flat * size + i

@@ -38,7 +38,7 @@ from safetensors import safe_open
 
 from harness.capture.paddle import apply_rule, to_host
 from harness.case.ops import carried_quantities, step_quantities, train_buffer_names, train_state_names
-from harness.case.train import TrainSettings, rank_micro_batches
+from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flip_bit, flips_here, state_locations, step_file
 from harness.runners.paddle import model as paddle_model

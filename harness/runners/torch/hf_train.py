@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import carried_quantities, step_quantities, train_buffer_names, train_state_names
-from harness.case.train import TrainSettings, rank_micro_batches
+from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.families.names import NameMap
 from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations

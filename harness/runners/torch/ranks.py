@@ -30,8 +30,8 @@ def everyone(value, group) -> list:
 
 def global_losses(local: torch.Tensor, dp: int, group) -> torch.Tensor:
     """The step's losses in global micro-batch order from each rank's own (rank r trained micro-batches r, r + dp,
-    ...: harness.case.train.rank_micro_batches), each divided by dp: a rank backpropagates its micro-batches' mean
-    over its own count, and its gradients are averaged over the dp ranks, so a micro-batch's share of the global
+    ...: harness.case.train_settings.rank_micro_batches), each divided by dp: a rank backpropagates its micro-batches'
+    mean over its own count, and its gradients are averaged over the dp ranks, so a micro-batch's share of the global
     step's loss is its local loss / dp (exact for dp a power of two)."""
     if group is None:
         return local

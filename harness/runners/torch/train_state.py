@@ -105,8 +105,8 @@ def save_on_host(tensors: dict[str, torch.Tensor], path: str, metadata: dict) ->
 
 @torch.no_grad()
 def flip_state(states, flip) -> None:
-    """The negative control (a ``harness.case.train.Flip``): one bit of one element of one state tensor, through the
-    framework's own tensor."""
+    """The negative control (a ``harness.case.train_settings.Flip``): one bit of one element of one state tensor,
+    through the framework's own tensor."""
     value = states.one(flip.state, flip.tensor).clone()
     bits = value.view(INT_VIEW[value.dtype])
     index = tuple(flip.index)

@@ -23,7 +23,7 @@ from harness.bits import format_of
 from harness.case.ops import state_quantities, step_quantities, train_step_outputs
 from harness.case.registry import Case
 from harness.case.specs import resolve_dtype
-from harness.compare.model import TRUTH_RUNNER, _numpy_dtype
+from harness.compare.model_outputs import TRUTH_RUNNER, _numpy_dtype
 from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, SHAPE_MISMATCH, TensorComparison, compare_tensor
 from harness.run.orchestrate import SideResult
 from harness.run.steps import DOUBLES, digest, read_header, step_file
