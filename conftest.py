@@ -6,12 +6,11 @@ import os
 
 import pytest
 
-from harness.case.ops import MODEL_OPS
 from harness.case.registry import Registry
 from harness.run import workers
 
 # Whole-model cases run in tests/test_model_e2e.py (a few, small: each side imports a model zoo and runs a model).
-CPU_CASES = [case for case in Registry.load().for_device("cpu") if case.op not in MODEL_OPS]
+CPU_CASES = [case for case in Registry.load().for_device("cpu") if case.op_spec.level == "op"]
 # Token count for end-to-end runs: small enough for 2 cores (torch's bf16 GEMM on a CPU without
 # AVX-512 is a slow scalar fallback), large enough to cross several GEMM blocks.
 E2E_TOKENS = 16

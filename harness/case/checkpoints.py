@@ -44,7 +44,6 @@ from safetensors import safe_open
 from harness import families, paths, resources
 from harness.bits import format_of
 from harness.case import generate, tensorfile
-from harness.case.ops import MODEL_OPS
 from harness.case.registry import SHARED_WEIGHTS, Case
 from harness.case.specs import resolve_dtype
 
@@ -134,7 +133,7 @@ def digest(case: Case, weights_file: str | None = None) -> str:
 
 
 def _imports(case: Case, weights_file: str | None) -> dict[str, tuple[np.ndarray, dict]]:
-    if case.op in MODEL_OPS and weights_file:
+    if case.model is not None and weights_file:
         return _import_model_weights(case, weights_file)
     return _import_weights(case, weights_file) if case.weights_from else {}
 

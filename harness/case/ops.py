@@ -117,6 +117,7 @@ class Op:
     # (a framework path without its own TP layers sums them itself).
     reduced: tuple[str, ...] = ()
     level: str = "op"  # the level that runs and compares it (harness.levels): op, model or train
+    tables: tuple[str, ...] = ()  # case tables it reads beyond the common fields ("train": harness.case.train_settings)
 
     def resolve(self, config: Mapping[str, object]) -> dict[str, object]:
         """The case's knobs completed with this op's defaults (knobs the op does not read are kept as given)."""
@@ -553,7 +554,5 @@ def _causal_lm_train_outputs(shapes, tokens, config):
 
 
 CAUSAL_LM_TRAIN = Op("causal_lm_train", "train", (), _causal_lm_train_inputs, _causal_lm_train_outputs, None,
-                     ("model",), level="train")
+                     ("model",), level="train", tables=("train",))
 OPS[CAUSAL_LM_TRAIN.name] = CAUSAL_LM_TRAIN
-MODEL_OPS = (CAUSAL_LM.name, CAUSAL_LM_TRAIN.name)
-TRAIN_OPS = (CAUSAL_LM_TRAIN.name,)

@@ -19,7 +19,7 @@ import tomllib
 from harness import families, paths
 from harness.case import tolerance as tolerance_policy
 from harness.case import train_settings as train_table
-from harness.case.ops import KNOBS, MODEL_OPS, OPS, TRAIN_OPS, Op, train_state_names
+from harness.case.ops import KNOBS, OPS, Op, train_state_names
 from harness.case.specs import resolve_dtype
 
 CASES_DIR = Path(__file__).resolve().parents[2] / "cases"
@@ -119,7 +119,7 @@ class Case:
     def model(self):
         """The model's typed config (its family's record: ``harness.families``), None for an op case. `config` keeps
         its wire form, the dict a request and a report carry."""
-        return families.model_config(self.config["model"]) if self.op in MODEL_OPS else None
+        return families.model_config(self.config["model"]) if "model" in self.config else None
 
     @cached_property
     def train(self) -> train_table.TrainSettings | None:
@@ -323,20 +323,22 @@ def _build(name: str, path: Path, table: dict) -> Case:
         f.get(key, knob.types, where=config, label=f"config.{key}")
         if knob.choices and value not in knob.choices:
             raise f.error(f"config.{key}", f"must be one of {', '.join(knob.choices)}", value)
-    if ("model" in config) != (op in MODEL_OPS):
-        raise f.error("config.model", f"is required for op {op} and only for model ops ({', '.join(MODEL_OPS)})",
-                      config.get("model"))
+    if ("model" in config) != ("model" in spec.knobs):
+        readers = [name for name, other in OPS.items() if "model" in other.knobs]
+        raise f.error("config.model", f"is required for op {op} and only for the ops that run a model "
+                                      f"({', '.join(readers)})", config.get("model"))
     model = None
-    if op in MODEL_OPS:
+    if "model" in config:
         given = config["model"]
         try:
             model = families.family_of(given.get("family", families.DEFAULT)).config.resolve(given)
         except families.ModelConfigError as error:
             raise f.error("config.model", str(error), given) from None
         config = {**config, "model": model.to_dict()}  # the wire form; the typed one is Case.model
-    if "train" in table and op not in TRAIN_OPS:
-        raise f.error("train", f"is only for training ops ({', '.join(TRAIN_OPS)})", table["train"])
-    if op in TRAIN_OPS:  # stored complete in the config, so the request carries it to every runner
+    if "train" in table and "train" not in spec.tables:
+        trainers = [name for name, other in OPS.items() if "train" in other.tables]
+        raise f.error("train", f"is only for training ops ({', '.join(trainers)})", table["train"])
+    if "train" in spec.tables:  # stored complete in the config, so the request carries it to every runner
         config = {**config, "train": train_table.parse(f, dtype, model, dict(train_state_names(model))).to_dict()}
     config = spec.resolve(config)
 
@@ -381,7 +383,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
         tensors=tensors, runners=runners, devices=devices,
         # a float64 model case is judged by the semantic check (harness.compare.model_outputs), a tolerance of its own
         expect=_expectation(f, input_roles, spec.outputs(shapes, tokens, config),
-                            tolerance is not None or (op in MODEL_OPS and dtype == "float64")),
+                            tolerance is not None or (model is not None and dtype == "float64")),
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
                               {s.name: WIDTHS.get(resolve_dtype(s.dtype, dtype), 0) for s in input_specs}),
         weights_from=_weight_import(f, input_roles), tolerance=tolerance, truth=f.get("truth", bool, True),

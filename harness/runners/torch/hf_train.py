@@ -105,7 +105,7 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         dist.destroy_process_group()
     return {
         "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "implementation": f"{hf.__name__}.DeepseekV3ForCausalLM trained with "
+        "implementation": f"{hf.__name__}.{hf_model.builder(m).MODEL} trained with "
                           f"torch.optim.{type(trainer.optimizer).__name__}, "
                           f"torch.nn.utils.clip_grad_norm_ and transformers' LambdaLR schedule "
                           f"({'fp32 master weights' if train.master_weights else 'no master weights'})",
