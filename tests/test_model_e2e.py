@@ -162,3 +162,17 @@ def test_glm4_moe_control_is_found_in_its_column_of_the_fused_qkv(tmp_path, chec
     assert np.array_equal(a[layer + "q_proj"], b[layer + "q_proj"]) and np.array_equal(a[layer + "k_proj"],
                                                                                          b[layer + "k_proj"])
     assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.v_proj"
+
+
+def test_glm4_moe_float64_disagreement_is_a_mapping_error_naming_the_fused_part(tmp_path, checkpoints_dir,
+                                                                                  monkeypatch):
+    """A planted difference in one element of k_proj's bias on HF's side, in float64: Megatron's k_proj (a part of its
+    fused linear_qkv) disagrees far beyond the floors there first, so the semantic check says ERROR naming it."""
+    registry = Registry.load()
+    planted = replace(registry.get("glm4_moe_2layer_float64"),
+                      perturb=Perturbation("b", "model.layers.0.self_attn.k_proj.bias", (3,), 50))
+    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
+    result, run_dir, report, tails = _run("glm4_moe_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_proj" in \
+        result.message, (result.message, tails)
+    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_proj"
