@@ -197,6 +197,12 @@ def _diff(args) -> int:
     return result.exit_code
 
 
+def list_family(case) -> str:
+    """What `list` groups a case by: its case family, and for a model case the model family it runs
+    (harness/families/), e.g. ``model: glm4_moe``."""
+    return f"{case.family}: {case.model.family}" if case.model is not None else case.family
+
+
 def _list(cases_dir: Path, expression: str | None) -> int:
     try:
         cases = select(Registry.load(cases_dir).cases.values(), expression)
@@ -206,9 +212,9 @@ def _list(cases_dir: Path, expression: str | None) -> int:
     table = Table(title=f"cases in {cases_dir}")
     for column in ("case", "family", "op", "dtype", "tp", "tokens", "shapes", "runners", "devices", "expect"):
         table.add_column(column)
-    for case in cases:
+    for case in sorted(cases, key=lambda c: (list_family(c), c.name)):
         shapes = " ".join(f"{k}={v}" for k, v in case.shapes.items())
-        table.add_row(case.name, case.family, case.op, case.dtype, str(case.tp), str(case.tokens), shapes,
+        table.add_row(case.name, list_family(case), case.op, case.dtype, str(case.tp), str(case.tokens), shapes,
                       " vs ".join(case.runners), ",".join(case.devices), case.expect.verdict)
     Console(width=200).print(table)
     return 0

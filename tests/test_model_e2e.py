@@ -1,6 +1,7 @@
 """The model level end to end on the CPU: real HF transformers DeepseekV3ForCausalLM (hf_model), the 2-layer
 Kimi-K2 with 384 experts, 16 tokens (E2E_TOKENS), float32 and float64 only (a CPU without AVX-512 has a slow scalar
-bf16 GEMM in torch). Few on purpose: each side imports torch + transformers and runs the whole model.
+bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts), whose cases no baseline records yet: their verdicts are
+pinned by the expectations the cases state. Few on purpose: each side imports a model zoo and runs the whole model.
 
 - The negative control: one bit of one routed expert's weight flipped on side b changes exactly that expert's
   output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
@@ -33,6 +34,11 @@ SEMANTIC_PAIRS = [
     ("kimi_k2_2layer_float64", ("paddle_model", "hf_model"), "PaddleFormers' DeepseekV3MoE.moe cannot run in float64"),
     ("kimi_k2_2layer_float64_dense", ("paddle_model", "hf_model"), None),
     ("kimi_k2_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
+    ("glm4_moe_2layer_float64", ("megatron_model", "hf_model"), None),
+    ("glm4_moe_2layer_float64", ("paddle_model", "hf_model"), "PaddleFormers' Glm4MoeMoE.moe cannot run in float64"),
+    ("glm4_moe_2layer_float64_qk_norm", ("megatron_model", "hf_model"), None),
+    ("glm4_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
+    ("glm4_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
 ]
 
 
@@ -100,7 +106,8 @@ def test_float64_semantic_check(case, pair, unsupported, tmp_path, checkpoints_d
                                 else 1), result.message
     parameters = load_tensors(run_dir / f"b-{pair[1]}" / "outputs.safetensors")
     assert report["model"]["gradients"]["compared"] == sum(n.startswith("grad.") for n in parameters)
-    assert case.endswith("_dense") or report["model"]["gradients"]["compared"] == 794
+    expected = sum(s.name.startswith("grad.") for s in Registry.load().get(case).with_tokens(E2E_TOKENS).output_specs())
+    assert report["model"]["gradients"]["compared"] == expected  # 794 for Kimi-K2's 2 layers, 282 for GLM-4.5's
 
 
 def test_float64_disagreement_is_a_mapping_error_naming_the_first_tensor(tmp_path, checkpoints_dir, monkeypatch):
@@ -112,3 +119,60 @@ def test_float64_disagreement_is_a_mapping_error_naming_the_first_tensor(tmp_pat
     assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.kv_b_proj" in \
         result.message, (result.message, tails)
     assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.kv_b_proj"
+
+
+# --- GLM-4.5 MoE (glm4_moe): the cases' stated verdicts on this CPU, the control found at its tensor ----------------
+
+# Each pair's verdict and first divergence, stated by the case (cases/glm4_moe.toml says why each is by construction):
+# bf16 Megatron vs HF parts at the first RMSNorm, fp32 at q_proj (HF folds the q/k/v bias into the GEMM, Megatron adds
+# it after), PaddleFormers vs HF at the first RMSNorm.
+GLM_CASES = ["glm4_moe_2layer", "glm4_moe_2layer_fp32", "glm4_moe_2layer_fp32_paddle"]
+
+
+@pytest.mark.parametrize("case", GLM_CASES)
+def test_glm4_moe_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
+    from tests.support.e2e import assert_counts_match_outputs
+
+    result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
+    missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
+    if missing and not on_ci():
+        pytest.skip(f"{missing} is not installed here: {result.message}")
+    assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
+        result.message, result.expectation, tails)
+    sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
+             if s["label"] in ("a", "b")]
+    assert_counts_match_outputs(report, *sides)
+    stated = Registry.load().get(case)
+    assert report["first_divergence"] == stated.expect.differs[0]
+    gradients = report["model"]["gradients"]
+    assert gradients["total"] == 282 and gradients["bitwise_pass"] >= gradients["bitwise_pass_of_idle_experts"]
+
+
+def test_glm4_moe_control_is_found_in_its_column_of_the_fused_qkv(tmp_path, checkpoints_dir):
+    """One bit of v_proj.bias[5] on Megatron's side b: Megatron holds it as a row of the fused linear_qkv, so only
+    column 5 of the de-interleaved v_proj output differs, and the q_proj and k_proj parts of the same fused output
+    stay equal: the interleave maps the planted element where it belongs. The first divergence is that module."""
+    result, run_dir, report, tails = _run("glm4_moe_2layer_control_megatron", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
+    a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
+    b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
+    layer = "module.model.layers.0.self_attn."
+    columns = {int(c) for c in np.nonzero((a[layer + "v_proj"] != b[layer + "v_proj"]).any(axis=0))[0]}
+    assert columns == {5}
+    assert np.array_equal(a[layer + "q_proj"], b[layer + "q_proj"]) and np.array_equal(a[layer + "k_proj"],
+                                                                                         b[layer + "k_proj"])
+    assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.v_proj"
+
+
+def test_glm4_moe_float64_disagreement_is_a_mapping_error_naming_the_fused_part(tmp_path, checkpoints_dir,
+                                                                                  monkeypatch):
+    """A planted difference in one element of k_proj's bias on HF's side, in float64: Megatron's k_proj (a part of its
+    fused linear_qkv) disagrees far beyond the floors there first, so the semantic check says ERROR naming it."""
+    registry = Registry.load()
+    planted = replace(registry.get("glm4_moe_2layer_float64"),
+                      perturb=Perturbation("b", "model.layers.0.self_attn.k_proj.bias", (3,), 50))
+    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
+    result, run_dir, report, tails = _run("glm4_moe_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_proj" in \
+        result.message, (result.message, tails)
+    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_proj"

@@ -189,6 +189,51 @@ def test_capture_names_hooks_and_gradient_rules(tmp_path):
     assert (tmp_path / "dump.safetensors").exists() and not net._forward_hooks and not net.o_proj._forward_pre_hooks
 
 
+def test_interleave_rows_lay_q_k_v_out_group_by_group():
+    """Two groups, q 3 rows a group, k and v 1: rows [q0 q1 q2 k0 v0 | q3 q4 q5 k1 v1] of the parts concatenated
+    (q 0..5, k 6..7, v 8..9); each part's rows back out in order."""
+    from harness.families.names import interleaved_rows, part_rows
+
+    assert interleaved_rows(2, (3, 1, 1)) == [0, 1, 2, 6, 8, 3, 4, 5, 7, 9]
+    assert [part_rows(2, (3, 1, 1), i) for i in range(3)] == [[0, 1, 2, 5, 6, 7], [3, 8], [4, 9]]
+
+
+def test_interleave_kinds_are_megatrons_qkv_layout_and_invert_exactly():
+    """The fused tensor the interleave kind builds is what Megatron's SelfAttention splits (view [groups, (heads /
+    groups + 2) x d, ...], split [q, k, v] per group: attention.py get_query_key_value_tensors); de-interleaving
+    gives each part back bit for bit, for weights (dim 0), Paddle's transposed weights, biases and module outputs
+    (last dim), in torch and in numpy alike."""
+    from harness.capture.paddle import apply_rule as numpy_rule
+    from harness.capture.torch import apply_rule
+    from harness.families.names import Rule
+
+    groups, per_group, d, hidden = 2, 3, 4, 5
+    widths = (per_group * d, d, d)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(groups * w, hidden) for w in widths)
+    fused = apply_rule(Rule("interleave", groups=groups, widths=widths), [q, k, v])
+    split = fused.view(groups, (per_group + 2) * d, hidden).split(list(widths), dim=1)
+    assert all(torch.equal(part.reshape(-1, hidden), source) for part, source in zip(split, (q, k, v), strict=True))
+    for index, source in enumerate((q, k, v)):
+        part = Rule("deinterleave", index=index, groups=groups, widths=widths)
+        assert torch.equal(apply_rule(part, [fused]), source)
+        assert torch.equal(apply_rule(Rule("transpose_deinterleave", index=index, groups=groups, widths=widths),
+                                      [fused.t().contiguous()]), source)
+        out = torch.randn(7, fused.shape[0])  # a module output [T, fused]: its last dim
+        assert torch.equal(apply_rule(part, [out], dim=-1), out[:, part.rows(index)])
+        assert np.array_equal(numpy_rule(part, [fused.numpy()]), source.numpy())
+    transposed = apply_rule(Rule("transpose_interleave", groups=groups, widths=widths), [q, k, v])
+    assert torch.equal(transposed, fused.t()) and np.array_equal(
+        numpy_rule(Rule("transpose_interleave", groups=groups, widths=widths), [q.numpy(), k.numpy(), v.numpy()]),
+        fused.t().numpy())
+    biases = [torch.randn(groups * w) for w in widths]
+    fused_bias = apply_rule(Rule("interleave", groups=groups, widths=widths), biases)
+    assert torch.equal(fused_bias.view(groups, -1).split(list(widths), dim=1)[1].reshape(-1), biases[1])
+    gate, up = torch.randn(3, hidden), torch.randn(3, hidden)
+    assert torch.equal(apply_rule(Rule("cat0_transpose"), [gate, up]), torch.cat([gate, up]).t())
+    assert np.array_equal(numpy_rule(Rule("cat0_transpose"), [gate.numpy(), up.numpy()]), torch.cat([gate, up]).t())
+
+
 def _comparison(name, a, b):
     return compare_tensor(name, np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
 

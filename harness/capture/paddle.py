@@ -20,8 +20,9 @@ Wrap it around your own training step::
   ``batch_dim``: the batch dimension of module outputs, dropped when its size is 1 on outputs of 3 or more dims
   (2-D outputs, such as an expert's ``[tokens, hidden]``, are token-major already, even with one token).
 - Written names: ``module.<canonical module path>`` (the sublayer's output, or what its rule says: the input of
-  another sublayer, outputs concatenated on the last dim), ``grad.<canonical parameter name>`` (``.grad`` after
-  backward, through the rule: same, transpose, cat0, transpose_cat0, a slice), and what ``record`` got.
+  another sublayer, outputs concatenated on the last dim, one part of a fused q/k/v output), ``grad.<canonical
+  parameter name>`` (``.grad`` after backward, through the rule: same, transpose, cat0, transpose_cat0, a slice, one
+  part of a fused q/k/v), and what ``record`` got.
 - ``cap.record(name, tensor)``; after the block ``cap.tensors`` (name -> numpy array on the host; bf16 as its uint16
   bits, which the writer turns back into bf16), ``cap.not_captured`` (name -> why), ``cap.zero_grads`` (parameters
   whose ``.grad`` was None, written as zeros), ``cap.write_seconds``.
@@ -117,6 +118,8 @@ class Capture:
             self.not_captured["module." + name] = why
             return None
         parts = [self._drop_batch(part) for part in parts]
+        if rule.kind == "deinterleave":  # one part of a fused sublayer's output (q of qkv_proj), on the last dim
+            return apply_rule(rule, parts, axis=-1)
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
     def _drop_batch(self, array: np.ndarray) -> np.ndarray:
@@ -152,8 +155,16 @@ class Capture:
             self._keep("grad." + name, apply_rule(rule, sources))
 
 
-def apply_rule(rule, sources: list[np.ndarray]) -> np.ndarray:
-    """A canonical tensor from the framework tensors its rule names (exact: copies only, never arithmetic)."""
+def apply_rule(rule, sources: list[np.ndarray], axis: int = 0) -> np.ndarray:
+    """A canonical tensor from the framework tensors its rule names, or (a checkpoint rule) a framework tensor from
+    canonical ones: exact, copies only, never arithmetic. `axis`: where the interleave kinds interleave (0: weights
+    and gradients; -1: module outputs)."""
+    if rule.kind in ("interleave", "transpose_interleave"):
+        fused = np.take(np.concatenate(sources, axis=axis), rule.rows(), axis=axis)
+        return np.swapaxes(fused, -1, -2) if rule.kind == "transpose_interleave" else fused
+    if rule.kind in ("deinterleave", "transpose_deinterleave"):
+        fused = np.swapaxes(sources[0], -1, -2) if rule.kind == "transpose_deinterleave" else sources[0]
+        return np.take(fused, rule.rows(rule.index), axis=axis)
     if rule.kind == "same":
         return sources[0]
     if rule.kind == "transpose":
@@ -164,6 +175,8 @@ def apply_rule(rule, sources: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(sources, axis=0)
     if rule.kind == "transpose_cat0":
         return np.concatenate([np.swapaxes(s, -1, -2) for s in sources], axis=0)
+    if rule.kind == "cat0_transpose":
+        return np.swapaxes(np.concatenate(sources, axis=0), -1, -2)
     if rule.kind == "cat_last":
         return np.concatenate(sources, axis=-1)
     raise ValueError(f"rule {rule.kind!r} does not apply to gradients")

@@ -23,8 +23,9 @@ Interface (``harness.capture.paddle`` has the same):
   ``batch_dim``: the batch dimension of module outputs, dropped when its size is 1 on outputs of 3 or more dims
   (HF: 0; Megatron: 1).
 - Written names: ``module.<canonical module path>`` (the module's output, or what its name-map rule says: the
-  input of another module, outputs concatenated on the last dim), ``grad.<canonical parameter name>`` (``.grad``
-  after backward, through the rule: same, cat0, a slice of a fused tensor, transpose), and what ``record`` got.
+  input of another module, outputs concatenated on the last dim, one part of a fused q/k/v output), ``grad.<canonical
+  parameter name>`` (``.grad`` after backward, through the rule: same, cat0, a slice of a fused tensor, transpose,
+  one part of a fused q/k/v), and what ``record`` got.
 - ``cap.record(name, tensor)``; after the block ``cap.tensors`` (name -> tensor, on the CPU), ``cap.not_captured``
   (name -> why: a rule says it cannot be observed here, or the module never ran), ``cap.zero_grads`` (parameters
   whose ``.grad`` was None, written as zeros: e.g. an expert that got no token).
@@ -99,6 +100,8 @@ class Capture:
             self.not_captured["module." + name] = why
             return None
         parts = [self._drop_batch(part) for part in parts]
+        if rule.kind == "deinterleave":  # one part of a fused module's output (q of linear_qkv), on the last dim
+            return apply_rule(rule, parts, dim=-1)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _drop_batch(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -135,8 +138,10 @@ class Capture:
                 self.tensors["module." + name] = tensor
 
 
-def apply_rule(rule: Rule, sources: list[torch.Tensor]) -> torch.Tensor:
-    """A canonical tensor from the framework tensors its rule names (exact: only copies, never arithmetic)."""
+def apply_rule(rule: Rule, sources: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """A canonical tensor from the framework tensors its rule names, or (a checkpoint rule) a framework tensor from
+    canonical ones: exact, only copies, never arithmetic. `dim`: where the interleave kinds interleave (0: weights
+    and gradients; -1: module outputs)."""
     if rule.kind == "same":
         return sources[0]
     if rule.kind == "transpose":
@@ -147,8 +152,17 @@ def apply_rule(rule: Rule, sources: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(sources, dim=0)
     if rule.kind == "transpose_cat0":
         return torch.cat([s.transpose(-1, -2) for s in sources], dim=0)
+    if rule.kind == "cat0_transpose":
+        return torch.cat(sources, dim=0).transpose(-1, -2)
     if rule.kind == "cat_last":
         return torch.cat(sources, dim=-1)
+    if rule.kind in ("interleave", "transpose_interleave"):
+        joined = torch.cat(sources, dim=dim)
+        fused = joined.index_select(dim, torch.tensor(rule.rows(), device=joined.device))
+        return fused.transpose(-1, -2) if rule.kind == "transpose_interleave" else fused
+    if rule.kind in ("deinterleave", "transpose_deinterleave"):
+        fused = sources[0].transpose(-1, -2) if rule.kind == "transpose_deinterleave" else sources[0]
+        return fused.index_select(dim, torch.tensor(rule.rows(rule.index), device=fused.device))
     raise ValueError(f"rule {rule.kind!r} does not apply to gradients")
 
 

@@ -32,9 +32,10 @@ TP_SIZES = (1, 2, 4, 8)
 DEVICES = ("cpu", "gpu")
 # torch / torch_nn: plain PyTorch with Megatron's [out, in] (TN GEMM) or Paddle's [in, out] (NN GEMM) weight layout.
 # oracle: the exact result, framework-free (harness.runners.oracle).
-# megatron_model: a whole Megatron-Core GPTModel (MLA + MoE, local spec) for op causal_lm (docs/model-contract.md).
-# hf_model: HF transformers' DeepseekV3ForCausalLM (torch) for op causal_lm; also the float64 truth of model cases.
-# paddle_model: PaddleFormers' DeepseekV3ForCausalLM (CPU) / PaddleFleet's GPTModel (GPU) for op causal_lm.
+# megatron_model: a whole Megatron-Core GPTModel (local spec) of the case's model family for op causal_lm
+# (docs/model-contract.md). hf_model: HF transformers' model of the family (torch, e.g. DeepseekV3ForCausalLM,
+# Glm4MoeForCausalLM); also the float64 truth of model cases. paddle_model: PaddleFormers' model of the family (CPU) /
+# PaddleFleet's GPTModel (GPU).
 RUNNERS = ("megatron", "paddle", "torch", "torch_nn", "oracle", "megatron_model", "hf_model", "paddle_model")
 DEFAULT_RUNNERS = ("megatron", "paddle")
 VERDICTS = ("BITWISE_PASS", "DIFF", "WITHIN_TOLERANCE", "NONDETERMINISTIC", "UNSUPPORTED", "ERROR")

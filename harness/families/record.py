@@ -12,12 +12,14 @@ from typing import Any
 from harness.case.specs import TensorSpec
 
 STACKS = ("megatron", "hf", "paddle")  # one builder module per stack: harness/families/<family>/<stack>.py
-# What the runners ask of a family's builder for each stack (harness/families/deepseek_v3/<stack>.py says what each is).
+# What the runners ask of a family's builder for each stack (harness/families/deepseek_v3/<stack>.py and
+# glm4_moe/<stack>.py say what each is).
 BUILDER_API = {
-    "megatron": ("IMPLEMENTATION", "ADAPTERS", "install_adapters", "core_attention", "translate_config"),
+    "megatron": ("IMPLEMENTATION", "ADAPTERS", "install_adapters", "layer_spec", "gpt_model_kwargs",
+                 "translate_config"),
     "hf": ("MODEL", "KNOBS", "modeling", "build", "rotary", "record_routing", "float64_mode"),
-    "paddle": ("MODEL", "KNOBS", "classes", "config_kwargs", "routers", "canonical_modules", "canonical_grads",
-               "explain", "fleet_model"),
+    "paddle": ("MODEL", "KNOBS", "adapters", "classes", "config_kwargs", "record_routing",
+               "canonical_modules", "canonical_grads", "explain", "fleet_model"),
 }
 
 
@@ -46,6 +48,10 @@ class Family:
     routed_experts: Callable[[Any], int]  # per MoE layer (0: a dense model)
     # Checkpoint name suffixes whose first dim counts the routed experts: sliced when a real checkpoint has more
     sliced_by_expert: tuple[str, ...] = ()
+    # (groups, per-group widths of the parts) for the name maps' interleave rules (harness.families.names): a stack
+    # that fuses q, k and v into one tensor per key/value head (Megatron's linear_qkv, Paddle's qkv_proj) gets
+    # (num_key_value_heads, (heads / groups x head_dim, head_dim, head_dim)); None: the family fuses nothing so
+    interleave: Callable[[Any], tuple[int, tuple[int, ...]]] | None = None
 
     @property
     def names(self) -> Path:

@@ -4,6 +4,7 @@ fused as Megatron fuses them) and the module outputs, in the order a step makes 
 from __future__ import annotations
 
 from harness.case.specs import FLOAT32_OR_WIDER, TensorSpec
+from harness.families import tensors
 from harness.families.deepseek_v3.config import DeepseekV3Config
 
 
@@ -59,31 +60,7 @@ def parameters(m: DeepseekV3Config) -> list[tuple[str, tuple[int, ...], str]]:
 
 def gradients(m: DeepseekV3Config) -> list[tuple[str, tuple[int, ...]]]:
     """Canonical gradient names (gate and up fused as Megatron fuses them) and shapes, in backward order."""
-    grads: list[tuple[str, tuple[int, ...]]] = []
-    pending: list[tuple[str, tuple[int, ...]]] = []
-    for name, shape, kind in parameters(m):
-        if kind == "buffer" or name.endswith("up_proj.weight"):
-            continue  # no gradient; up_proj is fused into gate_proj's entry
-        if name.endswith("gate_proj.weight"):
-            name, shape = name.replace("gate_proj", "gate_up_proj"), (2 * shape[0], shape[1])
-        pending.append((name, shape))
-    # backward order: the reverse of the forward order, except that each MoE layer's experts stay ascending
-    # (down_proj before gate_up_proj: autograd meets fc2 first) so the report reads expert by expert.
-    i = len(pending) - 1
-    while i >= 0:
-        name, shape = pending[i]
-        if ".mlp.experts." in name:
-            j = i
-            while j >= 0 and ".mlp.experts." in pending[j][0]:
-                j -= 1
-            block = pending[j + 1:i + 1]
-            for k in range(0, len(block), 2):
-                grads += [block[k + 1], block[k]]
-            i = j
-            continue
-        grads.append((name, shape))
-        i -= 1
-    return [("grad." + n, s) for n, s in grads]
+    return tensors.gradients(parameters(m))
 
 
 def modules(m: DeepseekV3Config, tokens: int) -> list[TensorSpec]:

@@ -65,6 +65,16 @@ def core_attention(skip=()):
     return DotProductAttention if "MLADotProductAttention" in skip else MLADotProductAttention
 
 
+def layer_spec(spec, skip=()) -> None:
+    """The family's modules in one layer's spec (in place): MLA's core attention (``core_attention``)."""
+    spec.submodules.self_attention.submodules.core_attention = core_attention(skip)
+
+
+def gpt_model_kwargs(model: DeepseekV3Config) -> dict:
+    """GPTModel's own arguments beyond the config: none (MLA applies its YaRN RoPE inside the attention)."""
+    return {}
+
+
 def translate_config(model: DeepseekV3Config, dtype: torch.dtype, device: torch.device, expert_parallel: int = 1):
     """The typed config (HF ``DeepseekV3Config`` keys) -> (``MLATransformerConfig``, knobs: every setting chosen and
     why); `expert_parallel`: the experts split over that many ranks (a training run's train.ep)."""

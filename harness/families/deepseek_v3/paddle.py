@@ -45,6 +45,11 @@ KNOBS = {
 }
 
 
+def adapters() -> list[dict]:
+    """The adapters this family's model needs beyond the runner's paddlefleet_ops stand-in: none."""
+    return []
+
+
 def classes():
     """(PaddleFormers' DeepseekV3Config, DeepseekV3ForCausalLM), imported when a run asks for them (paddleformers
     needs the paddlefleet_ops stand-in first: harness.runners.paddle.paddlefleet_ops_shim)."""
@@ -62,9 +67,12 @@ def config_kwargs(m: DeepseekV3Config) -> dict:
     return {k: v for k, v in m.to_dict().items() if k not in ("family", "rope_interleave")}
 
 
-def routers(model, m: DeepseekV3Config) -> dict:
-    """{layer: its router sublayer} of every MoE layer."""
-    return {layer: model.model.layers[layer].mlp.gate
+def record_routing(model, m: DeepseekV3Config) -> dict:
+    """{MoE layer: the router's (top-k indices [T, k], weights [T, k]) as DeepseekV3TopkRouter returns them, filled in
+    by the forward}."""
+    from harness.runners.paddle.model import record_output
+
+    return {layer: record_output(model.model.layers[layer].mlp.gate)
             for layer in range(m.num_hidden_layers) if hasattr(model.model.layers[layer].mlp, "gate")}
 
 

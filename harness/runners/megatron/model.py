@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 from types import ModuleType
 
 import tomllib
@@ -108,22 +109,23 @@ def translate_config(model, dtype: torch.dtype, device: torch.device, expert_par
 
 
 def build_model(config, model, device: torch.device, skip_adapters=()):
-    """``GPTModel`` on the local block spec, every layer's core attention the family's (``core_attention``)."""
+    """``GPTModel`` on the local block spec, each layer's spec given the family's modules (``layer_spec``: MLA's
+    core attention for DeepSeek-V3) and GPTModel the family's own arguments (``gpt_model_kwargs``: partial rotary)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     model = model_config(model)
-    core_attention = builder(model).core_attention(skip_adapters)
+    family = builder(model)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]
     for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+        family.layer_spec(layer_spec, skip_adapters)
     spec.layer_norm = WrappedTorchNorm
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model.vocab_size,
                      max_sequence_length=int(model.max_position_embeddings), pre_process=True,
                      post_process=True, parallel_output=True, share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope")
+                     position_embedding_type="rope", **family.gpt_model_kwargs(model))
     # Every parameter in the case dtype, as Megatron's Float16Module does for bf16 (module.bfloat16()): the local
     # WrappedTorchNorm creates fp32 norm weights. Buffers loaded from the checkpoint keep its dtype (load_weights).
     return model.to(device=device, dtype=config.params_dtype)
@@ -134,7 +136,14 @@ def build_model(config, model, device: torch.device, skip_adapters=()):
 def name_map(model, section: str = "megatron") -> dict:
     """The family's TOML section expanded for `model` (the request's config.model, or typed): {"parameters":
     {canonical: (megatron, [checkpoint names])}, "buffers": {...same...}, "modules": {canonical: megatron},
-    "not_captured": {canonical: why}}."""
+    "not_captured": {canonical: why}, "parts": {canonical: Rule}}. An entry `{name, cat0 = [...]}` builds the Megatron
+    tensor by concatenating checkpoint tensors; `{name, interleave = [...]}` by interleaving them per query group
+    (linear_qkv: q, k, v), and each of those canonical tensors (gradient or module output) is then one part of the
+    Megatron tensor: "parts" holds the rule that takes it (harness.families.names, kind deinterleave). Only the tensors
+    the family's layout has for `model` are kept (e.g. q_layernorm only with use_qk_norm, the qkv bias only with
+    attention_bias)."""
+    from harness.families.names import Rule, grouping
+
     model = model_config(model)
     family = family_of(model.family)
     dense_layers, moe_layers = family.dense_layers(model), family.moe_layers(model)
@@ -143,7 +152,11 @@ def name_map(model, section: str = "megatron") -> dict:
     groups = {"model": [{}], "layer": [{"L": L} for L in sorted(dense_layers + moe_layers)],
               "dense": [{"L": L} for L in dense_layers], "moe": [{"L": L} for L in moe_layers],
               "expert": [{"L": L, "E": E} for L in moe_layers for E in range(experts)]}
-    out = {}
+    kept = {"parameters": {n[len("grad."):] for n, _ in family.gradients(model)},
+            "buffers": {n for n, _ in family.buffers(model)},
+            "modules": {s.name[len("module."):] for s in family.modules(model, 1)}}
+    kept["not_captured"] = kept["modules"]
+    out, parts = {}, {}
     for kind in ("parameters", "buffers", "modules", "not_captured"):
         table = {}
         for group, entries in data.get(kind, {}).items():
@@ -152,20 +165,30 @@ def name_map(model, section: str = "megatron") -> dict:
                     expand = "{E}" in canonical and "E" not in group_subst  # per expert of a layer
                     for subst in ([dict(group_subst, E=E) for E in range(experts)] if expand else [group_subst]):
                         key = canonical.format(**subst)
+                        if key not in kept[kind] and not any(k.startswith(key + ".") for k in kept[kind]):
+                            continue  # the layout has no such tensor for this config
                         if kind == "not_captured":
                             table[key] = target
-                        elif kind == "modules":
-                            table[key] = target.format(**subst)
                         elif isinstance(target, str):
-                            table[key] = (target.format(**subst), [key])
+                            table[key] = target.format(**subst) if kind == "modules" else (target.format(**subst),
+                                                                                           [key])
                         else:
-                            table[key] = (target["name"].format(**subst),
-                                          [n.format(**subst) for n in target["cat0"]])
+                            fused = [n.format(**subst) for n in target.get("cat0") or target["interleave"]]
+                            table[key] = target["name"].format(**subst) if kind == "modules" else (
+                                target["name"].format(**subst), fused)
+                            if "interleave" in target:
+                                count, widths = grouping(model.family, model, f"{section}.{kind} {canonical!r}")
+                                source = table[key] if kind == "modules" else table[key][0]
+                                parts[key] = Rule("deinterleave", (source,), fused.index(key), groups=count,
+                                                  widths=widths)
         out[kind] = table
+    out["parts"] = parts
     return out
 
 
 def load_weights(model, names: dict, tensors: dict) -> None:
+    from harness.capture.torch import apply_rule
+
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     expected = {m for m, _ in names["parameters"].values()}
     missing = sorted(set(params) - expected)
@@ -176,7 +199,11 @@ def load_weights(model, names: dict, tensors: dict) -> None:
             for canonical, (megatron, sources) in table.items():
                 if megatron not in store:
                     raise RuntimeError(f"name map: {kind} {megatron!r} (for {canonical!r}) not in the Megatron model")
-                value = torch.cat([tensors[s] for s in sources], dim=0)
+                part = names.get("parts", {}).get(canonical)
+                if part is not None:  # one of the tensors interleaved into `megatron` (each part loads it whole)
+                    value = apply_rule(replace(part, kind="interleave"), [tensors[s] for s in sources])
+                else:
+                    value = torch.cat([tensors[s] for s in sources], dim=0)
                 target = store[megatron]
                 if tuple(target.shape) != tuple(value.shape):
                     raise RuntimeError(f"{canonical}: checkpoint {tuple(value.shape)} vs Megatron {megatron} "
@@ -195,9 +222,10 @@ class Capture:
     """Forward hooks on Megatron modules, outputs kept under canonical module names ([s, b, ...] -> [s, ...]).
     Kept small and in one place so it can move onto ``harness/capture/torch.py`` once that exists."""
 
-    def __init__(self, model, modules: dict[str, str]):
+    def __init__(self, model, modules: dict[str, str], parts: dict | None = None):
         self.outputs: dict[str, torch.Tensor] = {}
         self.handles = []
+        self.parts = parts or {}  # canonical -> the rule taking its part of the module's output (q of linear_qkv)
         named = dict(model.named_modules())
         for canonical, target in modules.items():
             pre = target.startswith("pre:")
@@ -229,6 +257,10 @@ class Capture:
         tensor = tensor.detach().clone()
         if tensor.dim() >= 3:
             tensor = tensor.squeeze(1)  # [s, b=1, ...]
+        if canonical in self.parts:
+            from harness.capture.torch import apply_rule
+
+            tensor = apply_rule(self.parts[canonical], [tensor], dim=-1)
         self.outputs[f"module.{canonical}"] = tensor
 
     def remove(self):
@@ -242,6 +274,9 @@ class Capture:
 # attn_mask_type=...): megatron-core 0.16.1 as installed, and NVIDIA/Megatron-LM
 # megatron/core/transformer/multi_latent_attention.py @ 003b4ce2615f4e501ecbc39e01e0f76d237a35d9.
 CORE_ATTENTION_ARGUMENTS = ("query", "key", "value")
+PART_WHY = ("one part of {module}'s output (q, k and v interleaved per query group): side a's q, k and v would have "
+            "to be re-interleaved into it, which this runner does not do; the module's own inputs and outputs around "
+            "it are re-fed")
 ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidden-state tensor: it is recomputed "
               "inside the MoE block from side a's input")
 
@@ -253,10 +288,13 @@ def refeed_hooks(model, names: dict, request: dict):
 
     from harness.capture.torch import Refeed
 
-    units = {c: [t] for c, t in names["modules"].items() if not t.startswith("pre:") and not c.endswith(".mlp.gate")}
+    parts = names.get("parts", {})
+    units = {c: [t] for c, t in names["modules"].items() if not t.startswith("pre:") and not c.endswith(".mlp.gate")
+             and c not in parts}
     units["lm_head"] = ["output_layer"]
     experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
-    not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")}}
+    not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")},
+                 **{c: PART_WHY.format(module=names["modules"][c]) for c in names["modules"] if c in parts}}
     # MLASelfAttention calls core_attention(query, key, value, attention_mask, ...): all three are replaced, so a
     # difference made before them (RoPE, the kv up-projection's split) shows in their rows, not in core attention's
     attention = {c: CORE_ATTENTION_ARGUMENTS for c in units if c.endswith(".self_attn.core_attention")}
@@ -274,7 +312,7 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
     safe_labels = torch.where(loss_mask, labels, torch.zeros_like(labels))  # masked out below (loss_mask)
     position_ids = torch.arange(t, device=device).view(1, -1)
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1).view(1, 1, t, t)
-    capture = Capture(model, names["modules"])
+    capture = Capture(model, names["modules"], names.get("parts"))
     logits_box = {}
     # A copy: vocab_parallel_cross_entropy subtracts the max and exponentiates fp32 logits in place.
     hook = model.output_layer.register_forward_hook(
@@ -300,10 +338,15 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
                                                     "not_refed": {**not_refed, **hooks.not_refed}})
     outputs = {"loss": loss.detach(), "logits": logits_box["logits"].detach().squeeze(1), **capture.outputs}
     params = dict(model.named_parameters())
+    parts = names.get("parts", {})
     for canonical, (megatron, _) in names["parameters"].items():
         grad = params[megatron].grad
         if grad is None:
             raise RuntimeError(f"no gradient for {megatron} ({canonical})")
+        if canonical in parts:  # q, k or v: its rows of linear_qkv's gradient
+            from harness.capture.torch import apply_rule
+
+            grad = apply_rule(parts[canonical], [grad]).contiguous()
         outputs[f"grad.{canonical}"] = grad
     return outputs
 

@@ -1,7 +1,7 @@
 """Paddle whole-model runner (op ``causal_lm``, docs/model-contract.md): a model family's forward, LM loss and backward,
 with module outputs and every parameter gradient in canonical names. What is family-specific comes from the family's
 Paddle builder (``harness/families/<family>/paddle.py``): the model classes, their config and knobs, the contract's
-names in write order, the router sublayers, what it cannot run.
+names in write order, the routing it records, its own adapters, what it cannot run.
 
 Which implementation runs (written to ``meta.json`` ``implementation``):
 - GPU: PaddleFleet's ``GPTModel`` with ``use_accuracy_compatible`` from the case config (the builder's
@@ -10,13 +10,17 @@ Which implementation runs (written to ``meta.json`` ``implementation``):
 - CPU: PaddleFormers' model (the builder's ``MODEL``, Paddle dygraph) on its non-fused paths; every knob set is in
   ``meta.json`` ``knobs`` with why (the builder's ``KNOBS``). PaddleFormers imports the GPU-only ``paddlefleet_ops``
   at import time: a stand-in that only answers "DeepEP not available" is installed when the real package is missing
-  (``harness.runners.paddle.paddlefleet_ops_shim``; ``meta.json`` ``adapters``). bf16: Paddle's dygraph has no CPU
-  bf16 matmul kernel, so the request is UNSUPPORTED naming it.
+  (``harness.runners.paddle.paddlefleet_ops_shim``; ``meta.json`` ``adapters``). A family whose dygraph model module
+  imports PaddleFleet names at module level (GLM-4.5: ``gpt_provider``) gets them from a names-only ``paddlefleet``
+  stand-in during that import (``harness.runners.paddle.paddlefleet_shim``, the builder's ``adapters``; named in
+  ``implementation`` too). bf16: Paddle's dygraph has no CPU bf16 matmul kernel, so the request is UNSUPPORTED naming
+  it.
 
 Weights: the case's HF-named safetensors through the ``[paddle]`` section of the family's ``names.toml`` (Paddle's
-linears are ``[in, out]``: transposed). Loss: PaddleFormers' own criterion (``CriterionLayer``, ``sft`` loss): CE of
-``logits[t]`` against ``labels[t]`` with no shift (the contract's labels are already shifted), in float32, summed over
-``labels != -100`` and divided by their count. Captures: ``harness.capture.paddle``.
+linears are ``[in, out]``: transposed; fused q/k/v and gate/up: interleaved, concatenated). Loss: PaddleFormers' own
+criterion (``CriterionLayer``, ``sft`` loss): CE of ``logits[t]`` against ``labels[t]`` with no shift (the contract's
+labels are already shifted), in float32, summed over ``labels != -100`` and divided by their count. Captures:
+``harness.capture.paddle``.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         model, checkpoint, name_map, loaded = build_model(m, dtype, request["checkpoint"])
         input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(1, -1))
         labels = paddle.to_tensor(checkpoint["labels"].reshape(1, -1))
-        routers = {layer: _record_router(gate) for layer, gate in paddle_family.routers(model, m).items()}
+        routers = paddle_family.record_routing(model, m)
     modules, grads = paddle_family.canonical_modules(m), paddle_family.canonical_grads(m)
     hooked = [name for name in modules if not name.endswith((".gate.topk_indices", ".gate.probs"))]  # recorded
     refeed_request = request["config"].get("refeed")
@@ -125,12 +129,14 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
             write(refeed_tensors, os.path.join(request["output_dir"], REFEED_FILE))
     refeed_meta = {"refeed": {**refeed.meta(), "units": list(units),
                               "not_refed": {**_fold_experts(not_refed), **refeed.not_refed}}} if refeed else {}
+    family_adapters = paddle_family.adapters()
+    stand_ins = "".join(f"; imported with the {a['name']}" for a in family_adapters)
     return {**refeed_meta,
         "implementation": f"{paddle_family.MODEL} (Paddle dygraph, CPU, non-fused paths; PaddleFormers' own "
-                          "CriterionLayer sft loss)",
+                          f"CriterionLayer sft loss{stand_ins})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
-        "adapters": [adapter] if adapter else [],
+        "adapters": ([adapter] if adapter else []) + family_adapters,
         "paddlefleet_ops": "stand-in (harness)" if adapter else "real package",
         "knobs": {knob: {"value": value, "why": why} for knob, (value, why) in paddle_family.KNOBS.items()},
         "name_map": f"{name_map.__class__.__module__}.{name_map.__class__.__name__} [paddle] of "
@@ -161,7 +167,7 @@ def build_model(m, dtype: str, checkpoint_files: list[str]):
     paddle.seed(0)  # construction draws initial weights; all of them are overwritten from the checkpoint
     model = model_class(config)
     model.train()  # the training path (dropout is 0): what a training step computes
-    name_map = NameMap.load(m.family, "paddle")
+    name_map = NameMap.load(m.family, "paddle", model=m)
     buffers = {name for name, _ in family_of(m.family).buffers(m)}
     return model, checkpoint, name_map, _load_weights(model, checkpoint, name_map, buffers)
 
@@ -171,8 +177,9 @@ def _fold_experts(names: dict[str, str]) -> dict[str, str]:
     return {re.sub(r"\.experts\.\d+$", ".experts.{E}", name): why for name, why in names.items()}
 
 
-def _record_router(gate) -> dict:
-    """The router sublayer's own (indices [T, k], weights [T, k]) output, copied to the host as it leaves forward."""
+def record_output(gate) -> dict:
+    """A router sublayer's own (indices [T, k], weights [T, k]) output (its first two), copied to the host as it
+    leaves forward: what a family's ``record_routing`` hands the runner."""
     seen = {}
 
     def hook(_layer, _inputs, output):
@@ -203,22 +210,27 @@ def _routing(tensors: dict, routers: dict, experts: int) -> tuple[dict, dict]:
     return tensors, summary
 
 
+LOADS = ("same", "transpose", "cat0", "cat0_transpose", "interleave", "transpose_interleave")
+
+
 def _load_weights(model, checkpoint: dict, name_map, buffers: set[str]) -> int:
     """Every parameter and the family's `buffers` (the routing bias; Paddle's names are the checkpoint's) from the
-    checkpoint through [paddle.checkpoint]; refuses to run with one left out."""
+    checkpoint through [paddle.checkpoint] (``harness.capture.paddle.apply_rule``: copies only); refuses to run with
+    one left out."""
+    from harness.capture.paddle import apply_rule
+
     targets = dict(model.named_parameters())
     targets.update({n: b for n, b in model.named_buffers() if n in buffers})
     for name, target in targets.items():
         rule = name_map.rule("checkpoint", name)
-        if rule.kind not in ("same", "transpose"):
+        if rule.kind not in LOADS:
             raise ValueError(f"[paddle.checkpoint] {name}: rule {rule.kind} is not one this runner applies")
         missing = [s for s in rule.sources if s not in checkpoint]
         if missing:
             raise KeyError(f"model tensor {name!r} needs checkpoint tensor(s) {missing} (rule {rule.kind})")
-        value = checkpoint[rule.sources[0]]
-        value = np.swapaxes(value, -1, -2) if rule.kind == "transpose" else value
+        value = apply_rule(rule, [checkpoint[s] for s in rule.sources])
         if list(value.shape) != list(target.shape):
-            raise ValueError(f"{rule.sources[0]} {list(value.shape)} ({rule.kind}) does not fit {name} "
+            raise ValueError(f"{', '.join(rule.sources)} {list(value.shape)} ({rule.kind}) does not fit {name} "
                              f"{list(target.shape)}")
         tensor = paddle.to_tensor(np.ascontiguousarray(value), place=paddle.CPUPlace())
         if tensor.dtype != target.dtype:  # the router weight is a float32 parameter in every case dtype

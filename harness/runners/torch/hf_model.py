@@ -78,7 +78,7 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
     m = model_config(request["config"]["model"])
     hf_family = builder(m)
     dtype = torch_env.DTYPES[request["dtype"]]
-    name_map = NameMap.load(m.family, "hf")
+    name_map = NameMap.load(m.family, "hf", model=m)
     outputs = OPS["causal_lm"].outputs({}, request["tokens"], request["config"])
     with phases("setup"):
         device = torch_env.select_device(request["device"])

@@ -1,0 +1,1 @@
+"""Stand-in (see paddlefleet/__init__.py)."""
