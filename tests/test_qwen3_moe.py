@@ -1,0 +1,400 @@
+"""The Qwen3-MoE family (harness/families/qwen3_moe) without running a whole model (bar one tiny Paddle run): its typed
+config (Qwen3-30B-A3B's defaults, errors naming key and value), its layout (533 gradients for the 2-layer case), its
+name maps (q, k and v interleaved per query group in Megatron's linear_qkv and Paddle's qkv_proj), Megatron Bridge's
+settings in the Megatron builder, and the routing: HF's and Megatron's routers on the same logits (the same top-k, not
+the same probabilities: by construction), Megatron's routing record (changes nothing), PaddleFormers' routing as the
+family records it (by the block's own calls, checked against what each expert was fed). The model runs themselves:
+tests/test_model_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.case.registry import CaseError, Registry
+from harness.families import FAMILIES, ModelConfigError, family_of
+from harness.families.names import NameMap
+from harness.families.qwen3_moe.config import Qwen3MoeConfig
+from tests.support.installed import absent
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"family": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 128}
+
+
+@pytest.fixture(scope="module")
+def case():
+    return Registry.load().get("qwen3_moe_2layer")
+
+
+def python(code: str, *args: str) -> dict:
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- the typed config ------------------------------------------------------------------------------------------
+
+def test_defaults_are_qwen3_30b_a3bs_real_values():
+    """Qwen/Qwen3-30B-A3B's config (Megatron Bridge's test fixture and Qwen3MoEModelProvider30B_A3B), not HF's class
+    defaults (norm_topk_prob False, 24 layers, no head_dim) nor PaddleFormers' (rope_theta 10000)."""
+    real = Qwen3MoeConfig.resolve({})
+    assert real.to_dict() == {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "attention_bias": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False, "hidden_act": "silu",
+        "use_sliding_window": False, "family": "qwen3_moe"}
+    assert Qwen3MoeConfig.from_dict(real.to_dict()) == real and json.loads(json.dumps(real.to_dict())) == \
+        real.to_dict()
+    assert real.head_dim != real.hidden_size // real.num_attention_heads
+    family = family_of("qwen3_moe")
+    assert FAMILIES["qwen3_moe"] is family and family.moe_layers(real) == list(range(48))
+    assert family.dense_layers(real) == [] and family.buffers(real) == []
+
+
+@pytest.mark.parametrize("given, problem", [
+    ({"num_expertz": 4}, "unknown key 'num_expertz'"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "must be a multiple of num_key_value_heads"),
+    ({"attention_bias": True}, "attention_bias must be one of"),
+    ({"use_sliding_window": True}, "use_sliding_window must be one of"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings must be one of"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob must be bool"),
+    ({"head_dim": 15}, "head_dim must be even"),
+    ({"head_dim": 0}, "head_dim must be > 0"),
+    ({"num_experts_per_tok": 9, "num_experts": 8}, "num_experts_per_tok must be <= num_experts"),
+    ({"mlp_only_layers": [2], "num_hidden_layers": 2}, "mlp_only_layers must be distinct layers"),
+    ({"mlp_only_layers": [0, 0]}, "mlp_only_layers must be distinct layers"),
+    ({"mlp_only_layers": 1}, "mlp_only_layers must be a list of layer numbers"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be > 0"),
+])
+def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
+    with pytest.raises(ModelConfigError, match=problem):
+        Qwen3MoeConfig.resolve(given)
+    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
+    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
+        [m]
+        family = "model"
+        op = "causal_lm"
+        dtype = "float32"
+        seed = 1
+        tokens = 4
+        config.model = {{ family = "qwen3_moe", {body} }}
+    """))
+    with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
+        Registry.load(tmp_path)
+
+
+# --- the layout ------------------------------------------------------------------------------------------------
+
+def test_the_2layer_case_has_533_gradients_with_q_k_v_apart(case):
+    grads = [s.name for s in case.output_specs() if s.name.startswith("grad.")]
+    assert len(grads) == len(set(grads)) == 533 == 1 + 2 * (9 + 128 * 2) + 2
+    for layer in (0, 1):
+        p = f"grad.model.layers.{layer}."
+        assert {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")} <= set(grads)
+        assert p + "mlp.gate.weight" in grads and p + "mlp.experts.127.gate_up_proj.weight" in grads
+    assert not any(n.endswith(".bias") or "shared_experts" in n for n in grads)  # no bias, no shared expert
+    shapes = {s.name: s.shape for s in case.output_specs()}
+    assert shapes["module.model.layers.0.self_attn.q_proj"] == (64, 32 * 16)  # 2 x hidden: head_dim != hidden/heads
+    assert shapes["module.model.layers.0.self_attn.k_proj"] == (64, 4 * 16)
+    assert shapes["module.model.layers.1.self_attn.q_norm"] == (64, 32, 16)  # per head
+    assert shapes["module.model.layers.1.self_attn.k_norm"] == (64, 4, 16)
+    assert shapes["module.model.layers.1.mlp.gate.probs"] == (64, 128)
+    assert shapes["module.model.layers.1.mlp.gate.topk_indices"] == (64, 8)
+    assert shapes["grad.model.layers.0.mlp.experts.5.gate_up_proj.weight"] == (2 * 96, 256)
+    family = family_of("qwen3_moe")
+    assert family.interleave(case.model) == (4, (8 * 16, 16, 16)) and family.buffers(case.model) == []
+    assert family.moe_layers(case.model) == [0, 1]
+
+
+def test_mlp_only_layers_and_the_sparse_step_make_dense_layers_as_hf_reads_them():
+    registry = Registry.load()
+    dense = registry.get("qwen3_moe_2layer_float64_dense")
+    assert not any(".mlp.experts." in s.name or ".mlp.gate." in s.name for s in dense.output_specs())
+    grads = {s.name: s.shape for s in dense.output_specs() if s.name.startswith("grad.")}
+    assert len(grads) == 1 + 2 * 10 + 2 and grads["grad.model.layers.1.mlp.gate_up_proj.weight"] == (2 * 768, 256)
+    family = family_of("qwen3_moe")
+    every_other = Qwen3MoeConfig.resolve({**TINY, "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                          "mlp_only_layers": [3]})
+    assert (family.dense_layers(every_other), family.moe_layers(every_other)) == ([0, 2, 3], [1])
+
+
+def test_every_case_says_its_pair_and_the_variants_their_dtypes():
+    registry = Registry.load()
+    cases = {name: registry.get(name) for name in registry.cases if name.startswith("qwen3_moe")}
+    assert {n: (c.dtype, c.runners) for n, c in cases.items()} == {
+        "qwen3_moe_2layer": ("bfloat16", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_fp32": ("float32", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model")),
+        "qwen3_moe_2layer_float64": ("float64", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_float64_dense": ("float64", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_control_megatron": ("float32", ("megatron_model", "megatron_model")),
+        "qwen3_moe_2layer_full": ("bfloat16", ("megatron_model", "hf_model"))}
+    full = cases["qwen3_moe_2layer_full"].model
+    assert (full.hidden_size, full.num_attention_heads, full.num_key_value_heads, full.head_dim,
+            full.intermediate_size, full.moe_intermediate_size, full.num_experts, full.num_experts_per_tok,
+            full.vocab_size) == (2048, 32, 4, 128, 6144, 768, 128, 8, 151936)
+    assert cases["qwen3_moe_2layer_full"].devices == ("gpu",)
+    small = cases["qwen3_moe_2layer"].model  # the real ratios at reduced widths, every width a multiple of 16
+    assert (small.num_attention_heads, small.num_key_value_heads, small.num_experts, small.num_experts_per_tok) == (
+        full.num_attention_heads, full.num_key_value_heads, full.num_experts, full.num_experts_per_tok)
+    assert small.hidden_size / small.head_dim == full.hidden_size / full.head_dim
+    assert small.moe_intermediate_size / small.hidden_size == full.moe_intermediate_size / full.hidden_size
+    assert all(w % 16 == 0 for w in (small.hidden_size, small.head_dim, small.moe_intermediate_size,
+                                      small.intermediate_size))
+
+
+# --- the name maps ---------------------------------------------------------------------------------------------
+
+def test_paddle_fuses_q_k_v_per_group_and_transposes_its_router(case):
+    paddle = NameMap.load("qwen3_moe", "paddle", model=case.model)
+    rule = paddle.rule("checkpoint", "model.layers.1.self_attn.qkv_proj.weight")
+    assert rule.kind == "transpose_interleave" and (rule.groups, rule.widths) == (4, (128, 16, 16))
+    assert rule.sources == tuple(f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv")
+    rule = paddle.rule("grads", "model.layers.0.self_attn.k_proj.weight")
+    assert (rule.kind, rule.sources, rule.index) == ("transpose_deinterleave",
+                                                     ("model.layers.0.self_attn.qkv_proj.weight",), 1)
+    assert paddle.rule("modules", "model.layers.0.self_attn.v_proj").kind == "deinterleave"
+    assert paddle.rule("checkpoint", "model.layers.1.mlp.gate.weight").kind == "transpose"  # [H, E], float32
+    assert paddle.rule("grads", "model.layers.1.mlp.gate.weight").kind == "transpose"
+    assert paddle.rule("checkpoint", "model.layers.0.mlp.experts.3.up_gate_proj.weight").kind == "cat0_transpose"
+    assert "top-k slot, token" in paddle.rule("modules", "model.layers.0.mlp.experts.3").why
+    assert paddle.rule("modules", "model.layers.0.self_attn.q_norm").kind == "same"
+    assert paddle.float64_floor("grad.model.layers.0.self_attn.k_proj.weight", 1e-10) == 2e-6
+    hf = NameMap.load("qwen3_moe", "hf", model=case.model)
+    assert hf.rule("checkpoint", "model.layers.1.mlp.experts.gate_up_proj").kind == "stack_cat0"
+    assert hf.rule("modules", "model.layers.1.mlp.experts.7").kind == "not_captured"
+    assert hf.float64_floor("grad.model.layers.0.self_attn.k_proj.weight", 1e-10) == 1e-10  # nothing below float64
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="Megatron's name map is read by its runner")
+def test_megatron_map_has_exactly_the_layouts_tensors():
+    """linear_qkv's weight and output are q, k and v interleaved (each a deinterleaved part); q_layernorm and
+    k_layernorm exist in every layer; the router's capture is its routing record; no buffer."""
+    from harness.runners.megatron.model import name_map
+
+    family = family_of("qwen3_moe")
+    for given in (TINY, {**TINY, "mlp_only_layers": [0]}):
+        m = Qwen3MoeConfig.resolve(given)
+        names = name_map(m)
+        assert set(names["parameters"]) == {n[len("grad."):] for n, _ in family.gradients(m)}
+        assert names["buffers"] == {}
+        routers = {f"model.layers.{L}.mlp.gate" for L in family.moe_layers(m)}
+        routing = {f"{r}.{x}" for r in routers for x in ("topk_indices", "probs")}  # both from the router's output
+        assert set(names["modules"]) - routers | routing == {
+            s.name[len("module."):] for s in family.modules(m, 1) if ".experts." not in s.name}
+        assert set(names["not_captured"]) == {s.name[len("module."):] for s in family.modules(m, 1)
+                                              if ".experts." in s.name}
+    m = Qwen3MoeConfig.resolve(TINY)
+    names = name_map(m)
+    q = names["parameters"]["model.layers.1.self_attn.q_proj.weight"]
+    assert q[0] == "decoder.layers.1.self_attention.linear_qkv.weight" and len(q[1]) == 3
+    parts = names["parts"]
+    assert {(parts[f"model.layers.0.self_attn.{p}_proj"].index, parts[f"model.layers.0.self_attn.{p}_proj"].sources)
+            for p in "qkv"} == {(i, ("decoder.layers.0.self_attention.linear_qkv",)) for i in range(3)}
+    assert parts["model.layers.0.self_attn.v_proj.weight"].widths == (4 * 16, 16, 16)
+    assert names["modules"]["model.layers.1.self_attn.k_norm"] == "decoder.layers.1.self_attention.k_layernorm"
+    assert names["modules"]["model.layers.1.mlp.gate"] == "decoder.layers.1.mlp.router.routing_record"
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
+def test_megatron_builder_takes_megatron_bridges_qwen3_moe_settings():
+    import torch
+
+    from harness.families.qwen3_moe import megatron
+
+    m = Qwen3MoeConfig.resolve(TINY)
+    config, knobs = megatron.translate_config(m, torch.bfloat16, torch.device("cpu"))
+    assert (config.num_query_groups, config.kv_channels, config.add_qkv_bias, config.add_bias_linear,
+            config.qk_layernorm, config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
+        2, 16, False, False, True, 8, 2, 32)
+    assert (config.moe_layer_freq, config.moe_router_score_function, config.moe_router_pre_softmax,
+            config.moe_router_dtype, config.moe_router_enable_expert_bias, config.moe_router_topk_scaling_factor,
+            config.moe_shared_expert_intermediate_size) == ([1, 1], "softmax", False, None, False, None, None)
+    assert (config.moe_aux_loss_coeff, config.moe_router_load_balancing_type) == (0.0, "none")
+    assert config.softmax_scale == 16 ** -0.5 and "Bridge" in knobs["moe_router_pre_softmax"]
+    assert megatron.gpt_model_kwargs(m) == {"rotary_percent": 1.0, "rotary_base": 1e6}
+    unnormalised = Qwen3MoeConfig.resolve({**TINY, "norm_topk_prob": False, "mlp_only_layers": [0]})
+    config, _ = megatron.translate_config(unnormalised, torch.float32, torch.device("cpu"))
+    assert config.moe_router_pre_softmax is True and config.moe_layer_freq == [0, 1]  # Bridge: not norm_topk_prob
+
+
+# --- the routing -----------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(absent("torch", "megatron.core", "transformers"), reason="both routers")
+def test_hf_and_megatron_routers_choose_the_same_experts_and_round_the_probabilities_differently():
+    """On the same float32 logits (512 tokens, 128 experts, top-8): HF's Qwen3MoeTopKRouter (softmax over all 128,
+    top-8, divided by their sum) and Megatron's router (Bridge's pre_softmax false: top-8 of the logits, softmax over
+    those 8) choose the same experts with probabilities equal to float32 rounding, but not bit for bit: by
+    construction, whatever the weights. Without the renormalisation (norm_topk_prob false = pre_softmax true) the two
+    are bit-equal."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers import Qwen3MoeConfig as HfConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    experts, k = 128, 8
+    logits = torch.randn(512, experts, generator=torch.Generator().manual_seed(7)) * 3
+
+    def hf(norm: bool):
+        router = Qwen3MoeTopKRouter(HfConfig(hidden_size=experts, num_experts=experts, num_experts_per_tok=k,
+                                             norm_topk_prob=norm))
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(experts))  # F.linear(x, I) is x, exactly
+            _, weights, indices = router(logits)
+        return torch.zeros_like(logits).scatter(1, indices, weights), indices
+
+    def megatron(pre_softmax: bool):
+        return topk_routing_with_score_function(logits, k, use_pre_softmax=pre_softmax, score_function="softmax")
+
+    (hf_probs, hf_indices), (mg_probs, mg_map) = hf(True), megatron(False)
+    assert torch.equal(torch.zeros_like(mg_map).scatter(1, hf_indices, True), mg_map)  # the same 8 experts
+    rows = int((hf_probs != mg_probs).any(dim=1).sum())
+    assert rows > 100, rows  # measured: 501 of 512 rows, 2663 of 4096 probabilities, at most 3.2e-7 (torch 2.13)
+    assert float(((hf_probs - mg_probs).abs() / mg_probs.clamp_min(1e-30)).max()) < 1e-6
+    (hf_probs, _), (mg_probs, _) = hf(False), megatron(True)
+    assert torch.equal(hf_probs, mg_probs)
+
+
+ROUTER = """
+    import json, torch
+    from harness.families.qwen3_moe.config import Qwen3MoeConfig
+    from harness.families.qwen3_moe.megatron import routing_record_router, translate_config
+    from harness.runners.megatron import model as mm
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    tiny = json.loads(__import__("sys").argv[1])
+    mm.init_process_group(torch.device("cpu"))
+    mm.install_adapters(torch.device("cpu"), tiny)
+    config, _ = translate_config(Qwen3MoeConfig.resolve(tiny), torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(16, 1, 64, generator=g).to(torch.bfloat16)
+    runs = []
+    for cls in (TopKRouter, routing_record_router()):
+        router = cls(config=config, pg_collection=get_default_pg_collection()).to(torch.bfloat16)
+        with torch.no_grad():
+            router.weight.copy_(weight)
+        seen = {}
+        if hasattr(router, "routing_record"):
+            router.routing_record.register_forward_hook(lambda m, a, out: seen.update(record=out))
+        inp = x.clone().requires_grad_(True)
+        probs, routing_map = router(inp)
+        (probs * torch.arange(8.0).to(probs.dtype)).sum().backward()
+        runs.append((probs, routing_map, inp.grad, router.weight.grad, seen))
+    (p0, m0, gx0, gw0, _), (p1, m1, gx1, gw1, seen) = runs
+    record = seen["record"]
+    print(json.dumps({
+        "same_outputs": bool(torch.equal(p0, p1) and torch.equal(m0, m1)),
+        "same_gradients": bool(torch.equal(gx0, gx1) and torch.equal(gw0, gw1)),
+        "probs_dtype": str(p1.dtype), "record_dtype": str(record[0].dtype),
+        "record_exact": bool(torch.equal(record[0], p1.float()) and torch.equal(record[1], m1)),
+        "parameters": sorted(n for n, _ in router.named_parameters())}))
+"""
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="Megatron-Core's router")
+def test_megatron_routing_record_changes_no_computation_and_widens_bf16_probs_exactly():
+    """The family's router is Megatron-Core's TopKRouter plus an identity child: in bf16 (Megatron's softmax router
+    casts its probabilities to bf16), the same probabilities, routing map and gradients as TopKRouter itself, no
+    other parameter, and the child hands the capture the probabilities widened to float32 (exact)."""
+    result = python(ROUTER, json.dumps(TINY))
+    assert result["same_outputs"] and result["same_gradients"], result
+    assert (result["probs_dtype"], result["record_dtype"], result["record_exact"]) == (
+        "torch.bfloat16", "torch.float32", True)
+    assert result["parameters"] == ["weight"]
+
+
+def test_paddle_routing_follows_qwen3moesparsemoeblocks_own_lines():
+    """record_routing makes the routing by the calls Qwen3MoeSparseMoeBlock.forward makes (PaddleFormers 1.2.0):
+    each line it follows is in the installed source, in that order."""
+    import importlib.util
+
+    from harness.families.qwen3_moe.paddle import ROUTING
+
+    spec = importlib.util.find_spec("paddleformers")
+    if spec is None:
+        pytest.skip("PaddleFormers (requirements-models.txt) is not installed")
+    source = (Path(spec.origin).parent / "transformers" / "qwen3_moe" / "modeling.py").read_text()
+    block = source[source.index("class Qwen3MoeSparseMoeBlock"):source.index("class Qwen3MoeDecoderLayer")]
+    lines = [" ".join(line.split("#")[0].split()) for line in block.splitlines()]
+    positions = [next((i for i, line in enumerate(lines) if line == want), None) for want in ROUTING]
+    assert None not in positions, dict(zip(ROUTING, positions, strict=True))
+    assert positions == sorted(positions)
+
+
+def test_paddle_routing_record_refuses_a_routing_the_experts_were_not_fed():
+    """The check behind the recorded routing: each expert must have been fed the block's input rows at the tokens
+    the indices send it, in (top-k slot, token) order; an idle expert one zero row. Anything else stops the run."""
+    from harness.families.qwen3_moe.paddle import _check
+
+    hidden = np.arange(4 * 3, dtype=np.float32).reshape(1, 4, 3) + 1
+    indices = np.array([[1, 0], [0, 1], [1, 2], [0, 1]])  # 4 tokens, top-2 of 4 experts (3 idle)
+
+    def seen(changes=None):
+        fed = {0: hidden[0, [1, 3, 0]], 1: hidden[0, [0, 2, 1, 3]], 2: hidden[0, [2]], 3: np.zeros((1, 3), "f4")}
+        fed.update(changes or {})
+        return {"input": hidden, "indices": indices, "weights": np.ones((4, 2), "f4"),
+                **{f"fed {e}": rows for e, rows in fed.items() if rows is not None}}
+
+    good = seen()
+    _check(good, 0, 4, None, None, None)
+    assert set(good) == {"indices", "weights"}  # what the runner reads
+    _check(seen({3: None}), 0, 4, None, None, None)  # an idle expert not called (eval mode)
+    for bad in ({0: hidden[0, [0, 1, 3]]}, {1: hidden[0, [0, 1, 2, 3]]}, {2: None}, {3: np.ones((1, 3), "f4")}):
+        with pytest.raises(RuntimeError, match="not the model's routing"):
+            _check(seen(bad), 0, 4, None, None, None)
+
+
+@pytest.mark.skipif(absent("paddle", "paddleformers"), reason="PaddleFormers' model (requirements-models.txt)")
+def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_path):
+    """PaddleFormers' Qwen3MoeForCausalLMDeprecated forward and backward (tiny, float32, 8 tokens): the routing of
+    both MoE layers is written (each row's top-k ascending, the probabilities renormalised), the routing record and
+    the paddlefleet stand-in are named in meta.json, no stand-in name is called and no class comes from it."""
+    from tests.support.model_case import model_request
+
+    request = model_request(tmp_path, TINY, "float32", tokens=8)
+    result = python(f"""
+        import json
+        from safetensors.numpy import load_file
+        from harness.runners.paddle import model as paddle_model, paddlefleet_ops_shim, paddlefleet_shim
+        from harness.run.protocol import Phases
+        paddlefleet_ops_shim.install()
+        request = json.load(open({str(request)!r}))
+        meta = paddle_model.run(request, Phases())
+        out = load_file(request["output_dir"] + "/outputs.safetensors")
+        model = paddle_model.build_model(request["config"]["model"], "float32", request["checkpoint"])[0]
+        classes = {{c.__module__ for layer in [model, *model.sublayers()] for c in type(layer).__mro__}}
+        routing = {{}}
+        for layer in (0, 1):
+            p = f"module.model.layers.{{layer}}.mlp.gate."
+            idx, probs = out[p + "topk_indices"], out[p + "probs"]
+            routing[layer] = {{"ascending": bool((idx[:, 1:] > idx[:, :-1]).all()), "shape": list(idx.shape),
+                               "nonzero": int((probs != 0).sum()), "sums": float(abs(probs.sum(1) - 1).max())}}
+        print(json.dumps({{"calls": paddlefleet_shim.calls(), "adapters": meta["adapters"], "routing": routing,
+                           "meta_routing": meta["routing"],
+                           "from_stand_in": sorted(m for m in classes if m.split(".")[0] == "paddlefleet")}}))
+    """)
+    assert result["calls"] == [] and result["from_stand_in"] == []
+    names = [a["name"] for a in result["adapters"]]
+    assert "paddlefleet stand-in (harness.runners.paddle.paddlefleet_shim)" in names
+    assert "routing record (harness/families/qwen3_moe/paddle.py record_routing)" in names
+    assert all(a["changes_computation"] is False for a in result["adapters"])
+    for layer in ("0", "1"):
+        routing = result["routing"][layer]
+        assert routing["ascending"] and routing["shape"] == [8, 2] and routing["nonzero"] == 16, routing
+        assert routing["sums"] < 1e-6
+    assert set(result["meta_routing"]) == {"layer 0", "layer 1"}
