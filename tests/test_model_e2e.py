@@ -1,7 +1,7 @@
 """The model level end to end on the CPU: real HF transformers DeepseekV3ForCausalLM (hf_model), the 2-layer
 Kimi-K2 with 384 experts, 16 tokens (E2E_TOKENS), float32 and float64 only (a CPU without AVX-512 has a slow scalar
-bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts), whose cases no baseline records yet: their verdicts are
-pinned by the expectations the cases state. Few on purpose: each side imports a model zoo and runs the whole model.
+bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts) and Qwen3-MoE (qwen3_moe, 128 experts in both layers),
+whose cases no baseline records yet: their verdicts are pinned by the expectations the cases state. Few on purpose: each side imports a model zoo and runs the whole model.
 
 - The negative control: one bit of one routed expert's weight flipped on side b changes exactly that expert's
   output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
@@ -39,6 +39,12 @@ SEMANTIC_PAIRS = [
     ("glm4_moe_2layer_float64_qk_norm", ("megatron_model", "hf_model"), None),
     ("glm4_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
     ("glm4_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
+    ("qwen3_moe_2layer_float64", ("megatron_model", "hf_model"), None),
+    ("qwen3_moe_2layer_float64", ("paddle_model", "hf_model"),
+     "PaddleFormers' Qwen3MoeSparseMoeBlock cannot run in float64"),
+    ("qwen3_moe_2layer_float64_dense", ("megatron_model", "hf_model"), None),
+    ("qwen3_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
+    ("qwen3_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
 ]
 
 
@@ -107,7 +113,7 @@ def test_float64_semantic_check(case, pair, unsupported, tmp_path, checkpoints_d
     parameters = load_tensors(run_dir / f"b-{pair[1]}" / "outputs.safetensors")
     assert report["model"]["gradients"]["compared"] == sum(n.startswith("grad.") for n in parameters)
     expected = sum(s.name.startswith("grad.") for s in Registry.load().get(case).with_tokens(E2E_TOKENS).output_specs())
-    assert report["model"]["gradients"]["compared"] == expected  # 794 for Kimi-K2's 2 layers, 282 for GLM-4.5's
+    assert report["model"]["gradients"]["compared"] == expected  # 794 Kimi-K2, 282 GLM-4.5, 533 Qwen3-MoE (2 layers)
 
 
 def test_float64_disagreement_is_a_mapping_error_naming_the_first_tensor(tmp_path, checkpoints_dir, monkeypatch):
@@ -176,3 +182,69 @@ def test_glm4_moe_float64_disagreement_is_a_mapping_error_naming_the_fused_part(
     assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_proj" in \
         result.message, (result.message, tails)
     assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_proj"
+
+
+# --- Qwen3-MoE (qwen3_moe): the cases' stated verdicts on this CPU, the control found at its tensor -----------------
+
+# Each pair's verdict, first divergence (stated by the case: cases/qwen3_moe.toml says why each is by construction)
+# and gradients bitwise equal at E2E_TOKENS (16), measured on this CPU (AMD EPYC, AVX-512 BF16): (equal, of them of
+# the routed experts no token went to). bf16 Megatron vs HF parts at the first RMSNorm; fp32 at layer 0's router
+# probabilities (HF: softmax over all experts, top-k, renormalised; Megatron: top-k of the logits, softmax over k), the
+# attention before it bit-equal; only the idle experts' gradients are equal (bf16: also one expert that only the last
+# token, whose label is -100, went to). PaddleFormers vs HF parts at the first RMSNorm, and not even the idle experts'
+# gradients are bitwise equal: PaddleFormers runs each idle expert on one zero row, and the gradients that leaves are
+# zeros of either sign (-0.0 where the upstream gradient is negative), HF's +0.0.
+QWEN3_CASES = {"qwen3_moe_2layer": (352, 350), "qwen3_moe_2layer_fp32": (350, 350),
+               "qwen3_moe_2layer_fp32_paddle": (0, 0)}
+
+
+@pytest.mark.parametrize("case", QWEN3_CASES)
+def test_qwen3_moe_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
+    from tests.support.e2e import assert_counts_match_outputs
+
+    result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
+    missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
+    if missing and not on_ci():
+        pytest.skip(f"{missing} is not installed here: {result.message}")
+    assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
+        result.message, result.expectation, tails)
+    sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
+             if s["label"] in ("a", "b")]
+    assert_counts_match_outputs(report, *sides)
+    stated = Registry.load().get(case)
+    assert report["first_divergence"] == stated.expect.differs[0]
+    gradients = report["model"]["gradients"]
+    assert gradients["total"] == 533
+    assert (gradients["bitwise_pass"], gradients["bitwise_pass_of_idle_experts"]) == QWEN3_CASES[case], gradients
+
+
+def test_qwen3_moe_control_is_found_in_its_column_and_its_head(tmp_path, checkpoints_dir):
+    """One bit of k_proj.weight[37, 3] on Megatron's side b: Megatron holds that row in its fused linear_qkv, so only
+    column 37 of the de-interleaved k_proj output differs and the q_proj and v_proj parts stay equal; q/k norms are per
+    head, so only head 2 of k_norm (dims 32..47 of k) differs and q_norm stays equal. The first divergence is k_proj."""
+    result, run_dir, report, tails = _run("qwen3_moe_2layer_control_megatron", tmp_path, checkpoints_dir,
+                                          oracle=False)
+    assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
+    a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
+    b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
+    layer = "module.model.layers.0.self_attn."
+    assert {int(c) for c in np.nonzero((a[layer + "k_proj"] != b[layer + "k_proj"]).any(axis=0))[0]} == {37}
+    assert {int(h) for h in np.nonzero((a[layer + "k_norm"] != b[layer + "k_norm"]).any(axis=(0, 2)))[0]} == {2}
+    for part in ("q_proj", "v_proj", "q_norm"):
+        assert np.array_equal(a[layer + part], b[layer + part]), part
+    assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.k_proj"
+
+
+def test_qwen3_moe_float64_disagreement_is_a_mapping_error_naming_the_per_head_norm(tmp_path, checkpoints_dir,
+                                                                                    monkeypatch):
+    """A planted difference in one element of layer 0's k_norm weight on HF's side, in float64: Megatron's k_norm
+    (its k_layernorm, one weight shared by every key head) disagrees far beyond the floors there first, so the
+    semantic check says ERROR naming it, not a numeric DIFF."""
+    registry = Registry.load()
+    planted = replace(registry.get("qwen3_moe_2layer_float64"),
+                      perturb=Perturbation("b", "model.layers.0.self_attn.k_norm.weight", (3,), 50))
+    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
+    result, run_dir, report, tails = _run("qwen3_moe_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_norm" in \
+        result.message, (result.message, tails)
+    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_norm"
