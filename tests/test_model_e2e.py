@@ -1,7 +1,8 @@
 """The model level end to end on the CPU: real HF transformers DeepseekV3ForCausalLM (hf_model), the 2-layer
 Kimi-K2 with 384 experts, 16 tokens (E2E_TOKENS), float32 and float64 only (a CPU without AVX-512 has a slow scalar
 bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts) and Qwen3-MoE (qwen3_moe, 128 experts in both layers),
-whose cases no baseline records yet: their verdicts are pinned by the expectations the cases state. Few on purpose: each side imports a model zoo and runs the whole model.
+whose cases no baseline records yet: their verdicts are pinned by the expectations the cases state. Few on purpose:
+each side imports a model zoo and runs the whole model.
 
 - The negative control: one bit of one routed expert's weight flipped on side b changes exactly that expert's
   output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
