@@ -27,7 +27,7 @@ from harness.families.minimax_m2.layout import gradients, modules, parameters
 from harness.run.protocol import Phases, Unsupported, import_failure
 
 MODEL = "paddleformers.transformers.minimax_m2.modeling.MiniMaxM2ForCausalLM (a PaddleFleet builder)"
-KNOBS: dict = {}  # nothing is built on the CPU
+KNOBS = {}  # nothing is built on the CPU
 MODULE = "transformers/minimax_m2/modeling.py"  # inside the paddleformers package
 
 
