@@ -363,3 +363,49 @@ def test_paddle_is_unsupported_naming_the_missing_dygraph_model():
     with pytest.raises(Unsupported, match=f"MiniMax-M2 has no dygraph model in PaddleFormers {found}: .*PaddleFleet "
                                           "builders"):
         paddle.classes()
+
+
+# --- the module in a whole Megatron model ------------------------------------------------------------------------
+
+ABLATION = textwrap.dedent("""
+    import json, sys, torch
+    from pathlib import Path
+    from harness.runners.megatron import model as mm
+    from harness.run.protocol import Phases
+    request = json.loads(Path(sys.argv[1]).read_text())
+    mm.init_process_group(torch.device("cpu"))
+    skip = tuple(sys.argv[2:])
+    try:
+        outputs, meta, _ = mm.compute(request, Phases(), skip_adapters=skip)
+    except Exception as error:
+        print(json.dumps({"failed": f"{type(error).__name__}: {str(error)[:300]}"}))
+    else:
+        print(json.dumps({"adapters": [a["name"] for a in meta["adapters"]],
+                          "q_norm": list(outputs["module.model.layers.0.self_attn.q_norm"].shape)}))
+""")
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="builds a Megatron GPTModel")
+def test_megatron_needs_the_full_dim_norm_and_names_it(tmp_path):
+    """A tiny MiniMax-M2 on Megatron (float32, 8 tokens): with the family's module the model builds, loads and runs,
+    q_norm comes out [T, heads x head_dim] and meta.json names the adapter; without it the local spec's own per-head
+    q_layernorm has no place for the checkpoint's all-heads weight (a failure, never a silent run)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.model_case import model_request
+
+    request = model_request(tmp_path, TINY, "float32", tokens=8)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    results = []
+    for skip in ([], ["FullDimQKNorm"]):
+        done = subprocess.run([sys.executable, "-c", ABLATION, str(request), *skip], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    with_it, without = results
+    assert "FullDimQKNorm" in with_it["adapters"] and with_it["q_norm"] == [8, 4 * 32]
+    assert "failed" in without and "q_layernorm.weight" in without["failed"], without
