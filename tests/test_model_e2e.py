@@ -1,8 +1,8 @@
 """The model level end to end on the CPU: real HF transformers DeepseekV3ForCausalLM (hf_model), the 2-layer
 Kimi-K2 with 384 experts, 16 tokens (E2E_TOKENS), float32 and float64 only (a CPU without AVX-512 has a slow scalar
-bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts) and Qwen3-MoE (qwen3_moe, 128 experts in both layers),
-whose cases no baseline records yet: their verdicts are pinned by the expectations the cases state. Few on purpose:
-each side imports a model zoo and runs the whole model.
+bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts), Qwen3-MoE (qwen3_moe, 128 experts in both layers) and
+MiniMax-M2 (minimax_m2, 256 experts), whose cases no baseline records yet: their verdicts are pinned by the
+expectations the cases state. Few on purpose: each side imports a model zoo and runs the whole model.
 
 - The negative control: one bit of one routed expert's weight flipped on side b changes exactly that expert's
   output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
@@ -46,6 +46,9 @@ SEMANTIC_PAIRS = [
     ("qwen3_moe_2layer_float64_dense", ("megatron_model", "hf_model"), None),
     ("qwen3_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
     ("qwen3_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
+    ("minimax_m2_2layer_float64", ("megatron_model", "hf_model"), None),
+    # PaddleFormers 1.2.0 has no dygraph MiniMax-M2 (only PaddleFleet builders)
+    ("minimax_m2_2layer_float64", ("paddle_model", "hf_model"), "MiniMax-M2 has no dygraph model in PaddleFormers"),
 ]
 
 
@@ -114,7 +117,8 @@ def test_float64_semantic_check(case, pair, unsupported, tmp_path, checkpoints_d
     parameters = load_tensors(run_dir / f"b-{pair[1]}" / "outputs.safetensors")
     assert report["model"]["gradients"]["compared"] == sum(n.startswith("grad.") for n in parameters)
     expected = sum(s.name.startswith("grad.") for s in Registry.load().get(case).with_tokens(E2E_TOKENS).output_specs())
-    assert report["model"]["gradients"]["compared"] == expected  # 794 Kimi-K2, 282 GLM-4.5, 533 Qwen3-MoE (2 layers)
+    # Kimi-K2's 2 layers 794, GLM-4.5's 282, Qwen3-MoE's 533, MiniMax-M2's 1045
+    assert report["model"]["gradients"]["compared"] == expected
 
 
 def test_float64_disagreement_is_a_mapping_error_naming_the_first_tensor(tmp_path, checkpoints_dir, monkeypatch):
@@ -246,6 +250,67 @@ def test_qwen3_moe_float64_disagreement_is_a_mapping_error_naming_the_per_head_n
                       perturb=Perturbation("b", "model.layers.0.self_attn.k_norm.weight", (3,), 50))
     monkeypatch.setattr(Registry, "get", lambda self, name: planted)
     result, run_dir, report, tails = _run("qwen3_moe_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_norm" in \
+        result.message, (result.message, tails)
+    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_norm"
+
+
+# --- MiniMax-M2 (minimax_m2): the cases' stated verdicts on this CPU, the control found at its tensor ---------------
+
+# Each pair's verdict and first divergence, stated by the case (cases/minimax_m2.toml says why each is by
+# construction): bf16 Megatron vs HF parts at the first RMSNorm, fp32 at layer 0's core attention (baddbmm(alpha=scale)
+# against matmul * scale), with everything before it bit-equal, the family's all-heads q/k norm included.
+MINIMAX_CASES = ["minimax_m2_2layer", "minimax_m2_2layer_fp32"]
+
+
+@pytest.mark.parametrize("case", MINIMAX_CASES)
+def test_minimax_m2_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
+    from tests.support.e2e import assert_counts_match_outputs
+
+    result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
+    missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
+    if missing and not on_ci():
+        pytest.skip(f"{missing} is not installed here: {result.message}")
+    assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
+        result.message, result.expectation, tails)
+    sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
+             if s["label"] in ("a", "b")]
+    assert_counts_match_outputs(report, *sides)
+    stated = Registry.load().get(case)
+    assert report["first_divergence"] == stated.expect.differs[0]
+    gradients = report["model"]["gradients"]
+    assert gradients["total"] == 1045 and gradients["bitwise_pass"] >= gradients["bitwise_pass_of_idle_experts"]
+    adapters = [a["name"] for s in report["sides"] if s["runner"] == "megatron_model" for a in s["meta"]["adapters"]]
+    assert "FullDimQKNorm" in adapters  # the family's module, named
+
+
+def test_minimax_m2_control_is_found_in_its_column_of_the_all_heads_k_norm(tmp_path, checkpoints_dir):
+    """One bit of k_norm.weight[5] on Megatron's side b: that weight is the family's own module (k_layernorm.norm, one
+    RMSNorm over both key heads), so only column 5 of k_norm's [T, kv_heads x head_dim] output differs, and q, k, v
+    and q_norm stay equal: the name map puts the planted element where it belongs. The first divergence is k_norm."""
+    result, run_dir, report, tails = _run("minimax_m2_2layer_control_megatron", tmp_path, checkpoints_dir,
+                                          oracle=False)
+    assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
+    a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
+    b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
+    layer = "module.model.layers.0.self_attn."
+    columns = {int(c) for c in np.nonzero((a[layer + "k_norm"] != b[layer + "k_norm"]).any(axis=0))[0]}
+    assert columns == {5}
+    for name in ("q_proj", "k_proj", "v_proj", "q_norm"):
+        assert np.array_equal(a[layer + name], b[layer + name]), name
+    assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.k_norm"
+
+
+def test_minimax_m2_float64_disagreement_is_a_mapping_error_naming_the_q_k_norm(tmp_path, checkpoints_dir,
+                                                                                monkeypatch):
+    """A planted difference in one element of k_norm's weight on HF's side, in float64: Megatron's k_norm (the
+    family's all-heads norm) disagrees far beyond the floors there first, so the semantic check says ERROR naming
+    it, never a DIFF."""
+    registry = Registry.load()
+    planted = replace(registry.get("minimax_m2_2layer_float64"),
+                      perturb=Perturbation("b", "model.layers.0.self_attn.k_norm.weight", (3,), 50))
+    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
+    result, run_dir, report, tails = _run("minimax_m2_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_norm" in \
         result.message, (result.message, tails)
     assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_norm"

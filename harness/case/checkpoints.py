@@ -468,16 +468,19 @@ def _import_model_weights(case: Case, weights_file: str) -> dict[str, tuple[np.n
     path = Path(weights_file).expanduser()
     files = _model_files(path)
     sliced = families.family_of(case.model.family).sliced_by_expert  # first dim: the routed experts
+    on_disk = _on_disk(case)
     imported = {}
     for spec in case.input_specs():
         if spec.role != "weight":
             continue
-        if spec.name not in files:
-            raise CheckpointError(f"{path}: no tensor {spec.name!r} (case {case.name!r} needs every parameter of its "
-                                  f"{case.model.num_hidden_layers} layers in HF names)")
-        array = _read(files[spec.name], spec.name)
-        source = {"file": str(files[spec.name].resolve()), "names": [spec.name], "source_dtype": array.dtype.name}
-        scale_name = spec.name + "_scale_inv"
+        name = on_disk(spec.name)
+        if name not in files:
+            raise CheckpointError(f"{path}: no tensor {name!r} (case {case.name!r} needs every parameter of its "
+                                  f"{case.model.num_hidden_layers} layers in HF names"
+                                  + (f"; {spec.name!r} is {name!r} on disk" if name != spec.name else "") + ")")
+        array = _read(files[name], name)
+        source = {"file": str(files[name].resolve()), "names": [name], "source_dtype": array.dtype.name}
+        scale_name = name + "_scale_inv"
         if array.dtype.itemsize == 1 and scale_name in files:
             array = _dequantize_fp8(array, _read(files[scale_name], scale_name))
             source["dequantized_with"] = scale_name
@@ -486,13 +489,25 @@ def _import_model_weights(case: Case, weights_file: str) -> dict[str, tuple[np.n
             array = array[:spec.shape[0]]
             source["rows"] = [0, spec.shape[0]]
         if tuple(array.shape) != spec.shape:
-            raise CheckpointError(f"{files[spec.name]}: tensor {spec.name!r} has shape {list(array.shape)}, case "
+            raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {list(array.shape)}, case "
                                   f"{case.name!r} needs {list(spec.shape)} (config.model must match the checkpoint)")
         dtype = format_of(resolve_dtype(spec.dtype, case.dtype)).float_dtype
         converted = np.ascontiguousarray(array.astype(np.float32).astype(dtype) if array.dtype != dtype else array)
         source["sha256"] = tensor_sha256(converted)
         imported[spec.name] = (converted, source)
     return imported
+
+
+def _on_disk(case: Case):
+    """canonical name -> its name in the family's released checkpoints: the ``[disk]`` section of its names.toml
+    (MiniMax-M2's Mixtral-style MoE names), or the canonical name itself where the family has none."""
+    from harness.families.names import NameMap
+
+    try:
+        disk = NameMap.load(case.model.family, "disk", model=case.model)
+    except families.ModelConfigError:  # no [disk] section: the checkpoints hold the canonical names
+        return lambda name: name
+    return lambda name: disk.rule("checkpoint", name).sources[0]
 
 
 def _model_files(path: Path) -> dict[str, Path]:

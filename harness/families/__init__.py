@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from harness.families import deepseek_v3, glm4_moe, qwen3_moe
+from harness.families import deepseek_v3, glm4_moe, minimax_m2, qwen3_moe
 from harness.families.record import Family, ModelConfigError
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (deepseek_v3.FAMILY, glm4_moe.FAMILY,
-                                                                   qwen3_moe.FAMILY)}
+                                                                   qwen3_moe.FAMILY, minimax_m2.FAMILY)}
 DEFAULT = deepseek_v3.FAMILY.name  # the family of a config.model that names none
 
 __all__ = ["DEFAULT", "FAMILIES", "Family", "ModelConfigError", "family_of", "model_config", "routed_experts"]

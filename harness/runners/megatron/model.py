@@ -245,7 +245,10 @@ class Capture:
             if canonical.endswith(".mlp.gate"):  # TopKRouter: (probs [T, E], routing_map [T, E])
                 probs, routing_map = output
                 indices = torch.nonzero(routing_map)[:, 1].view(routing_map.shape[0], -1)
-                self.outputs[f"module.{canonical}.probs"] = probs.detach().clone()
+                # float32 at least, as the contract writes probs: a router in the model dtype (moe_router_dtype
+                # None, MiniMax-M2's Bridge setting) gives bf16 scores in bf16; widening them is exact
+                wide = torch.promote_types(probs.dtype, torch.float32)
+                self.outputs[f"module.{canonical}.probs"] = probs.detach().to(wide, copy=True)
                 self.outputs[f"module.{canonical}.topk_indices"] = torch.sort(indices, dim=-1).values
                 return
             self._keep(canonical, output[0] if isinstance(output, tuple) else output)
