@@ -168,6 +168,14 @@ def test_round_once_at_the_edges(dtype):
     assert np.isnan(oracle.round_once(np.array([np.nan]), np.dtype(DTYPES[dtype])).astype(np.float64))[0]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_round_once_keeps_a_scalars_shape(dtype):
+    """A model's loss is a scalar: its truth rounded once must be one too (np.ascontiguousarray made it shape [1], and
+    the report's truth table called the loss SHAPE_MISMATCH on every model case)."""
+    rounded = oracle.round_once(np.array(1.0 + 2.0**-30), np.dtype(DTYPES[dtype]))
+    assert rounded.shape == () and rounded.dtype == np.dtype(DTYPES[dtype]) and rounded.flags.c_contiguous
+
+
 def test_op_without_an_oracle_is_unsupported_and_says_so():
     with pytest.raises(Unsupported, match=r"no truth oracle for op 'rms_norm' yet \(oracles exist for "):
         oracle.run({"op": "rms_norm", "dtype": "bfloat16"}, Phases())

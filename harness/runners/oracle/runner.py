@@ -114,10 +114,10 @@ _BITS = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 def round_once(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """float64 -> `dtype`, rounded to nearest even exactly once (see the module docstring)."""
-    if dtype == np.float32:
-        return np.ascontiguousarray(values.astype(np.float32))
+    if dtype == np.float32:  # astype, not ascontiguousarray: that makes a scalar (a loss) an array of shape [1]
+        return values.astype(np.float32, order="C")
     with np.errstate(over="ignore"):  # beyond the format's range is infinity, as rounding says
-        return np.ascontiguousarray(_to_float32_round_to_odd(values).astype(dtype))
+        return _to_float32_round_to_odd(values).astype(dtype, order="C")
 
 
 def _to_float32_round_to_odd(values: np.ndarray) -> np.ndarray:
