@@ -82,6 +82,10 @@ def test_paddle_gives_the_same_bits_on_the_cpu(dtype):
                                 big.nbytes) == bits128.digest_numpy(big)
     assert paddle_digest.digest(as_paddle(np.asarray(values(dtype, 3)[1]))) == \
         bits128.digest_numpy(values(dtype, 3)[1])  # a 0-d tensor
+    base = values(dtype, (6, 10))
+    t = as_paddle(base)
+    for view, array in [(t.T, base.T), (t[::2, 1:], base[::2, 1:]), (t.flatten()[3:50], base.reshape(-1)[3:50])]:
+        assert paddle_digest.digest(view) == bits128.digest_numpy(array)  # a transpose, strides, a view at an offset
 
 
 def test_any_chunking_gives_the_same_bits():

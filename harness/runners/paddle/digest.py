@@ -20,9 +20,12 @@ def _const(paddle, value: int, place):
 
 def _words(paddle, tensor):
     """The definition's words as a flat int64 tensor on the tensor's place."""
-    raw = paddle.view(tensor.detach().contiguous().flatten(), paddle.uint8) if tensor.numel() else None
-    if raw is None:
+    if not tensor.numel():
         return paddle.zeros([0], dtype="int64").to(tensor.place)
+    flat = tensor.detach().contiguous().flatten()
+    if flat._offset():  # Paddle 3.3's view(dtype) reads a view from its storage's start, not from its offset
+        flat = flat.clone()
+    raw = paddle.view(flat, paddle.uint8)
     size = int(raw.numel())
     whole = size // 8 * 8
     head = paddle.view(raw[:whole].contiguous(), paddle.int64) if whole else paddle.zeros([0], dtype="int64")
