@@ -23,47 +23,50 @@ def _logical_shift(x: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tens
     return out.bitwise_and_((1 << (64 - shift)) - 1)
 
 
-def _words(tensor: torch.Tensor) -> torch.Tensor:
-    """The definition's words as a flat int64 tensor on the tensor's device (a copy only where the bytes do not
-    start on an 8-byte boundary of their storage, or end in a part of a word)."""
+def _words(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The definition's words on the tensor's device: the whole words as a flat int64 view of the tensor's bytes, and
+    the zero-padded last word apart where the bytes end in a part of one (no copy of the tensor, but where its bytes
+    do not start on an 8-byte boundary of their storage: a piece of a flattened tensor)."""
     if tensor.numel() == 0:  # no words (torch cannot view an empty tensor's bytes)
-        return torch.zeros(0, dtype=torch.int64, device=tensor.device)
+        return []
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     whole = raw.numel() // 8 * 8
-    if raw.storage_offset() % 8:  # a view that starts inside a word (a piece of a flattened tensor)
+    if raw.storage_offset() % 8:
         raw = raw.clone()
-    head = raw[:whole].view(torch.int64)
-    if whole == raw.numel():
-        return head
-    tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
-    tail[:raw.numel() - whole] = raw[whole:]
-    return torch.cat([head, tail.view(torch.int64)])
+    parts = [raw[:whole].view(torch.int64)] if whole else []
+    if whole < raw.numel():
+        tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+        tail[:raw.numel() - whole] = raw[whole:]
+        parts.append(tail.view(torch.int64))
+    return parts
 
 
 @torch.no_grad()
 def lane_sums(tensor: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """``[S_0, S_1]`` of `tensor` as an int64 tensor on its device (not copied to the host: no synchronisation)."""
-    w = _words(tensor)
-    device = w.device
+    device = tensor.device
     chunk = chunk or CHUNK_WORDS.get(device.type, CHUNK_WORDS["cuda"])
+    parts = _words(tensor)
+    size = min(chunk, sum(p.numel() for p in parts))
     sums = torch.zeros(2, dtype=torch.int64, device=device)
-    size = min(chunk, w.numel())
-    x, t = torch.empty(size, dtype=torch.int64, device=device), torch.empty(size, dtype=torch.int64, device=device)
-    index = torch.empty(size, dtype=torch.int64, device=device)
-    for start in range(0, w.numel(), chunk):
-        part = w[start:start + chunk]
-        n = part.numel()
-        xs, ts, idx = x[:n], t[:n], index[:n]
-        torch.arange(start, start + n, dtype=torch.int64, device=device, out=idx)
-        for lane in (0, 1):
-            s1, m1, s2, m2, s3 = MIXERS[lane]
-            torch.mul(idx, signed(KEYS[lane]), out=xs)
-            xs.bitwise_xor_(part)
-            for shift, multiplier in ((s1, m1), (s2, m2)):
-                xs.bitwise_xor_(_logical_shift(xs, shift, ts))
-                xs.mul_(signed(multiplier))
-            xs.bitwise_xor_(_logical_shift(xs, s3, ts))
-            sums[lane] += xs.sum()
+    x, t, index = (torch.empty(size, dtype=torch.int64, device=device) for _ in range(3))
+    first = 0  # the index of the part's first word
+    for words in parts:
+        for start in range(0, words.numel(), chunk):
+            part = words[start:start + chunk]
+            n = part.numel()
+            xs, ts, idx = x[:n], t[:n], index[:n]
+            torch.arange(first + start, first + start + n, dtype=torch.int64, device=device, out=idx)
+            for lane in (0, 1):
+                s1, m1, s2, m2, s3 = MIXERS[lane]
+                torch.mul(idx, signed(KEYS[lane]), out=xs)
+                xs.bitwise_xor_(part)
+                for shift, multiplier in ((s1, m1), (s2, m2)):
+                    xs.bitwise_xor_(_logical_shift(xs, shift, ts))
+                    xs.mul_(signed(multiplier))
+                xs.bitwise_xor_(_logical_shift(xs, s3, ts))
+                sums[lane] += xs.sum()
+        first += words.numel()
     return sums
 
 
