@@ -3,7 +3,8 @@ one step and one tensor pair at a time, compared on raw bits, summarised along t
 harness/report/train_section.py renders it.
 
 - ``compare_steps``: every canonical tensor of every step: kept steps compared element by element
-  (``compare_tensor``), the others by digest (equal or not); per step the scalars (equal, or how far apart), "k of
+  (``compare_tensor``), the others by digest (equal or not; two digests of different algorithms are UNCOMPARABLE,
+  an ERROR: harness.run.steps says where each algorithm is used); per step the scalars (equal, or how far apart), "k of
   794" per state quantity, and the step's first differing output; over the run the first divergence in time (the
   first step, and in it the first quantity in the step's order: lr, loss, gradients, norm, clip, the optimizer's
   state, masters, parameters, then the routing biases the next step reads); with the truth, per step and quantity
@@ -26,10 +27,11 @@ from harness.case.specs import resolve_dtype
 from harness.compare.model_outputs import TRUTH_RUNNER, _numpy_dtype
 from harness.compare.tensors import DIFF, DTYPE_MISMATCH, EQUAL, SHAPE_MISMATCH, TensorComparison, compare_tensor
 from harness.run.orchestrate import SideResult
-from harness.run.steps import DOUBLES, digest, read_header, step_file
+from harness.run.steps import DIGEST, DOUBLES, algorithm_of, digest_as, read_header, step_file
 from harness.runners.oracle.runner import round_once
 
 SCALARS = ("lr", "loss", "grad_norm", "clip_coeff")
+UNCOMPARABLE = "UNCOMPARABLE"  # two digests of one tensor made with different algorithms: an ERROR, never a verdict
 
 
 def quantity_of(name: str) -> str:
@@ -94,9 +96,17 @@ def _compare_step(step: int, specs, pair: list[SideResult]) -> list[TensorCompar
                 rows.append(compare_tensor(spec.name, handles[0].get_tensor(spec.name),
                                            handles[1].get_tensor(spec.name)))
                 continue
-            digests = [header.digests.get(spec.name) or (
-                digest(np.ascontiguousarray(h.get_tensor(spec.name)).view(np.uint8))
-                if spec.name in header.layouts else None) for header, h in zip(headers, handles, strict=True)]
+            made = [header.digests.get(spec.name) for header in headers]
+            if all(made) and len({algorithm_of(d) for d in made}) > 1:
+                rows.append(TensorComparison(spec.name, UNCOMPARABLE, note=(
+                    f"side a digested it with {algorithm_of(made[0])}, side b with {algorithm_of(made[1])}: digests "
+                    "of two algorithms say nothing of equal bits (sides run on different devices?); keep the step "
+                    "(--steps-kept) to compare its tensors")))
+                continue
+            algorithm = algorithm_of(next(d for d in made if d)) if any(made) else DIGEST
+            # a kept tensor against the other side's digest: digested here in that side's algorithm
+            digests = [value or (digest_as(algorithm, h.get_tensor(spec.name)) if spec.name in header.layouts
+                                 else None) for value, header, h in zip(made, headers, handles, strict=True)]
             if None in digests:
                 rows.append(TensorComparison(spec.name, "MISSING", note="a side holds neither the tensor nor its "
                                                                          "digest"))

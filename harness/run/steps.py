@@ -3,9 +3,13 @@ step, written as the step ends, so a run of 100 steps never holds more than one 
 
 ``steps/step00007.safetensors`` holds step 7's tensors in canonical names (``step7.lr``, ``step7.loss``,
 ``step7.grad.<p>``, ...). For a step the request does not keep (``train.steps_kept``) it holds the scalars only and,
-in the file's metadata, one digest per state tensor (XXH3-128 of its raw bytes in canonical layout and dtype, named:
-``xxh3_128:<hex>``): the comparator still says per step and tensor whether the bits are equal, without the disk a full
-dump needs.
+in the file's metadata, one digest per state tensor of its raw bytes in canonical layout and dtype, named by its
+algorithm: the comparator still says per step and tensor whether the bits are equal, without the disk a full dump
+needs. Where the tensors are decides the algorithm: a run on the CPU hashes them where they are, on the host, with
+XXH3-128 (``xxh3_128:<hex>``); a run on a GPU digests them on the GPU with ``bits128v1`` (``harness.run.bits128``, the
+runner's ``digests``), so only 16 bytes per tensor come to the host. Both sides of a comparison run on one device, so
+they use one algorithm; the comparator recomputes a kept tensor's digest in the other side's algorithm and refuses
+two digests of different algorithms (never equal, never called a difference either).
 
 A digest-only step also records each digested tensor's dtype and shape (``layouts``), checked as a kept tensor's are.
 
@@ -32,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from harness.case.train_settings import Flip
+from harness.run import bits128
 
 STEPS_DIR = "steps"
 
@@ -42,7 +47,8 @@ def step_file(folder, step: int, rank: int = 0) -> Path:
                                        f"step{step:05d}.rank{rank}.safetensors")
 
 
-DIGEST = "xxh3_128"  # ~8 GB/s a core here, BLAKE2b (before) ~0.9: a 384-expert step's 180 MB cost 0.2 CPU s per side
+DIGEST = "xxh3_128"  # the host's: ~8-25 GB/s a core here, BLAKE2b (before) ~0.9, bits128v1 in numpy ~0.5
+DIGESTS = (DIGEST, bits128.ALGORITHM)  # every algorithm a step file's digest may be made with
 
 
 def digest(raw) -> str:
@@ -53,6 +59,21 @@ def digest(raw) -> str:
     return f"{DIGEST}:{xxhash.xxh3_128(raw).hexdigest()}"
 
 
+def algorithm_of(value: str) -> str:
+    """The algorithm a digest names (``xxh3_128:...`` -> ``xxh3_128``)."""
+    return value.split(":", 1)[0]
+
+
+def digest_as(algorithm: str, array: np.ndarray) -> str:
+    """A host array's digest in `algorithm` (one of DIGESTS): what a kept tensor is checked against another side's or
+    rank's digest with."""
+    if algorithm == DIGEST:
+        return digest(np.ascontiguousarray(array).view(np.uint8))
+    if algorithm == bits128.ALGORITHM:
+        return bits128.digest_numpy(array)
+    raise ValueError(f"no digest algorithm {algorithm!r} (known: {', '.join(DIGESTS)})")
+
+
 DOUBLES = "doubles"  # the step file's metadata entry of StepWriter.write's `doubles`
 DIGEST_THREADS = 4
 DIGEST_BATCH_BYTES = 8 << 20  # a thread hashes tensors in batches of about this many bytes (one task per small tensor
@@ -61,11 +82,13 @@ DIGEST_BATCH_BYTES = 8 << 20  # a thread hashes tensors in batches of about this
 
 class StepWriter:
     """Writes each step's file. `save(tensors, path, metadata)` is the framework's safetensors writer, `raw_bytes(t)`
-    the tensor's bytes in canonical layout (contiguous); `kept` the steps whose state tensors are written whole; a
-    `rank` other than 0 writes digests only, into its own file."""
+    the tensor's bytes in canonical layout (contiguous), hashed on the host (XXH3); `digests(tensors)`, where given,
+    the digests of a list of tensors made where they are (a GPU run's: bits128v1 on the GPU) instead; `kept` the steps
+    whose state tensors are written whole; a `rank` other than 0 writes digests only, into its own file."""
 
-    def __init__(self, folder, kept, save, raw_bytes, rank: int = 0):
+    def __init__(self, folder, kept, save, raw_bytes, rank: int = 0, digests=None):
         self.folder, self.save, self.raw_bytes, self.rank = Path(folder), save, raw_bytes, rank
+        self.digests = digests
         self.kept = set(kept) if rank == 0 else set()
         (self.folder / STEPS_DIR).mkdir(parents=True, exist_ok=True)
 
@@ -82,12 +105,7 @@ class StepWriter:
         else:
             spans = [(name, None, t) for name, t in states.items()]
             spans += [(name, (start, end), t) for name, held in (pieces or {}).items() for start, end, t in held]
-            # a few tensors at a time: the host copy and the hash both release the GIL (a full-size step is 79 GB per
-            # side: one thread hashed it with BLAKE2b in about 80 s on the H200's host); memory stays at a few tensors
-            with ThreadPoolExecutor(max_workers=DIGEST_THREADS) as pool:
-                hashed = pool.map(lambda batch: [digest(self.raw_bytes(t)) for t in batch],
-                                  _batches(t for _, _, t in spans))
-                digests = [d for batch in hashed for d in batch]
+            digests = self._digests([t for _, _, t in spans])
             whole, layouts, placed = {}, {}, {}
             for (name, span, tensor), value in zip(spans, digests, strict=True):
                 if span is None:
@@ -100,6 +118,16 @@ class StepWriter:
             metadata[DOUBLES] = json.dumps({prefix + name: float(value) for name, value in doubles.items()})
         self.save({prefix + name: tensor for name, tensor in tensors.items()},
                   str(step_file(self.folder, step, self.rank)), metadata)
+
+    def _digests(self, tensors: list) -> list[str]:
+        if self.digests is not None:  # where the tensors are: 16 bytes each come to the host
+            return list(self.digests(tensors))
+        # on the host, a few tensors at a time: the host copy and the hash both release the GIL (a full-size step is
+        # 79 GB per side: one thread hashed it with BLAKE2b in about 80 s on the H200's host); memory stays at a few
+        # tensors
+        with ThreadPoolExecutor(max_workers=DIGEST_THREADS) as pool:
+            hashed = pool.map(lambda batch: [digest(self.raw_bytes(t)) for t in batch], _batches(tensors))
+            return [d for batch in hashed for d in batch]
 
 
 def layout(tensor) -> list:
@@ -210,8 +238,8 @@ def validate(folder, case) -> str:
                 value = header.digests.get(spec.name)
                 if value is None:
                     return f"{path} has no digest of {spec.name!r}"
-                if not value.startswith(f"{DIGEST}:"):
-                    return (f"{path}: the digest of {spec.name!r} is not {DIGEST} ({value[:24]!r}): "
+                if ":" not in value or algorithm_of(value) not in DIGESTS:
+                    return (f"{path}: the digest of {spec.name!r} is not {' or '.join(DIGESTS)} ({value[:24]!r}): "
                             "written by another version of the harness")
                 if spec.name not in header.digest_layouts:
                     return f"{path} has no layout (dtype, shape) of the digested {spec.name!r}"
@@ -238,10 +266,14 @@ def ranks_agree(folder, case, ranks: int) -> dict:
                     return {"problem": f"{other} is missing"}
                 departed = []
                 for name, where, theirs in _rank_entries(other):
-                    expected = reference(name, where)
+                    expected = reference(name, where, algorithm_of(theirs[-1]))
                     if expected is None:
                         return {"problem": f"{step_file(folder, step)} has nothing to check {other}'s {name}"
                                            + (f" elements {where[0]}:{where[1]}" if where else "") + " against"}
+                    if algorithm_of(expected[-1]) != algorithm_of(theirs[-1]):
+                        return {"problem": f"{other} digests {name} with {algorithm_of(theirs[-1])}, "
+                                           f"{step_file(folder, step)} with {algorithm_of(expected[-1])}: digests of "
+                                           "two algorithms cannot be compared (the ranks ran on different devices?)"}
                     checked += 1
                     if theirs != expected:
                         departed.append(name + (f"[{where[0]}:{where[1]}]" if where else ""))
@@ -265,13 +297,14 @@ def _header(path) -> StepHeader:
         raise _BadStepFile(f"{path}: not a readable step file: {error}") from None
 
 
-def _tensor_digest(array: np.ndarray) -> str:
-    return digest(np.ascontiguousarray(array).view(np.uint8))
+def _tensor_digest(array: np.ndarray, algorithm: str = DIGEST) -> str:
+    return digest_as(algorithm, array)
 
 
 def _rank0_reference(path):
-    """A function (name, place or None) -> what rank 0's step file says of that tensor or place: (dtype, shape,
-    digest) of a whole tensor, (dtype, digest) of a place [start, end); None when it says nothing of it."""
+    """A function (name, place or None, algorithm) -> what rank 0's step file says of that tensor or place: (dtype,
+    shape, digest) of a whole tensor, (dtype, digest) of a place [start, end), a tensor it holds digested in
+    `algorithm` (the other rank's); None when it says nothing of it."""
     from safetensors import safe_open
 
     header = _header(path)
@@ -280,16 +313,16 @@ def _rank0_reference(path):
     pieces = {name: {(start, end): (dtype, value) for start, end, dtype, value in entries}
               for name, entries in header.pieces.items()}
 
-    def reference(name, where):
+    def reference(name, where, algorithm=DIGEST):
         if name in held:
             array = held[name]
             if where is None:
-                return array.dtype.name, list(array.shape), _tensor_digest(array)
+                return array.dtype.name, list(array.shape), _tensor_digest(array, algorithm)
             start, end = where
             if not 0 <= start <= end <= array.size:
                 raise _BadStepFile(f"{path.parent}: a rank holds elements {start}:{end} of {name}, which has "
                                    f"{array.size}")
-            return array.dtype.name, _tensor_digest(array.reshape(-1)[start:end])
+            return array.dtype.name, _tensor_digest(array.reshape(-1)[start:end], algorithm)
         if where is None:
             return (*header.digest_layouts[name], header.digests[name]) if name in header.digests else None
         return pieces.get(name, {}).get(tuple(where))

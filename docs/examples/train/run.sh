@@ -11,8 +11,8 @@
 #                              re-run twice from side a's state). A few minutes.
 #   kimi_k2_2layer_train_full  Kimi-K2's widths, 32 experts, 512 tokens, 3 steps: 4.4 G parameters, 79 GB of state per
 #                              step and side, so no step's tensors are kept (train.steps_kept = "none"): every tensor
-#                              is compared by digest (XXH3-128 of its bytes, hashed on the host a few tensors at a time:
-#                              BLAKE2b took about 80 s per step and side; XXH3 is ~8x faster on a CPU, not timed there), the scalars exactly; no truth (its float64 state would
+#                              is compared by digest (bits128v1, computed on the GPU: 16 bytes per tensor come to the
+#                              host; docs/speed.md), the scalars exactly; no truth (its float64 state would
 #                              not fit). Each side needs about 100 GB of GPU memory; the sides run one after another.
 #
 # Environment (all optional):

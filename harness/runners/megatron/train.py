@@ -52,7 +52,7 @@ from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
-from harness.runners.torch.train_state import INT_VIEW, host_bytes, keeps_bits, load_state, save_on_host
+from harness.runners.torch.train_state import INT_VIEW, device_digests, host_bytes, keeps_bits, load_state, save_on_host
 
 TRAIN_ADAPTERS = {
     "cuda_factory_to_cpu": "CPU only: a torch factory call with a literal device='cuda' (optimizer.py, clip_grads.py, "
@@ -168,7 +168,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                                 carried_quantities(train.record))
         if train.ep == 1 and set(states.rules) != set(states.shapes):
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
-    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank)
+    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
+                        digests=device_digests(device))
     refeed = request["config"].get("train_refeed")
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"), mode():

@@ -39,7 +39,15 @@ from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import hf_model, ranks
-from harness.runners.torch.train_state import TorchStates, flip_state, host_bytes, load_grads, load_state, save_on_host
+from harness.runners.torch.train_state import (
+    TorchStates,
+    device_digests,
+    flip_state,
+    host_bytes,
+    load_grads,
+    load_state,
+    save_on_host,
+)
 
 
 class ClipFactor(TorchFunctionMode):
@@ -90,7 +98,8 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
         trainer = Trainer(model, train, m, name_map, dtype, transformers, rank)
-    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank)
+    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
+                        digests=device_digests(device))
     refeed = request["config"].get("train_refeed")
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"):

@@ -1,0 +1,88 @@
+"""``bits128v1`` (harness.run.bits128: the definition) in torch, on the device that holds the tensor: the same code on
+a CPU and a GPU. A GPU tensor is digested on its GPU, in chunks of words (bounded temporaries), and only its two
+64-bit lane sums come to the host, all of a step's tensors in one copy.
+
+torch has no unsigned 64-bit arithmetic: the words are int64 (the same bits); a product or a sum of int64 wraps
+modulo 2^64 in two's complement, which is the unsigned arithmetic's bits; torch's ``>>`` on int64 is arithmetic, so a
+logical shift by s is ``(x >> s) & (2^(64 - s) - 1)``. tests/test_bits128.py checks every result against the host
+reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.run.bits128 import KEYS, MIXERS, finish, signed
+
+# words per pass: 2 MB temporaries on a CPU (the fastest of 2^16 .. 2^22 here), 128 MB each on a GPU (3 of them)
+CHUNK_WORDS = {"cpu": 1 << 18, "cuda": 1 << 24}
+
+
+def _logical_shift(x: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
+    torch.bitwise_right_shift(x, shift, out=out)
+    return out.bitwise_and_((1 << (64 - shift)) - 1)
+
+
+def _words(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The definition's words on the tensor's device: the whole words as a flat int64 view of the tensor's bytes, and
+    the zero-padded last word apart where the bytes end in a part of one (no copy of the tensor, but where its bytes
+    do not start on an 8-byte boundary of their storage: a piece of a flattened tensor)."""
+    if tensor.numel() == 0:  # no words (torch cannot view an empty tensor's bytes)
+        return []
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    if raw.storage_offset() % 8:
+        raw = raw.clone()
+    parts = [raw[:whole].view(torch.int64)] if whole else []
+    if whole < raw.numel():
+        tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+        tail[:raw.numel() - whole] = raw[whole:]
+        parts.append(tail.view(torch.int64))
+    return parts
+
+
+@torch.no_grad()
+def lane_sums(tensor: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """``[S_0, S_1]`` of `tensor` as an int64 tensor on its device (not copied to the host: no synchronisation)."""
+    device = tensor.device
+    chunk = chunk or CHUNK_WORDS.get(device.type, CHUNK_WORDS["cuda"])
+    parts = _words(tensor)
+    size = min(chunk, sum(p.numel() for p in parts))
+    sums = torch.zeros(2, dtype=torch.int64, device=device)
+    x, t, index = (torch.empty(size, dtype=torch.int64, device=device) for _ in range(3))
+    first = 0  # the index of the part's first word
+    for words in parts:
+        for start in range(0, words.numel(), chunk):
+            part = words[start:start + chunk]
+            n = part.numel()
+            xs, ts, idx = x[:n], t[:n], index[:n]
+            torch.arange(first + start, first + start + n, dtype=torch.int64, device=device, out=idx)
+            for lane in (0, 1):
+                s1, m1, s2, m2, s3 = MIXERS[lane]
+                torch.mul(idx, signed(KEYS[lane]), out=xs)
+                xs.bitwise_xor_(part)
+                for shift, multiplier in ((s1, m1), (s2, m2)):
+                    xs.bitwise_xor_(_logical_shift(xs, shift, ts))
+                    xs.mul_(signed(multiplier))
+                xs.bitwise_xor_(_logical_shift(xs, s3, ts))
+                sums[lane] += xs.sum()
+        first += words.numel()
+    return sums
+
+
+def digests(tensors) -> list[str]:
+    """``bits128v1`` of each tensor, computed where it is; one host copy of all the lane sums at the end."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    sums = [lane_sums(t) for t in tensors]
+    host: list = [None] * len(tensors)
+    for device in {s.device for s in sums}:  # one copy per device (every tensor of a step is on one)
+        places = [i for i, s in enumerate(sums) if s.device == device]
+        for i, pair in zip(places, torch.stack([sums[i] for i in places]).cpu().tolist(), strict=True):
+            host[i] = pair
+    return [finish(pair, t.numel() * t.element_size()) for pair, t in zip(host, tensors, strict=True)]
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return digests([tensor])[0]
