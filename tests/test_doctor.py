@@ -67,7 +67,10 @@ def test_the_model_runners_are_probed_and_never_ok_unasked(doctor, tmp_path):
     assert "get_megatron_optimizer" in megatron["ops"]["causal_lm_train"]["would_run"]
     assert hf["ok"] and hf["versions"]["transformers"] and "DeepseekV3ForCausalLM" in hf["ops"]["causal_lm"][
         "would_run"]
-    assert paddle["ok"] and paddle["versions"]["paddleformers"]
+    assert paddle["ok"] and paddle["versions"]["paddleformers"], paddle
+    # PaddleFormers 1.2.0 has no dygraph MiniMax-M2: that family is named UNSUPPORTED, the runner stays usable
+    assert [m.split(":")[0] for m in paddle["families_unsupported"]] == ["minimax_m2"], paddle
+    assert "Glm4MoeForCausalLM" in paddle["ops"]["causal_lm"]["float32"]["would_run"]
     assert "DeepseekV3ForCausalLM" in paddle["ops"]["causal_lm_train"]["float32"]["would_run"]
     assert "not registered" in paddle["ops"]["causal_lm"]["bfloat16"]["reason"]  # no CPU bf16 matmul anywhere
     assert "whole models only" in megatron["ops"]["rms_norm"]["reason"]

@@ -37,16 +37,23 @@ def probe(device: str) -> dict:
     from harness.families import FAMILIES
     from harness.runners.paddle import paddlefleet_ops_shim
 
+    builders, missing = [], []  # a family PaddleFormers has no dygraph model of is UNSUPPORTED, not a broken runner
     try:
         paddlefleet_ops_shim.install()
         import paddleformers
-        builders = [family.builder("paddle") for family in FAMILIES.values()]
-        for builder in builders:
-            builder.classes()
+        for name, family in FAMILIES.items():
+            builder = family.builder("paddle")
+            try:
+                builder.classes()
+                builders.append(builder)
+            except Unsupported as why:
+                missing.append(f"{name}: UNSUPPORTED, {why}")
     except Exception as error:  # noqa: BLE001
         return {**answer, **import_answer("paddleformers", error)}
     answer["versions"]["paddleformers"] = getattr(paddleformers, "__version__", "unknown")
     formers = ", ".join(builder.MODEL for builder in builders) + " (Paddle dygraph, CPU)"
+    if missing:
+        answer["families_unsupported"] = missing
     try:
         paddle.set_device("cpu")
         model._probe_cpu_bf16_matmul()
