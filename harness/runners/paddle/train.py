@@ -1,6 +1,8 @@
-"""paddle_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of PaddleFormers'
-``DeepseekV3ForCausalLM`` (the model of ``harness.runners.paddle.model``, CPU, float32) with Paddle's own training
-pieces, every per-step quantity written in canonical names.
+"""paddle_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of the case's model
+family in PaddleFormers (the model of ``harness.runners.paddle.model``, its family's Paddle builder's ``MODEL``, CPU,
+float32) with Paddle's own training pieces, every per-step quantity written in canonical names through the family's
+``[paddle.grads]`` rules (read and, for the re-feed and the negative control, written back: a fused tensor's part,
+q, k or v of ``qkv_proj``, is its columns there).
 
 - the optimizer the case names, built by its record (``harness.optimizers``): ``paddle.optimizer.AdamW`` or
   ``paddle.optimizer.Momentum`` (``multi_precision`` off: float32 parameters have no masters), weight decay on every
@@ -18,8 +20,8 @@ On several data-parallel ranks (``train.dp``, docs/training-ranks.md; ``paddle.d
 CPU): ``paddle.distributed.init_parallel_env()`` and ``paddle.DataParallel(model)`` with its defaults (gradients
 averaged over the ranks in its fused buckets), each rank its own micro-batches (``no_sync()`` but for the last); every
 rank then steps the same optimizer on the same gradients and digests its own copy of the whole state (only the step's
-losses are gathered). Expert parallel (``train.ep > 1``) is PaddleFormers'
-``DeepseekV3MoEFlexToken``, whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
+losses are gathered). Expert parallel (``train.ep > 1``) is the family's PaddleFormers flex-token MoE layer (its
+builder's ``EXPERT_PARALLEL_LAYER``), whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
 ``paddlefleet_ops.deep_ep``, PaddleFleet's CUDA package): UNSUPPORTED naming it where it is not installed.
 
 Paddle's Adam keeps its step count as fp32 running products (``beta1_pow_acc``, ``beta2_pow_acc``); its formula scales
@@ -93,7 +95,7 @@ def run(request: dict, phases: Phases) -> dict:
     if world != train.dp:
         raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train.dp}")
     if train.ep > 1:
-        expert_parallel_dispatch()
+        expert_parallel_dispatch(paddle_family)
     with phases("setup"):
         if world > 1:
             paddle.distributed.init_parallel_env()
@@ -122,7 +124,7 @@ def run(request: dict, phases: Phases) -> dict:
                           f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
-        "adapters": ([adapter] if adapter else []) + [
+        "adapters": ([adapter] if adapter else []) + paddle_family.adapters() + [
             {"name": "clip_norm_and_factor", "why": "observer: " + clip_norm_and_factor.__doc__.strip(),
              "changes_computation": False}],
         "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_family.KNOBS.items()}, **trainer.knobs},
@@ -133,14 +135,16 @@ def run(request: dict, phases: Phases) -> dict:
     }
 
 
-def expert_parallel_dispatch() -> None:
-    """PaddleFormers builds DeepseekV3MoEFlexToken on an expert-parallel group; its tokens travel only through DeepEP
-    (paddleformers/transformers/fused_a2a.py, HAVE_DEEP_EP from paddlefleet_ops)."""
+def expert_parallel_dispatch(paddle_family) -> None:
+    """On an expert-parallel group PaddleFormers builds the family's flex-token MoE layer (its Paddle builder's
+    ``EXPERT_PARALLEL_LAYER``); its tokens travel only through DeepEP (paddleformers/transformers/fused_a2a.py,
+    HAVE_DEEP_EP from paddlefleet_ops)."""
     from paddleformers.transformers import fused_a2a
 
+    layer = getattr(paddle_family, "EXPERT_PARALLEL_LAYER", "flex-token MoE layer (MoEFlexTokenLayer)")
     if not fused_a2a.HAVE_DEEP_EP:
         raise paddle_model.Unsupported(
-            "expert parallel: PaddleFormers' DeepseekV3MoEFlexToken dispatches tokens only through DeepEP's fused "
+            f"expert parallel: PaddleFormers' {layer} dispatches tokens only through DeepEP's fused "
             "all-to-all (paddleformers/transformers/fused_a2a.py; without it MoEFlexTokenDispatcher raises "
             "'ImportError: DeepEP is not supported in your paddlepaddle whl package.'), and paddlefleet_ops.deep_ep "
             "(PaddleFleet's CUDA package, not on PyPI) is not installed")
@@ -272,6 +276,15 @@ class Trainer:
             rows = [t.shape[-1] if rule.kind == "transpose_cat0" else t.shape[0] for t in targets]
             parts = np.split(value, np.cumsum(rows)[:-1], axis=0)
             parts = [np.swapaxes(p, -1, -2) for p in parts] if rule.kind == "transpose_cat0" else parts
+        elif rule.kind in ("deinterleave", "transpose_deinterleave"):  # one part of a fused tensor (q of qkv_proj)
+            fused = to_host(targets[0])  # the other parts' rows as they are
+            rows = np.swapaxes(fused, -1, -2) if rule.kind == "transpose_deinterleave" else fused
+            if value.dtype != fused.dtype or tuple(value.shape) != (len(rule.rows(rule.index)), *rows.shape[1:]):
+                raise ValueError(f"re-feed: {quantity}.{name} is {value.dtype}{list(value.shape)}, its part of "
+                                 f"Paddle's {rule.sources[0]} {fused.dtype}{list(fused.shape)}: a load keeps every "
+                                 "bit or is refused")
+            rows[rule.rows(rule.index)] = value  # a view of `fused`: its rows (columns of a transposed weight)
+            parts = [fused]
         else:
             raise ValueError(f"rule {rule.kind!r} cannot be written back")
         for target, part in zip(targets, parts, strict=True):
