@@ -193,9 +193,9 @@ def test_a_piece_travels_without_the_buffer_it_is_a_view_of(monkeypatch):
     sent = []
     monkeypatch.setattr(ranks, "to_rank0", lambda value, group: sent.append(value) or [value])  # a one-rank double
     buffer = torch.arange(1000, dtype=torch.float32)
-    whole, places = ranks.gather_pieces({"w": (0, 6, buffer[10:16])}, {"w": (2, 3)}, "group", "cpu")
+    whole, places = ranks.gather_pieces({"w": [(0, 6, buffer[10:16])]}, {"w": (2, 3)}, "group", "cpu")
     assert torch.equal(whole["w"], buffer[10:16].view(2, 3)) and places == {}
-    piece = sent[0]["w"][2]
+    piece = sent[0]["w"][0][2]
     assert piece.untyped_storage().nbytes() == 6 * 4
 
 

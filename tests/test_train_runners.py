@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from harness.case import checkpoints  # noqa: E402
+from harness.case.train_settings import Flip  # noqa: E402
 from harness.run.orchestrate import _request  # noqa: E402
 from harness.run.protocol import Phases  # noqa: E402
 from tests.support.cases import registry_from  # noqa: E402
@@ -154,3 +155,81 @@ def test_paddle_clip_observer_sees_the_norm_and_the_factor_paddle_applies():
     assert float(seen["sqrt"][0].reshape(())) == 13.0
     assert np.array_equal(clipped.numpy(), before * seen["divide"][0].reshape(()))
     assert "_dygraph_clip" not in vars(clip)  # the observer is gone afterwards
+
+
+# --- Megatron's state of a fused tensor (GLM-4.5's linear_qkv) in canonical names -----------------------------------
+
+GROUPS, WIDTHS, COLUMNS = 2, (2, 1, 1), 3  # 2 query groups of 2 q rows, 1 k row, 1 v row; 3 columns
+
+
+def _fused_states(ranges=None):
+    """MegatronStates over one fused [8, 3] parameter that holds q [4, 3], k [2, 3] and v [2, 3] interleaved per query
+    group, with an FP32Optimizer-like owner (`ranges` None) or a distributed optimizer holding elements
+    [start, end) of its flattening."""
+    from types import SimpleNamespace
+
+    from harness.families.names import Rule
+    from harness.runners.megatron.train import MegatronStates
+
+    model = torch.nn.Module()
+    model.fused = torch.nn.Parameter(torch.arange(24, dtype=torch.float32).view(8, 3))
+    canonical = ("q.weight", "k.weight", "v.weight")
+    names = {"parameters": {n: ("fused", list(canonical)) for n in canonical}, "buffers": {},
+             "parts": {n: Rule("deinterleave", ("fused",), i, groups=GROUPS, widths=WIDTHS)
+                       for i, n in enumerate(canonical)}}
+    state = {"exp_avg": 1000 + torch.arange(24, dtype=torch.float32).view(8, 3)}
+    if ranges is None:
+        inner = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"params": [model.fused]}],
+                                                          state={model.fused: state}))
+    else:
+        start, end = ranges
+        flat = state["exp_avg"].view(-1)[start:end]
+        inner = SimpleNamespace(
+            model_param_group_index_map={model.fused: (0, 0)}, optimizer=SimpleNamespace(param_groups=[]),
+            _get_model_param_range_map=lambda p: {"param": SimpleNamespace(start=start, end=end)},
+            _get_main_param_and_optimizer_states=lambda p: {"exp_avg": flat})
+    shapes = {"q.weight": (4, 3), "k.weight": (2, 3), "v.weight": (2, 3)}
+    return MegatronStates(names, model, SimpleNamespace(chained_optimizers=[inner]), shapes), model, state
+
+
+def test_megatron_state_of_a_fused_tensor_is_its_parts_rows_by_the_name_maps_rule():
+    """q, k and v of a fused linear_qkv: each quantity is the rows the name map's de-interleave rule names (the rule
+    the model level takes its gradient with), read as views of Megatron's tensor and written back into those rows
+    only; a planted flip lands in its part's row."""
+    from harness.capture.torch import apply_rule
+
+    states, model, state = _fused_states()
+    for name, rule in states.parts.items():
+        assert torch.equal(states.whole("param", name), apply_rule(rule, [model.fused.detach()]))
+        assert torch.equal(states.whole("exp_avg", name), apply_rule(rule, [state["exp_avg"]]))
+    # fused rows: group 0 = q0 q1 k0 v0 (rows 0-3), group 1 = q2 q3 k1 v1 (rows 4-7)
+    assert [(s, e) for s, e, _ in states.pieces("exp_avg", "k.weight")] == [(0, 3), (3, 6)]
+    before = state["exp_avg"].clone()
+    states.put("exp_avg", "k.weight", torch.full((2, 3), -1.0))
+    changed = (state["exp_avg"] != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [2, 6] and torch.equal(state["exp_avg"][[2, 6]], torch.full((2, 3), -1.0))
+    flipped = state["exp_avg"].clone()
+    states.flip(Flip(side="b", after_step=1, state="exp_avg", tensor="v.weight", index=(1, 2), bit=20))
+    differs = (state["exp_avg"] != flipped).nonzero().tolist()
+    assert differs == [[7, 2]]  # v's row 1 is the fused row 7
+
+
+def test_megatron_state_of_a_fused_tensor_under_a_distributed_optimizer_splits_into_pieces():
+    """A distributed optimizer's range of the flattened fused tensor meets each part in pieces (per query group):
+    each piece is where the part has those elements, and two ranks' pieces tile every part exactly."""
+    from harness.runners.torch import ranks
+
+    held = {}
+    for start, end in ((0, 10), (10, 24)):
+        states, model, state = _fused_states((start, end))
+        for name in states.parts:
+            held.setdefault(name, []).extend((s, e, v.clone()) for s, e, v in states.pieces("exp_avg", name))
+    whole, _, full = _fused_states()
+    for name, pieces in held.items():
+        assert torch.equal(ranks.assemble(name, whole.shapes[name], pieces), whole.whole("exp_avg", name))
+    # rank 0's range [0, 10) of the fused [8, 3]: rows 0-2 and one element of row 3; q's rows 0-1, k's row 0 (fused
+    # row 2), v's first element (fused row 3)
+    states, _, _ = _fused_states((0, 10))
+    assert [(s, e) for s, e, _ in states.pieces("exp_avg", "q.weight")] == [(0, 6)]
+    assert [(s, e) for s, e, _ in states.pieces("exp_avg", "k.weight")] == [(0, 3)]
+    assert [(s, e) for s, e, _ in states.pieces("exp_avg", "v.weight")] == [(0, 1)]

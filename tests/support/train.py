@@ -1,5 +1,6 @@
-"""Tiny training cases (op causal_lm_train) for the tests: a 2-layer DeepSeek-V3 with 8 experts top-2 and widths of
-a few dozen, 8 tokens, 2 steps of 2 micro-batches: one side trains in about a second."""
+"""Tiny training cases (op causal_lm_train) for the tests: a 2-layer DeepSeek-V3 with 8 experts top-2 (or a 2-layer
+GLM-4.5 MoE, TINY_GLM) and widths of a few dozen, 8 tokens, 2 steps of 2 micro-batches: one side trains in about a
+second."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ TINY_MODEL = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_re
               "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 96,
               "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
               "vocab_size": 128}
+# GLM-4.5 MoE (glm4_moe) at the same size: q, k and v fused per query group on Megatron and Paddle (2 groups of 2
+# query heads), q/k/v biases, partial RoPE, 16 experts top-2 (at 8 tokens some get none: Paddle's GLM MoE never calls
+# those, so they have no gradient there)
+TINY_GLM = {"family": "glm4_moe", "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96,
+            "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "vocab_size": 128}
 TINY_TRAIN = {"steps": 2, "micro_batches": 2, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0, "decay_steps": 2}
 # SGD with momentum (harness/optimizers/sgd.py): a schedule all three stacks compute alike (1e-2 -> 1e-3 would not:
 # Megatron's cosine gives 0.010000000000000002 at step 1, HF's 0.01)

@@ -19,6 +19,8 @@ from harness.families.deepseek_v3.config import DeepseekV3Config
 from harness.run.protocol import Phases, Unsupported, import_failure
 
 MODEL = "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM"
+# Its MoE layer on an expert-parallel group (harness.runners.paddle.train: DeepEP's all-to-all only)
+EXPERT_PARALLEL_LAYER = "DeepseekV3MoEFlexToken"
 
 # PaddleFormers config knobs this runner sets, and why. Everything else comes from the case's HF config keys.
 KNOBS = {

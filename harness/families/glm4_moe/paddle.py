@@ -20,6 +20,9 @@ from harness.families.glm4_moe.layout import gradients, modules, moe_layers, par
 from harness.run.protocol import Phases, Unsupported, import_failure
 
 MODEL = "paddleformers.transformers.glm4_moe.modeling.Glm4MoeForCausalLMDeprecated"
+# Its MoE layer on an expert-parallel group (Glm4MoeDecoderLayer: expert_model_parallel_size > 1 and not
+# use_unified_moe), a MoEFlexTokenLayer: DeepEP's all-to-all only (harness.runners.paddle.train)
+EXPERT_PARALLEL_LAYER = "Glm4MoeFlexMoE"
 
 # PaddleFormers config knobs this runner sets, and why. Everything else comes from the case's HF config keys.
 KNOBS = {

@@ -37,6 +37,7 @@ Observer (changes nothing): ``clip_scale``, the scale ``clip_grad_by_total_norm_
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from contextlib import contextmanager, nullcontext
@@ -142,8 +143,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         if train.expert_bias_update == "off":  # read by finalize_model_grads after every step's backward
             config.moe_router_bias_update_rate = 0.0
         model = megatron_model.build_model(config, m, device)
-        names = expert_shard(megatron_model.name_map(m), routed_experts(m), train.ep,
-                             parallel_state.get_expert_model_parallel_rank())
+        full = megatron_model.name_map(m)
+        names = expert_shard(full, routed_experts(m), train.ep, parallel_state.get_expert_model_parallel_rank())
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         megatron_model.load_weights(model, names, checkpoint)
         model.train()
@@ -165,7 +166,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                 lr_decay_style=train.decay_style, start_wd=train.weight_decay, end_wd=train.weight_decay,
                 wd_incr_steps=train.decay_steps, wd_incr_style="constant")
         states = MegatronStates(names, model, optimizer, dict(train_state_names(m)), group, train.ep,
-                                carried_quantities(train.record))
+                                carried_quantities(train.record), routed_expert_names(full))
         if train.ep == 1 and set(states.rules) != set(states.shapes):
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
     writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
@@ -193,7 +194,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                                                                       optimizer.chained_optimizers)
                               + ", inner " + type(optimizer.chained_optimizers[0].optimizer).__name__
                               + "), OptimizerParamScheduler, forward_backward_no_pipelining",
-            "adapters": adapters, "knobs": {**knobs, **training_knobs(train, optimizer)},
+            "adapters": adapters,
+            "knobs": {**knobs, **training_knobs(train, optimizer, config.moe_router_bias_update_rate)},
             "state_locations": state_locations(m["family"], "megatron", train.record,
                                                step_quantities(train.record)),
             "steps_kept": list(train.steps_kept), "refeed": refeed or {}, "determinism": determinism,
@@ -223,8 +225,13 @@ def init_ranks(device: torch.device, expert_parallel: int) -> None:
                                              create_gloo_process_groups=True)
 
 
-EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)\d+(?=\.)")
-ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")  # a routed expert's canonical name
+EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)\d+(?=\.)")  # a routed expert in Megatron's MoE layer
+
+
+def routed_expert_names(names: dict) -> frozenset:
+    """The canonical names of the routed experts' parameters: those the family's name map puts in Megatron's
+    ``local_experts`` (SequentialMLP)."""
+    return frozenset(c for c, (megatron, _) in names["parameters"].items() if EXPERT_INDEX.search(megatron))
 
 
 def expert_shard(names: dict, experts: int, expert_parallel: int, ep_rank: int) -> dict:
@@ -330,21 +337,32 @@ def held(states, quantity: str, clone: bool = False) -> tuple[dict, dict]:
 
 class MegatronStates:
     """The per-parameter state of Megatron's optimizer in canonical names (the interface of
-    harness.runners.torch.train_state): Megatron's parameters are canonical already ([megatron.parameters]); a
+    harness.runners.torch.train_state), through the family's name map ([megatron.parameters], read by
+    ``harness.runners.megatron.model.name_map``): a canonical tensor is a Megatron parameter as it is (fc1 is the
+    canonical gate_up_proj), or one part of a fused one, whose rows the map's de-interleave rule names (q, k and v
+    interleaved per query group in linear_qkv: the same rule takes their gradients at the model level). Every
+    quantity of a part (gradient, main param, optimizer state, parameter) is those rows of the fused tensor's. A
     parameter's main param and optimizer state come from the chained optimizer that owns it.
 
     On several ranks (`group`: harness.runners.torch.ranks) a rank holds pieces: a distributed optimizer owns a range
     of each flattened parameter on each data-parallel rank (its main param, Adam's moments, and the reduced gradient
-    there: ``_get_model_param_range_map``), and an expert-parallel rank holds its own experts only. ``held`` gives
+    there: ``_get_model_param_range_map``: a part of a fused tensor is then as many pieces as its query groups the
+    range meets), and an expert-parallel rank holds its own experts only (`experts`). ``held`` gives
     what a rank writes of a quantity (rank 0: every tensor put back together); ``put`` writes each rank's part of a
     canonical tensor. `carried`: what a step hands to the next (harness.case.ops.carried_quantities)."""
 
     def __init__(self, names: dict, model, optimizer, shapes: dict | None = None, group=None,
-                 expert_parallel: int = 1, carried: tuple[str, ...] = ()):
+                 expert_parallel: int = 1, carried: tuple[str, ...] = (), experts: frozenset = frozenset()):
         self.carried = carried
         params = dict(model.named_parameters())
         self.rules = {canonical: params[megatron] for canonical, (megatron, _) in names["parameters"].items()}
-        self.shapes = shapes or {name: tuple(param.shape) for name, param in self.rules.items()}
+        # a canonical tensor that is one part of a fused Megatron tensor (q, k or v of linear_qkv): the name map's
+        # rule that takes it (kind deinterleave, harness.families.names), as the model level takes its gradient
+        self.parts = {name: rule for name, rule in names.get("parts", {}).items() if name in self.rules}
+        self.shapes = shapes or {name: (len(self.parts[name].rows(self.parts[name].index)), *param.shape[1:])
+                                 if name in self.parts else tuple(param.shape) for name, param in self.rules.items()}
+        self.experts = experts  # the routed experts' canonical names: held in pieces on several expert-parallel ranks
+        self._runs: dict[str, list[tuple[int, int, int]]] = {}
         self.optimizer, self.group, self.expert_parallel = optimizer, group, expert_parallel
         self.owner: dict[torch.Tensor, tuple] = {}  # model param -> (chained optimizer, main param or None)
         self.distributed = False
@@ -380,9 +398,56 @@ class MegatronStates:
             for group in inner.optimizer.param_groups:
                 group["lr"] = lr
 
-    def part(self, quantity: str, name: str) -> tuple[int, int, torch.Tensor] | None:
-        """(start, end, values) of the flattened canonical tensor this rank holds (the whole of it, a distributed
-        optimizer's range, or None), the values a view of Megatron's own tensor."""
+    def runs(self, name: str) -> list[tuple[int, int, int]]:
+        """(canonical start, Megatron start, length) of the runs of `name`'s flattened elements that lie together in
+        the flattened Megatron tensor holding it: one run for a tensor Megatron holds as it is, one per query group
+        for a part of a fused one (q, k or v of linear_qkv: the rows its name-map rule de-interleaves)."""
+        if name not in self._runs:
+            numel = math.prod(self.shapes[name])
+            rule = self.parts.get(name)
+            if rule is None:
+                self._runs[name] = [(0, 0, numel)]
+            else:
+                rows = rule.rows(rule.index)
+                width = numel // len(rows)  # elements per row (1 for a bias)
+                runs: list[list[int]] = []
+                for i, row in enumerate(rows):
+                    if runs and runs[-1][1] + runs[-1][2] == row * width:
+                        runs[-1][2] += width
+                    else:
+                        runs.append([i * width, row * width, width])
+                self._runs[name] = [tuple(run) for run in runs]
+        return self._runs[name]
+
+    def pieces(self, quantity: str, name: str) -> list[tuple[int, int, torch.Tensor]]:
+        """The elements of canonical tensor `name` this rank holds, as (start, end, values) pieces of its flattening,
+        each a view of Megatron's own tensor: one piece for the whole of a tensor Megatron holds as it is, the
+        distributed optimizer's range of it, one piece per query group of a part of a fused tensor (the rows of q,
+        k or v in linear_qkv) and of such a part within a range; none where this rank holds nothing of it."""
+        span = self._span(quantity, name)
+        if span is None:
+            return []
+        start, end, values = span
+        held = []
+        for canonical, megatron, length in self.runs(name):
+            low, high = max(start, megatron), min(end, megatron + length)
+            if low < high:
+                held.append((canonical + low - megatron, canonical + high - megatron,
+                             values[low - start:high - start]))
+        return held
+
+    def whole(self, quantity: str, name: str) -> torch.Tensor:
+        """Canonical tensor `name`, which this rank holds whole: a view of Megatron's tensor, or for a part of a
+        fused one its rows put together (a copy)."""
+        held = self.pieces(quantity, name)
+        if len(held) == 1 and held[0][:2] == (0, math.prod(self.shapes[name])):
+            return held[0][2].view(self.shapes[name])
+        return ranks.assemble(f"{quantity}.{name}", self.shapes[name], held)
+
+    def _span(self, quantity: str, name: str) -> tuple[int, int, torch.Tensor] | None:
+        """(start, end, values) of the flattened Megatron tensor holding canonical tensor `name` that this rank
+        holds (the whole of it, a distributed optimizer's range, or None), the values a view of Megatron's own
+        tensor."""
         if name not in self.rules:  # another expert-parallel rank's expert
             return None
         param = self.rules[name]
@@ -415,7 +480,7 @@ class MegatronStates:
         expert-parallel ranks, and the distributed optimizer's quantities (all but the parameter) on several ranks."""
         if self.group is None:
             return False
-        if self.expert_parallel > 1 and ROUTED_EXPERT.search(name):
+        if self.expert_parallel > 1 and name in self.experts:
             return True
         return self.distributed and quantity != "param"
 
@@ -425,14 +490,13 @@ class MegatronStates:
         pieces gathered to it), and of each tensor held in pieces the places the other ranks hold, from it; another
         rank: the tensors it holds whole (its replicas), and its own pieces of the others, before any gather."""
         pieced = [name for name in self.shapes if self._pieced(quantity, name)]
-        whole = {name: self.part(quantity, name)[2].view(self.shapes[name]) for name in self.shapes
-                 if name not in pieced}
+        whole = {name: self.whole(quantity, name) for name in self.shapes if name not in pieced}
         if not pieced:
             return whole, {}
-        own = {name: part for name in pieced if (part := self.part(quantity, name)) is not None}
+        own = {name: held for name in pieced if (held := self.pieces(quantity, name))}
         gathered, places = ranks.gather_pieces(own, self.shapes, self.group, next(iter(self.rules.values())).device)
         if torch.distributed.get_rank(self.group) != 0:
-            return whole, {name: [part] for name, part in own.items()}
+            return whole, own
         whole.update(gathered)
         return whole, {name: [(start, end, whole[name].reshape(-1)[start:end]) for start, end in spans]
                        for name, spans in places.items()}
@@ -445,28 +509,27 @@ class MegatronStates:
         flat = 0
         for i, size in zip(flip.index, self.shapes[flip.tensor], strict=True):
             flat = flat * size + i
-        part = self.part(flip.state, flip.tensor)
-        if part is None or not part[0] <= flat < part[1]:
-            if flip.rank is not None:
-                raise RuntimeError(f"train.flip.rank = {flip.rank}: this rank holds no element {list(flip.index)} "
-                                   f"of the {flip.state} of {flip.tensor} (holds "
-                                   f"{'none' if part is None else f'elements {part[0]}:{part[1]}'})")
-            return
-        bits = part[2].view(INT_VIEW[part[2].dtype])
-        bits[flat - part[0]] ^= 1 << flip.bit  # the registry keeps the bit below the sign bit
+        held = self.pieces(flip.state, flip.tensor)
+        for start, end, values in held:
+            if start <= flat < end:
+                bits = values.view(INT_VIEW[values.dtype])
+                bits[flat - start] ^= 1 << flip.bit  # the registry keeps the bit below the sign bit
+                return
+        if flip.rank is not None:
+            raise RuntimeError(f"train.flip.rank = {flip.rank}: this rank holds no element {list(flip.index)} "
+                               f"of the {flip.state} of {flip.tensor} (holds "
+                               f"{', '.join(f'elements {s}:{e}' for s, e, _ in held) or 'none'})")
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
         if tuple(value.shape) != tuple(self.shapes[name]):
             raise ValueError(f"{quantity}.{name}: canonical shape {list(self.shapes[name])}, given {list(value.shape)}")
-        part = self.part(quantity, name)
-        if part is not None:
-            start, end, values = part
+        for start, end, values in self.pieces(quantity, name):
             keeps_bits(value, values.dtype, f"{quantity}.{name}")
             values.copy_(value.reshape(-1)[start:end])
 
 
-def training_knobs(train: TrainSettings, optimizer) -> dict:
+def training_knobs(train: TrainSettings, optimizer, bias_update_rate: float) -> dict:
     groups = [(inner.optimizer.param_groups) for inner in optimizer.chained_optimizers]
     exempt = sum(len(g["params"]) for gs in groups for g in gs if g.get("wd_mult", 1.0) == 0.0)
     own, shown, why = train.record.megatron(train.optimizer)
@@ -492,8 +555,9 @@ def training_knobs(train: TrainSettings, optimizer) -> dict:
                                            "micro-batch size 1 counted in steps"},
         "micro_batches": {"value": train.micro_batches, "why": "forward_backward_no_pipelining's "
                                                                "num_microbatches (gradient accumulation)"},
-        "moe_router_bias_update_rate": {"value": 0.0 if train.expert_bias_update == "off" else 1e-3,
-                                        "why": f"expert_bias_update = {train.expert_bias_update!r}: "
-                                               "finalize_model_grads moves each routing bias by sign(mean load - "
-                                               "load) x this rate after every step's backward"},
+        "moe_router_bias_update_rate": {"value": bias_update_rate,
+                                        "why": f"expert_bias_update = {train.expert_bias_update!r} (else the "
+                                               "family's Megatron config's): finalize_model_grads moves each "
+                                               "routing bias by sign(mean load - load) x this rate after every "
+                                               "step's backward"},
     }

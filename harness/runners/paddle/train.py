@@ -1,6 +1,8 @@
-"""paddle_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of PaddleFormers'
-``DeepseekV3ForCausalLM`` (the model of ``harness.runners.paddle.model``, CPU, float32) with Paddle's own training
-pieces, every per-step quantity written in canonical names.
+"""paddle_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of the case's model
+family in PaddleFormers (the model of ``harness.runners.paddle.model``, its family's Paddle builder's ``MODEL``, CPU,
+float32) with Paddle's own training pieces, every per-step quantity written in canonical names through the family's
+``[paddle.grads]`` rules (read and, for the re-feed and the negative control, written back: a fused tensor's part,
+q, k or v of ``qkv_proj``, is its columns there).
 
 - the optimizer the case names, built by its record (``harness.optimizers``): ``paddle.optimizer.AdamW`` or
   ``paddle.optimizer.Momentum`` (``multi_precision`` off: float32 parameters have no masters), weight decay on every
@@ -18,9 +20,16 @@ On several data-parallel ranks (``train.dp``, docs/training-ranks.md; ``paddle.d
 CPU): ``paddle.distributed.init_parallel_env()`` and ``paddle.DataParallel(model)`` with its defaults (gradients
 averaged over the ranks in its fused buckets), each rank its own micro-batches (``no_sync()`` but for the last); every
 rank then steps the same optimizer on the same gradients and digests its own copy of the whole state (only the step's
-losses are gathered). Expert parallel (``train.ep > 1``) is PaddleFormers'
-``DeepseekV3MoEFlexToken``, whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
+losses are gathered). Expert parallel (``train.ep > 1``) is the family's PaddleFormers flex-token MoE layer (its
+builder's ``EXPERT_PARALLEL_LAYER``), whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
 ``paddlefleet_ops.deep_ep``, PaddleFleet's CUDA package): UNSUPPORTED naming it where it is not installed.
+
+A parameter the backward never reached has no gradient (a routed expert no token has been routed to so far, in a
+model that calls only the experts with tokens: GLM-4.5's ``Glm4MoeMoE``; DeepSeek-V3's calls every expert): Paddle's
+optimizer skips it (no weight decay, no moment update, no step count) and creates its accumulators, zeros, at its
+first gradient. The runner writes zeros for that gradient and that state, what the next step starts from, and lists
+such parameters per step in meta.json (``zero_grads``); ``clear_grad()`` zeroes a gradient once made, which Paddle
+steps from then on.
 
 Paddle's Adam keeps its step count as fp32 running products (``beta1_pow_acc``, ``beta2_pow_acc``); its formula scales
 eps by sqrt(1 - beta2^t) and folds the bias correction into the lr; its Momentum rounds every product on its own
@@ -93,7 +102,7 @@ def run(request: dict, phases: Phases) -> dict:
     if world != train.dp:
         raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train.dp}")
     if train.ep > 1:
-        expert_parallel_dispatch()
+        expert_parallel_dispatch(paddle_family)
     with phases("setup"):
         if world > 1:
             paddle.distributed.init_parallel_env()
@@ -122,25 +131,28 @@ def run(request: dict, phases: Phases) -> dict:
                           f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
-        "adapters": ([adapter] if adapter else []) + [
+        "adapters": ([adapter] if adapter else []) + paddle_family.adapters() + [
             {"name": "clip_norm_and_factor", "why": "observer: " + clip_norm_and_factor.__doc__.strip(),
              "changes_computation": False}],
         "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_family.KNOBS.items()}, **trainer.knobs},
         "state_locations": state_locations(request["config"]["model"]["family"], "paddle", train.record,
                                            step_quantities(train.record)),
         "weights_loaded": loaded, "steps_kept": list(train.steps_kept), "refeed": refeed or {},
+        "zero_grads": {f"step {step}": names for step, names in trainer.zero_grads.items() if names},
         "data_parallel": train.dp, "distributed_backend": "gloo" if world > 1 else None,
     }
 
 
-def expert_parallel_dispatch() -> None:
-    """PaddleFormers builds DeepseekV3MoEFlexToken on an expert-parallel group; its tokens travel only through DeepEP
-    (paddleformers/transformers/fused_a2a.py, HAVE_DEEP_EP from paddlefleet_ops)."""
+def expert_parallel_dispatch(paddle_family) -> None:
+    """On an expert-parallel group PaddleFormers builds the family's flex-token MoE layer (its Paddle builder's
+    ``EXPERT_PARALLEL_LAYER``); its tokens travel only through DeepEP (paddleformers/transformers/fused_a2a.py,
+    HAVE_DEEP_EP from paddlefleet_ops)."""
     from paddleformers.transformers import fused_a2a
 
+    layer = getattr(paddle_family, "EXPERT_PARALLEL_LAYER", "flex-token MoE layer (MoEFlexTokenLayer)")
     if not fused_a2a.HAVE_DEEP_EP:
         raise paddle_model.Unsupported(
-            "expert parallel: PaddleFormers' DeepseekV3MoEFlexToken dispatches tokens only through DeepEP's fused "
+            f"expert parallel: PaddleFormers' {layer} dispatches tokens only through DeepEP's fused "
             "all-to-all (paddleformers/transformers/fused_a2a.py; without it MoEFlexTokenDispatcher raises "
             "'ImportError: DeepEP is not supported in your paddlepaddle whl package.'), and paddlefleet_ops.deep_ep "
             "(PaddleFleet's CUDA package, not on PyPI) is not installed")
@@ -178,6 +190,7 @@ class Trainer:
                                                            train.weight_decay, exempt, self.clip)
         self.accumulators = train.record.paddle_accumulators  # state quantity -> Paddle's accumulator
         self.carried = tuple(q for q in carried_quantities(train.record) if q != "master")  # no fp32 masters here
+        self.zero_grads: dict[int, list[str]] = {}  # step -> parameters without a gradient so far (written as zeros)
         self.knobs = {
             **knobs,
             "weight_decay_params": {"value": train.weight_decay_params, "why": decay},
@@ -217,6 +230,7 @@ class Trainer:
             self.scheduler.step()
             return {}, {}
         grads = {f"grad.{name}": value.copy() for name, value in self.canonical("grad").items()}
+        self.zero_grads[step] = self.without_gradient()
         clipping = {}  # without grad_clip Paddle computes neither a norm nor a factor: none is written as its own
         if self.clip is not None:
             with clip_norm_and_factor(self.clip) as seen:
@@ -243,20 +257,48 @@ class Trainer:
 
     # --- state in canonical names (numpy), both ways -------------------------------------------------------------
     def source(self, quantity: str, name: str):
+        """Paddle's tensor of `quantity` for its parameter `name`, or None where Paddle holds none yet: the gradient
+        of a parameter the backward never reached (a routed expert no token has been routed to so far, in a model
+        that calls only the experts with tokens: GLM-4.5's Glm4MoeMoE), and the optimizer state of such a
+        parameter (AdamW and Momentum skip a parameter without a gradient and create its accumulators, zeros, at its
+        first one)."""
         param = self.params[name]
         if quantity == "param":
             return param
         if quantity == "grad":
-            if param.grad is None:
-                raise RuntimeError(f"{name} has no gradient")
             return param.grad
         if quantity in self.accumulators:
-            return self.optimizer._accumulators[self.accumulators[quantity]][param.name]
+            return self.optimizer._accumulators[self.accumulators[quantity]].get(param.name)
         raise ValueError(f"paddle_model keeps no {quantity!r} (float32 parameters have no masters)")
+
+    def host(self, quantity: str, name: str) -> np.ndarray:
+        """`source` on the host; where Paddle holds none yet, the zeros it would start from (a gradient the
+        backward did not reach is written as zeros, as the model level writes it; an accumulator is created
+        zero-filled)."""
+        tensor = self.source(quantity, name)
+        if tensor is not None:
+            return to_host(tensor)
+        param = self.params[name]
+        return np.zeros(param.shape, dtype=str(param.dtype).removeprefix("paddle."))
 
     def one(self, quantity: str, name: str) -> np.ndarray:
         rule = self.rules[name]
-        return np.ascontiguousarray(apply_rule(rule, [to_host(self.source(quantity, s)) for s in rule.sources]))
+        return np.ascontiguousarray(apply_rule(rule, [self.host(quantity, s) for s in rule.sources]))
+
+    def without_gradient(self) -> list[str]:
+        """The canonical names whose Paddle parameters got no gradient so far (``param.grad`` None)."""
+        return [name for name, rule in self.rules.items() if any(self.params[s].grad is None for s in rule.sources)]
+
+    def create(self, quantity: str, name: str, value: np.ndarray):
+        """A load (re-feed) of a nonzero `value` where Paddle holds no tensor yet (``source`` None): made as Paddle
+        makes it at the parameter's first gradient (the gradient set; the optimizer's own ``_create_accumulators``,
+        its step counts, AdamW's beta powers, starting there), then holding `value`."""
+        param = self.params[name]
+        if quantity == "grad":
+            param._set_grad_ivar(paddle.to_tensor(np.ascontiguousarray(value), place=paddle.CPUPlace()))
+            return param.grad
+        self.optimizer._create_accumulators(paddle.static.default_main_program().global_block(), [param])
+        return self.source(quantity, name)
 
     def canonical(self, quantity: str) -> dict[str, np.ndarray]:
         return {name: self.one(quantity, name) for name in self.rules}
@@ -264,17 +306,31 @@ class Trainer:
     def put(self, quantity: str, name: str, value: np.ndarray) -> None:
         rule = self.rules[name]
         targets = [self.source(quantity, s) for s in rule.sources]
+        shapes = [self.params[s].shape for s in rule.sources]  # every quantity's shape is its parameter's
         if rule.kind == "same":
             parts = [value]
         elif rule.kind == "transpose":
             parts = [np.swapaxes(value, -1, -2)]
         elif rule.kind in ("cat0", "transpose_cat0"):
-            rows = [t.shape[-1] if rule.kind == "transpose_cat0" else t.shape[0] for t in targets]
+            rows = [shape[-1] if rule.kind == "transpose_cat0" else shape[0] for shape in shapes]
             parts = np.split(value, np.cumsum(rows)[:-1], axis=0)
             parts = [np.swapaxes(p, -1, -2) for p in parts] if rule.kind == "transpose_cat0" else parts
+        elif rule.kind in ("deinterleave", "transpose_deinterleave"):  # one part of a fused tensor (q of qkv_proj)
+            fused = self.host(quantity, rule.sources[0])  # the other parts' rows as they are
+            rows = np.swapaxes(fused, -1, -2) if rule.kind == "transpose_deinterleave" else fused
+            if value.dtype != fused.dtype or tuple(value.shape) != (len(rule.rows(rule.index)), *rows.shape[1:]):
+                raise ValueError(f"re-feed: {quantity}.{name} is {value.dtype}{list(value.shape)}, its part of "
+                                 f"Paddle's {rule.sources[0]} {fused.dtype}{list(fused.shape)}: a load keeps every "
+                                 "bit or is refused")
+            rows[rule.rows(rule.index)] = value  # a view of `fused`: its rows (columns of a transposed weight)
+            parts = [fused]
         else:
             raise ValueError(f"rule {rule.kind!r} cannot be written back")
-        for target, part in zip(targets, parts, strict=True):
+        for source, target, part in zip(rule.sources, targets, parts, strict=True):
+            if target is None:  # Paddle holds none yet: all-zero bits are what it starts from, so nothing to load
+                if not np.ascontiguousarray(part).view(np.uint8).any():
+                    continue
+                target = self.create(quantity, source, part)
             _fits(part, target, f"{quantity}.{name}")
             target.set_value(paddle.to_tensor(np.ascontiguousarray(part), place=paddle.CPUPlace()))
 

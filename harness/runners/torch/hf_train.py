@@ -1,5 +1,6 @@
-"""hf_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of HF transformers'
-``DeepseekV3ForCausalLM`` with torch's own training pieces, every per-step quantity written in canonical names.
+"""hf_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of the case's model family
+in HF transformers (the model of ``harness.runners.torch.hf_model``, its family's HF builder's ``MODEL``) with torch's
+own training pieces, every per-step quantity written in canonical names through the family's ``[hf.grads]`` rules.
 
 The pieces are torch's and transformers' own: the optimizer the case names, built by its record
 (``harness.optimizers``: ``torch.optim.AdamW``, whose foreach / fused flags the case's ``torch_adamw`` picks, "default"

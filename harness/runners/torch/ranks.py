@@ -63,18 +63,21 @@ def to_rank0(value, group) -> list | None:
     return out
 
 
-def gather_pieces(pieces: dict[str, tuple[int, int, torch.Tensor]], shapes: dict, group, device) -> tuple[dict, dict]:
-    """On rank 0: ({name: whole tensor on `device`} for every name some rank holds a piece of (`shapes`: name ->
-    shape), {name: [(start, end)] of the pieces the other ranks hold}); on the others ({}, {}), their pieces sent."""
+def gather_pieces(pieces: dict[str, list[tuple[int, int, torch.Tensor]]], shapes: dict, group,
+                  device) -> tuple[dict, dict]:
+    """`pieces`: {name: [(start, end, flat values)]} this rank holds (several of one tensor where its elements lie
+    apart in the stack's own tensor: q, k or v interleaved in Megatron's linear_qkv). On rank 0: ({name: whole tensor
+    on `device`} for every name some rank holds a piece of (`shapes`: name -> shape), {name: [(start, end)] of the
+    pieces the other ranks hold}); on the others ({}, {}), their pieces sent."""
     # a clone each: pickling a view pickles its whole storage (a piece of Megatron's flat buffer would carry all of it)
-    held = to_rank0({n: (s, e, t.detach().cpu().clone()) for n, (s, e, t) in pieces.items()}, group)
+    held = to_rank0({n: [(s, e, t.detach().cpu().clone()) for s, e, t in ps] for n, ps in pieces.items()}, group)
     if held is None:
         return {}, {}
     by_name: dict[str, list] = {}
     places: dict[str, list] = {}
     for rank, mine in enumerate(held):
-        for name, piece in mine.items():
-            by_name.setdefault(name, []).append(piece)
+        for name, owned in mine.items():
+            by_name.setdefault(name, []).extend(owned)
             if rank:
-                places.setdefault(name, []).append(piece[:2])
+                places.setdefault(name, []).extend(piece[:2] for piece in owned)
     return {name: assemble(name, shapes[name], parts).to(device) for name, parts in by_name.items()}, places

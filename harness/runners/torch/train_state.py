@@ -5,8 +5,10 @@ for the negative control's planted bit and for the re-feed in time (side b start
 to the next); ``TorchStates`` implements it through name-map rules (hf_model: the ``[hf.grads]`` rule of each canonical
 name, applied to the parameter, its master, its gradient or its optimizer state alike: torch's optimizers key their
 state by the canonical quantity names, ``state[p]["exp_avg"]``, ``state[p]["momentum_buffer"]``); Megatron's runner has
-its own (its parameters are canonical already).
-Writing back inverts the rule with copies only (a slice of a fused tensor, the halves of a cat0, a transpose).
+its own (``harness.runners.megatron.train.MegatronStates``: a canonical tensor is a Megatron parameter, or the rows
+of one part of a fused one, as the family's name map says).
+Writing back inverts the rule with copies only (a slice of a fused tensor, the halves of a cat0, a transpose, one
+part's rows of a tensor that interleaves q, k and v per query group).
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def put_rule(rule, targets: list[torch.Tensor], value: torch.Tensor) -> None:
             part = value[start:start + rows]
             target.copy_(part.transpose(-1, -2) if rule.kind == "transpose_cat0" else part)
             start += rows
+    elif rule.kind in ("deinterleave", "transpose_deinterleave"):  # one part of a fused tensor: its rows, in place
+        fused = targets[0].transpose(-1, -2) if rule.kind == "transpose_deinterleave" else targets[0]
+        fused[torch.tensor(rule.rows(rule.index), device=fused.device)] = value
     else:
         raise ValueError(f"rule {rule.kind!r} cannot be written back")
 
