@@ -398,3 +398,31 @@ def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_p
         assert routing["ascending"] and routing["shape"] == [8, 2] and routing["nonzero"] == 16, routing
         assert routing["sums"] < 1e-6
     assert set(result["meta_routing"]) == {"layer 0", "layer 1"}
+
+
+SPEC_FORMS = """
+    import copy, json
+    from functools import partial
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+    from harness.families.qwen3_moe.megatron import layer_spec, routing_record_router
+    forms = {"module_spec": ModuleSpec(module=MoELayer, submodules=MoESubmodules()),
+             "partial": partial(MoELayer, submodules=MoESubmodules()), "dense": ModuleSpec(module=object)}
+    routers = {}
+    for name, mlp in forms.items():
+        spec = ModuleSpec(module=object, submodules=TransformerLayerSubmodules(mlp=mlp))
+        layer_spec(spec)
+        mlp = spec.submodules.mlp
+        held = getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules")
+        routers[name] = getattr(held, "router", None) is routing_record_router()
+    print(json.dumps(routers))
+"""
+
+
+@pytest.mark.skipif(absent("megatron.core"), reason="Megatron-Core's layer specs")
+def test_the_routing_record_goes_into_both_forms_of_megatrons_moe_spec():
+    """On the H200 (megatron-core 0.19.2) the MoE layer's spec is ``functools.partial(MoELayer, submodules=...)``,
+    not a ModuleSpec (0.16.1 here): the router went unreplaced there and the capture failed naming the missing
+    ``routing_record`` (2026-12-03). Both forms now get the family's router; a dense layer keeps its MLP."""
+    assert python(SPEC_FORMS) == {"module_spec": True, "partial": True, "dense": False}

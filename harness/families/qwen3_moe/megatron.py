@@ -40,7 +40,7 @@ tests/test_qwen3_moe.py checks it).
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -66,10 +66,18 @@ def install_adapters(skip=(), te_installed: bool = False) -> list[str]:
 def layer_spec(spec, skip=()) -> None:
     """The local spec's modules as they are (SelfAttention with the local DotProductAttention, WrappedTorchNorm for
     q_layernorm / k_layernorm), and in a MoE layer the router with its routing record."""
-    mlp = getattr(spec.submodules, "mlp", None)
-    submodules = getattr(mlp, "submodules", None)
-    if "routing_record" not in skip and hasattr(submodules, "router"):
+    submodules = moe_submodules(getattr(spec.submodules, "mlp", None))
+    if "routing_record" not in skip and submodules is not None:
         submodules.router = routing_record_router()
+
+
+def moe_submodules(mlp):
+    """A layer spec's ``MoESubmodules``: a ModuleSpec's ``submodules`` (megatron-core 0.16) or the ``submodules``
+    keyword of the ``functools.partial(MoELayer, ...)`` that 0.19's moe_module_specs builds; None in a dense layer."""
+    submodules = getattr(mlp, "submodules", None)
+    if submodules is None and isinstance(mlp, partial):
+        submodules = mlp.keywords.get("submodules")
+    return submodules if hasattr(submodules, "router") else None
 
 
 class RoutingRecord(torch.nn.Module):
