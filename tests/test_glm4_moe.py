@@ -122,7 +122,15 @@ def test_every_case_says_its_pair_and_the_variants_their_dtypes():
         "glm4_moe_2layer_float64_qk_norm": ("float64", ("megatron_model", "hf_model")),
         "glm4_moe_2layer_float64_dense": ("float64", ("megatron_model", "hf_model")),
         "glm4_moe_2layer_control_megatron": ("float32", ("megatron_model", "megatron_model")),
-        "glm4_moe_2layer_full": ("bfloat16", ("megatron_model", "hf_model"))}
+        "glm4_moe_2layer_full": ("bfloat16", ("megatron_model", "hf_model")),
+        # the training level (cases/glm4_moe_train.toml)
+        "glm4_moe_2layer_train": ("float32", ("megatron_model", "hf_model")),
+        "glm4_moe_2layer_train_bf16": ("bfloat16", ("megatron_model", "hf_model")),
+        "glm4_moe_2layer_train_sgd": ("float32", ("megatron_model", "hf_model")),
+        "glm4_moe_2layer_train_paddle": ("float32", ("megatron_model", "paddle_model")),
+        "glm4_moe_2layer_train_control_megatron": ("float32", ("megatron_model", "megatron_model")),
+        "glm4_moe_2layer_train_float64": ("float64", ("megatron_model", "hf_model")),
+        "glm4_moe_2layer_train_float64_dense": ("float64", ("megatron_model", "paddle_model"))}
     full = cases["glm4_moe_2layer_full"].model
     assert (full.hidden_size, full.num_attention_heads, full.num_key_value_heads, full.head_dim,
             full.intermediate_size, full.moe_intermediate_size, full.n_routed_experts, full.vocab_size) == (
