@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
-from harness.compare import captured_runs, train_steps
+from harness.compare import captured_runs, loss_logs, train_steps
 from harness.compare.result import ORACLE_LABEL, CaseResult, decide, first_divergence
 from harness.pipeline import describe_case, failsafe, run_folder
 from harness.report import case_report as report
@@ -66,9 +66,14 @@ def compare_runs(a: Path, b: Path, *, truth: Path | None = None, micro_batches: 
         kinds = [captured_runs.is_step_run(path) for path in (a, b)]
         if all(kinds):
             _step_runs(result, Path(a), Path(b), Path(truth) if truth else None)
+        elif not any(kinds):
+            if truth:
+                raise captured_runs.RunError("--truth: loss-only runs have no state to judge against a truth")
+            _loss_runs(result, Path(a), Path(b), micro_batches, losses)
         else:
-            other = b if kinds[0] else a
-            raise captured_runs.RunError(f"{other} is not a step folder (steps/ and meta.json)")
+            step, other = (a, b) if kinds[0] else (b, a)
+            raise captured_runs.RunError(f"{step} is a step folder and {other} is not (a log or loss.json): compare "
+                                         "two step folders, or two loss-only runs")
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)
     failsafe.finish(result, run_dir, report.write)
@@ -89,3 +94,11 @@ def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None) -> None
     result.first_divergence = first_divergence(result.tensors)
     result.verdict, result.message = decide(pair, result.tensors)
     result.message += "".join(f"; {note}" for note in notes)
+
+
+def _loss_runs(result: CaseResult, a: Path, b: Path, micro_batches: int, losses) -> None:
+    runs = [loss_logs.read(path, micro_batches, names) for path, names in zip((a, b), losses, strict=True)]
+    result.tensors, result.train = loss_logs.compare(*runs)
+    result.first_divergence = first_divergence(result.tensors)
+    result.verdict, result.message = decide([], result.tensors)
+    result.message += f"; loss only ({runs[0].kind}): no gradient, optimizer state or parameter was captured"
