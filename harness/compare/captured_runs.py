@@ -27,7 +27,7 @@ from harness.run.orchestrate import SideResult
 from harness.run.protocol import META
 
 REQUEST = "request.json"  # a built-in runner's request, beside its step files
-CAPTURE = "capture"  # meta.json's entry a recorder writes: the request's fields for a run no request started
+CAPTURE = steps.CAPTURE  # meta.json's entry a recorder writes: the request's fields for a run no request started
 DESCRIBED = ("dtype", "config")  # what a run's description must hold (config: {"model", "train"})
 SCALARS = ("grad_norm", "clip_coeff")  # written by one stack and not another (clipping off): never a layout error
 

@@ -34,6 +34,9 @@ import numpy as np
 from harness.case.train_settings import Flip
 
 STEPS_DIR = "steps"
+# A run no request started (a recorder in the user's own loop: harness.attach) describes itself in meta.json under this
+# key, in a request's fields (dtype, tokens, device, config: {model, train}); compare-runs reads it.
+CAPTURE = "capture"
 
 
 def step_file(folder, step: int, rank: int = 0) -> Path:
