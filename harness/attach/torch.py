@@ -63,20 +63,29 @@ class StepRecorder:
     clipping), for the description; `runner`: who trained (``hf_trainer``, ``torch_loop``...); `implementation`,
     `knobs`, `adapters`, `versions`: into meta.json as a runner's."""
 
+    stack = "hf"  # the name map's section its state is read through, and meta.json's state locations
+
     def __init__(self, folder, model, optimizer, model_config: dict, *, dtype: str | None = None,
                  masters: dict | None = None, steps_kept="all", stated: dict | None = None, runner: str = "torch_loop",
                  implementation: str = "", knobs: dict | None = None, adapters: list | None = None,
                  versions: dict | None = None):
-        self.folder, self.model, self.optimizer, self.runner = Path(folder), model, optimizer, runner
+        self.model, self.optimizer, self.masters = model, optimizer, masters or {}
+        self._common(folder, model_config, type(optimizer), next(iter(model.parameters())), dtype, steps_kept, stated,
+                     runner, implementation, knobs, adapters, versions)
+        self.states = TorchStates.hf(model, self.m, NameMap.load(self.family, "hf"), optimizer,
+                                     carried_quantities(self.record_of), self.masters)
+
+    def _common(self, folder, model_config, optimizer_class, first, dtype, steps_kept, stated, runner,
+                implementation, knobs, adapters, versions) -> None:
+        """What every recorder sets up: the model's config, the optimizer's record, the steps kept, the writer."""
+        self.folder, self.runner = Path(folder), runner
         self.m = _model(model_config)
         self.family = self.m.family
-        name = TORCH_OPTIMIZERS.get(type(optimizer).__name__)
+        name = TORCH_OPTIMIZERS.get(optimizer_class.__name__)
         if name is None:
-            raise AttachError(f"optimizer {type(optimizer).__module__}.{type(optimizer).__name__}: the recorder "
+            raise AttachError(f"optimizer {optimizer_class.__module__}.{optimizer_class.__name__}: the recorder "
                               f"writes the state of {', '.join(TORCH_OPTIMIZERS)} (harness.optimizers)")
         self.record_of = OPTIMIZERS[name]
-        self.masters = masters or {}
-        first = next(iter(model.parameters()))
         self.dtype = dtype or str(first.dtype).removeprefix("torch.")
         self.device = first.device
         unknown = sorted(set(stated or {}) - set(STATED))
@@ -87,8 +96,6 @@ class StepRecorder:
             raise AttachError("steps_kept='last': the recorder does not know the last step ahead; give the steps")
         self.kept_setting = steps_kept
         self.kept = EVERY if steps_kept == "all" else set() if steps_kept == "none" else set(steps_kept)
-        self.states = TorchStates.hf(model, self.m, NameMap.load(self.family, "hf"), optimizer,
-                                     carried_quantities(self.record_of), self.masters)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.writer = StepWriter(self.folder, [], save_on_host, host_bytes, rank)
@@ -96,6 +103,25 @@ class StepRecorder:
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
         self.versions = {"torch": torch.__version__, **(versions or {})}
+
+    def _check(self, step: int, losses) -> list:
+        """`losses` as a list, once the step is the next one and has step 1's number of micro-batches."""
+        expected = len(self.steps) + 1
+        if step != expected:
+            raise AttachError(f"step {step} recorded after {len(self.steps)} steps: record every step, in order "
+                              f"(expected {expected})")
+        losses = list(losses)
+        if self.micro_batches is None:
+            self.micro_batches = len(losses)
+        elif len(losses) != self.micro_batches:
+            raise AttachError(f"step {step} has {len(losses)} micro-batch losses, step 1 had {self.micro_batches}")
+        return losses
+
+    def _groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def _has_masters(self) -> bool:
+        return bool(self.masters)
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied: call after the last micro-batch's
@@ -107,15 +133,7 @@ class StepRecorder:
         """Step `step`'s file, after ``optimizer.step()``: `losses` each micro-batch's loss as backpropagated,
         `lr` the lr the step used, `grads` from ``grads()``, `grad_norm` / `clip_coeff` the norm and the factor the
         loop's clipping computed and applied (None where it computes none)."""
-        expected = len(self.steps) + 1
-        if step != expected:
-            raise AttachError(f"step {step} recorded after {len(self.steps)} steps: record every step, in order "
-                              f"(expected {expected})")
-        losses = list(losses)
-        if self.micro_batches is None:
-            self.micro_batches = len(losses)
-        elif len(losses) != self.micro_batches:
-            raise AttachError(f"step {step} has {len(losses)} micro-batch losses, step 1 had {self.micro_batches}")
+        losses = self._check(step, losses)
         loss_dtype = torch.float64 if self.dtype == "float64" else torch.float32
         scalars = {"lr": torch.tensor(float(lr), dtype=torch.float64),
                    "loss": torch.stack([loss.detach().reshape(()) for loss in losses]).to(loss_dtype)}
@@ -130,7 +148,7 @@ class StepRecorder:
     def describe(self) -> dict:
         """The training settings this run amounts to (``TrainSettings.to_dict``): the optimizer's from its param
         groups, the rest stated by the caller or read from the steps written."""
-        groups = self.optimizer.param_groups
+        groups = self._groups()
         decays = [g.get("weight_decay", 0.0) for g in groups]
         exempt = [p for g in groups if g.get("weight_decay", 0.0) == 0 for p in g["params"]]
         one_d = [p for g in groups for p in g["params"] if p.dim() <= 1]
@@ -141,7 +159,7 @@ class StepRecorder:
                     "lr": max(g.get("initial_lr", g["lr"]) for g in groups), "min_lr": 0.0,
                     "weight_decay": float(max(decays)), "weight_decay_params": shown,
                     "clip_grad": 1.0 if self.has_clip else 0.0, "warmup_steps": 0, "decay_style": "constant",
-                    "decay_steps": max(1, len(self.steps)), "master_weights": bool(self.masters),
+                    "decay_steps": max(1, len(self.steps)), "master_weights": self._has_masters(),
                     "distributed_optimizer": False, "dp": self.world, "ep": 1, "expert_bias_update": "default",
                     "steps_kept": sorted(s["step"] for s in self.steps if s["step"] in self.kept), "flip": None,
                     **self.stated}
@@ -173,7 +191,7 @@ class StepRecorder:
                 "python": sys.version.split()[0], "executable": sys.executable, "rank": self.rank,
                 "world_size": self.world, "steps_kept": self.kept_setting if isinstance(self.kept_setting, str)
                 else sorted(self.kept_setting),
-                "state_locations": state_locations(self.family, "hf", self.record_of,
+                "state_locations": state_locations(self.family, self.stack, self.record_of,
                                                    step_quantities(self.record_of)),
                 "determinism": {**torch_env._precision_flags(),  # read, not set: the loop's own settings
                                 "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
