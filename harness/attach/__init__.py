@@ -9,4 +9,6 @@ side imports it. ``compare-runs`` reads what it writes (``harness.compare.captur
   ``TorchStates``, the hf_model runner's reader, through the family's ``[hf.grads]`` name map).
 - ``hf.py``: ``StepRecorderCallback``, an HF ``transformers.TrainerCallback`` (the HF ``Trainer``, hence ms-swift's),
   and ``attach(trainer, folder)``.
+- ``megatron.py``: ``MegatronStepRecorder``, the one call after ``optimizer.step()`` in a Megatron-Core loop
+  (megatron_model's readers: ``MegatronStates``, ``step_outputs``).
 """
