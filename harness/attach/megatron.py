@@ -52,7 +52,9 @@ class MegatronStepRecorder(StepRecorder):
         config = inner[0].config
         read = {"lr": float(config.lr), "min_lr": float(config.min_lr or 0.0), "clip_grad": float(config.clip_grad)}
         self.optimizer, self.clipped = optimizer, config.clip_grad > 0
-        self._common(folder, model_config, type(inner[0].optimizer), next(iter(model.parameters())), None,
+        first = next(iter(model.parameters()))
+        self.device = first.device
+        self._common(folder, model_config, type(inner[0].optimizer), str(first.dtype).removeprefix("torch."),
                      steps_kept, {**read, **(stated or {})}, runner,
                      implementation or f"megatron.core {type(model).__name__} trained by the user's loop with "
                                        f"{type(optimizer).__name__} (inner torch.optim."

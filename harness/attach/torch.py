@@ -31,8 +31,8 @@ from harness.run.steps import CAPTURE, StepWriter, state_locations
 from harness.runners.torch import env as torch_env
 from harness.runners.torch.train_state import TorchStates, host_bytes, save_on_host
 
-# torch.optim class -> the optimizer record (harness.optimizers) whose state it keeps under the canonical names
-TORCH_OPTIMIZERS = {"AdamW": "adamw", "SGD": "sgd"}
+# optimizer class (torch.optim's; paddle.optimizer's) -> the optimizer record (harness.optimizers) whose state it keeps
+TORCH_OPTIMIZERS = {"AdamW": "adamw", "SGD": "sgd", "Momentum": "sgd"}
 # what a caller may state about its loop that the optimizer does not show (TrainSettings' fields)
 STATED = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "clip_grad", "weight_decay_params",
           "expert_bias_update")
@@ -70,12 +70,14 @@ class StepRecorder:
                  implementation: str = "", knobs: dict | None = None, adapters: list | None = None,
                  versions: dict | None = None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or {}
-        self._common(folder, model_config, type(optimizer), next(iter(model.parameters())), dtype, steps_kept, stated,
-                     runner, implementation, knobs, adapters, versions)
+        first = next(iter(model.parameters()))
+        self.device = first.device
+        self._common(folder, model_config, type(optimizer), dtype or str(first.dtype).removeprefix("torch."),
+                     steps_kept, stated, runner, implementation, knobs, adapters, versions)
         self.states = TorchStates.hf(model, self.m, NameMap.load(self.family, "hf"), optimizer,
                                      carried_quantities(self.record_of), self.masters)
 
-    def _common(self, folder, model_config, optimizer_class, first, dtype, steps_kept, stated, runner,
+    def _common(self, folder, model_config, optimizer_class, dtype: str, steps_kept, stated, runner,
                 implementation, knobs, adapters, versions) -> None:
         """What every recorder sets up: the model's config, the optimizer's record, the steps kept, the writer."""
         self.folder, self.runner = Path(folder), runner
@@ -86,8 +88,7 @@ class StepRecorder:
             raise AttachError(f"optimizer {optimizer_class.__module__}.{optimizer_class.__name__}: the recorder "
                               f"writes the state of {', '.join(TORCH_OPTIMIZERS)} (harness.optimizers)")
         self.record_of = OPTIMIZERS[name]
-        self.dtype = dtype or str(first.dtype).removeprefix("torch.")
-        self.device = first.device
+        self.dtype = dtype
         unknown = sorted(set(stated or {}) - set(STATED))
         if unknown:
             raise AttachError(f"stated: {', '.join(unknown)} not among {', '.join(STATED)}")
@@ -96,13 +97,33 @@ class StepRecorder:
             raise AttachError("steps_kept='last': the recorder does not know the last step ahead; give the steps")
         self.kept_setting = steps_kept
         self.kept = EVERY if steps_kept == "all" else set() if steps_kept == "none" else set(steps_kept)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        self.writer = StepWriter(self.folder, [], save_on_host, host_bytes, rank)
+        rank, self.world = self._rank_and_world()
+        self.writer = StepWriter(self.folder, [], *self._writes(), rank)
         self.writer.kept = self.kept if rank == 0 else set()  # "all" of an unknown number of steps
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
-        self.versions = {"torch": torch.__version__, **(versions or {})}
+        self.versions = {**self._versions(), **(versions or {})}
+
+    # --- what differs by framework (torch here; harness.attach.paddle overrides) --------------------------------
+    def _rank_and_world(self) -> tuple[int, int]:
+        if torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def _writes(self):
+        """StepWriter's `save` and `raw_bytes`: the framework's."""
+        return save_on_host, host_bytes
+
+    def _versions(self) -> dict:
+        return {"torch": torch.__version__}
+
+    def _provenance(self) -> dict:
+        """What meta.json says of the framework, the device and its flags (read, never set: the loop's own)."""
+        return {"framework": "pytorch", "device": self.device.type,
+                "determinism": {**torch_env._precision_flags(),
+                                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                                "cudnn_deterministic": torch.backends.cudnn.deterministic},
+                **torch_env.provenance(self.device)}
 
     def _check(self, step: int, losses) -> list:
         """`losses` as a list, once the step is the next one and has step 1's number of micro-batches."""
@@ -148,16 +169,8 @@ class StepRecorder:
     def describe(self) -> dict:
         """The training settings this run amounts to (``TrainSettings.to_dict``): the optimizer's from its param
         groups, the rest stated by the caller or read from the steps written."""
-        groups = self._groups()
-        decays = [g.get("weight_decay", 0.0) for g in groups]
-        exempt = [p for g in groups if g.get("weight_decay", 0.0) == 0 for p in g["params"]]
-        one_d = [p for g in groups for p in g["params"] if p.dim() <= 1]
-        shown = ("all" if len(set(decays)) == 1 else
-                 "not_1d" if {id(p) for p in exempt} == {id(p) for p in one_d} else "default")
-        settings = {**self._optimizer_settings(groups[0]),
-                    "steps": len(self.steps), "micro_batches": self.micro_batches or 1,
-                    "lr": max(g.get("initial_lr", g["lr"]) for g in groups), "min_lr": 0.0,
-                    "weight_decay": float(max(decays)), "weight_decay_params": shown,
+        settings = {**self._optimizer_fields(),
+                    "steps": len(self.steps), "micro_batches": self.micro_batches or 1, "min_lr": 0.0,
                     "clip_grad": 1.0 if self.has_clip else 0.0, "warmup_steps": 0, "decay_style": "constant",
                     "decay_steps": max(1, len(self.steps)), "master_weights": self._has_masters(),
                     "distributed_optimizer": False, "dp": self.world, "ep": 1, "expert_bias_update": "default",
@@ -167,6 +180,17 @@ class StepRecorder:
         if missing:
             raise AttachError(f"the description lacks {', '.join(missing)}")
         return TrainSettings.from_dict(settings).to_dict()
+
+    def _optimizer_fields(self) -> dict:
+        """The optimizer's own settings, its lr and weight decay, and which parameters decay, from its groups."""
+        groups = self._groups()
+        decays = [g.get("weight_decay", 0.0) for g in groups]
+        exempt = [p for g in groups if g.get("weight_decay", 0.0) == 0 for p in g["params"]]
+        one_d = [p for g in groups for p in g["params"] if p.dim() <= 1]
+        shown = ("all" if len(set(decays)) == 1 else
+                 "not_1d" if {id(p) for p in exempt} == {id(p) for p in one_d} else "default")
+        return {**self._optimizer_settings(groups[0]), "lr": max(g.get("initial_lr", g["lr"]) for g in groups),
+                "weight_decay": float(max(decays)), "weight_decay_params": shown}
 
     def _optimizer_settings(self, group: dict) -> dict:
         if self.record_of.name == "adamw":
@@ -185,19 +209,17 @@ class StepRecorder:
         absent), so a loop that stops early leaves a comparable run."""
         if self.rank != 0:
             return
-        meta = {"runner": self.runner, "framework": "pytorch", "versions": self.versions,
+        provenance = self._provenance()
+        meta = {"runner": self.runner, "versions": self.versions,
                 "implementation": self.implementation, "adapters": self.adapters, "knobs": self.knobs,
-                "device": self.device.type, "host": host_provenance(), "env": env_flags(),
+                "host": host_provenance(), "env": env_flags(),
                 "python": sys.version.split()[0], "executable": sys.executable, "rank": self.rank,
                 "world_size": self.world, "steps_kept": self.kept_setting if isinstance(self.kept_setting, str)
                 else sorted(self.kept_setting),
                 "state_locations": state_locations(self.family, self.stack, self.record_of,
                                                    step_quantities(self.record_of)),
-                "determinism": {**torch_env._precision_flags(),  # read, not set: the loop's own settings
-                                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                                "cudnn_deterministic": torch.backends.cudnn.deterministic},
-                **torch_env.provenance(self.device),
-                CAPTURE: {"dtype": self.dtype, "device": self.device.type, "tokens": None,
+                **provenance,
+                CAPTURE: {"dtype": self.dtype, "device": provenance["device"], "tokens": None,
                           "config": {"model": self.m.to_dict(), "train": self.describe()},
                           "steps": self.steps}}
         path = self.folder / META
