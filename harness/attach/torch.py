@@ -149,6 +149,17 @@ class StepRecorder:
         backward, before clipping (it scales them in place)."""
         return self.states.grads()
 
+    def clip_grad_norm_(self, parameters, max_norm: float):
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` as the loop would call it, returning (norm, the
+        factor it multiplied the gradients by) for ``record``: the factor seen by hf_model's runner's own observer
+        (``ClipFactor``: the output of its one ``torch.clamp``)."""
+        from harness.runners.torch.hf_train import ClipFactor
+
+        observer = ClipFactor()
+        with observer:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm, observer.factor()
+
     def record(self, step: int, losses, lr: float, grads: dict[str, torch.Tensor], grad_norm=None,
                clip_coeff=None) -> None:
         """Step `step`'s file, after ``optimizer.step()``: `losses` each micro-batch's loss as backpropagated,
@@ -171,11 +182,14 @@ class StepRecorder:
         groups, the rest stated by the caller or read from the steps written."""
         settings = {**self._optimizer_fields(),
                     "steps": len(self.steps), "micro_batches": self.micro_batches or 1, "min_lr": 0.0,
-                    "clip_grad": 1.0 if self.has_clip else 0.0, "warmup_steps": 0, "decay_style": "constant",
+                    "warmup_steps": 0, "decay_style": "constant",
                     "decay_steps": max(1, len(self.steps)), "master_weights": self._has_masters(),
                     "distributed_optimizer": False, "dp": self.world, "ep": 1, "expert_bias_update": "default",
                     "steps_kept": sorted(s["step"] for s in self.steps if s["step"] in self.kept), "flip": None,
                     **self.stated}
+        # clipped: a factor was written (its norm as stated, else 1.0); without one the run is unclipped whatever was
+        # stated (compare-runs compares clip factors only where both runs wrote them)
+        settings["clip_grad"] = float(self.stated.get("clip_grad") or 1.0) if self.has_clip else 0.0
         missing = [key for key in FIELDS if key not in settings]
         if missing:
             raise AttachError(f"the description lacks {', '.join(missing)}")
