@@ -62,7 +62,8 @@ class MegatronStepRecorder(StepRecorder):
                      knobs, adapters, {"megatron-core": megatron_version})
         self.has_clip = self.clipped
         self.dp = parallel_state.get_data_parallel_world_size()
-        ep = parallel_state.get_expert_model_parallel_world_size()
+        self.ep = ep = parallel_state.get_expert_model_parallel_world_size()
+        self.distributed = bool(config.use_distributed_optimizer)
         names = expert_shard(megatron_model.name_map(self.m), routed_experts(self.m), ep,
                              parallel_state.get_expert_model_parallel_rank())
         self.states = MegatronStates(names, model, optimizer, dict(train_state_names(self.m)), ranks.gather_group(),
@@ -111,3 +112,6 @@ class MegatronStepRecorder(StepRecorder):
 
     def _has_masters(self) -> bool:
         return bool(self.states.masters)
+
+    def _layout(self) -> dict:
+        return {"dp": self.dp, "ep": self.ep, "distributed_optimizer": self.distributed}

@@ -141,6 +141,11 @@ class StepRecorder:
     def _groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    def _layout(self) -> dict:
+        """The run's ranks as the training settings name them: every rank data parallel (``record`` is handed this
+        rank's micro-batches' losses, so the global micro-batches are those x dp)."""
+        return {"dp": self.world, "ep": 1, "distributed_optimizer": False}
+
     def _has_masters(self) -> bool:
         return bool(self.masters)
 
@@ -181,10 +186,11 @@ class StepRecorder:
         """The training settings this run amounts to (``TrainSettings.to_dict``): the optimizer's from its param
         groups, the rest stated by the caller or read from the steps written."""
         settings = {**self._optimizer_fields(),
-                    "steps": len(self.steps), "micro_batches": self.micro_batches or 1, "min_lr": 0.0,
+                    "steps": len(self.steps), "micro_batches": (self.micro_batches or 1) * self._layout()["dp"],
+                    "min_lr": 0.0,
                     "warmup_steps": 0, "decay_style": "constant",
                     "decay_steps": max(1, len(self.steps)), "master_weights": self._has_masters(),
-                    "distributed_optimizer": False, "dp": self.world, "ep": 1, "expert_bias_update": "default",
+                    **self._layout(), "expert_bias_update": "default",
                     "steps_kept": sorted(s["step"] for s in self.steps if s["step"] in self.kept), "flip": None,
                     **self.stated}
         # clipped: a factor was written (its norm as stated, else 1.0); without one the run is unclipped whatever was

@@ -87,6 +87,10 @@ def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None) -> None
         captured_runs.check(run)
     case, notes = captured_runs.comparison_case(*runs, truth=reference)
     pair = [run.side(label) for label, run in zip("ab", runs, strict=True)]
+    for side, run in zip(pair, runs, strict=True):  # several ranks: each rank's state against rank 0's
+        agree = captured_runs.ranks(run)
+        if agree is not None:
+            side.meta = {**side.meta, "ranks_agree": agree}
     truth_side = reference.side(ORACLE_LABEL) if reference else None
     result.case, result.sides = describe_case(case), pair + ([truth_side] if truth_side else [])
     result.device = " / ".join(dict.fromkeys(run.device for run in runs))

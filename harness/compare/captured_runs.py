@@ -129,6 +129,22 @@ def check(run: CapturedRun) -> None:
         raise RunError(problem)
 
 
+def ranks(run: CapturedRun) -> dict | None:
+    """Whether every rank of a run on several ranks ended every step with rank 0's state
+    (``harness.run.steps.ranks_agree``, what a comparison records for its own sides): the run's own record where it
+    has one (a built-in runner's meta.json), else checked here; None on one rank. RunError where a rank's file is
+    missing or unreadable."""
+    world = int(run.meta.get("world_size") or 1)
+    if world == 1:
+        return None
+    if "ranks_agree" in run.meta:
+        return run.meta["ranks_agree"]
+    checks = steps.ranks_agree(run.folder, as_case(run), world)
+    if "problem" in checks:
+        raise RunError(f"{run.folder} ran on {world} ranks ({META} field world_size): {checks['problem']}")
+    return checks
+
+
 def layouts(run: CapturedRun, train: TrainSettings) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor: (dtype, shape)} of one step's outputs as the run's description gives them (step 1's names)."""
     m = model_config(run.model)

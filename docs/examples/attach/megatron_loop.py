@@ -2,6 +2,7 @@
 harness's recorder (docs/attach.md; run by tests/test_attach_megatron.py)::
 
     python docs/examples/attach/megatron_loop.py REPORT/a-megatron_model/request.json OUT
+    python -m torch.distributed.run --nproc-per-node 2 docs/examples/attach/megatron_loop.py REQUEST OUT   # train.dp 2
 
 It trains the model and data of a registry training case (its request.json names the checkpoint and settings): the
 ``GPTModel`` is built and loaded as the harness's megatron_model runner builds it (the family's Megatron config, the
@@ -13,6 +14,7 @@ function, ``optimizer.step()``, then the one call ``recorder.record(step, losses
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,8 +25,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from harness.attach.megatron import MegatronStepRecorder
+from harness.case.train_settings import rank_micro_batches
+from harness.families import routed_experts
 from harness.runners.megatron import model as megatron_model
-from harness.runners.megatron.train import CudaOnCpu
+from harness.runners.megatron.train import CudaOnCpu, expert_shard, init_ranks
 from harness.runners.torch import env as torch_env
 
 
@@ -40,24 +44,32 @@ def main() -> None:
     device, dtype = torch.device("cpu"), torch.float32
 
     # The user's model and data: here the case's checkpoint, built and loaded as the harness's runner does.
-    megatron_model.init_process_group(device, gloo_groups=True)
+    if "RANK" in os.environ:  # torchrun: TP 1, every rank data parallel, train.ep of them sharing the experts
+        init_ranks(device, train["ep"])
+    else:
+        megatron_model.init_process_group(device, gloo_groups=True)
     megatron_model.install_adapters(device, m)
-    config, _ = megatron_model.translate_config(m, dtype, device)
+    config, _ = megatron_model.translate_config(m, dtype, device, train["ep"])
     model = megatron_model.build_model(config, m, device)
     checkpoint = torch_env.load_inputs(request["checkpoint"], device)
-    megatron_model.load_weights(model, megatron_model.name_map(m), checkpoint)
+    names = expert_shard(megatron_model.name_map(m), routed_experts(m), train["ep"],
+                         parallel_state.get_expert_model_parallel_rank())  # this rank's experts
+    megatron_model.load_weights(model, names, checkpoint)
     model.train()
+    rank = torch.distributed.get_rank()
 
     # The user's loop, as Megatron-LM's: DDP, Megatron's optimizer and scheduler, forward_backward_func.
     with CudaOnCpu():
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=train["distributed_optimizer"]), model)
         config.no_sync_func = ddp.no_sync
         if not args.without_finalize:  # Megatron-LM's setup; it also moves the routing biases after every step
             config.finalize_model_grads_func = finalize_model_grads
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=train["lr"], min_lr=train["min_lr"], weight_decay=train["weight_decay"],
             adam_beta1=train["betas"][0], adam_beta2=train["betas"][1], adam_eps=train["eps"],
-            clip_grad=train["clip_grad"], bf16=False, params_dtype=dtype), [ddp])
+            clip_grad=train["clip_grad"], bf16=False, params_dtype=dtype,
+            use_distributed_optimizer=train["distributed_optimizer"]), [ddp])
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=train["lr"], min_lr=train["min_lr"],
             lr_warmup_steps=train["warmup_steps"], lr_decay_steps=train["decay_steps"],
@@ -68,7 +80,8 @@ def main() -> None:
                                             "decay_steps": train["decay_steps"]})
     for step in range(1, train["steps"] + 1):
         batches = [(checkpoint[f"step{step}.mb{mb}.input_ids"].view(1, -1),
-                    checkpoint[f"step{step}.mb{mb}.labels"].view(1, -1)) for mb in range(train["micro_batches"])]
+                    checkpoint[f"step{step}.mb{mb}.labels"].view(1, -1))
+                   for mb in rank_micro_batches(train["micro_batches"], train["dp"], rank)]  # this rank's share
         with CudaOnCpu():
             losses = train_step([ddp], optimizer, scheduler, batches)
         recorder.record(step, losses)  # the one call after optimizer.step()
