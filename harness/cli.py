@@ -1,5 +1,5 @@
-"""Command line: ``python -m harness list | compare CASE | diff A B | doctor | nightly | nightly-merge | publish DIR
-| baseline update | baseline record``; exit codes: see README."""
+"""Command line: ``python -m harness list | compare CASE | compare-runs RUN_A RUN_B | diff A B | doctor | nightly |
+nightly-merge | publish DIR | baseline update | baseline record``; exit codes: see README."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.case.select import SELECT_HELP, SelectError, select
-from harness.commands import baseline, doctor, gate_matrix, nightly, nightly_merge, publish, sweep
+from harness.commands import baseline, compare_runs, doctor, gate_matrix, nightly, nightly_merge, publish, sweep
 from harness.compare.result import EXIT_CODES
 from harness.levels import AXES
 from harness.pipeline import failsafe, run_folder
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_parser(commands)
     baseline.add_parser(commands)
     doctor.add_parser(commands)
+    compare_runs.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -113,6 +114,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return _diff(args)
     if args.command == "nightly-merge":
         return nightly_merge.main(args)
+    if args.command == "compare-runs":
+        return compare_runs.main(args)
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")

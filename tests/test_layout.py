@@ -1,11 +1,12 @@
 """The package tree follows the pipeline: no module imports a module of a later stage.
 
 case (registry, op records, checkpoints), families (model family records), optimizers (optimizer records) -> run
-(orchestration, launchers) -> runners (subprocess side) -> compare, baselines -> report -> levels (op, model, train:
-one record each) -> pipeline (one comparison at any level) -> commands -> cli. `bits` is a shared utility every stage
-may use. A family's per-stack builders (harness/families/<family>/megatron.py, hf.py, paddle.py) import their
-framework: they sit with the runners, and only runners and capture import them. An optimizer's per-stack builders
-import their framework inside the function (only runners call them).
+(orchestration, launchers) -> runners (subprocess side), capture, attach (the recorder in a user's loop) -> compare,
+baselines -> report -> levels (op, model, train: one record each) -> pipeline (one comparison at any level) ->
+commands -> cli. `bits` is a shared utility every stage may use. A family's per-stack builders
+(harness/families/<family>/megatron.py, hf.py, paddle.py) import their framework: they sit with the runners, and only
+runners and capture import them. An optimizer's per-stack builders import their framework inside the function (only
+runners call them).
 """
 
 import ast
@@ -16,8 +17,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness"
 STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "families": 1, "optimizers": 1, "run": 2, "runners": 3,
-          "capture": 3, "compare": 4, "baselines": 4, "report": 5, "levels": 6, "pipeline": 7, "commands": 8, "cli": 9,
-          "__main__": 9, "__init__": 0}
+          "capture": 3, "attach": 3, "compare": 4, "baselines": 4, "report": 5, "levels": 6, "pipeline": 7,
+          "commands": 8, "cli": 9, "__main__": 9, "__init__": 0}
 BUILDER = re.compile(r"harness\.families\.\w+\.(megatron|hf|paddle)$")  # a family's builder for one stack
 BUILDER_USERS = ("runners", "capture")
 

@@ -11,7 +11,8 @@ from harness.report.blocks import details, figure, h, p, table, ul
 # A quantity not named here (an optimizer's state: exp_avg, momentum_buffer, ...) is labelled by its own name.
 QUANTITY_LABELS = {"lr": "lr", "loss": "loss", "grad": "gradients", "grad_norm": "grad norm",
                    "clip_coeff": "clip coefficient", "master": "masters", "param": "parameters",
-                   "expert_bias": "routing bias"}
+                   "expert_bias": "routing bias", "loss_path": "loss path (md5)", "per_token_loss": "per-token loss",
+                   "final_loss": "final loss"}
 
 
 def label(quantity: str) -> str:
@@ -25,8 +26,12 @@ def headline(data: dict) -> list[str]:
     steps = train["steps"]
     first = train["first_divergence"]
     equal_steps = sum(1 for s in steps if s["verdict"] == "BITWISE_PASS")
-    lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** ({train['parameters']} parameters; tensors of "
-             f"steps {_steps(train['steps_kept'], len(steps))} kept, the others compared by digest)"]
+    if train.get("loss_only"):  # harness.compare.loss_logs: the losses a log or loss.json holds, nothing else
+        lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** (loss only: "
+                 f"{train['loss_only']['what']}; no gradient, optimizer state or parameter was captured)"]
+    else:
+        lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** ({train['parameters']} parameters; tensors "
+                 f"of steps {_steps(train['steps_kept'], len(steps))} kept, the others compared by digest)"]
     if first:
         lines.append(f"**first divergence in time: step {first['step']}, {label(first['quantity'])}** "
                      f"(`{first['tensor']}`; order within a step: "

@@ -39,6 +39,9 @@ from harness.case.train_settings import Flip
 from harness.run import bits128
 
 STEPS_DIR = "steps"
+# A run no request started (a recorder in the user's own loop: harness.attach) describes itself in meta.json under this
+# key, in a request's fields (dtype, tokens, device, config: {model, train}); compare-runs reads it.
+CAPTURE = "capture"
 
 
 def step_file(folder, step: int, rank: int = 0) -> Path:

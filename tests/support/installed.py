@@ -18,6 +18,7 @@ REQUIRED = {
     "paddle": ("paddlepaddle", "requirements-cpu.txt"),
     "transformers": ("transformers", "requirements-models.txt"),
     "paddleformers": ("paddleformers", "requirements-models.txt"),
+    "accelerate": ("accelerate", "requirements-models.txt"),  # the HF Trainer's (harness/attach/hf.py)
 }
 # How a runner says a package is missing (its UNSUPPORTED reason).
 MISSING_PHRASES = ("is not importable", "is not installed", "No module named")

@@ -303,15 +303,26 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     scheduler.step(increment=1)
     if bare:
         return {}, {}, {}, {}
+    return step_outputs(states, losses, lr, (tensors, pieces), grad_norm, scales, train.clip_grad > 0, train.dp,
+                        dtype)
+
+
+def step_outputs(states, losses, lr: float, grads: tuple[dict, dict], grad_norm, scales: list, clipped: bool,
+                 dp: int, dtype) -> tuple[dict, dict, dict, dict]:
+    """What a step writes, after Megatron's ``optimizer.step()``: (scalars, tensors, pieces, doubles) for
+    ``StepWriter.write``. `losses` the step's micro-batch losses as backpropagated, `grads` ``held(states, "grad",
+    clone=True)`` taken before the step, `grad_norm` the step's return, `scales` what ``clip_scale`` saw. The one
+    reader of this runner and of the recorder in a user's Megatron-Core loop (``harness.attach``)."""
+    tensors, pieces = dict(grads[0]), dict(grads[1])
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    loss = ranks.global_losses(torch.stack(losses).detach(), train.dp, states.group)
+    loss = ranks.global_losses(torch.stack(losses).detach(), dp, states.group)
     # Megatron's norm and clip coefficient are Python doubles; the coefficient reaches the main grads through
     # local_multi_tensor_scale's `grad * scale`, which torch computes at the gradients' precision (the scale rounded
     # to float32 for fp32 grads: tests/test_train_runners.py): those values are compared, the doubles shown beside
     scalars = {"lr": torch.tensor(lr, dtype=torch.float64), "loss": loss.to(wide),
                "grad_norm": torch.tensor(float(grad_norm), dtype=wide)}
     doubles = {"grad_norm": float(grad_norm)}
-    if train.clip_grad > 0:  # 1 when the coefficient is >= 1: the gradients are left as they are
+    if clipped:  # 1 when the coefficient is >= 1: the gradients are left as they are
         scalars["clip_coeff"] = torch.tensor(scales[0] if scales else 1.0, dtype=wide)
         doubles["clip_coeff"] = float(scales[0]) if scales else 1.0
     for quantity in states.carried:

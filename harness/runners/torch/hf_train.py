@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from harness.case.ops import carried_quantities, step_quantities, train_buffer_names, train_state_names
+from harness.case.ops import carried_quantities, step_quantities
 from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.families.names import NameMap
 from harness.run.protocol import Phases, Unsupported, rank_and_world
@@ -163,11 +163,8 @@ class Trainer:
             "expert_bias_update": {"value": train.expert_bias_update, "why": "HF's training code never changes "
                                                                              "the routing bias"},
         })
-        self.states = TorchStates({name: rule for name, _ in train_state_names(m)
-                                   for rule in [name_map.rule("grads", name, m)]},
-                                  params, self.masters, self.optimizer, carried_quantities(train.record))
-        buffers = dict(model.named_buffers())  # HF's buffer names are the checkpoint's ([hf.checkpoint]: same)
-        self.states.buffers = {name: buffers[name] for name, _ in train_buffer_names(m)}
+        self.states = TorchStates.hf(model, m, name_map, self.optimizer, carried_quantities(train.record),
+                                     self.masters)
 
     @property
     def scheduler_source(self) -> str:
@@ -212,7 +209,7 @@ class Trainer:
         if len(lrs) != 1:
             raise RuntimeError(f"param groups disagree on the lr: {sorted(lrs)}")
         bare = self.train.bare  # bench_speed: the stack's calls alone, nothing observed or written
-        grads = {} if bare else {f"grad.{n}": t.clone() for n, t in self.states.canonical("grad").items()}
+        grads = {} if bare else self.states.grads()
         optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
         clipping = {}  # without clipping torch computes neither a norm nor a factor: none is written as its own
         if self.train.clip_grad > 0:
@@ -232,13 +229,7 @@ class Trainer:
         loss = ranks.global_losses(torch.stack(losses), self.dp, self.group)
         scalars = {"lr": torch.tensor(lrs.pop(), dtype=torch.float64), "loss": loss.to(loss_dtype),
                    **{name: value.detach().reshape(()) for name, value in clipping.items()}}  # the gradients' dtype
-        states = dict(grads)
-        for quantity in carried_quantities(self.train.record):
-            if quantity == "master" and not self.masters:
-                continue
-            states.update({f"{quantity}.{name}": tensor for name, tensor in self.states.canonical(quantity).items()})
-        states.update({f"expert_bias.{name}": buffer for name, buffer in self.states.buffers.items()})
-        return scalars, {name: tensor.detach() for name, tensor in states.items()}  # host copies: one at a time
+        return scalars, self.states.step_outputs(grads)  # host copies: one at a time
 
 
 def param_groups(optimized: dict, train: TrainSettings) -> tuple[list[dict], dict]:

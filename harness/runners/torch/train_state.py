@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from harness.capture.torch import apply_rule
+from harness.case.ops import train_buffer_names, train_state_names
 from harness.run.steps import step_file
 
 INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
@@ -28,6 +29,17 @@ class TorchStates:
         self.rules, self.params, self.masters, self.optimizer = rules, params, masters, optimizer
         self.carried = carried  # what a step hands to the next (harness.case.ops.carried_quantities)
         self.buffers: dict[str, torch.Tensor] = {}  # canonical routing-bias name -> the model's buffer
+
+    @classmethod
+    def hf(cls, model, m, name_map, optimizer, carried: tuple[str, ...], masters: dict | None = None) -> TorchStates:
+        """An HF model's state (hf_model's runner, and the recorder in a user's HF loop: ``harness.attach``): each
+        canonical parameter through its ``[hf.grads]`` rule, the routing biases by their checkpoint names (HF's buffer
+        names are the checkpoint's)."""
+        rules = {name: name_map.rule("grads", name, m) for name, _ in train_state_names(m)}
+        states = cls(rules, dict(model.named_parameters()), masters or {}, optimizer, carried)
+        buffers = dict(model.named_buffers())
+        states.buffers = {name: buffers[name] for name, _ in train_buffer_names(m)}
+        return states
 
     def source(self, quantity: str, name: str) -> torch.Tensor:
         optimized = self.masters.get(name, self.params[name])
@@ -51,6 +63,24 @@ class TorchStates:
     def one(self, quantity: str, name: str) -> torch.Tensor:
         rule = self.rules[name]
         return apply_rule(rule, [self.source(quantity, s) for s in rule.sources])
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The gradients the optimizer is about to consume, canonical and copied (clipping and the step change them in
+        place), keyed ``grad.<p>``."""
+        return {f"grad.{name}": tensor.clone() for name, tensor in self.canonical("grad").items()}
+
+    def step_outputs(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a step writes of the state, in the step's order (``harness.case.ops.step_quantities``): `grads` (from
+        ``grads()``), then, after the optimizer's step, what it hands to the next (``carried``: the optimizer's state,
+        the masters where there are any, the parameters) and the routing biases. The one reader of hf_model's runner
+        and of the recorder in a user's torch loop (``harness.attach``)."""
+        states = dict(grads)
+        for quantity in self.carried:
+            if quantity == "master" and not self.masters:
+                continue
+            states.update({f"{quantity}.{name}": tensor for name, tensor in self.canonical(quantity).items()})
+        states.update({f"expert_bias.{name}": buffer for name, buffer in self.buffers.items()})
+        return {name: tensor.detach() for name, tensor in states.items()}
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:

@@ -1,0 +1,108 @@
+"""``python -m harness compare-runs RUN_A RUN_B``: two training runs that were captured, not started here, compared as
+the training level compares its own sides: the same per-step verdicts, first divergence in time, pictures, reports
+and exit codes (docs/attach.md).
+
+A run is a step folder (a built-in runner's side folder, or what a recorder in the user's own loop wrote:
+``harness.attach``), or a loss-only run: the logs or the ``loss.json`` that PaddleFleet's ``compare_loss.py`` reads
+(``harness.compare.loss_logs``). Both runs must be of one kind. ``--truth`` adds a float64 step folder (the training
+level's truth side, or a float64 capture) and says per step which run is closer to it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from harness import __version__
+from harness.compare import captured_runs, loss_logs, train_steps
+from harness.compare.result import ORACLE_LABEL, CaseResult, decide, first_divergence
+from harness.pipeline import describe_case, failsafe, run_folder
+from harness.report import case_report as report
+from harness.run.protocol import host_provenance
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("compare-runs", help="compare two captured training runs (step folders, or loss "
+                                                      "logs / loss.json) step by step, bit for bit")
+    parser.add_argument("a", type=Path, help="run A: a step folder (steps/ and meta.json), a log file or folder "
+                                             "(per_token_loss / final_loss lines), or a loss.json")
+    parser.add_argument("b", type=Path, help="run B, of the same kind")
+    parser.add_argument("--truth", type=Path, help="step folders: a float64 run of the same steps (the training "
+                                                   "level's truth side's folder); each step says which run is "
+                                                   "closer to it")
+    parser.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                        help="loss logs: micro-batches per step on each rank (compare_loss.py's -m; default 1)")
+    parser.add_argument("--losses-a", default="main", metavar="NAME,NAME",
+                        help="loss logs: the losses run A prints per micro-batch, in its order (compare_loss.py's "
+                             "--pf-loss-order, e.g. main,mtp; default main)")
+    parser.add_argument("--losses-b", default=None, metavar="NAME,NAME",
+                        help="loss logs: the same for run B (e.g. mtp,main; default: run A's)")
+    parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
+
+
+def main(args) -> int:
+    result, run_dir = compare_runs(args.a, args.b, truth=args.truth, micro_batches=args.micro_batches,
+                                   losses=(_names(args.losses_a), _names(args.losses_b or args.losses_a)),
+                                   reports_dir=args.reports)
+    report.console(result, run_dir)
+    return result.exit_code
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def compare_runs(a: Path, b: Path, *, truth: Path | None = None, micro_batches: int = 1,
+                 losses: tuple[tuple[str, ...], tuple[str, ...]] = (("main",), ("main",)),
+                 reports_dir: Path = run_folder.REPORTS_DIR) -> tuple[CaseResult, Path]:
+    """The report of two captured runs, in a new run folder under `reports_dir`."""
+    run_id, run_dir = run_folder.new_run_dir(Path(reports_dir), "compare-runs")
+    inputs = {"a": str(a), "b": str(b), "truth": str(truth) if truth else None}
+    result = CaseResult(run_id=run_id, case_name=f"compare-runs {Path(a).name} {Path(b).name}", device="files",
+                        started_at=run_folder.now(),
+                        harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
+                                 "host": host_provenance(), "inputs": inputs})
+    try:
+        kinds = [captured_runs.is_step_run(path) for path in (a, b)]
+        if all(kinds):
+            _step_runs(result, Path(a), Path(b), Path(truth) if truth else None)
+        elif not any(kinds):
+            if truth:
+                raise captured_runs.RunError("--truth: loss-only runs have no state to judge against a truth")
+            _loss_runs(result, Path(a), Path(b), micro_batches, losses)
+        else:
+            step, other = (a, b) if kinds[0] else (b, a)
+            raise captured_runs.RunError(f"{step} is a step folder and {other} is not (a log or loss.json): compare "
+                                         "two step folders, or two loss-only runs")
+    except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
+        failsafe.record(result, error)
+    failsafe.finish(result, run_dir, report.write)
+    return result, run_dir
+
+
+def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None) -> None:
+    runs = [captured_runs.read(path) for path in (a, b)]
+    reference = captured_runs.read(truth) if truth else None
+    for run in runs + ([reference] if reference else []):
+        captured_runs.check(run)
+    case, notes = captured_runs.comparison_case(*runs, truth=reference)
+    pair = [run.side(label) for label, run in zip("ab", runs, strict=True)]
+    for side, run in zip(pair, runs, strict=True):  # several ranks: each rank's state against rank 0's
+        agree = captured_runs.ranks(run)
+        if agree is not None:
+            side.meta = {**side.meta, "ranks_agree": agree}
+    truth_side = reference.side(ORACLE_LABEL) if reference else None
+    result.case, result.sides = describe_case(case), pair + ([truth_side] if truth_side else [])
+    result.device = " / ".join(dict.fromkeys(run.device for run in runs))
+    result.tensors, result.train = train_steps.compare_steps(case, pair, truth_side)
+    result.first_divergence = first_divergence(result.tensors)
+    result.verdict, result.message = decide(pair, result.tensors)
+    result.message += "".join(f"; {note}" for note in notes)
+
+
+def _loss_runs(result: CaseResult, a: Path, b: Path, micro_batches: int, losses) -> None:
+    runs = [loss_logs.read(path, micro_batches, names) for path, names in zip((a, b), losses, strict=True)]
+    result.tensors, result.train = loss_logs.compare(*runs)
+    result.first_divergence = first_divergence(result.tensors)
+    result.verdict, result.message = decide([], result.tensors)
+    result.message += f"; loss only ({runs[0].kind}): no gradient, optimizer state or parameter was captured"

@@ -1,0 +1,129 @@
+"""The recorder in a user's loop (harness/attach/): the real HF ``transformers.Trainer`` with the harness's callback,
+on a registry training case's checkpoint and data (tests/support/train.py's tiny DeepSeek-V3, 2 steps of 2
+micro-batches, AdamW, cosine schedule, 1-D parameters undecayed as the Trainer does), against the built-in hf_model
+runner's step files of the same case.
+
+The Trainer runs as a user runs it: docs/examples/attach/hf_trainer.py (the worked example of docs/attach.md), in a
+process of its own with the runners' environment.
+
+- Where the Trainer does what the runner does (data in order, pre-shifted labels kept, the micro-batch's mean loss
+  over the accumulation steps, transformers 5.3.0's second division of the loss by accelerate undone) the captured
+  run is the runner's bit for bit: every tensor of every step, in the same step-file format.
+- Where it does not, compare-runs says where: as shipped (the second division), each micro-batch's loss and every
+  gradient is exactly half the runner's from step 1; with clipping, the Trainer's norm sums the parameters in the
+  model's order, the runner in its param groups' order.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from harness.case.train_settings import TrainSettings
+from harness.commands.compare_runs import compare_runs
+from harness.compare import captured_runs
+from harness.run.orchestrate import REPO_ROOT, runner_env
+from harness.run.steps import read_header, step_file
+from tests.support.cases import write_cases
+from tests.support.installed import absent
+from tests.support.train import TINY_TRAIN, run_train_case, tiny_train_case
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
+EXAMPLE = REPO_ROOT / "docs" / "examples" / "attach" / "hf_trainer.py"
+ALIGNED = {**TINY_TRAIN, "weight_decay_params": "not_1d"}  # the Trainer's own choice: norms and biases undecayed
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory, checkpoints_dir):
+    """The built-in hf_model runner's folders of the case without clipping and with (clip_grad 1.0)."""
+    if absent("transformers", "accelerate"):
+        pytest.skip("the HF Trainer needs transformers and accelerate (requirements-models.txt)")
+    root = tmp_path_factory.mktemp("attach-builtin")
+    cases = write_cases(root, tiny_train_case("t_hf_noclip", runners=["hf_model", "hf_model"],
+                                              train={**ALIGNED, "clip_grad": 0.0}),
+                        tiny_train_case("t_hf_clip", runners=["hf_model", "hf_model"], train=ALIGNED))
+    folders = {}
+    for name in ("t_hf_noclip", "t_hf_clip"):
+        result, _, report, tails = run_train_case(name, cases, root, checkpoints_dir, oracle=False)
+        assert result.verdict == "BITWISE_PASS", (result.message, tails)
+        folders[name] = Path(report["sides"][1]["folder"])
+    return folders
+
+
+def trainer_run(folder: Path, out: Path, *options) -> Path:
+    """docs/examples/attach/hf_trainer.py on the built-in side's request (its checkpoint and settings)."""
+    done = subprocess.run([sys.executable, str(EXAMPLE), str(folder / "request.json"), str(out), *options],
+                          env=runner_env("cpu"), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def report_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def test_the_trainer_aligned_with_the_runner_gives_its_bits_in_its_format(builtin, tmp_path):
+    captured = trainer_run(builtin["t_hf_noclip"], tmp_path / "trainer")
+    result, run_dir = compare_runs(builtin["t_hf_noclip"], captured, reports_dir=tmp_path)
+    train = report_of(run_dir)["train"]
+    assert result.verdict == "BITWISE_PASS" and result.exit_code == 0, result.message
+    assert [s["verdict"] for s in train["steps"]] == ["BITWISE_PASS", "BITWISE_PASS"]
+    assert len(result.tensors) == 342 and train["parameters"] == 42  # lr, loss, 5 x 42 state tensors, bias; 2 steps
+    # the Trainer computes a norm even without clipping (at an infinite maximum); the runner computes none
+    assert train["steps"][0]["scalars"]["grad_norm"]["note"] == "not computed by side a (hf_model)"
+    for step in (1, 2):  # the same step file: names, dtypes, shapes, kept flag
+        mine, theirs = read_header(step_file(captured, step)), read_header(step_file(builtin["t_hf_noclip"], step))
+        assert mine.kept == theirs.kept is True
+        assert {n: v for n, v in mine.layouts.items() if not n.endswith("grad_norm")} == theirs.layouts
+    meta = json.loads((captured / "meta.json").read_text())
+    assert meta["runner"] == "hf_trainer" and meta["device"] == "cpu" and meta["framework"] == "pytorch"
+    assert set(meta["versions"]) == {"torch", "transformers"} and "OMP_NUM_THREADS" in meta["env"]
+    assert meta["state_locations"] == json.loads((builtin["t_hf_noclip"] / "meta.json").read_text())[
+        "state_locations"]
+    assert {a["name"] for a in meta["adapters"]} == {"Backpropagated", "observed_clip_grad_norm_"}
+    assert not any(a["changes_computation"] for a in meta["adapters"])
+    described = TrainSettings.from_dict(meta["capture"]["config"]["train"])
+    assert (described.steps, described.micro_batches, described.record.name, described.weight_decay_params,
+            described.optimizer.betas, described.clip_grad) == (2, 2, "adamw", "not_1d", (0.9, 0.95), 0.0)
+    run = captured_runs.read(captured)  # compare-runs' own reader and checks
+    captured_runs.check(run)
+    assert (run.runner, run.family, run.dtype, run.train.steps_kept) == ("hf_trainer", "deepseek_v3", "float32",
+                                                                          (1, 2))
+
+
+def test_the_trainer_as_shipped_halves_the_loss_and_compare_runs_says_so(builtin, tmp_path):
+    captured = trainer_run(builtin["t_hf_noclip"], tmp_path / "shipped", "--as-shipped")
+    result, run_dir = compare_runs(builtin["t_hf_noclip"], captured, reports_dir=tmp_path)
+    train = report_of(run_dir)["train"]
+    assert result.verdict == "DIFF" and result.exit_code == 1
+    assert train["first_divergence"] == {"step": 1, "quantity": "loss", "tensor": "step1.loss"}
+    runner, trainer = (load_file(step_file(folder, 1)) for folder in (builtin["t_hf_noclip"], captured))
+    # accelerate's backward divides once more by the 2 accumulation steps: exactly half, every micro-batch, and
+    # every gradient of step 1 (a power of two: no rounding)
+    assert np.array_equal(trainer["step1.loss"], runner["step1.loss"] / 2)
+    grads = [n for n in runner if n.startswith("step1.grad.")]
+    assert grads and all(np.array_equal(trainer[n], runner[n] / 2) for n in grads)
+    assert meta_knob(captured, "accelerator.gradient_accumulation_steps") == 2
+
+
+def meta_knob(folder: Path, name: str):
+    return json.loads((folder / "meta.json").read_text())["knobs"][name]["value"]
+
+
+def test_with_clipping_the_trainers_norm_is_summed_in_another_order(builtin, tmp_path):
+    captured = trainer_run(builtin["t_hf_clip"], tmp_path / "clip")
+    result, run_dir = compare_runs(builtin["t_hf_clip"], captured, reports_dir=tmp_path)
+    train = report_of(run_dir)["train"]
+    step1 = train["steps"][0]
+    # step 1 starts from the same state: the same losses and gradients, bit for bit
+    assert step1["scalars"]["loss"]["equal"] and step1["quantities"]["grad"]["equal"] == 42, step1
+    assert meta_knob(captured, "accelerator.gradient_accumulation_steps") == 1
+    if result.verdict == "DIFF":  # the norms' sums in two orders: where the runs part, it is at a norm
+        first = train["first_divergence"]
+        assert first["quantity"] == "grad_norm", first
+        assert step1["scalars"]["grad_norm"]["ulps"] <= 4 or first["step"] > 1, step1["scalars"]
+
