@@ -60,6 +60,28 @@ def classes():
     return formers.DeepseekV3Config, formers.DeepseekV3ForCausalLM
 
 
+def op_router_fields(hidden: int, experts: int, topk: int, scaling: float) -> dict:
+    """PaddleFormers' ``DeepseekV3Config`` keywords for one router op (Kimi-K2's op cases, run through
+    ``DeepseekV3TopkRouter`` by harness.runners.paddle.formers): one group, normalised top-k, the case's scaling."""
+    return {"hidden_size": hidden, "n_routed_experts": experts, "num_experts_per_tok": topk, "n_group": 1,
+            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": scaling}
+
+
+def op_experts_fields(hidden: int, ffn: int, experts: int) -> dict:
+    """PaddleFormers' ``DeepseekV3Config`` keywords for the routed-experts op (``DeepseekV3MoE`` over its own
+    experts; the op passes top-1 routing)."""
+    return {"hidden_size": hidden, "moe_intermediate_size": ffn, "intermediate_size": ffn, "n_routed_experts": experts,
+            "num_experts_per_tok": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hidden_act": "silu"}
+
+
+def op_fleet_router_fields(hidden: int, experts: int, topk: int, scaling: float) -> dict:
+    """PaddleFleet's ``TransformerConfig`` keywords for its ``moe_router.TopKRouter`` as DeepSeek-V3 routes
+    (noaux_tc, sigmoid, expert bias, normalised top-k, the case's scaling; no aux or z loss)."""
+    return {"hidden_size": hidden, "n_routed_experts": experts, "num_experts_per_tok": topk,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1,
+            "topk_group": 1, "routed_scaling_factor": scaling, "router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}
+
+
 def config_kwargs(m: DeepseekV3Config) -> dict:
     """PaddleFormers' config from the case's: its HF keys, but ``family`` and ``rope_interleave`` (which it has no
     switch for: its one path is the interleaved one)."""

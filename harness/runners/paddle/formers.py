@@ -32,6 +32,7 @@ import numpy as np
 import paddle
 
 from harness.case import ops
+from harness.families.deepseek_v3 import paddle as deepseek_v3
 from harness.runners.paddle import kernels as paddle_kernels
 from harness.runners.paddle import paddlefleet_ops_shim
 from harness.runners.paddle.common import as_tensor, run_phases, set_param, transposed
@@ -190,14 +191,13 @@ def embedding(request, tensors, gate, phases, guard):
 
 def moe_router(request, tensors, gate, phases, guard):
     """``DeepseekV3TopkRouter``: F.linear in fp32 on its fp32 weight ``[hidden, experts]``, sigmoid, top-k of
-    scores + e_score_correction_bias (n_group = topk_group = 1), gather, normalise (+1e-20), x routed_scaling_factor.
+    scores + expert bias (one group: deepseek_v3.op_router_fields), gather, normalise (+1e-20), x the scaling.
     It returns (indices, weights [tokens, k]); the harness scatters the weights into the canonical dense
     ``probs`` (put_along_axis: exact) and sorts the indices. The bf16 weight is copied into the fp32 parameter
     (exact); its fp32 grad is cast back to the case's dtype once."""
     _, modeling = _modules()
     h, e, k = (request["shapes"][n] for n in ("hidden_size", "num_experts", "topk"))
-    config = _config(request, hidden_size=h, n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1,
-                     norm_topk_prob=True, routed_scaling_factor=request["config"]["topk_scaling_factor"])
+    config = _config(request, **deepseek_v3.op_router_fields(h, e, k, request["config"]["topk_scaling_factor"]))
     router = modeling.DeepseekV3TopkRouter(config)
     set_param(router.weight, transposed(paddle.to_tensor(tensors["weight"]).astype("float32").numpy()))  # exact
     router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))
@@ -309,8 +309,7 @@ def routed_experts(request, tensors, gate, phases, guard):
     (``ops.uneven_split``); they are passed as top-1 routing (topk_indices = each token's expert, weights = probs)."""
     _, modeling = _modules()
     h, f, e = (request["shapes"][n] for n in ("hidden_size", "ffn_hidden_size", "num_local_experts"))
-    config = _config(request, hidden_size=h, moe_intermediate_size=f, intermediate_size=f, n_routed_experts=e,
-                     num_experts_per_tok=1, n_shared_experts=1, n_group=1, topk_group=1, hidden_act="silu")
+    config = _config(request, **deepseek_v3.op_experts_fields(h, f, e))
     with _default_dtype(request["dtype"]):
         moe = modeling.DeepseekV3MoE(config)
     for i, expert in enumerate(moe.experts):
