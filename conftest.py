@@ -36,6 +36,15 @@ def environment_restored():
     _reset_environment()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The session's environment before any fixture of a test is set up, a module's or a session's too: a test
+    module that imports paddle at collection leaves OMP_NUM_THREADS=1 behind, and a module fixture set up before the
+    autouse fixture above started its runners at 1 thread (tests/test_attach_hf.py's built-in runs, first in a full
+    `make test`, then parted by 1 ULP from the Trainer that ran at 2)."""
+    _reset_environment()
+
+
 def _reset_environment():
     current = os.environ.get("PYTEST_CURRENT_TEST")  # pytest's own, which it deletes after each phase
     os.environ.clear()
