@@ -142,7 +142,14 @@ def test_every_case_says_its_pair_and_the_variants_their_dtypes():
         "qwen3_moe_2layer_float64": ("float64", ("megatron_model", "hf_model")),
         "qwen3_moe_2layer_float64_dense": ("float64", ("megatron_model", "hf_model")),
         "qwen3_moe_2layer_control_megatron": ("float32", ("megatron_model", "megatron_model")),
-        "qwen3_moe_2layer_full": ("bfloat16", ("megatron_model", "hf_model"))}
+        "qwen3_moe_2layer_full": ("bfloat16", ("megatron_model", "hf_model")),
+        # the training level (cases/qwen3_moe_train.toml)
+        "qwen3_moe_2layer_train": ("float32", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_train_paddle": ("float32", ("megatron_model", "paddle_model")),
+        "qwen3_moe_2layer_train_control_megatron": ("float32", ("megatron_model", "megatron_model")),
+        "qwen3_moe_2layer_train_sgd": ("float32", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_train_float64": ("float64", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_train_float64_dense": ("float64", ("megatron_model", "paddle_model"))}
     full = cases["qwen3_moe_2layer_full"].model
     assert (full.hidden_size, full.num_attention_heads, full.num_key_value_heads, full.head_dim,
             full.intermediate_size, full.moe_intermediate_size, full.num_experts, full.num_experts_per_tok,
