@@ -21,8 +21,8 @@ PLACEHOLDER = re.compile(r"[\[\]<>|]|\.\.\.|^[A-Z][A-Z_0-9=,./:-]*$")
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a Markdown heading."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    """GitHub's anchor for a Markdown heading: of its text as rendered (code spans keep their underscores)."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
