@@ -25,6 +25,7 @@ import pytest
 from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
 from tests.support.cases import write_cases
+from tests.support.e2e import on_amd_avx512_bf16
 from tests.support.train import TINY_GLM, TINY_MODEL, TINY_SGD, TINY_TRAIN, run_train_case, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
@@ -417,8 +418,9 @@ def test_glm4_moe_training_pairs_part_at_step_1_and_keep_the_routing_bias(case, 
     assert result.verdict == "DIFF" and result.expectation["met"], (result.message, tails)
     train = report["train"]
     assert train["parameters"] == 282 and [s["verdict"] for s in train["steps"]] == ["DIFF"] * 3
-    assert train["first_divergence"]["step"] == 1 and train["first_divergence"]["tensor"] == GLM_FIRST[case], \
-        train["first_divergence"]
+    assert train["first_divergence"]["step"] == 1, train["first_divergence"]
+    if on_amd_avx512_bf16():  # which tensor of step 1 rounds apart first is platform arithmetic (above)
+        assert train["first_divergence"]["tensor"] == GLM_FIRST[case], train["first_divergence"]
     for step in train["steps"]:
         assert step["scalars"]["lr"]["equal"] and step["quantities"]["expert_bias"]["differing"] == []
         equal = {t["name"] for t in report["tensors"] if t["name"].startswith(f"step{step['step']}.grad.")

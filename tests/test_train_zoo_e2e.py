@@ -18,7 +18,7 @@ import pytest
 
 from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
-from tests.support.e2e import this_platform
+from tests.support.e2e import on_amd_avx512_bf16
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
@@ -32,12 +32,6 @@ def _run(name, tmp_path, checkpoints_dir, **options):
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s.get("stderr_tail", "")[-2500:] for s in report["sides"] if s["status"] != "ok")
     return result, run_dir, report, tails
-
-
-def _measured_here() -> bool:
-    """The platform the first divergences below were measured on: AMD EPYC with AVX-512 BF16."""
-    platform = this_platform()
-    return platform["cpu"] == "AMD EPYC" and "avx512_bf16" in platform["cpu_isa"].split()
 
 
 # case: (runners, trained parameters, the first divergence on AMD EPYC with AVX-512 BF16 at E2E_TOKENS, the routing
@@ -61,7 +55,7 @@ def test_zoo_training_pairs_part_at_step_1(case, tmp_path, checkpoints_dir):
     train = report["train"]
     assert train["parameters"] == parameters and [s["verdict"] for s in train["steps"]] == ["DIFF"] * 3
     assert train["first_divergence"]["step"] == 1, train["first_divergence"]
-    if _measured_here():
+    if on_amd_avx512_bf16():
         assert train["first_divergence"]["tensor"] == first, train["first_divergence"]
     for step in train["steps"]:
         assert step["scalars"]["lr"]["equal"]
@@ -71,7 +65,7 @@ def test_zoo_training_pairs_part_at_step_1(case, tmp_path, checkpoints_dir):
         grads = [t for t in report["tensors"] if t["name"].startswith(f"step{step['step']}.grad.")]
         zeros = {t["name"] for t in grads if t["status"] == "EQUAL" or not t["max_abs_error"]}
         assert zeros and all(".mlp.experts." in name for name in zeros), sorted(zeros)[:5]
-        if _measured_here() and case.endswith("_paddle"):  # Paddle's idle experts: -0.0 where Megatron has +0.0
+        if on_amd_avx512_bf16() and case.endswith("_paddle"):  # Paddle's idle experts: -0.0 where Megatron has +0.0
             assert not any(t["status"] == "EQUAL" for t in grads)
     assert train["steps"][0]["quantities"]["param"]["equal"] == parameters
 

@@ -53,6 +53,13 @@ def this_platform() -> dict:
     return records.platform(host_provenance(), "cpu")
 
 
+def on_amd_avx512_bf16() -> bool:
+    """The platform the model zoo's training divergences were measured on (AMD EPYC with AVX-512 BF16): which tensor
+    of a step rounds apart first is pinned there only; elsewhere its step is."""
+    platform = this_platform()
+    return platform["cpu"] == "AMD EPYC" and "avx512_bf16" in platform["cpu_isa"].split()
+
+
 def committed_record(case) -> tuple[dict | None, dict | None]:
     """(the record of `case` in this platform's committed baseline, that baseline); None where there is none."""
     table = store.for_platform(COMMITTED, this_platform())
