@@ -27,6 +27,35 @@ class ModelConfigError(ValueError):
     """A model config key or value the harness cannot use; the message names the key and value."""
 
 
+def resolve_keys(given: dict, defaults: dict, fixed: dict, typed=None) -> dict:
+    """A case's ``config.model`` over a family's `defaults` (its HF keys; ``family`` aside): an unknown key refused,
+    each value of its default's type (`typed(key, value, default)`, ``typed_value`` unless given), a key in `fixed`
+    one of the values the harness models, a number > 0. The family's config checks what relates keys."""
+    typed = typed or typed_value
+    unknown = sorted(set(given) - set(defaults) - {"family"})
+    if unknown:
+        raise ModelConfigError(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(defaults))}")
+    resolved = {**defaults, **{k: v for k, v in given.items() if k != "family"}}
+    for key, value in resolved.items():
+        value = resolved[key] = typed(key, value, defaults[key])
+        if key in fixed and value not in fixed[key]:
+            raise ModelConfigError(f"{key} must be one of {fixed[key]} (the harness models only these) "
+                                   f"(got {value!r})")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            raise ModelConfigError(f"{key} must be > 0 (got {value!r})")
+    return resolved
+
+
+def typed_value(key: str, value, default):
+    """`value`, of the default's type (an int where a float is expected is kept as given; rope_theta becomes a
+    float)."""
+    if key == "rope_theta" and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
+        raise ModelConfigError(f"{key} must be {type(default).__name__} (got {value!r})")
+    return value
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: one record per family, compared by identity
 class Family:
     """One model family (like an ``Op`` record one floor up). Every callable takes the family's typed config.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
-from harness.families.record import ModelConfigError
+from harness.families.record import ModelConfigError, typed_value
 
 # Values the harness models only (the implementations hard-code them, or it maps no other).
 FIXED = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "tie_word_embeddings": (False,),
@@ -84,13 +84,13 @@ class DeepseekV3Config:
             raise ModelConfigError(f"rope_scaling must be dict (got {resolved['rope_scaling']!r})")
         resolved["rope_scaling"] = {**defaults["rope_scaling"], **resolved["rope_scaling"]}
         for key, value in resolved.items():
-            value = resolved[key] = _typed(key, value, defaults[key])
+            value = resolved[key] = typed_value(key, value, defaults[key])
             if key == "rope_scaling":
                 for inner, inner_value in value.items():
                     if inner not in defaults[key]:
                         raise ModelConfigError(f"unknown key 'rope_scaling.{inner}'; known: "
                                                f"{', '.join(sorted(defaults[key]))}")
-                    _typed(f"rope_scaling.{inner}", inner_value, defaults[key][inner])
+                    typed_value(f"rope_scaling.{inner}", inner_value, defaults[key][inner])
             if key in FIXED and value not in FIXED[key]:
                 raise ModelConfigError(f"{key} must be one of {FIXED[key]} (the harness models only these) "
                                        f"(got {value!r})")
@@ -124,13 +124,3 @@ class DeepseekV3Config:
 
 
 DEFAULTS = DeepseekV3Config()
-
-
-def _typed(key: str, value, default):
-    """`value`, of the default's type (an int where a float is expected is kept as given; rope_theta becomes a
-    float)."""
-    if key == "rope_theta" and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
-        raise ModelConfigError(f"{key} must be {type(default).__name__} (got {value!r})")
-    return value

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
-from harness.families.record import ModelConfigError
+from harness.families.record import ModelConfigError, resolve_keys
 
 # Values the harness models only (what MiniMax-M2 is; no stack here maps another): the all-heads q/k RMSNorm
 # ("per_layer"), sigmoid scores with the routing bias, untied embeddings, SiLU.
@@ -75,18 +75,7 @@ class MiniMaxM2Config:
         """A case's ``config.model`` with every default filled, checked."""
         defaults = DEFAULTS.to_dict()
         del defaults["family"]
-        unknown = sorted(set(given) - set(defaults) - {"family"})
-        if unknown:
-            raise ModelConfigError(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(defaults))}")
-        resolved = {**defaults, **{k: v for k, v in given.items() if k != "family"}}
-        for key, value in resolved.items():
-            value = resolved[key] = _typed(key, value, defaults[key])
-            if key in FIXED and value not in FIXED[key]:
-                raise ModelConfigError(f"{key} must be one of {FIXED[key]} (the harness models only these) "
-                                       f"(got {value!r})")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
-                raise ModelConfigError(f"{key} must be > 0 (got {value!r})")
-        config = cls.from_dict(resolved)
+        config = cls.from_dict(resolve_keys(given, defaults, FIXED))
         if config.num_attention_heads % config.num_key_value_heads:
             raise ModelConfigError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
                                    f"num_key_value_heads (got {config.num_key_value_heads!r})")
@@ -119,13 +108,3 @@ class MiniMaxM2Config:
 
 
 DEFAULTS = MiniMaxM2Config()
-
-
-def _typed(key: str, value, default):
-    """`value`, of the default's type (an int where a float is expected is kept as given; rope_theta becomes a
-    float)."""
-    if key == "rope_theta" and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
-        raise ModelConfigError(f"{key} must be {type(default).__name__} (got {value!r})")
-    return value
