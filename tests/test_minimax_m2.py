@@ -117,6 +117,7 @@ def test_every_case_says_its_pair_and_the_variants_their_dtypes():
         "minimax_m2_2layer_full": ("bfloat16", ("megatron_model", "hf_model")),
         # the training level (cases/minimax_m2_train.toml)
         "minimax_m2_2layer_train": ("float32", ("megatron_model", "hf_model")),
+        "minimax_m2_2layer_train_bf16": ("bfloat16", ("megatron_model", "hf_model")),
         "minimax_m2_2layer_train_paddle": ("float32", ("megatron_model", "paddle_model")),
         "minimax_m2_2layer_train_control_megatron": ("float32", ("megatron_model", "megatron_model")),
         "minimax_m2_2layer_train_float64": ("float64", ("megatron_model", "hf_model"))}

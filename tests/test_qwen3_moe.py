@@ -145,6 +145,7 @@ def test_every_case_says_its_pair_and_the_variants_their_dtypes():
         "qwen3_moe_2layer_full": ("bfloat16", ("megatron_model", "hf_model")),
         # the training level (cases/qwen3_moe_train.toml)
         "qwen3_moe_2layer_train": ("float32", ("megatron_model", "hf_model")),
+        "qwen3_moe_2layer_train_bf16": ("bfloat16", ("megatron_model", "hf_model")),
         "qwen3_moe_2layer_train_paddle": ("float32", ("megatron_model", "paddle_model")),
         "qwen3_moe_2layer_train_control_megatron": ("float32", ("megatron_model", "megatron_model")),
         "qwen3_moe_2layer_train_sgd": ("float32", ("megatron_model", "hf_model")),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The model zoo on one H200 (issue 34): each family's 2-layer case (bf16, 64 tokens, with the float64 truth: hf_model
 # in float64 on the same checkpoint) and its `_full` twin (the real model's widths, 512 tokens, no truth), Megatron-Core
-# against HF transformers; then GLM-4.5's training case in bf16. From the repository root, with the three wheels in
+# against HF transformers; then each family's training case in bf16. From the repository root, with the three wheels in
 # .whl/ (megatron-core 0.19.2 cp312, transformers 5.3.0, tokenizers 0.22.2) and OUT set to where the small reports go:
 #
 #   OUT=/tmp/out docs/examples/zoo/run.sh
@@ -13,7 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/families}
 CASES=${CASES:-glm4_moe_2layer qwen3_moe_2layer minimax_m2_2layer glm4_moe_2layer_full qwen3_moe_2layer_full \
-minimax_m2_2layer_full glm4_moe_2layer_train_bf16}
+minimax_m2_2layer_full glm4_moe_2layer_train_bf16 qwen3_moe_2layer_train_bf16 minimax_m2_2layer_train_bf16}
 mkdir -p "$OUT"
 if ! python3 -c "import megatron.core, transformers" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
