@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
+from harness.case.registry import Registry
 from harness.cli import main
+from harness.families import FAMILIES
 from tests.support.doubles import broken_install_python, fake_interpreter, missing_package_python
 
 
@@ -25,6 +27,14 @@ def probeless_python(folder):
     only, harness.run.protocol.probe_answer), whatever it is asked."""
     return fake_interpreter(folder, "probeless_python", '#!/bin/sh\necho \'{"runner": "oracle", "note": "this '
                             'runner answers no more than its interpreter and host"}\'\n')
+
+
+def paddleformers_unsupported() -> list[str]:
+    """The families, in registry order, whose cases state paddle_model UNSUPPORTED in float32 on a CPU (not the bf16
+    kernels a CPU lacks): those PaddleFormers has no dygraph model of."""
+    stated = {case.model.family for case in Registry.load().for_device("cpu") if case.model and case.dtype ==
+              "float32" and "paddle_model" in case.runners and case.expect.verdict == "UNSUPPORTED"}
+    return [name for name in FAMILIES if name in stated]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +78,9 @@ def test_the_model_runners_are_probed_and_never_ok_unasked(doctor, tmp_path):
     assert hf["ok"] and hf["versions"]["transformers"] and "DeepseekV3ForCausalLM" in hf["ops"]["causal_lm"][
         "would_run"]
     assert paddle["ok"] and paddle["versions"]["paddleformers"], paddle
-    # PaddleFormers 1.2.0 has no dygraph MiniMax-M2: that family is named UNSUPPORTED, the runner stays usable
-    assert [m.split(":")[0] for m in paddle["families_unsupported"]] == ["minimax_m2"], paddle
+    # a family PaddleFormers has no dygraph model of (its cases state paddle_model UNSUPPORTED in float32) is named
+    # UNSUPPORTED, the runner stays usable
+    assert [m.split(":")[0] for m in paddle["families_unsupported"]] == paddleformers_unsupported(), paddle
     assert "Glm4MoeForCausalLM" in paddle["ops"]["causal_lm"]["float32"]["would_run"]
     assert "DeepseekV3ForCausalLM" in paddle["ops"]["causal_lm_train"]["float32"]["would_run"]
     assert "not registered" in paddle["ops"]["causal_lm"]["bfloat16"]["reason"]  # no CPU bf16 matmul anywhere

@@ -275,3 +275,38 @@ def test_a_whole_run_calls_no_stand_in_name_and_leaves_no_paddlefleet_behind(tmp
     assert all(a["changes_computation"] is False for a in result["adapters"])
     assert "paddlefleet stand-in" in result["implementation"]
     assert next(a for a in result["adapters"] if a["name"].startswith("paddlefleet stand-in"))["calls"] == []
+
+
+# --- what its end-to-end runs show (tests/test_model_e2e.py runs its cases: tests/support/zoo.py) ---------------
+
+# Its float64 cases run by another pair than their own: PaddleFormers' MoE refuses float64, so with both layers dense
+FLOAT64_PAIRS = [
+    ("glm4_moe_2layer_float64", ("paddle_model", "hf_model"), "PaddleFormers' Glm4MoeMoE.moe cannot run in float64"),
+    ("glm4_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
+    ("glm4_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
+]
+# One element of k_proj's bias planted on HF's side, in float64: Megatron's k_proj (a part of its fused linear_qkv)
+# disagrees far beyond the floors there first, so the semantic check says ERROR naming it
+PLANTED_FLOAT64 = ("glm4_moe_2layer_float64", "model.layers.0.self_attn.k_proj.bias", (3,))
+
+
+def check_run(case, report, run_dir):
+    """The cases' stated verdicts (bf16 Megatron vs HF part at the first RMSNorm, fp32 at q_proj: HF folds the q/k/v
+    bias into the GEMM, Megatron adds it after; PaddleFormers vs HF at the first RMSNorm) have 282 gradients. The
+    control, one bit of v_proj.bias[5] on Megatron's side b: Megatron holds it as a row of the fused linear_qkv, so
+    only column 5 of the de-interleaved v_proj output differs, and the q_proj and k_proj parts of the same fused output
+    stay equal: the interleave maps the planted element where it belongs."""
+    if case.name in ("glm4_moe_2layer", "glm4_moe_2layer_fp32", "glm4_moe_2layer_fp32_paddle"):
+        assert report["model"]["gradients"]["total"] == 282
+    if case.name == "glm4_moe_2layer_control_megatron":
+        import numpy as np
+
+        from harness.case.checkpoints import load_tensors
+
+        a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
+        b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
+        layer = "module.model.layers.0.self_attn."
+        columns = {int(c) for c in np.nonzero((a[layer + "v_proj"] != b[layer + "v_proj"]).any(axis=0))[0]}
+        assert columns == {5}
+        assert np.array_equal(a[layer + "q_proj"], b[layer + "q_proj"]) and np.array_equal(a[layer + "k_proj"],
+                                                                                             b[layer + "k_proj"])

@@ -415,3 +415,48 @@ def test_megatron_needs_the_full_dim_norm_and_names_it(tmp_path):
     with_it, without = results
     assert "FullDimQKNorm" in with_it["adapters"] and with_it["q_norm"] == [8, 4 * 32]
     assert "failed" in without and "q_layernorm.weight" in without["failed"], without
+
+
+# --- what its end-to-end runs show (tests/test_model_e2e.py, tests/test_train_zoo_e2e.py: tests/support/zoo.py) ----
+
+# PaddleFormers 1.2.0 has no dygraph MiniMax-M2 (only PaddleFleet builders)
+FLOAT64_PAIRS = [("minimax_m2_2layer_float64", ("paddle_model", "hf_model"),
+                  "MiniMax-M2 has no dygraph model in PaddleFormers")]
+# One element of k_norm's weight planted on HF's side, in float64: Megatron's k_norm (the family's all-heads norm)
+# disagrees far beyond the floors there first, so the semantic check says ERROR naming it, never a DIFF
+PLANTED_FLOAT64 = ("minimax_m2_2layer_float64", "model.layers.0.self_attn.k_norm.weight", (3,))
+K_NORM = "model.layers.0.self_attn.k_norm.weight"  # the all-heads key norm, Megatron's k_layernorm.norm
+
+
+def check_run(case, report, run_dir):
+    """The stated verdicts (bf16 Megatron vs HF part at the first RMSNorm, fp32 at layer 0's core attention:
+    baddbmm(alpha=scale) against matmul * scale, everything before it bit-equal, the all-heads q/k norm included)
+    have 1045 gradients and name the family's Megatron module. The control, one bit of k_norm.weight[5] on Megatron's
+    side b (the family's own module, one RMSNorm over both key heads): only column 5 of k_norm's [T, kv_heads x
+    head_dim] output differs, q, k, v and q_norm equal. Training: 1045 parameters, first apart at the loss on AMD EPYC
+    with AVX-512 BF16; the float64 check reaches k_norm's state; Paddle's side UNSUPPORTED, naming why."""
+    from tests.support.e2e import on_amd_avx512_bf16
+
+    if case.name in ("minimax_m2_2layer", "minimax_m2_2layer_fp32"):
+        assert report["model"]["gradients"]["total"] == 1045
+        adapters = [a["name"] for s in report["sides"] if s["runner"] == "megatron_model"
+                    for a in s["meta"]["adapters"]]
+        assert "FullDimQKNorm" in adapters  # the family's module, named
+    if case.name == "minimax_m2_2layer_control_megatron":
+        from harness.case.checkpoints import load_tensors
+
+        a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
+        b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
+        layer = "module.model.layers.0.self_attn."
+        assert {int(c) for c in np.nonzero((a[layer + "k_norm"] != b[layer + "k_norm"]).any(axis=0))[0]} == {5}
+        for name in ("q_proj", "k_proj", "v_proj", "q_norm"):
+            assert np.array_equal(a[layer + name], b[layer + name]), name
+    if case.name == "minimax_m2_2layer_train":
+        train = report["train"]
+        assert train["parameters"] == 1045
+        if on_amd_avx512_bf16():
+            assert train["first_divergence"]["tensor"] == "step1.loss", train["first_divergence"]
+    if case.op == "causal_lm_train" and case.dtype == "float64":
+        assert f"step3.exp_avg.{K_NORM}" in {t["name"] for t in report["tensors"]}
+    if case.name == "minimax_m2_2layer_train_paddle":
+        assert "no dygraph model in PaddleFormers" in report["message"], report["message"]

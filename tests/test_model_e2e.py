@@ -1,8 +1,8 @@
 """The model level end to end on the CPU: real HF transformers DeepseekV3ForCausalLM (hf_model), the 2-layer
 Kimi-K2 with 384 experts, 16 tokens (E2E_TOKENS), float32 and float64 only (a CPU without AVX-512 has a slow scalar
-bf16 GEMM in torch); and GLM-4.5 MoE (glm4_moe, 128 experts), Qwen3-MoE (qwen3_moe, 128 experts in both layers) and
-MiniMax-M2 (minimax_m2, 256 experts), whose cases no baseline records yet: their verdicts are pinned by the
-expectations the cases state. Few on purpose: each side imports a model zoo and runs the whole model.
+bf16 GEMM in torch); and every other family of the zoo (harness/families/), whose cases no baseline records yet: their
+verdicts are pinned by the expectations the cases state, each case found in the registry (tests/support/zoo.py), so a
+new family's cases run here without an edit. Few on purpose: each side imports a model zoo and runs the whole model.
 
 - The negative control: one bit of one routed expert's weight flipped on side b changes exactly that expert's
   output and what follows it, and of the gradients exactly that expert's, those of the experts that share a token
@@ -11,6 +11,8 @@ expectations the cases state. Few on purpose: each side imports a model zoo and 
   float64, or be UNSUPPORTED for the one reason known on every platform (PaddleFormers' MoE refuses float64). It
   never skips on CI; elsewhere only where a framework the requirements install is missing, named.
 - A planted difference in float64 (a mapping error stand-in) is an ERROR naming the first tensor, never a DIFF.
+- The zoo's cases give the verdict and first divergence they state, their controls are found at their tensors, and a
+  difference planted in each family's float64 case is a mapping error naming it.
 """
 
 import json
@@ -23,11 +25,14 @@ from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
 from harness.case.checkpoints import load_tensors
 from harness.case.registry import Perturbation, Registry
+from harness.families import family_of
+from tests.support import zoo
 from tests.support.installed import missing_required, on_ci
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
-# (case, runners, the UNSUPPORTED reason every platform gives or None): every pair of the three implementations
+# (case, runners, the UNSUPPORTED reason every platform gives or None): every pair of the three implementations;
+# the zoo's: each float64 case's own pair and the others its family's tests add (tests/support/zoo.py)
 SEMANTIC_PAIRS = [
     ("kimi_k2_2layer_float64", ("hf_model", "hf_model"), None),
     ("kimi_k2_2layer_float64", ("megatron_model", "hf_model"), None),
@@ -35,20 +40,7 @@ SEMANTIC_PAIRS = [
     ("kimi_k2_2layer_float64", ("paddle_model", "hf_model"), "PaddleFormers' DeepseekV3MoE.moe cannot run in float64"),
     ("kimi_k2_2layer_float64_dense", ("paddle_model", "hf_model"), None),
     ("kimi_k2_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
-    ("glm4_moe_2layer_float64", ("megatron_model", "hf_model"), None),
-    ("glm4_moe_2layer_float64", ("paddle_model", "hf_model"), "PaddleFormers' Glm4MoeMoE.moe cannot run in float64"),
-    ("glm4_moe_2layer_float64_qk_norm", ("megatron_model", "hf_model"), None),
-    ("glm4_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
-    ("glm4_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
-    ("qwen3_moe_2layer_float64", ("megatron_model", "hf_model"), None),
-    ("qwen3_moe_2layer_float64", ("paddle_model", "hf_model"),
-     "PaddleFormers' Qwen3MoeSparseMoeBlock cannot run in float64"),
-    ("qwen3_moe_2layer_float64_dense", ("megatron_model", "hf_model"), None),
-    ("qwen3_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
-    ("qwen3_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
-    ("minimax_m2_2layer_float64", ("megatron_model", "hf_model"), None),
-    # PaddleFormers 1.2.0 has no dygraph MiniMax-M2 (only PaddleFleet builders)
-    ("minimax_m2_2layer_float64", ("paddle_model", "hf_model"), "MiniMax-M2 has no dygraph model in PaddleFormers"),
+    *zoo.float64_pairs(zoo.zoo_cases("causal_lm")),
 ]
 
 
@@ -117,7 +109,7 @@ def test_float64_semantic_check(case, pair, unsupported, tmp_path, checkpoints_d
     parameters = load_tensors(run_dir / f"b-{pair[1]}" / "outputs.safetensors")
     assert report["model"]["gradients"]["compared"] == sum(n.startswith("grad.") for n in parameters)
     expected = sum(s.name.startswith("grad.") for s in Registry.load().get(case).with_tokens(E2E_TOKENS).output_specs())
-    # Kimi-K2's 2 layers 794, GLM-4.5's 282, Qwen3-MoE's 533, MiniMax-M2's 1045
+    # Kimi-K2's 2 layers 794; the zoo's: as the family's test file counts them
     assert report["model"]["gradients"]["compared"] == expected
 
 
@@ -132,185 +124,57 @@ def test_float64_disagreement_is_a_mapping_error_naming_the_first_tensor(tmp_pat
     assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.kv_b_proj"
 
 
-# --- GLM-4.5 MoE (glm4_moe): the cases' stated verdicts on this CPU, the control found at its tensor ----------------
+# --- The zoo (every family but DeepSeek-V3): its cases' stated verdicts on this CPU, its controls, a planted error ---
 
-# Each pair's verdict and first divergence, stated by the case (cases/glm4_moe.toml says why each is by construction):
-# bf16 Megatron vs HF parts at the first RMSNorm, fp32 at q_proj (HF folds the q/k/v bias into the GEMM, Megatron adds
-# it after), PaddleFormers vs HF at the first RMSNorm.
-GLM_CASES = ["glm4_moe_2layer", "glm4_moe_2layer_fp32", "glm4_moe_2layer_fp32_paddle"]
+# Each pair's verdict and first divergence are stated by the case (cases/<family>.toml says why each is by
+# construction); what a family measured beyond them its tests/test_<family>.py checks (tests/support/zoo.py).
+STATED = [case.name for case in zoo.zoo_cases("causal_lm")
+          if case.perturb is None and case.dtype != "float64" and case.runners[0] != case.runners[1]]
+CONTROLS = [case.name for case in zoo.zoo_cases("causal_lm") if case.perturb is not None]
 
 
-@pytest.mark.parametrize("case", GLM_CASES)
-def test_glm4_moe_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
+@pytest.mark.parametrize("case", STATED)
+def test_zoo_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
     from tests.support.e2e import assert_counts_match_outputs
 
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
     missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
     if missing and not on_ci():
         pytest.skip(f"{missing} is not installed here: {result.message}")
-    assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
+    stated = Registry.load().get(case)
+    assert result.verdict == stated.expect.verdict and result.expectation["met"] and result.exit_code == 0, (
         result.message, result.expectation, tails)
     sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
              if s["label"] in ("a", "b")]
     assert_counts_match_outputs(report, *sides)
-    stated = Registry.load().get(case)
-    assert report["first_divergence"] == stated.expect.differs[0]
-    gradients = report["model"]["gradients"]
-    assert gradients["total"] == 282 and gradients["bitwise_pass"] >= gradients["bitwise_pass_of_idle_experts"]
+    assert report["first_divergence"] == (stated.expect.differs[0] if stated.expect.differs else None)
+    gradients = report["model"]["gradients"]  # as many as the family's layout has (its test file pins the count)
+    assert gradients["total"] == len(family_of(stated.model.family).gradients(stated.model))
+    assert gradients["bitwise_pass"] >= gradients["bitwise_pass_of_idle_experts"]
+    zoo.check_run(stated, report, run_dir)
 
 
-def test_glm4_moe_control_is_found_in_its_column_of_the_fused_qkv(tmp_path, checkpoints_dir):
-    """One bit of v_proj.bias[5] on Megatron's side b: Megatron holds it as a row of the fused linear_qkv, so only
-    column 5 of the de-interleaved v_proj output differs, and the q_proj and k_proj parts of the same fused output
-    stay equal: the interleave maps the planted element where it belongs. The first divergence is that module."""
-    result, run_dir, report, tails = _run("glm4_moe_2layer_control_megatron", tmp_path, checkpoints_dir, oracle=False)
-    assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
-    a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
-    b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
-    layer = "module.model.layers.0.self_attn."
-    columns = {int(c) for c in np.nonzero((a[layer + "v_proj"] != b[layer + "v_proj"]).any(axis=0))[0]}
-    assert columns == {5}
-    assert np.array_equal(a[layer + "q_proj"], b[layer + "q_proj"]) and np.array_equal(a[layer + "k_proj"],
-                                                                                         b[layer + "k_proj"])
-    assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.v_proj"
-
-
-def test_glm4_moe_float64_disagreement_is_a_mapping_error_naming_the_fused_part(tmp_path, checkpoints_dir,
-                                                                                  monkeypatch):
-    """A planted difference in one element of k_proj's bias on HF's side, in float64: Megatron's k_proj (a part of its
-    fused linear_qkv) disagrees far beyond the floors there first, so the semantic check says ERROR naming it."""
-    registry = Registry.load()
-    planted = replace(registry.get("glm4_moe_2layer_float64"),
-                      perturb=Perturbation("b", "model.layers.0.self_attn.k_proj.bias", (3,), 50))
-    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
-    result, run_dir, report, tails = _run("glm4_moe_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
-    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_proj" in \
-        result.message, (result.message, tails)
-    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_proj"
-
-
-# --- Qwen3-MoE (qwen3_moe): the cases' stated verdicts on this CPU, the control found at its tensor -----------------
-
-# Each pair's verdict, first divergence (stated by the case: cases/qwen3_moe.toml says why each is by construction)
-# and gradients bitwise equal at E2E_TOKENS (16), measured on this CPU (AMD EPYC, AVX-512 BF16): (equal, of them of
-# the routed experts no token went to). bf16 Megatron vs HF parts at the first RMSNorm; fp32 at layer 0's router
-# probabilities (HF: softmax over all experts, top-k, renormalised; Megatron: top-k of the logits, softmax over k), the
-# attention before it bit-equal; only the idle experts' gradients are equal (bf16: also one expert that only the last
-# token, whose label is -100, went to). PaddleFormers vs HF parts at the first RMSNorm, and not even the idle experts'
-# gradients are bitwise equal: PaddleFormers runs each idle expert on one zero row, and the gradients that leaves are
-# zeros of either sign (-0.0 where the upstream gradient is negative), HF's +0.0.
-QWEN3_CASES = {"qwen3_moe_2layer": (352, 350), "qwen3_moe_2layer_fp32": (350, 350),
-               "qwen3_moe_2layer_fp32_paddle": (0, 0)}
-
-
-@pytest.mark.parametrize("case", QWEN3_CASES)
-def test_qwen3_moe_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
-    from tests.support.e2e import assert_counts_match_outputs
-
+@pytest.mark.parametrize("case", CONTROLS)
+def test_zoo_control_is_found_at_its_tensor(case, tmp_path, checkpoints_dir):
+    """One bit planted on side b of a stack against itself (the case's `perturb`): DIFF as the case states, the first
+    divergence the first module it says differs; the family's tests check the column it differs in."""
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
-    missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
-    if missing and not on_ci():
-        pytest.skip(f"{missing} is not installed here: {result.message}")
-    assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
-        result.message, result.expectation, tails)
-    sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
-             if s["label"] in ("a", "b")]
-    assert_counts_match_outputs(report, *sides)
-    stated = Registry.load().get(case)
-    assert report["first_divergence"] == stated.expect.differs[0]
-    gradients = report["model"]["gradients"]
-    assert gradients["total"] == 533
-    assert (gradients["bitwise_pass"], gradients["bitwise_pass_of_idle_experts"]) == QWEN3_CASES[case], gradients
-
-
-def test_qwen3_moe_control_is_found_in_its_column_and_its_head(tmp_path, checkpoints_dir):
-    """One bit of k_proj.weight[37, 3] on Megatron's side b: Megatron holds that row in its fused linear_qkv, so only
-    column 37 of the de-interleaved k_proj output differs and the q_proj and v_proj parts stay equal; q/k norms are per
-    head, so only head 2 of k_norm (dims 32..47 of k) differs and q_norm stays equal. The first divergence is k_proj."""
-    result, run_dir, report, tails = _run("qwen3_moe_2layer_control_megatron", tmp_path, checkpoints_dir,
-                                          oracle=False)
     assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
-    a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
-    b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
-    layer = "module.model.layers.0.self_attn."
-    assert {int(c) for c in np.nonzero((a[layer + "k_proj"] != b[layer + "k_proj"]).any(axis=0))[0]} == {37}
-    assert {int(h) for h in np.nonzero((a[layer + "k_norm"] != b[layer + "k_norm"]).any(axis=(0, 2)))[0]} == {2}
-    for part in ("q_proj", "v_proj", "q_norm"):
-        assert np.array_equal(a[layer + part], b[layer + part]), part
-    assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.k_proj"
-
-
-def test_qwen3_moe_float64_disagreement_is_a_mapping_error_naming_the_per_head_norm(tmp_path, checkpoints_dir,
-                                                                                    monkeypatch):
-    """A planted difference in one element of layer 0's k_norm weight on HF's side, in float64: Megatron's k_norm
-    (its k_layernorm, one weight shared by every key head) disagrees far beyond the floors there first, so the
-    semantic check says ERROR naming it, not a numeric DIFF."""
-    registry = Registry.load()
-    planted = replace(registry.get("qwen3_moe_2layer_float64"),
-                      perturb=Perturbation("b", "model.layers.0.self_attn.k_norm.weight", (3,), 50))
-    monkeypatch.setattr(Registry, "get", lambda self, name: planted)
-    result, run_dir, report, tails = _run("qwen3_moe_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
-    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_norm" in \
-        result.message, (result.message, tails)
-    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_norm"
-
-
-# --- MiniMax-M2 (minimax_m2): the cases' stated verdicts on this CPU, the control found at its tensor ---------------
-
-# Each pair's verdict and first divergence, stated by the case (cases/minimax_m2.toml says why each is by
-# construction): bf16 Megatron vs HF parts at the first RMSNorm, fp32 at layer 0's core attention (baddbmm(alpha=scale)
-# against matmul * scale), with everything before it bit-equal, the family's all-heads q/k norm included.
-MINIMAX_CASES = ["minimax_m2_2layer", "minimax_m2_2layer_fp32"]
-
-
-@pytest.mark.parametrize("case", MINIMAX_CASES)
-def test_minimax_m2_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
-    from tests.support.e2e import assert_counts_match_outputs
-
-    result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
-    missing = missing_required(result.message) if result.verdict == "UNSUPPORTED" else None
-    if missing and not on_ci():
-        pytest.skip(f"{missing} is not installed here: {result.message}")
-    assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
-        result.message, result.expectation, tails)
-    sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
-             if s["label"] in ("a", "b")]
-    assert_counts_match_outputs(report, *sides)
     stated = Registry.load().get(case)
-    assert report["first_divergence"] == stated.expect.differs[0]
-    gradients = report["model"]["gradients"]
-    assert gradients["total"] == 1045 and gradients["bitwise_pass"] >= gradients["bitwise_pass_of_idle_experts"]
-    adapters = [a["name"] for s in report["sides"] if s["runner"] == "megatron_model" for a in s["meta"]["adapters"]]
-    assert "FullDimQKNorm" in adapters  # the family's module, named
+    assert "module." + report["model"]["first_divergence_module"] == stated.expect.differs[0]
+    zoo.check_run(stated, report, run_dir)
 
 
-def test_minimax_m2_control_is_found_in_its_column_of_the_all_heads_k_norm(tmp_path, checkpoints_dir):
-    """One bit of k_norm.weight[5] on Megatron's side b: that weight is the family's own module (k_layernorm.norm, one
-    RMSNorm over both key heads), so only column 5 of k_norm's [T, kv_heads x head_dim] output differs, and q, k, v
-    and q_norm stay equal: the name map puts the planted element where it belongs. The first divergence is k_norm."""
-    result, run_dir, report, tails = _run("minimax_m2_2layer_control_megatron", tmp_path, checkpoints_dir,
-                                          oracle=False)
-    assert result.verdict == "DIFF" and result.expectation["met"], (result.message, result.expectation, tails)
-    a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
-    b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
-    layer = "module.model.layers.0.self_attn."
-    columns = {int(c) for c in np.nonzero((a[layer + "k_norm"] != b[layer + "k_norm"]).any(axis=0))[0]}
-    assert columns == {5}
-    for name in ("q_proj", "k_proj", "v_proj", "q_norm"):
-        assert np.array_equal(a[layer + name], b[layer + name]), name
-    assert report["model"]["first_divergence_module"] == "model.layers.0.self_attn.k_norm"
-
-
-def test_minimax_m2_float64_disagreement_is_a_mapping_error_naming_the_q_k_norm(tmp_path, checkpoints_dir,
-                                                                                monkeypatch):
-    """A planted difference in one element of k_norm's weight on HF's side, in float64: Megatron's k_norm (the
-    family's all-heads norm) disagrees far beyond the floors there first, so the semantic check says ERROR naming
-    it, never a DIFF."""
-    registry = Registry.load()
-    planted = replace(registry.get("minimax_m2_2layer_float64"),
-                      perturb=Perturbation("b", "model.layers.0.self_attn.k_norm.weight", (3,), 50))
+@pytest.mark.parametrize("family", zoo.ZOO)
+def test_zoo_float64_disagreement_is_a_mapping_error_naming_the_tensor(family, tmp_path, checkpoints_dir,
+                                                                      monkeypatch):
+    """A planted difference in one element of a parameter on HF's side, in float64 (the family's PLANTED_FLOAT64: a
+    part of a fused tensor, a q/k norm): the other stack disagrees far beyond the floors there first, so the semantic
+    check says ERROR naming that module, never a numeric DIFF."""
+    name, tensor, index = zoo.family_tests(family).PLANTED_FLOAT64
+    planted = replace(Registry.load().get(name), perturb=Perturbation("b", tensor, index, 50))
     monkeypatch.setattr(Registry, "get", lambda self, name: planted)
-    result, run_dir, report, tails = _run("minimax_m2_2layer_float64", tmp_path, checkpoints_dir, oracle=False)
-    assert result.verdict == "ERROR" and "mapping error at module.model.layers.0.self_attn.k_norm" in \
-        result.message, (result.message, tails)
-    assert report["model"]["semantic"]["first_module"] == "model.layers.0.self_attn.k_norm"
+    result, run_dir, report, tails = _run(name, tmp_path, checkpoints_dir, oracle=False)
+    module = tensor.rsplit(".", 1)[0]  # the weight's or bias's module
+    assert result.verdict == "ERROR" and f"mapping error at module.{module}" in result.message, (result.message, tails)
+    assert report["model"]["semantic"]["first_module"] == module

@@ -434,3 +434,64 @@ def test_the_routing_record_goes_into_both_forms_of_megatrons_moe_spec():
     not a ModuleSpec (0.16.1 here): the router went unreplaced there and the capture failed naming the missing
     ``routing_record`` (2026-12-03). Both forms now get the family's router; a dense layer keeps its MLP."""
     assert python(SPEC_FORMS) == {"module_spec": True, "partial": True, "dense": False}
+
+
+# --- what its end-to-end runs show (tests/test_model_e2e.py, tests/test_train_zoo_e2e.py: tests/support/zoo.py) ----
+
+# Its float64 cases run by another pair than their own: PaddleFormers' MoE refuses float64, so with both layers dense
+FLOAT64_PAIRS = [
+    ("qwen3_moe_2layer_float64", ("paddle_model", "hf_model"),
+     "PaddleFormers' Qwen3MoeSparseMoeBlock cannot run in float64"),
+    ("qwen3_moe_2layer_float64_dense", ("paddle_model", "hf_model"), None),
+    ("qwen3_moe_2layer_float64_dense", ("megatron_model", "paddle_model"), None),
+    ("qwen3_moe_2layer_train_float64_dense", ("paddle_model", "hf_model"), None),
+]
+# One element of layer 0's k_norm weight planted on HF's side, in float64: Megatron's k_norm (its k_layernorm, one
+# weight shared by every key head) disagrees far beyond the floors there first: ERROR naming it, not a numeric DIFF
+PLANTED_FLOAT64 = ("qwen3_moe_2layer_float64", "model.layers.0.self_attn.k_norm.weight", (3,))
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # rows of Megatron's fused linear_qkv
+
+# Gradients bitwise equal at E2E_TOKENS (16), measured on this CPU (AMD EPYC, AVX-512 BF16): (equal, of them of the
+# routed experts no token went to). bf16 Megatron vs HF parts at the first RMSNorm; fp32 at layer 0's router
+# probabilities (HF: softmax over all experts, top-k, renormalised; Megatron: top-k of the logits, softmax over k), the
+# attention before it bit-equal; only the idle experts' gradients are equal (bf16: also one expert that only the last
+# token, whose label is -100, went to). PaddleFormers vs HF parts at the first RMSNorm, and not even the idle experts'
+# gradients are bitwise equal: PaddleFormers runs each idle expert on one zero row, and the gradients that leaves are
+# zeros of either sign (-0.0 where the upstream gradient is negative), HF's +0.0.
+STATED_GRADIENTS = {"qwen3_moe_2layer": (352, 350), "qwen3_moe_2layer_fp32": (350, 350),
+                    "qwen3_moe_2layer_fp32_paddle": (0, 0)}
+# The training pairs' first divergence on AMD EPYC with AVX-512 BF16 at E2E_TOKENS; elsewhere only its step (1)
+TRAIN_FIRST = {"qwen3_moe_2layer_train": "step1.loss", "qwen3_moe_2layer_train_paddle": "step1.loss"}
+
+
+def check_run(case, report, run_dir):
+    """The measured gradient counts above; the control (one bit of k_proj.weight[37, 3] on Megatron's side b, which
+    Megatron holds in its fused linear_qkv) changes only column 37 of the de-interleaved k_proj output, and, q/k norms
+    being per head, only head 2 of k_norm (dims 32..47 of k), q_proj, v_proj and q_norm equal; the training pairs'
+    533 parameters and first tensor, Paddle's idle experts' -0.0; the training float64 check reaches k_proj's state."""
+    from tests.support.e2e import on_amd_avx512_bf16
+
+    gradients = (report.get("model") or {}).get("gradients")
+    if case.name in STATED_GRADIENTS:
+        assert gradients["total"] == 533
+        assert (gradients["bitwise_pass"], gradients["bitwise_pass_of_idle_experts"]) == STATED_GRADIENTS[
+            case.name], gradients
+    if case.name == "qwen3_moe_2layer_control_megatron":
+        from harness.case.checkpoints import load_tensors
+
+        a = load_tensors(run_dir / "a-megatron_model" / "outputs.safetensors")
+        b = load_tensors(run_dir / "b-megatron_model" / "outputs.safetensors")
+        layer = "module.model.layers.0.self_attn."
+        assert {int(c) for c in np.nonzero((a[layer + "k_proj"] != b[layer + "k_proj"]).any(axis=0))[0]} == {37}
+        assert {int(h) for h in np.nonzero((a[layer + "k_norm"] != b[layer + "k_norm"]).any(axis=(0, 2)))[0]} == {2}
+        for part in ("q_proj", "v_proj", "q_norm"):
+            assert np.array_equal(a[layer + part], b[layer + part]), part
+    if case.name in TRAIN_FIRST:
+        train = report["train"]
+        assert train["parameters"] == 533
+        if on_amd_avx512_bf16():
+            assert train["first_divergence"]["tensor"] == TRAIN_FIRST[case.name], train["first_divergence"]
+            if case.name.endswith("_paddle"):  # Paddle's idle experts: -0.0 where Megatron has +0.0
+                assert not any(t["status"] == "EQUAL" for t in report["tensors"] if ".grad." in t["name"])
+    if case.op == "causal_lm_train" and case.dtype == "float64":
+        assert f"step3.exp_avg.{K_PROJ}" in {t["name"] for t in report["tensors"]}

@@ -1,15 +1,14 @@
-"""The training level end to end on the model zoo's other families (issue 34): Qwen3-MoE (qwen3_moe) and MiniMax-M2
-(minimax_m2), the registry's cases (cases/qwen3_moe_train.toml, cases/minimax_m2_train.toml) at E2E_TOKENS (16), each
-side in its own training code (docs/training.md has the measurements).
+"""The training level end to end on the model zoo's families (issue 34) but DeepSeek-V3 and GLM-4.5 (whose training
+tests/test_train_e2e.py runs): the registry's training cases (cases/<family>_train.toml, found by what each states:
+tests/support/zoo.py, so a new family's run here without an edit) at E2E_TOKENS (16), each side in its own training
+code (docs/training.md has the measurements).
 
-- Each pair gives DIFF at every step and parts first at step 1; the tensor it parts at is pinned on the platform it
-  was measured on (AMD EPYC with AVX-512 BF16), the step everywhere (the routers and the core attention round apart
-  by construction: cases/qwen3_moe.toml, cases/minimax_m2.toml).
-- The negative controls are found at exactly their tensors and step: Qwen3-MoE's in k_proj's rows of Megatron's fused
-  linear_qkv, MiniMax-M2's in its all-heads k_norm.
-- The float64 check of every step passes for every pair the stacks can run (PaddleFormers' Qwen3-MoE with both
-  layers dense: its MoE refuses float64).
-- MiniMax-M2 on Paddle is UNSUPPORTED, naming the missing dygraph model.
+- Each pair gives DIFF at every step and parts first at step 1 (the routers and the core attention round apart by
+  construction: cases/<family>.toml); the tensor it parts at the family's tests pin on the platform it was measured
+  on (AMD EPYC with AVX-512 BF16).
+- The negative controls (a flipped bit of an Adam moment) are found at exactly their tensors and step.
+- The float64 check of every step passes for every pair the stacks can run.
+- A pair a stack cannot run (a family PaddleFormers has no dygraph model of) is UNSUPPORTED, as its case states.
 """
 
 import json
@@ -18,12 +17,20 @@ import pytest
 
 from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
-from tests.support.e2e import on_amd_avx512_bf16
+from harness.case.registry import Registry
+from harness.families import family_of
+from harness.optimizers import DEFAULT as DEFAULT_OPTIMIZER
+from tests.support import zoo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
-QWEN3_K = "model.layers.0.self_attn.k_proj.weight"  # rows of Megatron's fused linear_qkv
-MINIMAX_K_NORM = "model.layers.0.self_attn.k_norm.weight"  # the all-heads key norm, Megatron's k_layernorm.norm
+CASES = zoo.zoo_cases("causal_lm_train", but=("glm4_moe",))  # GLM-4.5's: tests/test_train_e2e.py
+PAIRS = [case.name for case in CASES if case.train.flip is None and case.dtype != "float64"
+         and case.runners[0] != case.runners[1] and case.train.record.name == DEFAULT_OPTIMIZER
+         and case.expect.verdict == "DIFF"]
+CONTROLS = [case.name for case in CASES if case.train.flip is not None]
+FLOAT64 = zoo.float64_pairs(CASES)
+UNSUPPORTED = [case.name for case in CASES if case.expect.verdict == "UNSUPPORTED"]
 
 
 def _run(name, tmp_path, checkpoints_dir, **options):
@@ -34,29 +41,19 @@ def _run(name, tmp_path, checkpoints_dir, **options):
     return result, run_dir, report, tails
 
 
-# case: (runners, trained parameters, the first divergence on AMD EPYC with AVX-512 BF16 at E2E_TOKENS, the routing
-# bias written). Elsewhere only its step (1) is pinned: which tensor of step 1 rounds apart first is arithmetic.
-PAIRS = {
-    "qwen3_moe_2layer_train": ("megatron_model,hf_model", 533, "step1.loss", False),
-    "qwen3_moe_2layer_train_paddle": ("megatron_model,paddle_model", 533, "step1.loss", False),
-    "minimax_m2_2layer_train": ("megatron_model,hf_model", 1045, "step1.loss", True),
-}
-
-
-@pytest.mark.parametrize("case", list(PAIRS))
+@pytest.mark.parametrize("case", PAIRS)
 def test_zoo_training_pairs_part_at_step_1(case, tmp_path, checkpoints_dir):
-    """Megatron-Core vs HF (Qwen3-MoE, MiniMax-M2) and vs PaddleFormers (Qwen3-MoE): DIFF at every step, first at
-    step 1; the lr equal at every step; at step 1 (lr 0) every parameter equal; the gradients numerically equal at a
-    step are idle experts' zeros (bitwise vs HF; Paddle's have -0.0 in places, so here none is bitwise equal);
-    MiniMax-M2's routing bias equal at every step (no stack moves it), Qwen3-MoE has none."""
-    runners, parameters, first, bias = PAIRS[case]
+    """Megatron-Core vs HF or PaddleFormers: DIFF at every step, first at step 1; the lr equal at every step; at step
+    1 (lr 0) every parameter equal; the gradients numerically equal at a step are idle experts' zeros; a routing bias
+    (a buffer of the family's layout) equal at every step (no stack moves it), none where the family has none."""
+    stated = Registry.load().get(case)
+    parameters = len(family_of(stated.model.family).gradients(stated.model))
+    bias = bool(family_of(stated.model.family).buffers(stated.model))
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "DIFF" and result.expectation["met"], (result.message, tails)
     train = report["train"]
     assert train["parameters"] == parameters and [s["verdict"] for s in train["steps"]] == ["DIFF"] * 3
     assert train["first_divergence"]["step"] == 1, train["first_divergence"]
-    if on_amd_avx512_bf16():
-        assert train["first_divergence"]["tensor"] == first, train["first_divergence"]
     for step in train["steps"]:
         assert step["scalars"]["lr"]["equal"]
         assert ("expert_bias" in step["quantities"]) == bias
@@ -65,58 +62,56 @@ def test_zoo_training_pairs_part_at_step_1(case, tmp_path, checkpoints_dir):
         grads = [t for t in report["tensors"] if t["name"].startswith(f"step{step['step']}.grad.")]
         zeros = {t["name"] for t in grads if t["status"] == "EQUAL" or not t["max_abs_error"]}
         assert zeros and all(".mlp.experts." in name for name in zeros), sorted(zeros)[:5]
-        if on_amd_avx512_bf16() and case.endswith("_paddle"):  # Paddle's idle experts: -0.0 where Megatron has +0.0
-            assert not any(t["status"] == "EQUAL" for t in grads)
     assert train["steps"][0]["quantities"]["param"]["equal"] == parameters
+    zoo.check_run(stated, report, run_dir)
 
 
-@pytest.mark.parametrize("case, tensor, index", [
-    ("qwen3_moe_2layer_train_control_megatron", QWEN3_K, [5, 7]),
-    ("minimax_m2_2layer_train_control_megatron", MINIMAX_K_NORM, [5]),
-], ids=["qwen3_moe", "minimax_m2"])
-def test_zoo_training_control_is_found_at_its_tensors(case, tensor, index, tmp_path, checkpoints_dir):
-    """One bit of exp_avg flipped on side b after step 1 (Qwen3-MoE: k_proj's rows of linear_qkv; MiniMax-M2: the
-    all-heads k_norm): step 1 bitwise, at step 2 exactly that exp_avg (one element, at the index) and that parameter,
-    at step 3 the gradients (the case's expectation); the re-feed says both were carried in at step 2."""
+@pytest.mark.parametrize("case", CONTROLS)
+def test_zoo_training_control_is_found_at_its_tensors(case, tmp_path, checkpoints_dir):
+    """One bit of an Adam moment flipped on side b after step 1 (the case's flip): step 1 bitwise, at step 2 exactly
+    that moment (one element, at the flip's index) and that parameter, at step 3 the gradients (the case's
+    expectation); the re-feed says both were carried in at step 2."""
+    stated = Registry.load().get(case)
+    flip = stated.train.flip
+    tensor = flip.tensor
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False, refeed_ops=True)
     assert result.verdict == "DIFF" and result.expectation["met"] and result.exit_code == 0, (
         result.message, result.expectation, tails)
     assert [s["verdict"] for s in report["train"]["steps"]] == ["BITWISE_PASS", "DIFF", "DIFF"]
     rows = {t["name"]: t for t in report["tensors"]}
     assert {n for n, t in rows.items() if n.startswith("step2.") and t["mismatches"]} == {
-        f"step2.exp_avg.{tensor}", f"step2.param.{tensor}"}
-    flipped = rows[f"step2.exp_avg.{tensor}"]
-    assert flipped["mismatches"] == 1 and flipped["first_mismatch"]["index"] == index
+        f"step2.{flip.state}.{tensor}", f"step2.param.{tensor}"}
+    flipped = rows[f"step2.{flip.state}.{tensor}"]
+    assert flipped["mismatches"] == 1 and flipped["first_mismatch"]["index"] == list(flip.index)
     assert rows[f"step2.param.{tensor}"]["mismatches"] == 1
     assert rows[f"step3.grad.{tensor}"]["mismatches"]
     parameters = report["train"]["parameters"]
     refeed = report["train"]["refeed"]
     assert refeed["status"] == "ok" and refeed["steps"][1]["attribution"] == {
-        "exp_avg": f"1 carried in, {parameters - 1} equal", "param": f"1 carried in, {parameters - 1} equal"}, refeed
+        flip.state: f"1 carried in, {parameters - 1} equal", "param": f"1 carried in, {parameters - 1} equal"}, refeed
+    zoo.check_run(stated, report, run_dir)
 
 
-@pytest.mark.parametrize("case, runners, checked", [
-    ("qwen3_moe_2layer_train_float64", ("megatron_model", "hf_model"), f"step3.exp_avg.{QWEN3_K}"),
-    ("qwen3_moe_2layer_train_float64_dense", ("megatron_model", "paddle_model"), f"step3.exp_avg.{QWEN3_K}"),
-    ("qwen3_moe_2layer_train_float64_dense", ("paddle_model", "hf_model"), f"step3.exp_avg.{QWEN3_K}"),
-    ("minimax_m2_2layer_train_float64", ("megatron_model", "hf_model"), f"step3.exp_avg.{MINIMAX_K_NORM}"),
-], ids=["qwen3_moe-megatron-hf", "qwen3_moe_dense-megatron-paddle", "qwen3_moe_dense-paddle-hf",
-        "minimax_m2-megatron-hf"])
-def test_zoo_float64_check_judges_every_step(case, runners, checked, tmp_path, checkpoints_dir):
+@pytest.mark.parametrize("case, runners, unsupported", FLOAT64, ids=[f"{c}-{'-vs-'.join(p)}" for c, p, _ in FLOAT64])
+def test_zoo_float64_check_judges_every_step(case, runners, unsupported, tmp_path, checkpoints_dir):
     """The float64 check of every step (plain run, re-fed, optimizer on side a's gradients): every pair within the
     floors its stacks state in the family's name map, the q/k/v parts of the fused tensors and the q/k norms
     included."""
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False, runners=runners)
+    if unsupported:
+        assert result.verdict == "UNSUPPORTED" and unsupported in result.message, (result.message, tails)
+        return
     semantic = report["train"].get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
     assert result.verdict == "WITHIN_TOLERANCE" and report["train"]["refeed"]["status"] == "ok", result.message
     assert [part["checked"] > 0 for part in semantic["parts"]] == [True] * 3
-    assert checked in {t["name"] for t in report["tensors"]}
+    zoo.check_run(Registry.load().get(case), report, run_dir)
 
 
-def test_minimax_m2_trains_on_no_paddle_stack(tmp_path, checkpoints_dir):
-    """PaddleFormers 1.2.0 has no dygraph MiniMax-M2: the Paddle side of a training pair is UNSUPPORTED, naming it."""
-    result, run_dir, report, tails = _run("minimax_m2_2layer_train_paddle", tmp_path, checkpoints_dir, oracle=False)
+@pytest.mark.parametrize("case", UNSUPPORTED)
+def test_zoo_training_pair_a_stack_cannot_run_is_unsupported(case, tmp_path, checkpoints_dir):
+    """A pair the case states UNSUPPORTED (PaddleFormers without a dygraph model of the family) is, naming why."""
+    result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "UNSUPPORTED" and result.expectation["met"], (result.message, tails)
-    assert "no dygraph model in PaddleFormers" in result.message, result.message
+    zoo.check_run(Registry.load().get(case), report, run_dir)

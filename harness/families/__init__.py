@@ -2,23 +2,43 @@
 modules (``<family>/megatron.py``, ``hf.py``, ``paddle.py``) import their framework and are imported by runners only,
 through ``Family.builder(stack)``.
 
-Adding a family: its package here (``__init__.py`` with the record, its typed config, its parameter layout, module
-outputs and gradients, ``names.toml``, one builder per stack), one line in ``FAMILIES``, and its cases
-(docs/model-contract.md).
+Adding a family: its package here (``__init__.py`` with the record as ``FAMILY``, its typed config, its parameter
+layout, module outputs and gradients, ``names.toml``, one builder per stack) and its cases (docs/model-contract.md).
+``FAMILIES`` finds it: every subpackage of this one is a family, DeepSeek-V3 first (``DEFAULT``), the others by name.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Mapping
 
-from harness.families import deepseek_v3, glm4_moe, minimax_m2, qwen3_moe
 from harness.families.record import Family, ModelConfigError
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (deepseek_v3.FAMILY, glm4_moe.FAMILY,
-                                                                   qwen3_moe.FAMILY, minimax_m2.FAMILY)}
-DEFAULT = deepseek_v3.FAMILY.name  # the family of a config.model that names none
+DEFAULT = "deepseek_v3"  # the family of a config.model that names none
 
-__all__ = ["DEFAULT", "FAMILIES", "Family", "ModelConfigError", "family_of", "model_config", "routed_experts"]
+__all__ = ["DEFAULT", "FAMILIES", "Family", "ModelConfigError", "discover", "family_of", "model_config",
+           "routed_experts"]
+
+
+def discover(package: str = __name__) -> dict[str, Family]:
+    """name -> record of every subpackage of `package` (its ``FAMILY``), `DEFAULT` first, the others by name. A
+    subpackage without a ``FAMILY`` record, or two records of one name, is an error naming them."""
+    found: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(importlib.import_module(package).__path__), key=lambda m: m.name):
+        if not info.ispkg:
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, Family):
+            raise TypeError(f"{module.__name__} is a family package without a FAMILY record (a harness Family)")
+        if family.name in found:
+            raise ValueError(f"two families named {family.name!r}: {found[family.name].folder} and {family.folder}")
+        found[family.name] = family
+    return dict(sorted(found.items(), key=lambda item: item[0] != DEFAULT))
+
+
+FAMILIES: dict[str, Family] = discover()
 
 
 def family_of(name: str) -> Family:
