@@ -31,7 +31,7 @@ for case in $CASES; do
     start=$(date +%s)
     rm -rf /tmp/families_runs
     python3 -m harness compare "$case" --device gpu --runners megatron_model,hf_model "${extra[@]}" --timeout 1200 \
-        --reports /tmp/families_runs > "$OUT/$case.console.txt" 2>&1
+        --reports /tmp/families_runs > "$OUT/${case}_gpu.console.txt" 2>&1
     code=$?
     [ "$code" -eq 2 ] && status=2
     run=$(ls -td /tmp/families_runs/*/ 2>/dev/null | head -1)
@@ -40,7 +40,7 @@ for case in $CASES; do
         cp "$run/report.md" "$OUT/${case}_gpu.md"
     fi
     echo "== $case: exit $code in $(( $(date +%s) - start )) s"
-    tail -4 "$OUT/$case.console.txt"
+    tail -4 "$OUT/${case}_gpu.console.txt"
 done
 rm -rf /tmp/families_runs
 python3 - "$OUT" <<'PY'
