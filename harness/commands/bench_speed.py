@@ -116,10 +116,11 @@ def prepare_checkpoint(repo: Path, python: str, tokens: int | None, case: str = 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_runner(repo: Path, python: str, runner: str, fields: dict, folder: Path) -> tuple[float, float, dict]:
+def run_runner(repo: Path, python: str, runner: str, fields: dict, folder: Path,
+               device: str = "cpu") -> tuple[float, float, dict]:
     """One runner process alone on the case's request: its wall seconds, CPU seconds and meta.json."""
     folder.mkdir(parents=True)
-    request = {"schema": 1, "device": "cpu", "tp": 1, **{k: v for k, v in fields.items() if k != "runners"},
+    request = {"schema": 1, "device": device, "tp": 1, **{k: v for k, v in fields.items() if k != "runners"},
                "output_dir": str(folder)}
     (folder / "request.json").write_text(json.dumps(request))
     seconds, done = timed([python, "-m", f"harness.runners.{runner}", "--request", str(folder / "request.json")],
@@ -269,18 +270,18 @@ def step_seconds(meta: dict) -> float:
     return sum(seconds for name, seconds in meta.get("phases", {}).items() if name.startswith("step "))
 
 
-def measure_train(repo: Path, python: str, case: str, runners: list[str], scratch: Path) -> dict:
+def measure_train(repo: Path, python: str, case: str, runners: list[str], scratch: Path, device: str = "cpu") -> dict:
     """The compare of a training case against each stack's bare loop alone (see the module docstring)."""
     fields = prepare_checkpoint(repo, python, None, case)
     bare_fields = {**fields, "config": {**fields["config"], "train": {**fields["config"]["train"], "bare": True}}}
     bare = {}
     for runner in runners:
         seconds, cpu, meta = run_runner(repo, python, runner, bare_fields,
-                                        Path(tempfile.mkdtemp(dir=scratch)) / f"bare-{runner}")
+                                        Path(tempfile.mkdtemp(dir=scratch)) / f"bare-{runner}", device)
         bare[runner] = {"wall_s": seconds, "cpu_s": cpu, "steps_s": step_seconds(meta)}
     reports = Path(tempfile.mkdtemp(prefix="train-reports-", dir=scratch))
     seconds, done = timed([python, "-m", "harness", "compare", case, "--runners", ",".join(runners), "--no-oracle",
-                           "--reports", str(reports)], repo, timeout=7200)
+                           "--device", device, "--reports", str(reports)], repo, timeout=7200)
     report = report_of(reports, done)
     sides = {s["label"]: s for s in report.get("sides", [])}
     floor = sum(b["wall_s"] for b in bare.values())
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-train", action="store_true", help="no training case")
     parser.add_argument("--train-case", default=TRAIN_CASE, help="the training case timed against the bare loops")
     parser.add_argument("--train-runners", default="megatron_model,paddle_model")
+    parser.add_argument("--train-device", default="cpu", choices=("cpu", "gpu"),
+                        help="where the training case and its bare loops run (gpu: kimi_k2_2layer_train_full)")
     args = parser.parse_args(argv)
     if args.catalogue:
         return _catalogue(args)
@@ -355,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['floor_s']:.1f} s ({alone}); sides inside compare {m['sides_in_compare_s']}")
         for name in ([] if args.skip_train else order):
             t = results[name]["train"] = measure_train(trees[name], args.python, args.train_case,
-                                                       args.train_runners.split(","), Path(scratch))
+                                                       args.train_runners.split(","), Path(scratch),
+                                                       args.train_device)
             bare = ", ".join(f"{r} {b['wall_s']:.1f} s ({b['steps_s'] / t['steps']:.2f} s per step)"
                              for r, b in t["bare"].items())
             print(f"{name} train: compare {t['case']} {t['compare_s']:.1f} s for {t['steps']} steps ({t['verdict']}); "
