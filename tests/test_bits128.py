@@ -150,6 +150,8 @@ def test_torch_digests_several_tensors_with_one_host_copy():
     arrays = [values(dtype, 33, seed) for seed, dtype in enumerate(DTYPES)]
     assert torch_digest.digests([as_torch(a) for a in arrays]) == [bits128.digest_numpy(a) for a in arrays]
     assert torch_digest.digests([]) == []
+    with pytest.raises(ValueError, match="a tensor on meta among tensors on cpu"):
+        torch_digest.digests([as_torch(arrays[0]), torch.empty(3, device="meta")])
 
 
 # --- in the step files ------------------------------------------------------------------------------------------------
@@ -257,7 +259,9 @@ def test_the_ranks_check_reads_device_digests(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
 def test_on_the_gpu_torch_gives_the_host_references_bits():
-    """The same code on the GPU: every dtype and layout, a tensor over several chunks, and only the lane sums copied."""
+    """On the GPU, the fused Triton kernel (the runners' path there) and torch's ops: every dtype and layout, a tensor
+    over several blocks and chunks, and only the lane sums copied."""
+    assert "Triton" in torch_digest.implementation(torch.device("cuda"))  # torch's CUDA builds bring Triton
     for dtype in DTYPES:
         for size in (*SIZES, (300, 7)):
             array = values(dtype, size)
@@ -268,6 +272,8 @@ def test_on_the_gpu_torch_gives_the_host_references_bits():
         assert bits128.finish(torch_digest.lane_sums(on_gpu, chunk=1 << 18).tolist(), array.nbytes) == expected
         assert torch_digest.digest(on_gpu) == expected
         assert torch_digest.digest(on_gpu.reshape(-1)[3:]) == bits128.digest_numpy(array.reshape(-1)[3:])
+    arrays = [values(dtype, size, seed) for seed, dtype in enumerate(DTYPES) for size in SIZES]  # a step's mix
+    assert torch_digest.digests([as_torch(a).cuda() for a in arrays]) == [bits128.digest_numpy(a) for a in arrays]
     base = as_torch(values("bfloat16", (64, 48))).cuda()
     assert torch_digest.digest(base.T) == torch_digest.digest(base.T.contiguous().cpu())
     assert torch_digest.lane_sums(base).device.type == "cuda"

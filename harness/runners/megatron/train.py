@@ -53,7 +53,15 @@ from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
-from harness.runners.torch.train_state import INT_VIEW, device_digests, host_bytes, keeps_bits, load_state, save_on_host
+from harness.runners.torch.train_state import (
+    INT_VIEW,
+    device_digests,
+    digests_used,
+    host_bytes,
+    keeps_bits,
+    load_state,
+    save_on_host,
+)
 
 TRAIN_ADAPTERS = {
     "cuda_factory_to_cpu": "CPU only: a torch factory call with a literal device='cuda' (optimizer.py, clip_grads.py, "
@@ -198,7 +206,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
             "knobs": {**knobs, **training_knobs(train, optimizer, config.moe_router_bias_update_rate)},
             "state_locations": state_locations(m["family"], "megatron", train.record,
                                                step_quantities(train.record)),
-            "steps_kept": list(train.steps_kept), "refeed": refeed or {}, "determinism": determinism,
+            "steps_kept": list(train.steps_kept), "step_digests": digests_used(device), "refeed": refeed or {},
+            "determinism": determinism,
             "tensor_parallel": 1, "data_parallel": train.dp, "expert_parallel": train.ep,
             "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}

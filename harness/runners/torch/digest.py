@@ -6,6 +6,9 @@ torch has no unsigned 64-bit arithmetic: the words are int64 (the same bits); a 
 modulo 2^64 in two's complement, which is the unsigned arithmetic's bits; torch's ``>>`` on int64 is arithmetic, so a
 logical shift by s is ``(x >> s) & (2^(64 - s) - 1)``. tests/test_bits128.py checks every result against the host
 reference.
+
+On a CUDA device where Triton imports, the same arithmetic runs fused in one kernel
+(harness.runners.torch.digest_triton: each word read once); ``implementation(device)`` names the path taken.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from __future__ import annotations
 import torch
 
 from harness.run.bits128 import KEYS, MIXERS, finish, signed
+
+try:  # torch's CUDA builds bring Triton; its CPU builds do not
+    from harness.runners.torch import digest_triton
+except ImportError:
+    digest_triton = None
 
 # words per pass: 2 MB temporaries on a CPU (the fastest of 2^16 .. 2^22 here), 128 MB each on a GPU (3 of them)
 CHUNK_WORDS = {"cpu": 1 << 18, "cuda": 1 << 24}
@@ -43,14 +51,25 @@ def _words(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def lane_sums(tensor: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-    """``[S_0, S_1]`` of `tensor` as an int64 tensor on its device (not copied to the host: no synchronisation)."""
+    """``[S_0, S_1]`` of `tensor` as an int64 tensor on its device (not copied to the host: no synchronisation); a
+    `chunk` (words per pass) forces the torch ops."""
+    sums = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    _add_lane_sums(tensor, sums, chunk)
+    return sums
+
+
+def _add_lane_sums(tensor: torch.Tensor, sums: torch.Tensor, chunk: int | None) -> None:
     device = tensor.device
-    chunk = chunk or CHUNK_WORDS.get(device.type, CHUNK_WORDS["cuda"])
     parts = _words(tensor)
-    size = min(chunk, sum(p.numel() for p in parts))
-    sums = torch.zeros(2, dtype=torch.int64, device=device)
-    x, t, index = (torch.empty(size, dtype=torch.int64, device=device) for _ in range(3))
     first = 0  # the index of the part's first word
+    if _fused(device) and chunk is None:
+        for words in parts:
+            digest_triton.add_lane_sums(words, first, sums)
+            first += words.numel()
+        return
+    chunk = chunk or CHUNK_WORDS.get(device.type, CHUNK_WORDS["cuda"])
+    size = min(chunk, sum(p.numel() for p in parts))
+    x, t, index = (torch.empty(size, dtype=torch.int64, device=device) for _ in range(3))
     for words in parts:
         for start in range(0, words.numel(), chunk):
             part = words[start:start + chunk]
@@ -67,21 +86,32 @@ def lane_sums(tensor: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
                 xs.bitwise_xor_(_logical_shift(xs, s3, ts))
                 sums[lane] += xs.sum()
         first += words.numel()
-    return sums
 
 
+def _fused(device: torch.device) -> bool:
+    return device.type == "cuda" and digest_triton is not None
+
+
+def implementation(device: torch.device) -> str:
+    """Which code digests a tensor on `device` (a run's meta.json says it)."""
+    return digest_triton.implementation() if _fused(device) else "bits128v1 in torch elementwise ops"
+
+
+@torch.no_grad()
 def digests(tensors) -> list[str]:
-    """``bits128v1`` of each tensor, computed where it is; one host copy of all the lane sums at the end."""
+    """``bits128v1`` of each tensor (all on one device: a step's are), computed there; the lane sums of all of them
+    in one tensor, copied to the host once (a step digests about 3,200 tensors: one allocation and one copy, not one
+    each)."""
     tensors = list(tensors)
     if not tensors:
         return []
-    sums = [lane_sums(t) for t in tensors]
-    host: list = [None] * len(tensors)
-    for device in {s.device for s in sums}:  # one copy per device (every tensor of a step is on one)
-        places = [i for i, s in enumerate(sums) if s.device == device]
-        for i, pair in zip(places, torch.stack([sums[i] for i in places]).cpu().tolist(), strict=True):
-            host[i] = pair
-    return [finish(pair, t.numel() * t.element_size()) for pair, t in zip(host, tensors, strict=True)]
+    device = tensors[0].device
+    sums = torch.zeros((len(tensors), 2), dtype=torch.int64, device=device)
+    for tensor, row in zip(tensors, sums, strict=True):
+        if tensor.device != device:
+            raise ValueError(f"digests: a tensor on {tensor.device} among tensors on {device}")
+        _add_lane_sums(tensor, row, None)
+    return [finish(pair, t.numel() * t.element_size()) for pair, t in zip(sums.cpu().tolist(), tensors, strict=True)]
 
 
 def digest(tensor: torch.Tensor) -> str:

@@ -43,6 +43,7 @@ from harness.runners.torch import hf_model, ranks
 from harness.runners.torch.train_state import (
     TorchStates,
     device_digests,
+    digests_used,
     flip_state,
     host_bytes,
     load_grads,
@@ -126,8 +127,8 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         "data_parallel": train.dp, "distributed_backend": ("nccl" if device.type == "cuda" else "gloo")
         if world > 1 else None,
         "float64_mode": float64_mode,
-        "steps_kept": list(train.steps_kept), "refeed": refeed or {}, "determinism": determinism,
-        **torch_env.provenance(device),
+        "steps_kept": list(train.steps_kept), "step_digests": digests_used(device), "refeed": refeed or {},
+        "determinism": determinism, **torch_env.provenance(device),
     }
 
 

@@ -143,6 +143,15 @@ def device_digests(device: torch.device):
     return digests
 
 
+def digests_used(device: torch.device) -> str:
+    """What digests the step tensors that are not kept, on `device` (meta.json's ``step_digests``)."""
+    if device.type == "cpu":
+        return "xxh3_128 of the host copy (xxhash)"
+    from harness.runners.torch.digest import implementation
+
+    return implementation(device)
+
+
 def save_on_host(tensors: dict[str, torch.Tensor], path: str, metadata: dict) -> None:
     from safetensors.torch import save_file
 
