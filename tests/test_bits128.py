@@ -258,7 +258,7 @@ def test_the_ranks_check_reads_device_digests(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
-def test_on_the_gpu_torch_gives_the_host_references_bits():
+def test_on_the_gpu_torch_gives_the_host_references_bits(monkeypatch):
     """On the GPU, the fused Triton kernel (the runners' path there) and torch's ops: every dtype and layout, a tensor
     over several blocks and chunks, and only the lane sums copied."""
     assert "Triton" in torch_digest.implementation(torch.device("cuda"))  # torch's CUDA builds bring Triton
@@ -273,7 +273,11 @@ def test_on_the_gpu_torch_gives_the_host_references_bits():
         assert torch_digest.digest(on_gpu) == expected
         assert torch_digest.digest(on_gpu.reshape(-1)[3:]) == bits128.digest_numpy(array.reshape(-1)[3:])
     arrays = [values(dtype, size, seed) for seed, dtype in enumerate(DTYPES) for size in SIZES]  # a step's mix
-    assert torch_digest.digests([as_torch(a).cuda() for a in arrays]) == [bits128.digest_numpy(a) for a in arrays]
+    arrays.append(values("float32", 3_000_001))
+    expected = [bits128.digest_numpy(a) for a in arrays]
+    assert torch_digest.digests([as_torch(a).cuda() for a in arrays]) == expected  # one launch
+    monkeypatch.setattr(torch_digest, "FUSED_BATCH_BYTES", 100)  # a launch every few tensors
+    assert torch_digest.digests([as_torch(a).cuda() for a in arrays]) == expected
     base = as_torch(values("bfloat16", (64, 48))).cuda()
     assert torch_digest.digest(base.T) == torch_digest.digest(base.T.contiguous().cpu())
     assert torch_digest.lane_sums(base).device.type == "cuda"
