@@ -94,7 +94,7 @@ def modules(m: Qwen2MoeConfig, tokens: int) -> list[TensorSpec]:
                       TensorSpec(p + "mlp.gate.probs", (t, e), "output", FLOAT32_OR_WIDER)]
             specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(e)]
             specs += [TensorSpec(p + "mlp.shared_expert", (t, h), "output"),
-                      TensorSpec(p + "mlp.shared_expert_gate", (t, 1), "output"),
+                      TensorSpec(p + "mlp.shared_expert_gate", (t, 1), "output", optional=True),
                       TensorSpec(p + "mlp", (t, h), "output")]
         specs.append(TensorSpec(p.rstrip("."), (t, h), "output"))
     specs.append(TensorSpec("module.model.norm", (t, h), "output"))
