@@ -69,7 +69,7 @@ def test_defaults_are_qwen15_moe_a27bs_real_values():
 @pytest.mark.parametrize("given, problem", [
     ({"num_expertz": 4}, "unknown key 'num_expertz'"),
     ({"head_dim": 16}, "unknown key 'head_dim'"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "must be a multiple of num_key_value_heads"),
+    ({"num_attention_heads": 16, "num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
     ({"hidden_size": 100, "num_attention_heads": 8, "num_key_value_heads": 8},
      "must be a multiple of num_attention_heads"),
     ({"qkv_bias": False}, "qkv_bias must be one of"),
@@ -226,7 +226,7 @@ def test_megatron_map_has_exactly_the_layouts_tensors():
     bias = names["parameters"]["model.layers.1.self_attn.k_proj.bias"]
     assert bias[0] == "decoder.layers.1.self_attention.linear_qkv.bias" and len(bias[1]) == 3
     assert names["parts"]["model.layers.0.self_attn.v_proj.bias"].widths == (4 * 8, 8, 8)
-    assert names["parameters"]["model.layers.1.mlp.shared_expert_gate.weight"] == \
+    assert names["parameters"]["model.layers.1.mlp.shared_expert_gate.weight"][0] == \
         "decoder.layers.1.mlp.shared_experts.gate_weight"
     assert names["modules"]["model.layers.1.mlp.shared_expert"] == "decoder.layers.1.mlp.shared_experts.linear_fc2"
     assert names["modules"]["model.layers.1.mlp.gate"] == "decoder.layers.1.mlp.router.routing_record"
@@ -286,6 +286,7 @@ SHARED = """
     from harness.families.qwen2_moe.config import Qwen2MoeConfig
     from harness.families.qwen2_moe.megatron import translate_config
     from harness.runners.megatron import model as mm
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -296,7 +297,7 @@ SHARED = """
     m = Qwen2MoeConfig.resolve(tiny)
     config, _ = translate_config(m, torch.float64, torch.device("cpu"))
     shared = SharedExpertMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                             gate=config.moe_shared_expert_gate).double()
+                             gate=config.moe_shared_expert_gate, pg_collection=get_default_pg_collection()).double()
     block = Qwen2MoeSparseMoeBlock(HfConfig(hidden_size=m.hidden_size, num_experts=m.num_experts,
                                             moe_intermediate_size=m.moe_intermediate_size,
                                             shared_expert_intermediate_size=m.shared_expert_intermediate_size,
