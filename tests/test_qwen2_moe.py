@@ -394,8 +394,8 @@ def test_paddle_routing_record_refuses_a_routing_the_experts_were_not_fed():
 def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_path):
     """PaddleFormers' Qwen2MoeForCausalLMDeprecated forward and backward (tiny, float32, 8 tokens): the routing of
     both MoE layers is written (each row's top-k ascending, the probabilities not renormalised: each row sums below
-    1), the shared expert and its gate's logit captured, the routing record and the paddlefleet stand-in (saying it
-    serves qwen2_moe) named in meta.json, no stand-in name is called and no class comes from it."""
+    1), the shared expert and its gate's logit captured, the routing record and the paddlefleet stand-in named in
+    meta.json, no stand-in name is called and no class comes from it."""
     from tests.support.model_case import model_request
 
     request = model_request(tmp_path, TINY, "float32", tokens=8)
@@ -422,8 +422,7 @@ def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_p
     """)
     assert result["calls"] == [] and result["from_stand_in"] == []
     adapters = {a["name"]: a for a in result["adapters"]}
-    assert "qwen2_moe modeling module" in adapters["paddlefleet stand-in (harness.runners.paddle.paddlefleet_shim)"][
-        "why"]
+    assert "paddlefleet stand-in (harness.runners.paddle.paddlefleet_shim)" in adapters
     assert "routing record (harness/families/qwen2_moe/paddle.py record_routing)" in adapters
     assert all(a["changes_computation"] is False for a in result["adapters"])
     for layer in ("0", "1"):

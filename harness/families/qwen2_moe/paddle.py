@@ -88,10 +88,8 @@ def adapters() -> list[dict]:
     the routing record."""
     from harness.runners.paddle import paddlefleet_shim
 
-    why = paddlefleet_shim.ADAPTER["why"].replace("glm4_moe/qwen3_moe modeling modules", "qwen2_moe modeling module "
-                                                  "(like glm4_moe's and qwen3_moe's)")
     stand_in = [] if paddlefleet_shim.real_package_present() else [
-        {**paddlefleet_shim.ADAPTER, "why": why, "calls": paddlefleet_shim.calls()}]
+        {**paddlefleet_shim.ADAPTER, "calls": paddlefleet_shim.calls()}]
     return [*stand_in, RECORD]
 
 

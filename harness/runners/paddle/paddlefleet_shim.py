@@ -39,7 +39,8 @@ PRELOAD = ("paddleformers.transformers.model_utils", "paddleformers.transformers
            "paddleformers.transformers.auto.configuration")
 ADAPTER = {
     "name": "paddlefleet stand-in (harness.runners.paddle.paddlefleet_shim)",
-    "why": "PaddleFormers' glm4_moe/qwen3_moe modeling modules import gpt_provider, which refuses to import without a "
+    "why": "PaddleFormers' modeling modules of the families built from their dygraph classes (each family's "
+           "paddle.py) import gpt_provider, which refuses to import without a "
            "findable paddlefleet (PaddleFleet: GPU-only, not on PyPI) and then binds GPTModel, GPTConfig, gpt_builder, "
            "get_gpt_layer_local_spec, parallel_state, tensor_parallel, ModelType, FleetLayer, get_model_config for "
            "its PaddleFleet builders. The stand-in (harness/runners/paddle/paddlefleet_standin) defines those names "
