@@ -20,3 +20,24 @@ def test_each_ratio_comes_from_its_own_measurement_and_a_skipped_one_is_absent()
     assert all(bench_speed._ratio(skipped, ratio) == [] for ratio in bench_speed.GOALS)
     assert set(bench_speed.GOALS) >= {"compare / floor", "oracle / slower side", "sweep cell / framework work",
                                       "model: compare / floor", "train: compare / bare floor"}
+
+
+def test_a_tree_inside_a_checkout_is_not_given_the_checkouts_commit(tmp_path):
+    """`--before DIR` with an archive unpacked inside this checkout printed this checkout's commit for both trees."""
+    import subprocess
+
+    from harness.commands.bench_speed import _commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("x")
+    git("add", "f")
+    git("commit", "-q", "-m", "one")
+    inside = tmp_path / "before"
+    inside.mkdir()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    assert _commit(tmp_path) == head.stdout.strip() != ""
+    assert _commit(inside) == "not a git checkout"

@@ -407,8 +407,14 @@ def _rounded(values: dict) -> dict:
 
 
 def _commit(repo: Path) -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
-    return done.stdout.strip() or "not a git checkout"
+    """The tree's commit; a tree that is not a checkout's top (an archive unpacked inside one) has none of its own."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != repo.resolve():
+        return "not a git checkout"
+    return git("rev-parse", "--short", "HEAD")
 
 
 if __name__ == "__main__":
