@@ -64,6 +64,20 @@ def test_runner_env_carries_the_cells_placement_and_only_inside_it():
         "CUDA_VISIBLE_DEVICES")
 
 
+def test_a_gpu_runner_compiles_its_triton_kernels_into_the_harness_folder(monkeypatch):
+    """The step digests' Triton kernel caches its build under checkpoints/, not the user's ~/.triton; a user's own
+    TRITON_CACHE_DIR wins; a CPU runner is given none."""
+    from pathlib import Path
+
+    from harness.case.checkpoints import CHECKPOINTS_DIR
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert Path(orchestrate.runner_env("gpu")["TRITON_CACHE_DIR"]).parent == CHECKPOINTS_DIR
+    assert "TRITON_CACHE_DIR" not in orchestrate.runner_env("cpu")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    assert orchestrate.runner_env("gpu")["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
 def test_workers_and_cores_do_not_move_the_runner_threads(monkeypatch):
     """The thread count changes bits (measured on this project's Intel AMX CPU at 16 tokens: kimi_shared_fc1_fp32 is
     DIFF at 1 thread and BITWISE_PASS at 2; kimi_router's and kimi_mla_q_a's bits move between 1 and 2), so neither

@@ -71,6 +71,7 @@ def env_for(repo: Path) -> dict[str, str]:
     env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env.setdefault("ONEDNN_VERBOSE", "1")
+    env.setdefault("TRITON_CACHE_DIR", str(repo / "checkpoints" / ".triton"))  # as orchestrate.GPU_ENV
     return env
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness import paths, resources
-from harness.case.checkpoints import Checkpoint, CheckpointError, tensor_layouts
+from harness.case.checkpoints import CHECKPOINTS_DIR, Checkpoint, CheckpointError, tensor_layouts
 from harness.case.registry import Case
 from harness.case.specs import resolve_dtype
 from harness.run import launch, placement, shards, steps, supervisor, workers
@@ -44,7 +44,10 @@ RUNNER_THREADS = "2"
 OPENMP_WAITING = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
 # Settings of the real alignment runs; recorded by each runner in meta.json.
 GPU_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLAGS_use_accuracy_compatible_kernel": "1",
-           "NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NCCL_NVLS_ENABLE": "0"}
+           "NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NCCL_NVLS_ENABLE": "0",
+           # the step digests' Triton kernel (harness.runners.torch.digest_triton) compiles once into the harness's
+           # own folder, not the user's ~/.triton
+           "TRITON_CACHE_DIR": str(CHECKPOINTS_DIR / ".triton")}
 
 
 @dataclass
