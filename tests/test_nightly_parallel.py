@@ -45,6 +45,32 @@ def test_each_cell_gets_its_own_gpus_and_tp_cells_take_tp_of_them():
     assert all(set(gpus) <= {"0", "1", "2", "3"} for _, gpus in seen)
 
 
+def test_cells_share_a_gpu_up_to_cells_per_gpu_and_a_tp_cells_gpus_stay_distinct():
+    use, lock, most, together = {}, threading.Lock(), {}, []
+
+    def work(tp):
+        gpus = placement.runner_env_overrides()["CUDA_VISIBLE_DEVICES"].split(",")
+        with lock:
+            for gpu in gpus:
+                use[gpu] = use.get(gpu, 0) + 1
+                most[gpu] = max(most.get(gpu, 0), use[gpu])
+            together.append(sum(use.values()))
+        time.sleep(0.2)
+        with lock:
+            for gpu in gpus:
+                use[gpu] -= 1
+        return gpus
+
+    items = [1, 1, 2, 1, 1, 1, 2, 1, 1, 1]
+    placed = placement.run_cells(items, work, workers=8, device="gpu", tp_of=lambda tp: tp, gpus=["0", "1"],
+                                 cells_per_gpu=3)
+    assert [len(set(gpus)) for gpus in placed] == items  # a TP=2 cell on two distinct GPUs
+    assert max(most.values()) == 3  # never more than 3 cells on a GPU, and the slots were used
+    assert max(together) > 2  # more cells at once than GPUs
+    with pytest.raises(placement.PlacementError, match="at least 1"):
+        placement.GpuPool(["0"], cells_per_gpu=0)
+
+
 def test_a_cell_needing_more_gpus_than_given_fails_alone():
     results = placement.run_cells([1, 8], lambda tp: "ran", workers=2, device="gpu", tp_of=lambda tp: tp,
                                   gpus=["0", "1"], on_error=lambda tp, error: str(error))

@@ -31,7 +31,8 @@ Everything runs as subprocesses of ``--repo`` (default: this checkout) and ``--b
 
 ``--catalogue DEVICE --catalogue-tokens LIST`` times instead every op-level case of DEVICE swept over LIST (the
 whole GPU catalogue at 11 token counts on one H200: goal under 5 minutes), as ``python -m harness compare CASE
---device DEVICE --tokens LIST`` would run each, one case after another, in one pool of runner workers; whole-model
+--device DEVICE --tokens LIST`` would run each, one case after another (``--catalogue-jobs N``: N cases at once,
+sharing the GPU as ``nightly --workers N --cells-per-gpu N`` does), in one pool of runner workers; whole-model
 cases are left out (each is a model run per cell, with commands of its own), and so are cases of more GPUs than
 are visible. Runner outputs are deleted after each cell and a case's inputs after the case (reports kept):
 full-size cases write GBs per cell. Per case it prints where the time went (checkpoints, each side's phases, the
@@ -191,9 +192,10 @@ def measure_model(repo: Path, python: str, scratch: Path) -> dict:
             "sides_in_compare_s": {s["label"]: round(s["wall_seconds"], 2) for s in report.get("sides", [])}}
 
 
-def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list[str]) -> dict:
-    """Every op-level case of `device` swept over `tokens`, in this process, with one pool of runner workers; per case
-    its wall and where it went (checkpoints, each side's phases summed over its cells, the harness's own rest)."""
+def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list[str], jobs: int = 1) -> dict:
+    """Every op-level case of `device` swept over `tokens`, in this process, with one pool of runner workers, `jobs`
+    cases at once (placed as a nightly's ``--workers`` cells, up to `jobs` of them on one GPU); per case its wall and
+    where it went (checkpoints, each side's phases summed over its cells, the harness's own rest)."""
     from harness.case.registry import Registry
     from harness.commands.sweep import run_sweep
     from harness.levels import level_of
@@ -201,7 +203,7 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
     from harness.run import placement, workers
 
     gpus = len(placement.visible_gpus()) if device == "gpu" else None
-    cases, left_out = [], {}
+    cases, left_out, tp = [], {}, {}
     for case in Registry.load().for_device(device):
         if level_of(case).name != "op" or (gpus is not None and case.tp > gpus):
             continue
@@ -212,6 +214,7 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
             left_out[case.name] = f"weights package {weights.package} not installed"
         else:
             cases.append(case.name)
+            tp[case.name] = case.tp
     for name, why in left_out.items():  # a cell that cannot start measures nothing: named, not counted
         print(f"  {name}: not run ({why})", flush=True)
     options = CompareOptions(device=device, reports_dir=reports, checkpoints_dir=reports / "checkpoints",
@@ -226,20 +229,24 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
             for tensors in report.parent.glob("*/*.safetensors"):
                 tensors.unlink()
 
+    def one(name: str) -> None:
+        clock = time.perf_counter()
+        sweep, folder = run_sweep(name, tokens, options=options, progress=drop_tensors)
+        summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"],
+                         **_where_it_went(folder, sweep)}
+        print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s: "
+              f"{_breakdown(summary[name])}", flush=True)
+        shutil.rmtree(reports / "checkpoints" / name, ignore_errors=True)  # its inputs; weights are shared
+
     started, summary = time.perf_counter(), {}
     with workers.fresh_processes(options.fresh_process), workers.serving(reports / "workers"):
-        for name in cases:
-            clock = time.perf_counter()
-            sweep, folder = run_sweep(name, tokens, options=options, progress=drop_tensors)
-            summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"],
-                             **_where_it_went(folder, sweep)}
-            print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s: "
-                  f"{_breakdown(summary[name])}", flush=True)
-            shutil.rmtree(reports / "checkpoints" / name, ignore_errors=True)  # its inputs; weights are shared
+        placement.run_cells(cases, one, workers=jobs, device=device, cells_per_gpu=jobs,
+                            tp_of=tp.get)
     return {"device": device, "tokens": tokens, "cases": len(cases), "cells": len(cases) * len(tokens),
-            "left_out": left_out,
+            "left_out": left_out, "jobs": jobs,
             "wall_s": round(time.perf_counter() - started, 1), "oracle": options.oracle,
-            "fresh_process": options.fresh_process, "threads": os.cpu_count(), "per_case": summary}
+            "fresh_process": options.fresh_process, "threads": os.cpu_count(),
+            "per_case": {name: summary[name] for name in cases if name in summary}}
 
 
 def _where_it_went(folder: Path, sweep: dict) -> dict:
@@ -316,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue", choices=("cpu", "gpu"), help="time the device's whole catalogue instead")
     parser.add_argument("--catalogue-tokens", default="1,7,60,61,64,127,128,255,256,1024,4096")
     parser.add_argument("--catalogue-args", default="--no-oracle", help="--no-oracle and/or --fresh-process")
+    parser.add_argument("--catalogue-jobs", type=int, default=1,
+                        help="cases at once (on a GPU: sharing it, as nightly --workers N --cells-per-gpu N)")
     parser.add_argument("--reports", type=Path, help="with --catalogue: keep the reports here (default: a temporary "
                                                      "folder, removed)")
     parser.add_argument("--skip-train", action="store_true", help="no training case")
@@ -395,9 +404,11 @@ def _catalogue(args) -> int:
     tokens = [int(t) for t in args.catalogue_tokens.split(",")]
     print(f"catalogue bench: every {args.catalogue} case over {len(tokens)} token counts ({args.catalogue_args})")
     with tempfile.TemporaryDirectory(prefix="bench-catalogue-") as scratch:
-        measured = measure_catalogue(args.catalogue, tokens, args.reports or Path(scratch), args.catalogue_args.split())
+        measured = measure_catalogue(args.catalogue, tokens, args.reports or Path(scratch), args.catalogue_args.split(),
+                                     args.catalogue_jobs)
     print(f"{measured['cases']} cases x {len(tokens)} token counts = {measured['cells']} cells in "
-          f"{measured['wall_s']} s ({measured['wall_s'] / max(1, measured['cells']):.2f} s per cell)")
+          f"{measured['wall_s']} s ({measured['wall_s'] / max(1, measured['cells']):.2f} s per cell, "
+          f"{measured['jobs']} case(s) at once)")
     if args.json:
         args.json.write_text(json.dumps(measured, indent=2) + "\n")
     return 0

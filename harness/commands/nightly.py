@@ -97,7 +97,7 @@ def run_from_args(args, pythons: dict[str, str], baselines_dir: Path | None) -> 
                                       timeout=args.timeout, weights_file=args.weights,
                                       fresh_process=args.fresh_process)
     return run(options, previous=args.previous, workers=args.workers, shard=args.shard, baselines_dir=baselines_dir,
-               expression=getattr(args, "select", None))
+               expression=getattr(args, "select", None), cells_per_gpu=args.cells_per_gpu)
 
 
 def print_summary(night: dict, run_dir: Path) -> None:
@@ -123,11 +123,11 @@ def runners_used(cases: list[Case], options: pipeline.CompareOptions) -> list[st
 
 def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 1,
         shard: tuple[int, int] | None = None, baselines_dir: Path | None = None,
-        expression: str | None = None) -> tuple[dict, Path]:
+        expression: str | None = None, cells_per_gpu: int = 1) -> tuple[dict, Path]:
     """Every case of `options.device` (at `options.tokens` when given), each in its own folder under the night's;
-    or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time; judged
-    against the platform's baseline in `baselines_dir` when there is one (harness.baselines.records); only the cases
-    `expression` picks when given (``-k``, as ``list -k``)."""
+    or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time, up to
+    `cells_per_gpu` of them on one GPU; judged against the platform's baseline in `baselines_dir` when there is one
+    (harness.baselines.records); only the cases `expression` picks when given (``-k``, as ``list -k``)."""
     device, tokens, cases_dir, reports_dir = options.device, options.tokens, options.cases_dir, options.reports_dir
     try:
         cases = select(Registry.load(Path(cases_dir)).for_device(device), expression)
@@ -145,7 +145,8 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
              "harness": {"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                          "host": host_provenance(), "node": platform.node()},
              "previous_report": previous_night.get("_path") if previous_night else None,
-             "workers": workers, "shard": nightly_shards.describe(shard, cases), "select": expression}
+             "workers": workers, "cells_per_gpu": cells_per_gpu, "shard": nightly_shards.describe(shard, cases),
+             "select": expression}
     # What each runner the night uses would run here, asked before the cases (doctor.json): the verdicts are about it.
     (run_dir / "doctor.json").write_text(json.dumps(doctor.run(device, dict(options.pythons),
                                                                runners=runners_used(cases, options)),
@@ -162,7 +163,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             return entry
 
         with runner_workers.fresh_processes(options.fresh_process), runner_workers.serving(run_dir / "workers"):
-            entries = placement.run_cells(cases, one, workers=workers, device=device,
+            entries = placement.run_cells(cases, one, workers=workers, device=device, cells_per_gpu=cells_per_gpu,
                                           tp_of=lambda case: level_of(case).ranks(case),
                                           on_error=lambda case, error: _placement_failure(case, error, positions))
     night["cases"] = entries

@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=positive, default=1,
                         help="cells at once; on a GPU host each takes its own GPUs (TP cells take TP of them) "
                              "of CUDA_VISIBLE_DEVICES")
+    parser.add_argument("--cells-per-gpu", type=positive, default=1, metavar="K",
+                        help="with --workers on a GPU host: up to K cells share a GPU (each in processes of its "
+                             "own: the same bits, shared memory; harness.run.placement)")
     parser.add_argument("--shard", type=shard_spec, metavar="I/N",
                         help="run only shard I of N (every N-th case); merge with `nightly-merge`")
 

@@ -4,7 +4,12 @@
 (each cell is an ordinary ``compare_case``: its runners are subprocesses, so threads only wait). On a GPU host a
 cell takes ``tp_of(item)`` GPUs (a side's ranks: tp, times dp for a training run) of the ones this process was given
 (``CUDA_VISIBLE_DEVICES``, else every GPU that ``nvidia-smi -L`` lists), waiting until that many are free, and its
-runners see only those (``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``). On the CPU the cells
+runners see only those (``CUDA_VISIBLE_DEVICES`` set for them through ``runner_env_overrides``). ``cells_per_gpu=K``
+lets up to K cells share a GPU (``--cells-per-gpu``: a catalogue's cells use a fraction of an H200 each and spend
+most of their wall in their processes' host work): each cell's runners are processes of their own, whose kernels give
+the same bits beside a neighbour (the determinism settings forbid the kernels whose results depend on timing); what
+they share is the GPU's memory and time, so a cell that does not fit beside its neighbours ends ERROR, never with other
+bits. A TP cell's GPUs are still distinct. On the CPU the cells
 share the cores: their runners' thread count stays the harness's fixed one (``orchestrate.RUNNER_THREADS``), since the
 count can change bits and ``--workers`` must not. Results come back in the items' order.
 """
@@ -57,11 +62,14 @@ def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
 
 
 class GpuPool:
-    """Hands out GPUs: `take(n)` blocks until n are free and returns them (lowest ids first)."""
+    """Hands out GPUs: `take(n)` blocks until n distinct GPUs each have a free slot (`cells_per_gpu` slots a GPU) and
+    returns them (the least used first, then lowest ids)."""
 
-    def __init__(self, gpus: Sequence[str]):
-        self.free = list(gpus)
-        self.total = len(self.free)
+    def __init__(self, gpus: Sequence[str], cells_per_gpu: int = 1):
+        if cells_per_gpu < 1:
+            raise PlacementError(f"cells per GPU must be at least 1 (got {cells_per_gpu})")
+        self.slots = dict.fromkeys(gpus, cells_per_gpu)  # GPU -> free slots
+        self.total = len(self.slots)
         self.changed = threading.Condition()
 
     @contextlib.contextmanager
@@ -70,13 +78,18 @@ class GpuPool:
             raise PlacementError(f"a cell needs {count} GPUs, this process was given {self.total} "
                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         with self.changed:
-            self.changed.wait_for(lambda: len(self.free) >= count)
-            taken, self.free = self.free[:count], self.free[count:]
+            self.changed.wait_for(lambda: sum(free > 0 for free in self.slots.values()) >= count)
+            least_used = sorted((gpu for gpu, free in self.slots.items() if free),
+                                key=lambda gpu: (-self.slots[gpu], _gpu_order(gpu)))
+            taken = sorted(least_used[:count], key=_gpu_order)
+            for gpu in taken:
+                self.slots[gpu] -= 1
         try:
             yield taken
         finally:
             with self.changed:
-                self.free = sorted(self.free + taken, key=_gpu_order)
+                for gpu in taken:
+                    self.slots[gpu] += 1
                 self.changed.notify_all()
 
 
@@ -86,14 +99,14 @@ def _gpu_order(gpu: str):
 
 def run_cells(items: Sequence[T], work: Callable[[T], R], *, workers: int, device: str,
               tp_of: Callable[[T], int] = lambda item: 1, gpus: Sequence[str] | None = None,
-              on_error: Callable[[T, Exception], R] | None = None) -> list[R]:
+              on_error: Callable[[T, Exception], R] | None = None, cells_per_gpu: int = 1) -> list[R]:
     """`work(item)` for every item, `workers` at a time, each placed as the module docstring says."""
     workers = max(1, workers)
     if workers == 1 and gpus is None:  # one cell at a time: today's behaviour, every GPU visible to each cell
         return [_guarded(work, item, on_error) for item in items]
-    pool = GpuPool(visible_gpus() if gpus is None else gpus) if device == "gpu" else None
+    pool = GpuPool(visible_gpus() if gpus is None else gpus, cells_per_gpu) if device == "gpu" else None
     if pool is not None and pool.total:
-        workers = min(workers, pool.total)
+        workers = min(workers, pool.total * cells_per_gpu)
 
     def one(item: T) -> R:
         try:

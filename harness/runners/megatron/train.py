@@ -177,8 +177,8 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                                 carried_quantities(train.record), routed_expert_names(full))
         if train.ep == 1 and set(states.rules) != set(states.shapes):
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
-    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
-                        digests=device_digests(device))
+        writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
+                            digests=device_digests(device))
     refeed = request["config"].get("train_refeed")
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"):

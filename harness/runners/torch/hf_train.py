@@ -100,8 +100,8 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = hf_model.build_model(hf, m, dtype, device, checkpoint, name_map)
         trainer = Trainer(model, train, m, name_map, dtype, transformers, rank)
-    writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
-                        digests=device_digests(device))
+        writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
+                            digests=device_digests(device))
     refeed = request["config"].get("train_refeed")
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"):

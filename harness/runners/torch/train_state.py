@@ -135,11 +135,14 @@ def host_bytes(tensor: torch.Tensor):
 def device_digests(device: torch.device):
     """The step writer's `digests` for a run on `device` (harness.run.steps): on a GPU ``bits128v1`` computed on the GPU
     (harness.runners.torch.digest: 16 bytes per tensor come to the host, not the tensor); on the CPU None, the host's
-    XXH3 of the tensor where it is (about 40x faster there than bits128v1 in torch: docs/speed.md)."""
+    XXH3 of the tensor where it is (about 40x faster there than bits128v1 in torch: docs/speed.md). On a GPU it digests
+    one small tensor first: the kernel's build (once per machine) and load (once per process) then fall in the
+    runner's setup, where this is called, not in its first step."""
     if device.type == "cpu":
         return None
     from harness.runners.torch.digest import digests
 
+    digests([torch.zeros(1, dtype=torch.int64, device=device)])
     return digests
 
 
