@@ -275,7 +275,12 @@ def _breakdown(entry: dict) -> str:
 
 
 def step_seconds(meta: dict) -> float:
-    return sum(seconds for name, seconds in meta.get("phases", {}).items() if name.startswith("step "))
+    return sum(each_step(meta))
+
+
+def each_step(meta: dict) -> list[float]:
+    """Each step's seconds, in order (a step's phase in meta.json): the first pays allocations the others reuse."""
+    return [round(seconds, 3) for name, seconds in meta.get("phases", {}).items() if name.startswith("step ")]
 
 
 def measure_train(repo: Path, python: str, case: str, runners: list[str], scratch: Path, device: str = "cpu") -> dict:
@@ -286,7 +291,7 @@ def measure_train(repo: Path, python: str, case: str, runners: list[str], scratc
     for runner in runners:
         seconds, cpu, meta = run_runner(repo, python, runner, bare_fields,
                                         Path(tempfile.mkdtemp(dir=scratch)) / f"bare-{runner}", device)
-        bare[runner] = {"wall_s": seconds, "cpu_s": cpu, "steps_s": step_seconds(meta)}
+        bare[runner] = {"wall_s": seconds, "cpu_s": cpu, "steps_s": step_seconds(meta), "each_step_s": each_step(meta)}
     reports = Path(tempfile.mkdtemp(prefix="train-reports-", dir=scratch))
     seconds, done = timed([python, "-m", "harness", "compare", case, "--runners", ",".join(runners), "--no-oracle",
                            "--device", device, "--reports", str(reports)], repo, timeout=7200)
@@ -299,9 +304,10 @@ def measure_train(repo: Path, python: str, case: str, runners: list[str], scratc
                 "train: compare / bare floor": seconds / floor,
                 "first_divergence": (report.get("train") or {}).get("first_divergence")}
     for label, runner in zip("ab", runners, strict=True):
-        inside = step_seconds(sides.get(label, {}).get("meta", {}))
+        meta = sides.get(label, {}).get("meta", {})
+        inside = step_seconds(meta)
         measured[f"train: {label}: dumps: steps / bare steps"] = inside / bare[runner]["steps_s"]
-        measured[f"{label}_steps_s"] = inside
+        measured[f"{label}_steps_s"], measured[f"{label}_each_step_s"] = inside, each_step(meta)
     return measured
 
 
@@ -374,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
                              for r, b in t["bare"].items())
             print(f"{name} train: compare {t['case']} {t['compare_s']:.1f} s for {t['steps']} steps ({t['verdict']}); "
                   f"bare loops alone: {bare}")
+            if t["steps"] <= 10:  # each step, in the compare and bare: the first pays what the others reuse
+                print(f"{name} train: each step, in the compare / bare: " + "; ".join(
+                    f"{r} {t.get(f'{label}_each_step_s')} / {t['bare'][r]['each_step_s']}"
+                    for label, r in zip("ab", t["runners"], strict=True)))
     print(f"{'ratio (wall unless cpu:)':<40} {'goal':>6} " + " ".join(f"{name:>8}" for name in order))
     for ratio, goal in GOALS.items():
         row = {name: _ratio(results[name], ratio) for name in order}
