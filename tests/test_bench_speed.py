@@ -41,3 +41,18 @@ def test_a_tree_inside_a_checkout_is_not_given_the_checkouts_commit(tmp_path):
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
     assert _commit(tmp_path) == head.stdout.strip() != ""
     assert _commit(inside) == "not a git checkout"
+
+
+def test_a_catalogue_error_keeps_its_message_and_the_failed_sides_stderr():
+    """The catalogue's reports go with its temporary folder: an ERROR cell's why must reach the log (a sweep's cells,
+    written here as a test double)."""
+    from harness.commands.bench_speed import _errors
+
+    cells = [{"verdict": "UNSUPPORTED", "tokens": 1, "message": "no paddle", "sides": []},
+             {"verdict": "ERROR", "tokens": 7, "message": "side a failed",
+              "sides": [{"label": "a", "status": "error", "reason": "timed out", "stderr_tail": "x" * 5000 + "END"},
+                        {"label": "b", "status": "ok", "reason": "", "stderr_tail": "fine"}]}]
+    (error,) = _errors({"cells": cells})
+    assert error["tokens"] == 7
+    assert error["message"].startswith("side a failed a: timed out ")
+    assert error["message"].endswith("END") and "fine" not in error["message"]

@@ -233,9 +233,11 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
         clock = time.perf_counter()
         sweep, folder = run_sweep(name, tokens, options=options, progress=drop_tensors)
         summary[name] = {"seconds": round(time.perf_counter() - clock, 1), "verdicts": sweep["verdicts"],
-                         **_where_it_went(folder, sweep)}
+                         **_where_it_went(folder, sweep), "errors": _errors(sweep)}
         print(f"  {name}: {summary[name]['verdicts']} in {summary[name]['seconds']} s: "
               f"{_breakdown(summary[name])}", flush=True)
+        for error in summary[name]["errors"]:  # the reports go with the bench's folder: what went wrong stays here
+            print(f"    ERROR at {error['tokens']} tokens: {error['message']}", flush=True)
         shutil.rmtree(reports / "checkpoints" / name, ignore_errors=True)  # its inputs; weights are shared
 
     started, summary = time.perf_counter(), {}
@@ -247,6 +249,17 @@ def measure_catalogue(device: str, tokens: list[int], reports: Path, extra: list
             "wall_s": round(time.perf_counter() - started, 1), "oracle": options.oracle,
             "fresh_process": options.fresh_process, "threads": os.cpu_count(),
             "per_case": {name: summary[name] for name in cases if name in summary}}
+
+
+def _errors(sweep: dict) -> list[dict]:
+    """Each ERROR cell's token count, message and its sides' stderr tails (cut to 2,000 characters)."""
+    errors = []
+    for cell in sweep["cells"]:
+        if cell["verdict"] == "ERROR":
+            tails = " | ".join(f"{side['label']}: {side.get('reason', '')} {(side.get('stderr_tail') or '')[-600:]}"
+                               for side in cell["sides"] if side.get("status") == "error")
+            errors.append({"tokens": cell["tokens"], "message": f"{cell['message']} {tails}"[:2000]})
+    return errors
 
 
 def _where_it_went(folder: Path, sweep: dict) -> dict:
