@@ -56,3 +56,20 @@ def test_a_catalogue_error_keeps_its_message_and_the_failed_sides_stderr():
     assert error["tokens"] == 7
     assert error["message"].startswith("side a failed a: timed out ")
     assert error["message"].endswith("END") and "fine" not in error["message"]
+
+
+def test_the_code_digest_names_what_ran_and_moves_with_any_edit(tmp_path):
+    from harness.commands.bench_speed import _code
+
+    (tmp_path / "harness" / "run").mkdir(parents=True)
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "harness" / "run" / "a.py").write_text("x = 1\n")
+    (tmp_path / "cases" / "c.toml").write_text("[c]\n")
+    first = _code(tmp_path)
+    assert first == _code(tmp_path) and len(first) == 12
+    (tmp_path / "harness" / "run" / "a.py").write_text("x = 2\n")
+    assert _code(tmp_path) != first
+    (tmp_path / "harness" / "run" / "a.py").write_text("x = 1\n")
+    assert _code(tmp_path) == first
+    (tmp_path / "harness" / "run" / "a.py").rename(tmp_path / "harness" / "run" / "b.py")  # same bytes, other name
+    assert _code(tmp_path) != first

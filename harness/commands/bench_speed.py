@@ -357,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"after": args.repo.resolve(), **({"before": args.before.resolve()} if args.before else {})}
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"speed bench, {os.cpu_count()} CPUs, load average {load}; "
-          + "; ".join(f"{name}: {repo} (commit {_commit(repo)})" for name, repo in trees.items()))
-    results: dict = {name: {"repo": str(repo), "commit": _commit(repo), "rounds": []} for name, repo in trees.items()}
+          + "; ".join(f"{name}: {repo} (commit {_commit(repo)}, code {_code(repo)})" for name, repo in trees.items()))
+    results: dict = {name: {"repo": str(repo), "commit": _commit(repo), "code": _code(repo), "rounds": []}
+                     for name, repo in trees.items()}
     results["load_before"] = load
     order = sorted(trees, reverse=True)  # before, then after: each measurement of the two trees back to back
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
@@ -439,6 +440,18 @@ def _catalogue(args) -> int:
 
 def _rounded(values: dict) -> dict:
     return {k: round(v, 1) for k, v in values.items()}
+
+
+def _code(repo: Path) -> str:
+    """A digest of the tree's code and cases (``harness/**/*.py``, ``cases/*.toml``: paths and bytes): names what ran
+    where the commit cannot (an archive, uncommitted edits, a copy whose .git is not the tree's, as on the device
+    machine, whose copies of this checkout named an older commit than the tree they held)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted([*repo.glob("harness/**/*.py"), *repo.glob("cases/*.toml")]):
+        digest.update(path.relative_to(repo).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def _commit(repo: Path) -> str:
