@@ -331,3 +331,18 @@ def test_a_runner_reads_the_files_of_its_request_as_one_checkpoint(tmp_path):
 def test_no_case_may_take_the_shared_weights_folder_name(tmp_path):
     with pytest.raises(CaseError, match=r"case name 'weights' is taken: checkpoints/weights/ holds the weights"):
         Registry.load(write_cases(tmp_path, tiny_case("weights")))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_tensors_sha256_is_that_of_its_own_bytes_on_any_number_of_threads(tmp_path, monkeypatch, threads):
+    import hashlib
+
+    monkeypatch.setattr(tensorfile, "HASH_THREADS", threads)
+    rng = np.random.default_rng(5)
+    arrays = {f"t{i}": rng.standard_normal(size).astype(np.float32) for i, size in enumerate((3, 70_000, 1, 5_000))}
+    arrays["empty"] = np.zeros((0, 4), dtype=np.float32)
+    arrays["bf16"] = rng.standard_normal(999).astype(ml_dtypes.bfloat16)
+    save_file(arrays, str(tmp_path / "x.safetensors"))
+    found = tensorfile.sha256s(tmp_path / "x.safetensors", hashlib.sha256)
+    assert list(found) == list(tensorfile.read_header(tmp_path / "x.safetensors")[0])  # the file's order
+    assert found == {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in arrays.items()}

@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -77,20 +78,27 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     return tensors, 8 + length
 
 
+HASH_THREADS = min(8, os.cpu_count() or 1)
+
+
 def sha256s(path: Path, hasher) -> dict[str, str]:
     """Each tensor's digest (`hasher` a hashlib constructor) over its bytes in the file, read through a memory map:
-    no copy of the data is made."""
+    no copy of the data is made. ``HASH_THREADS`` tensors are hashed at once, the largest first (hashlib releases the
+    GIL over large buffers): Kimi-K2's full-width weights, 8.8 GB, took about 12 s on one core of the H200's host."""
     tensors, start = read_header(path)
-    found = {}
     with open(path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size == start:  # no data at all (every tensor empty): nothing to map
             return {name: hasher().hexdigest() for name in tensors}
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            for name, entry in tensors.items():
-                begin, end = entry["data_offsets"]
+            def one(name: str) -> str:
+                begin, end = tensors[name]["data_offsets"]
                 with view[start + begin:start + end] as data:
-                    found[name] = hasher(data).hexdigest()
-    return found
+                    return hasher(data).hexdigest()
+
+            largest_first = sorted(tensors, key=lambda n: tensors[n]["data_offsets"][0] - tensors[n]["data_offsets"][1])
+            with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256") as pool:
+                found = dict(zip(largest_first, pool.map(one, largest_first), strict=True))
+    return {name: found[name] for name in tensors}
 
 
 def flip_bit(path: Path, name: str, index: tuple[int, ...], bit: int) -> None:
