@@ -54,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.commands.nightly_shards import positive
+
 REPO = Path(__file__).resolve().parents[2]
 CASE = "kimi_shared_fc1"
 MODEL_CASE, MODEL_TOKENS = "kimi_k2_2layer", 64
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue", choices=("cpu", "gpu"), help="time the device's whole catalogue instead")
     parser.add_argument("--catalogue-tokens", default="1,7,60,61,64,127,128,255,256,1024,4096")
     parser.add_argument("--catalogue-args", default="--no-oracle", help="--no-oracle and/or --fresh-process")
-    parser.add_argument("--catalogue-jobs", type=int, default=1,
+    parser.add_argument("--catalogue-jobs", type=positive, default=1,
                         help="cases at once (on a GPU: sharing it, as nightly --workers N --cells-per-gpu N)")
     parser.add_argument("--reports", type=Path, help="with --catalogue: keep the reports here (default: a temporary "
                                                      "folder, removed)")

@@ -9,7 +9,8 @@ lets up to K cells share a GPU (``--cells-per-gpu``: a catalogue's cells use a f
 most of their wall in their processes' host work): each cell's runners are processes of their own, whose kernels give
 the same bits beside a neighbour (the determinism settings forbid the kernels whose results depend on timing); what
 they share is the GPU's memory and time, so a cell that does not fit beside its neighbours ends ERROR, never with other
-bits. A TP cell's GPUs are still distinct. On the CPU the cells
+bits (so far an argument, not a measurement: the one GPU runs with shared GPUs, the catalogue bench's, had no Paddle
+side and compared nothing). A TP cell's GPUs are still distinct. On the CPU the cells
 share the cores: their runners' thread count stays the harness's fixed one (``orchestrate.RUNNER_THREADS``), since the
 count can change bits and ``--workers`` must not. Results come back in the items' order.
 """
