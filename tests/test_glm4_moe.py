@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.case.registry import CaseError, Registry
+from harness.case.registry import Registry
 from harness.families import FAMILIES, ModelConfigError, family_of
 from harness.families.glm4_moe.config import Glm4MoeConfig
 from harness.families.names import NameMap
 from tests.support.installed import absent
+from tests.support.zoo import assert_config_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"family": "glm4_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -60,20 +61,7 @@ def test_defaults_are_glm_4_5_airs_real_values():
     ({"first_k_dense_replace": 3, "num_hidden_layers": 2}, "first_k_dense_replace must be in"),
 ])
 def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
-    with pytest.raises(ModelConfigError, match=problem):
-        Glm4MoeConfig.resolve(given)
-    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
-    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = {{ family = "glm4_moe", {body} }}
-    """))
-    with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
-        Registry.load(tmp_path)
+    assert_config_refused(tmp_path, "glm4_moe", Glm4MoeConfig, given, problem)
 
 
 # --- the layout ------------------------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from harness.case.registry import CaseError, Registry
+from harness.case.registry import Registry
 from harness.families import FAMILIES, ModelConfigError, family_of
 from harness.families.minimax_m2.config import MiniMaxM2Config
 from harness.families.names import NameMap
 from harness.run.protocol import Unsupported
 from tests.support.installed import absent
+from tests.support.zoo import assert_config_refused
 
 TINY = {"family": "minimax_m2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "rotary_dim": 16, "intermediate_size": 32,
@@ -63,20 +64,7 @@ def test_defaults_are_minimax_m2s_real_values():
     ({"num_experts_per_tok": 9, "num_local_experts": 8}, "num_experts_per_tok must be <= num_local_experts"),
 ])
 def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
-    with pytest.raises(ModelConfigError, match=problem):
-        MiniMaxM2Config.resolve(given)
-    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
-    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = {{ family = "minimax_m2", {body} }}
-    """))
-    with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
-        Registry.load(tmp_path)
+    assert_config_refused(tmp_path, "minimax_m2", MiniMaxM2Config, given, problem)
 
 
 # --- the layout ------------------------------------------------------------------------------------------------

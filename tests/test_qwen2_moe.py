@@ -10,21 +10,18 @@ tests/test_train_zoo_e2e.py (tests/support/zoo.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from harness.case.registry import CaseError, Registry
-from harness.families import FAMILIES, ModelConfigError, family_of
+from harness.case.registry import Registry
+from harness.families import FAMILIES, family_of
 from harness.families.names import NameMap
 from harness.families.qwen2_moe.config import Qwen2MoeConfig
 from tests.support.installed import absent
+from tests.support.zoo import assert_config_refused, python_json
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = {"family": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
         "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 128}
@@ -33,16 +30,6 @@ TINY = {"family": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_a
 @pytest.fixture(scope="module")
 def case():
     return Registry.load().get("qwen2_moe_2layer")
-
-
-def python(code: str, *args: str) -> dict:
-    import os
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --- the typed config ------------------------------------------------------------------------------------------
@@ -83,20 +70,7 @@ def test_defaults_are_qwen15_moe_a27bs_real_values():
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be > 0"),
 ])
 def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
-    with pytest.raises(ModelConfigError, match=problem):
-        Qwen2MoeConfig.resolve(given)
-    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
-    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = {{ family = "qwen2_moe", {body} }}
-    """))
-    with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
-        Registry.load(tmp_path)
+    assert_config_refused(tmp_path, "qwen2_moe", Qwen2MoeConfig, given, problem)
 
 
 # --- the layout ------------------------------------------------------------------------------------------------
@@ -328,7 +302,7 @@ def test_megatrons_gated_shared_expert_is_hfs_in_float64():
     and shared_expert_gate (linear_fc1 = gate and up, gate_weight = shared_expert_gate.weight), computes HF's
     sigmoid(shared_expert_gate(x)) * shared_expert(x) to float64 rounding: the same semantics, not an
     approximation."""
-    result = python(SHARED, json.dumps(TINY))
+    result = python_json(SHARED, json.dumps(TINY))
     assert result["parameters"] == ["gate_weight", "linear_fc1.weight", "linear_fc2.weight"]
     assert result["rel"] < 1e-14, result
 
@@ -399,7 +373,7 @@ def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_p
     from tests.support.model_case import model_request
 
     request = model_request(tmp_path, TINY, "float32", tokens=8)
-    result = python(f"""
+    result = python_json(f"""
         import json
         from safetensors.numpy import load_file
         from harness.runners.paddle import model as paddle_model, paddlefleet_ops_shim, paddlefleet_shim

@@ -9,21 +9,18 @@ tests/test_model_e2e.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from harness.case.registry import CaseError, Registry
-from harness.families import FAMILIES, ModelConfigError, family_of
+from harness.case.registry import Registry
+from harness.families import FAMILIES, family_of
 from harness.families.names import NameMap
 from harness.families.qwen3_moe.config import Qwen3MoeConfig
 from tests.support.installed import absent
+from tests.support.zoo import assert_config_refused, python_json
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = {"family": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
         "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 128}
@@ -32,16 +29,6 @@ TINY = {"family": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_a
 @pytest.fixture(scope="module")
 def case():
     return Registry.load().get("qwen3_moe_2layer")
-
-
-def python(code: str, *args: str) -> dict:
-    import os
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # --- the typed config ------------------------------------------------------------------------------------------
@@ -81,20 +68,7 @@ def test_defaults_are_qwen3_30b_a3bs_real_values():
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be > 0"),
 ])
 def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
-    with pytest.raises(ModelConfigError, match=problem):
-        Qwen3MoeConfig.resolve(given)
-    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
-    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = {{ family = "qwen3_moe", {body} }}
-    """))
-    with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
-        Registry.load(tmp_path)
+    assert_config_refused(tmp_path, "qwen3_moe", Qwen3MoeConfig, given, problem)
 
 
 # --- the layout ------------------------------------------------------------------------------------------------
@@ -319,7 +293,7 @@ def test_megatron_routing_record_changes_no_computation_and_widens_bf16_probs_ex
     """The family's router is Megatron-Core's TopKRouter plus an identity child: in bf16 (Megatron's softmax router
     casts its probabilities to bf16), the same probabilities, routing map and gradients as TopKRouter itself, no
     other parameter, and the child hands the capture the probabilities widened to float32 (exact)."""
-    result = python(ROUTER, json.dumps(TINY))
+    result = python_json(ROUTER, json.dumps(TINY))
     assert result["same_outputs"] and result["same_gradients"], result
     assert (result["probs_dtype"], result["record_dtype"], result["record_exact"]) == (
         "torch.bfloat16", "torch.float32", True)
@@ -375,7 +349,7 @@ def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_p
     from tests.support.model_case import model_request
 
     request = model_request(tmp_path, TINY, "float32", tokens=8)
-    result = python(f"""
+    result = python_json(f"""
         import json
         from safetensors.numpy import load_file
         from harness.runners.paddle import model as paddle_model, paddlefleet_ops_shim, paddlefleet_shim
@@ -433,7 +407,7 @@ def test_the_routing_record_goes_into_both_forms_of_megatrons_moe_spec():
     """On the H200 (megatron-core 0.19.2) the MoE layer's spec is ``functools.partial(MoELayer, submodules=...)``,
     not a ModuleSpec (0.16.1 here): the router went unreplaced there and the capture failed naming the missing
     ``routing_record`` (2026-12-03). Both forms now get the family's router; a dense layer keeps its MLP."""
-    assert python(SPEC_FORMS) == {"module_spec": True, "partial": True, "dense": False}
+    assert python_json(SPEC_FORMS) == {"module_spec": True, "partial": True, "dense": False}
 
 
 # --- what its end-to-end runs show (tests/test_model_e2e.py, tests/test_train_zoo_e2e.py: tests/support/zoo.py) ----

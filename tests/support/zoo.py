@@ -46,3 +46,47 @@ def check_run(case: Case, report: dict, run_dir) -> None:
     check = getattr(family_tests(case.model.family), "check_run", None)
     if check is not None:
         check(case, report, run_dir)
+
+
+def assert_config_refused(tmp_path, family: str, config_type, given: dict, problem: str) -> None:
+    """A family's bad model config (`given`) is refused twice, naming `problem`: by its typed config
+    (``ModelConfigError``), and in a case file by the registry (``CaseError`` naming the file, case and field)."""
+    import json
+    import textwrap
+
+    import pytest
+
+    from harness.case.registry import CaseError
+    from harness.families import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match=problem):
+        config_type.resolve(given)
+    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
+    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
+        [m]
+        family = "model"
+        op = "causal_lm"
+        dtype = "float32"
+        seed = 1
+        tokens = 4
+        config.model = {{ family = "{family}", {body} }}
+    """))
+    with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
+        Registry.load(tmp_path)
+
+
+def python_json(code: str, *args: str) -> dict:
+    """Run `code` in a fresh interpreter from the repository root (one OpenMP thread, no TorchDynamo) and return the
+    JSON its last line prints; its stderr tail when it fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
