@@ -115,6 +115,13 @@ def test_a_run_that_ended_early_is_an_error_naming_what_it_lacks(tmp_path):
     assert [s["verdict"] for s in report["train"]["steps"]] == ["BITWISE_PASS", "BITWISE_PASS", "ERROR"]
     reverse, _, _ = run(tmp_path, "torch_short", "paddle", micro_batches=2)
     assert reverse.verdict == "ERROR" and "MISSING (only run B has it" in reverse.message
+    two_steps = {**json.loads((FIXTURES / "torch_loss_same.json").read_text())}
+    two_steps.update(steps=[1, 2], losses=two_steps["losses"][:2])
+    (tmp_path / "loss.json").write_text(json.dumps(two_steps))
+    shorter, _, _ = run(tmp_path, "paddle_loss.json", tmp_path / "loss.json")
+    assert shorter.verdict == "ERROR" and (f"step3.loss: MISSING (only run A has it ({FIXTURES}/paddle_loss.json "
+                                           f"losses[2]); run B has 2 loss records (the last at {tmp_path}/loss.json "
+                                           "losses[1])") in shorter.message, shorter.message
 
 
 def one_rank_log(folder: Path, finals: dict | None = None, lines: dict | None = None) -> Path:
