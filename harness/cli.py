@@ -4,6 +4,7 @@ nightly-merge | publish DIR | baseline update | baseline record``; exit codes: s
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,12 +23,26 @@ from harness.levels import AXES
 from harness.pipeline import failsafe, run_folder
 from harness.report import case_report as report
 
+# Options renamed (old spelling -> the new one, given the old one's value); commit 9e6c533 made them one --versus
+RENAMED = {f"--versus-{axis}": f"--versus {axis}=" for axis in ("tp", "dp", "ep", "impl")}
+
 
 @failsafe.guarded  # signals, storage errors, harness failures: one line and an exit code, never a traceback
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    refuse_renamed(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     return run(parser, args)
+
+
+def refuse_renamed(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An old spelling gets the new one (exit 2), not argparse's bare "unrecognized arguments"."""
+    for i, arg in enumerate(argv):
+        old, equals, value = arg.partition("=")
+        if old in RENAMED:
+            if not equals:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "VALUE"
+            parser.error(f"{old} was renamed: use {RENAMED[old]}{value}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -171,6 +171,23 @@ def test_only_differ_and_bitwise_steps_say_exactly_which_tensors_differ(tmp_path
     assert not run(set())["met"]  # the listed tensor must differ
 
 
+def test_a_case_that_states_no_expectation_lists_no_expectation_problem(tmp_path):
+    """Issue 40, finding 10: a case with no `expect` that gave DIFF listed "verdict DIFF, expected BITWISE_PASS" among
+    report.json's expectation problems, though it expected nothing. It lists none; the verdict still exits 1."""
+    from harness.compare.expectation import check_expectation
+    from harness.compare.result import CaseResult
+    from harness.compare.tensors import DIFF, EQUAL, TensorComparison
+
+    registry = registry_from(tmp_path, GOOD + '\n[fc1_stated]\nbase = "fc1"\nexpect = { verdict = "BITWISE_PASS" }\n')
+    differing = [TensorComparison("out", DIFF), TensorComparison("grad.input", EQUAL)]
+    for name, verdict, problems, exit_code in (("fc1", "DIFF", [], 1), ("fc1", "BITWISE_PASS", [], 0),
+                                               ("fc1_stated", "DIFF", ["verdict DIFF, expected BITWISE_PASS"], 1)):
+        result = CaseResult("run", name, "cpu", verdict=verdict, tensors=differing)
+        result.expectation = check_expectation(registry.get(name).expect, verdict, differing)
+        report = result.to_dict()  # what report.json holds
+        assert (report["expectation"]["problems"], report["exit_code"]) == (problems, exit_code), (name, verdict)
+
+
 @pytest.mark.parametrize("expect, field, value", [
     ('{ bitwise_steps = [3] }', "expect.bitwise_steps", "3"),
     ('{ only_differ = [] }', "expect.only_differ", "[]"),

@@ -10,6 +10,9 @@ md5s of their bytes, 2 ranks, 3 steps of 2 micro-batches).
   do not without it (the order matters).
 - loss.json: bit-for-bit per step, a one-ULP step named with its ULPs; a bad artifact is an error naming the field.
 - A run that ended early, a printed value that does not reproduce its md5, a step folder against a log.
+- Issue 40, finding 2: a record line is read whole or the run is refused naming its file, line and text (a skipped
+  line shifted every later record a micro-batch: inf against -inf passed); a final loss that is not finite in both
+  runs is an ERROR whatever its bits; a finite loss against an infinite one is a DIFF at its step.
 """
 
 import json
@@ -19,6 +22,7 @@ import pytest
 
 from harness.cli import main
 from harness.commands.compare_runs import compare_runs
+from tests.fixtures.loss_logs import make
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "loss_logs"
 
@@ -90,6 +94,7 @@ def test_loss_json_is_compared_bit_for_bit_per_step(tmp_path):
     ({"stage": "training"}, "field 'stage' must be 'training_callback_complete'"),
     ({"steps": [1, 3, 2]}, "field 'steps' must be 1..3 in order"),
     ({"losses": [1.0, True, 2.0]}, "field 'losses' at step 2: True is not a finite number"),
+    ({"losses": [1.0, float("nan"), 2.0]}, "field 'losses' at step 2: nan is not a finite number"),
 ])
 def test_a_bad_loss_json_is_an_error_naming_the_field(tmp_path, change, problem):
     artifact = {**json.loads((FIXTURES / "paddle_loss.json").read_text()), **change}
@@ -101,10 +106,73 @@ def test_a_bad_loss_json_is_an_error_naming_the_field(tmp_path, change, problem)
 
 
 def test_a_run_that_ended_early_is_an_error_naming_what_it_lacks(tmp_path):
-    result, _, _ = run(tmp_path, "paddle", "torch_short", micro_batches=2)
+    result, report, _ = run(tmp_path, "paddle", "torch_short", micro_batches=2)
     assert result.verdict == "ERROR" and result.exit_code == 2
-    assert "step3.loss_path.loss_input_logits.rank0.mb0: MISSING (only run A has it" in result.message
-    assert "paddle/workerlog.0:" in result.message
+    short = FIXTURES / "torch_short" / "train.log"
+    assert (f"step3.loss_path.loss_input_logits.rank0.mb0: MISSING (only run A has it ({FIXTURES}/paddle/workerlog.0:"
+            f"20); run B has 4 rank 0 loss_path loss_input_logits records (the last at {short}:15): it ended earlier"
+            in result.message), result.message
+    assert [s["verdict"] for s in report["train"]["steps"]] == ["BITWISE_PASS", "BITWISE_PASS", "ERROR"]
+    reverse, _, _ = run(tmp_path, "torch_short", "paddle", micro_batches=2)
+    assert reverse.verdict == "ERROR" and "MISSING (only run B has it" in reverse.message
+    two_steps = {**json.loads((FIXTURES / "torch_loss_same.json").read_text())}
+    two_steps.update(steps=[1, 2], losses=two_steps["losses"][:2])
+    (tmp_path / "loss.json").write_text(json.dumps(two_steps))
+    shorter, _, _ = run(tmp_path, "paddle_loss.json", tmp_path / "loss.json")
+    assert shorter.verdict == "ERROR" and (f"step3.loss: MISSING (only run A has it ({FIXTURES}/paddle_loss.json "
+                                           f"losses[2]); run B has 2 loss records (the last at {tmp_path}/loss.json "
+                                           "losses[1])") in shorter.message, shorter.message
+
+
+def one_rank_log(folder: Path, finals: dict | None = None, lines: dict | None = None) -> Path:
+    """Rank 0's workerlog of 3 steps of one micro-batch in PaddleFleet's format (make.records: 4 lines a step, the
+    final loss last): step k's final loss set to finals[k], line n (from 1) replaced by lines[n]."""
+    text = []
+    for step in range(1, 4):
+        *path, final = make.records(step, 0, 0)
+        text += [*path, make.final_loss_line(0, finals[step]) if step in (finals or {}) else final]
+    for number, line in (lines or {}).items():
+        text[number - 1] = line
+    folder.mkdir(parents=True)
+    (folder / "workerlog.0").write_text("\n".join(text) + "\n")
+    return folder / "workerlog.0"
+
+
+@pytest.mark.parametrize("a, b", [(float("inf"), float("-inf")), (float("nan"), float("nan")),
+                                  (float("inf"), float("inf"))], ids=["inf-vs-minus-inf", "nan-both", "inf-both"])
+def test_a_loss_not_finite_in_both_runs_is_an_error_naming_its_records(tmp_path, a, b):
+    log_a, log_b = one_rank_log(tmp_path / "a", {2: a}), one_rank_log(tmp_path / "b", {2: b})
+    assert f"val={a}" in log_a.read_text()  # printed as %.20f prints it: inf, -inf, nan
+    result, report, _ = run(tmp_path, log_a, log_b)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert (f"step2.final_loss.rank0.mb0: NON_FINITE (non-finite loss in both runs: A {a} at {log_a}:8, B {b} at "
+            f"{log_b}:8)") in result.message, result.message
+    assert [s["verdict"] for s in report["train"]["steps"]] == ["BITWISE_PASS", "ERROR", "BITWISE_PASS"]
+
+
+def test_a_finite_loss_against_an_infinite_one_differs_at_its_step(tmp_path):
+    finite, infinite = one_rank_log(tmp_path / "a"), one_rank_log(tmp_path / "b", {2: float("inf")})
+    result, report, _ = run(tmp_path, finite, infinite)
+    assert result.verdict == "DIFF" and result.exit_code == 1, result.message
+    assert report["train"]["first_divergence"]["tensor"] == "step2.final_loss.rank0.mb0"
+    assert [s["verdict"] for s in report["train"]["steps"]] == ["BITWISE_PASS", "DIFF", "BITWISE_PASS"]
+    row = next(t for t in report["tensors"] if t["name"] == "step2.final_loss.rank0.mb0")
+    assert row["status"] == "DIFF" and " vs inf (" in row["note"], row
+
+
+@pytest.mark.parametrize("number, line", [
+    (3, "per_token_loss: rank=0 shape=[1, 8] md5="),  # an empty md5
+    (4, "final_loss: rank=0 val=3.47279381752014160156"),  # cut off before its md5
+    (4, "final_loss: rank=0 val=loss md5=1cb2ee76fb22785497b73d8b49d3b760"),
+    (4, "final_loss: rank=0 val=3.47279381752014160156 md5=1cb2ee76fb22785497b73d8b49d3b76"),  # 31 hex digits
+    (1, "[LOSS_PATH_MD5] rank=0 loss_input_logits md5=65a59b60073d7cecacc235a1d9706161"),  # no shape
+], ids=["empty-md5", "no-md5", "val-not-a-number", "md5-cut-off", "probe-without-shape"])
+def test_a_record_line_that_does_not_read_whole_is_an_error_naming_it(tmp_path, number, line):
+    good, bad = one_rank_log(tmp_path / "a"), one_rank_log(tmp_path / "b", lines={number: line})
+    result, _, _ = run(tmp_path, good, bad)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert f"{bad}:{number}: " in result.message and repr(line) in result.message, result.message
+    assert "ended earlier" not in result.message
 
 
 def test_a_value_that_does_not_reproduce_its_md5_is_compared_by_md5(tmp_path):

@@ -155,7 +155,8 @@ def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints
     markdown = (run_dir / "report.md").read_text()
     assert markdown.startswith("# Bitwise nightly on cpu: 1 failed, 0 passed, 1 skipped\n")
     assert markdown.index("## What changed since `nightly-planted`") < markdown.index("## Cases")
-    assert "### New failures (1)" in markdown and "verdict DIFF, expected BITWISE_PASS" in markdown
+    assert "### New failures (1)" in markdown and "## Failures: differs, no baseline (1)" in markdown
+    assert "expected BITWISE_PASS" not in markdown  # the case states no expectation: none is missed
 
     html = (run_dir / "report.html").read_text()
     assert "<h2>What changed since <code>nightly-planted</code></h2>" in html
@@ -166,5 +167,5 @@ def test_nightly_over_a_tiny_registry(tmp_path, monkeypatch, capsys, checkpoints
     flipped_case, weights_case = suite.findall("testcase")
     failure = flipped_case.find("failure")
     assert flipped_case.get("name") == "tiny_flipped" and failure.get("type") == "DIFF"
-    assert "verdict DIFF, expected BITWISE_PASS" in failure.text
+    assert failure.text.startswith("differs, no baseline: DIFF: ") and "expected BITWISE_PASS" not in failure.text
     assert "--weights FILE" in weights_case.find("skipped").get("message")

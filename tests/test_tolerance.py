@@ -112,7 +112,8 @@ def test_verdicts_and_exit_codes(comparisons):
     result = CaseResult("run", "case", "cpu", verdict="WITHIN_TOLERANCE")
     result.expectation = check_expectation(Expectation("WITHIN_TOLERANCE"), "WITHIN_TOLERANCE", comparisons)
     assert result.exit_code == 0
-    result.expectation = check_expectation(Expectation("BITWISE_PASS"), "WITHIN_TOLERANCE", comparisons)
+    result.expectation = check_expectation(Expectation("BITWISE_PASS", stated=True), "WITHIN_TOLERANCE",
+                                           comparisons)
     assert result.expectation["problems"] and result.exit_code == 1  # unexpected, so never 0
 
 

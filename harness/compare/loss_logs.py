@@ -22,6 +22,12 @@ a verdict, per quantity how many records are bitwise equal, the first divergence
 loss, rank, and within them the loss path's order: probes, per-token loss, final loss), and for a final loss whose
 printed value reproduces its md5 (the float32 read back from ``val``) how many float32 ULPs apart the two are. A
 record one run has and the other lacks is an error naming it (fail closed, as the gate).
+
+Unlike compare_loss.py, every line carrying a record marker is read completely or the run is refused naming its file,
+line and text: a record its patterns skip (``val=inf``, an empty md5, a line cut off) would shift every later record
+of its rank by one micro-batch. ``val`` is whatever Python's ``float()`` reads (``%.20f`` prints ``inf``, ``-inf``
+and ``nan``). A final loss that is not finite in both runs is an error, never a pass, even with equal bits: a gate
+must not pass two diverged trainings; one not finite against a finite one is the difference it is.
 """
 
 from __future__ import annotations
@@ -41,13 +47,18 @@ from harness.compare.tensors import DIFF, EQUAL, MISSING, SHAPE_MISMATCH, Tensor
 SCHEMA = "glm52-machine-loss/v1"
 LOSS_JSON = "loss.json"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-PER_TOKEN = re.compile(r"per_token_loss:\s*rank=(?P<rank>\d+)\s+shape=\[(?P<shape>[^\]]*)\]\s+"
-                       r"md5=(?P<md5>[0-9a-fA-F]+)")
-FINAL = re.compile(r"final_loss:\s*rank=(?P<rank>\d+)\s+val=(?P<val>[-\d.eE+naN]+)\s+md5=(?P<md5>[0-9a-fA-F]+)")
-PROBE = re.compile(r"\[LOSS_PATH_MD5\]\s*rank=(?P<rank>\d+)\s+(?P<name>\S+)\s+shape=\[(?P<shape>[^\]]*)\]\s+"
-                   r"md5=(?P<md5>[0-9a-fA-F]+)")
+MD5 = r"md5=(?P<md5>[0-9a-fA-F]{32})(?![0-9A-Za-z_])"  # a whole md5: 32 hex digits, not cut off or run on
+PER_TOKEN = re.compile(r"per_token_loss:\s*rank=(?P<rank>\d+)\s+shape=\[(?P<shape>[^\]]*)\]\s+" + MD5)
+FINAL = re.compile(r"final_loss:\s*rank=(?P<rank>\d+)\s+val=(?P<val>\S+)\s+" + MD5)
+PROBE = re.compile(r"\[LOSS_PATH_MD5\]\s*rank=(?P<rank>\d+)\s+(?P<name>\S+)\s+shape=\[(?P<shape>[^\]]*)\]\s+" + MD5)
+# Where a record starts: each one must then match its pattern from there (several prints may share a line)
+MARKER = re.compile(r"(?<!\w)(?:per_token_loss:|final_loss:)|\[LOSS_PATH_MD5\]")
+RECORDS = {"[LOSS_PATH_MD5]": ("loss_path", PROBE, "[LOSS_PATH_MD5] rank=R NAME shape=[..] md5=H"),
+           "per_token_loss:": ("per_token_loss", PER_TOKEN, "per_token_loss: rank=R shape=[..] md5=H"),
+           "final_loss:": ("final_loss", FINAL, "final_loss: rank=R val=V md5=H")}
 # A step's records in the order the loss is made: the probes along the loss path, the per-token loss, the final loss
 ORDER = ("loss", "loss_path", "per_token_loss", "final_loss")
+NON_FINITE = "NON_FINITE"  # a final loss that is inf or nan in both runs: an ERROR, whatever its bits
 WHAT = {"log": "PaddleFleet alignment logs (per_token_loss / final_loss md5 per rank and micro-batch)",
         "loss.json": f"{LOSS_JSON} ({SCHEMA}: the main loss of each step as a float64)"}
 
@@ -68,6 +79,7 @@ class Record(NamedTuple):
     value: np.ndarray | None
     shown: str  # the printed value (final_loss's val), or ""
     where: str  # file:line
+    series: str  # the records numbered with it, e.g. "rank 1 final_loss" (a missing one says how many it has)
 
 
 class LossRun(NamedTuple):
@@ -76,6 +88,7 @@ class LossRun(NamedTuple):
     records: dict[str, Record]
     steps: int
     about: dict  # what the file says of itself (loss.json: framework), or the files read
+    printed: dict[str, tuple[int, str]]  # series -> how many records it has, where its last one is
 
 
 def is_loss_run(path: Path) -> bool:
@@ -113,7 +126,7 @@ def read(path, micro_batches: int = 1, losses: tuple[str, ...] = ("main",)) -> L
 
 
 def read_logs(files: list[Path], path: Path, micro_batches: int, losses: tuple[str, ...]) -> LossRun:
-    seen: dict[tuple, list[tuple[dict, str]]] = {}  # (rank, quantity, probe name) -> matches in print order
+    seen: dict[tuple, list[tuple[dict, str]]] = {}  # (rank, quantity, probe name) -> records in print order
     for file in files:
         try:
             text = file.read_text(encoding="utf-8", errors="ignore")
@@ -122,12 +135,9 @@ def read_logs(files: list[Path], path: Path, micro_batches: int, losses: tuple[s
         for number, line in enumerate(text.splitlines(), 1):
             if "_loss:" not in line and "LOSS_PATH_MD5" not in line:
                 continue
-            line = ANSI.sub("", line)
-            for quantity, pattern in (("loss_path", PROBE), ("per_token_loss", PER_TOKEN), ("final_loss", FINAL)):
-                for match in pattern.finditer(line):
-                    fields = match.groupdict()
-                    seen.setdefault((int(fields["rank"]), quantity, fields.get("name") or ""), []).append(
-                        (fields, f"{file}:{number}"))
+            for quantity, fields in _parse(ANSI.sub("", line), f"{file}:{number}"):
+                seen.setdefault((fields["rank"], quantity, fields.get("name") or ""), []).append(
+                    (fields, f"{file}:{number}"))
     if not any(q != "loss_path" for _, q, _ in seen):
         raise LossLogError(f"{path}: no per_token_loss or final_loss line in {len(files)} file(s) "
                            f"({', '.join(f.name for f in files[:5])}): is the accuracy-compatible logging on "
@@ -137,8 +147,10 @@ def read_logs(files: list[Path], path: Path, micro_batches: int, losses: tuple[s
         if quantity == "loss_path":
             probes.setdefault(probe, len(probes))
     per_step = micro_batches * len(losses)
-    records, steps = {}, 0
+    records, steps, printed = {}, 0, {}
     for (rank, quantity, probe), matches in seen.items():
+        series = f"rank {rank} {quantity}" + (f" {probe}" if probe else "")
+        printed[series] = (len(matches), matches[-1][1])
         for i, (fields, where) in enumerate(matches):
             step, rest = i // per_step + 1, i % per_step
             mb, loss = rest // len(losses), losses[rest % len(losses)]
@@ -146,31 +158,48 @@ def read_logs(files: list[Path], path: Path, micro_batches: int, losses: tuple[s
             name = f"step{step}.{quantity}." + (f"{probe}." if probe else "") + f"rank{rank}.mb{mb}" + (
                 f".{loss}" if len(losses) > 1 else "")
             key = (step, mb, sorted(losses).index(loss), rank, ORDER.index(quantity), probes.get(probe, 0))
-            records[name] = _record(name, key, quantity, fields, where)
+            records[name] = _record(name, key, fields, where, series)
     return LossRun(path, "log", dict(sorted(records.items(), key=lambda item: item[1].key)), steps,
-                   {"files": [str(f) for f in files], "micro_batches": micro_batches, "losses": list(losses)})
+                   {"files": [str(f) for f in files], "micro_batches": micro_batches, "losses": list(losses)},
+                   printed)
 
 
-def _record(name: str, key: tuple, quantity: str, fields: dict, where: str) -> Record:
-    md5 = fields["md5"].lower()
-    if quantity != "final_loss":
-        shape = _shape(fields["shape"], where)
-        return Record(name, key, md5, shape, None, "", where)
-    shown = fields["val"]
-    try:
-        value = np.array([float(shown)], dtype=np.float32)
-    except ValueError:
-        raise LossLogError(f"{where}: final_loss val={shown!r} is not a number") from None
+def _parse(line: str, where: str) -> list[tuple[str, dict]]:
+    """Every record a line prints, each read whole: (quantity, fields with rank, shape, md5 and val read)."""
+    found = []
+    for marker in MARKER.finditer(line):
+        quantity, pattern, form = RECORDS[marker.group()]
+        match = pattern.match(line, marker.start())
+        if match is None:
+            raise LossLogError(f"{where}: a {quantity} record that does not read as `{form}` (H: 32 hex digits), "
+                               f"so every later record of its rank would shift: {line.strip()!r}")
+        fields = {**match.groupdict(), "rank": int(match["rank"]), "md5": match["md5"].lower()}
+        if "shape" in fields:
+            fields["shape"] = _shape(fields["shape"], where, line)
+        if "val" in fields:
+            try:
+                fields["number"] = float(fields["val"])
+            except ValueError:
+                raise LossLogError(f"{where}: final_loss val={fields['val']!r} is not a number: "
+                                   f"{line.strip()!r}") from None
+        found.append((quantity, fields))
+    return found
+
+
+def _record(name: str, key: tuple, fields: dict, where: str, series: str) -> Record:
+    if "val" not in fields:
+        return Record(name, key, fields["md5"], fields["shape"], None, "", where, series)
+    value = np.array([fields["number"]], dtype=np.float32)
     # the float32 the printed value reads back as: its bits are the logged ones only where it reproduces the md5
-    known = hashlib.md5(value.tobytes()).hexdigest() == md5
-    return Record(name, key, md5, (1,), value if known else None, shown, where)
+    known = hashlib.md5(value.tobytes()).hexdigest() == fields["md5"]
+    return Record(name, key, fields["md5"], (1,), value if known else None, fields["val"], where, series)
 
 
-def _shape(text: str, where: str) -> tuple[int, ...]:
+def _shape(text: str, where: str, line: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
     except ValueError:
-        raise LossLogError(f"{where}: shape=[{text}] is not a list of integers") from None
+        raise LossLogError(f"{where}: shape=[{text}] is not a list of integers: {line.strip()!r}") from None
 
 
 def read_loss_json(path: Path) -> LossRun:
@@ -198,8 +227,9 @@ def read_loss_json(path: Path) -> LossRun:
         value = np.array([float(loss)], dtype=np.float64)
         name = f"step{step}.loss"
         records[name] = Record(name, (step, 0, 0, 0, 0, 0), hashlib.md5(value.tobytes()).hexdigest(), (1,), value,
-                               repr(float(loss)), f"{path} losses[{step - 1}]")
-    return LossRun(path, "loss.json", records, len(steps), {"framework": data.get("framework"), "file": str(path)})
+                               repr(float(loss)), f"{path} losses[{step - 1}]", "loss")
+    return LossRun(path, "loss.json", records, len(steps), {"framework": data.get("framework"), "file": str(path)},
+                   {"loss": (len(steps), f"{path} losses[{len(steps) - 1}]")})
 
 
 def _length(value) -> str:
@@ -211,7 +241,7 @@ def compare(a: LossRun, b: LossRun) -> tuple[list[TensorComparison], dict]:
     if a.kind != b.kind:
         raise LossLogError(f"{a.path} is a {a.kind} run and {b.path} a {b.kind} run: compare two of one kind")
     names = sorted({*a.records, *b.records}, key=lambda n: (a.records.get(n) or b.records[n]).key)
-    rows = [_compare(name, a.records.get(name), b.records.get(name)) for name in names]
+    rows = [_compare(name, a.records.get(name), b.records.get(name), (a, b)) for name in names]
     steps = []
     for step in range(1, max(a.steps, b.steps) + 1):
         mine = [row for row in rows if row.name.startswith(f"step{step}.")]
@@ -226,14 +256,20 @@ def compare(a: LossRun, b: LossRun) -> tuple[list[TensorComparison], dict]:
     }
 
 
-def _compare(name: str, a: Record | None, b: Record | None) -> TensorComparison:
+def _compare(name: str, a: Record | None, b: Record | None, runs: tuple[LossRun, LossRun]) -> TensorComparison:
     if a is None or b is None:
-        held = a or b
-        return TensorComparison(name, MISSING, note=f"only run {'A' if a else 'B'} has it ({held.where}); the other "
-                                                    "run ended earlier or printed fewer records")
+        held, (label, other), run = (a, "AB", runs[1]) if a else (b, "BA", runs[0])
+        count, last = run.printed.get(held.series, (0, ""))
+        has = f"{count} {held.series} records (the last at {last})" if count else f"no {held.series} record"
+        return TensorComparison(name, MISSING, note=f"only run {label} has it ({held.where}); run {other} has {has}: "
+                                                    "it ended earlier or printed fewer")
     where = f"A {a.where}, B {b.where}"
     if a.shape != b.shape:
         return TensorComparison(name, SHAPE_MISMATCH, note=f"shape {list(a.shape)} vs {list(b.shape)} ({where})")
+    if _not_finite(a) and _not_finite(b):
+        return TensorComparison(name, NON_FINITE, shape=list(a.shape),
+                                note=f"non-finite loss in both runs: A {a.shown} at {a.where}, B {b.shown} at "
+                                     f"{b.where}")
     if a.value is not None and b.value is not None:
         row = compare_tensor(name, a.value, b.value)
         row.note = f"{a.shown} vs {b.shown} ({where})"
@@ -242,6 +278,10 @@ def _compare(name: str, a: Record | None, b: Record | None) -> TensorComparison:
     shown = f"val {a.shown} vs {b.shown}; " if a.shown else ""
     return TensorComparison(name, status, shape=list(a.shape), note=f"{shown}compared by md5 "
                                                                     f"({a.md5[:12]} vs {b.md5[:12]}; {where})")
+
+
+def _not_finite(record: Record) -> bool:
+    return bool(record.shown) and not math.isfinite(float(record.shown))
 
 
 def _summarise(step: int, rows: list[TensorComparison], a: LossRun, b: LossRun) -> dict:
@@ -262,6 +302,8 @@ def _summarise(step: int, rows: list[TensorComparison], a: LossRun, b: LossRun) 
         elif len(counts["differing"]) < 20:
             counts["differing"].append(row.name)
     first = next((row.name for row in rows if row.status != EQUAL), None)
-    return {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
+    verdict = ("BITWISE_PASS" if first is None else "DIFF" if all(row.status in (EQUAL, DIFF) for row in rows)
+               else "ERROR")  # a missing, misshapen or non-finite record: no verdict of bits
+    return {"step": step, "verdict": verdict, "first_divergence": first,
             "kept": False, "scalars": scalars,
             "quantities": {q: quantities[q] for q in ORDER if q in quantities}}

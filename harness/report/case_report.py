@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from harness.compare import model_outputs
 from harness.compare.result import CaseResult
@@ -97,15 +98,15 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
     if result.first_divergence:
         out.print(f"first divergence: {result.first_divergence}")
     for line in model_section.items(result.to_dict()) + train_section.headline(result.to_dict()):
-        out.print(escape(line.replace("**", "").replace("`", "")), highlight=False)
+        _print_item(out, "-", line)
     if result.train:
         for row in train_section.step_rows(result.train):
-            out.print(escape("step " + " | ".join(str(cell).replace("`", "") for cell in row)), highlight=False)
+            _print_item(out, "step", " | ".join(str(cell) for cell in row))
         for line in train_section.refeed_lines(result.train.get("refeed") or {}):
-            out.print(escape("re-feed, " + line), highlight=False)
+            _print_item(out, "re-feed,", line)
     if result.refeed.get("kind") == "model":
         for line in refeed_section.model_items(result.refeed):
-            out.print("re-feed: " + escape(line.replace("**", "").replace("`", "")), highlight=False)
+            _print_item(out, "re-feed:", line)
     elif result.refeed.get("stages"):
         out.print(f"re-feed: first tensor made locally: {result.refeed['first_local_divergence'] or 'none'}")
         for name, how in result.refeed["tensors"].items():
@@ -115,3 +116,11 @@ def console(result: CaseResult, run_dir: Path, out: Console | None = None) -> No
         out.print(f"expected {result.expectation['verdict']}: {met}")
     out.print(f"report: {run_dir / 'report.md'}  (exit code {result.exit_code})")
 
+
+def _print_item(out: Console, lead: str, line: str) -> None:
+    """`lead line`, its wrapped lines indented under `line`: a wrap never puts a word of it at the start of a line,
+    where "BITWISE_PASS (128 not compared)" of a model's counts reads as the run's verdict."""
+    text = Text(line.replace("**", "").replace("`", ""))
+    for i, part in enumerate(text.wrap(out, max(out.width - len(lead) - 1, 20))):
+        part.rstrip()
+        out.print(Text.assemble(lead if i == 0 else " " * len(lead), " ", part), soft_wrap=True)
