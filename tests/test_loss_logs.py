@@ -175,6 +175,35 @@ def test_a_record_line_that_does_not_read_whole_is_an_error_naming_it(tmp_path, 
     assert "ended earlier" not in result.message
 
 
+
+
+def test_two_runs_cut_off_at_the_same_record_inside_a_step_are_an_error(tmp_path):
+    # both runs stop after step 3's first micro-batch: equal records, but step 3 is not whole (2bab223 passed it)
+    lines = (FIXTURES / "paddle" / "workerlog.0").read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if "final_loss:" in line)  # step 3, micro-batch 1's final loss
+    start = max(i for i, line in enumerate(lines[:last]) if "final_loss:" in line)  # the one before it
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "workerlog.0").write_text("\n".join(lines[:start + 1]) + "\n")
+    result, _, _ = run(tmp_path, tmp_path / "a", tmp_path / "b", micro_batches=2)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert "printed 5 records, not a whole number of steps of 2" in result.message, result.message
+
+
+def test_a_rank_that_stopped_a_step_early_in_both_runs_is_an_error(tmp_path):
+    # rank 1 lacks step 3 in both runs: every record present is equal (2bab223 passed it)
+    source = FIXTURES / "paddle"
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "workerlog.0").write_text((source / "workerlog.0").read_text())
+        rank1 = (source / "workerlog.1").read_text().splitlines()
+        finals = [i for i, line in enumerate(rank1) if "final_loss:" in line]
+        (tmp_path / name / "workerlog.1").write_text("\n".join(rank1[:finals[3] + 1]) + "\n")
+    result, _, _ = run(tmp_path, tmp_path / "a", tmp_path / "b", micro_batches=2)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert "its ranks printed different numbers of loss records" in result.message, result.message
+
+
 def test_a_value_that_does_not_reproduce_its_md5_is_compared_by_md5(tmp_path):
     text = (FIXTURES / "paddle" / "workerlog.0").read_text()
     short = text.replace("val=3.47279381752014160156", "val=3.472794")  # fewer digits: not the float32 printed

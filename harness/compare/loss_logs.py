@@ -159,9 +159,26 @@ def read_logs(files: list[Path], path: Path, micro_batches: int, losses: tuple[s
                 f".{loss}" if len(losses) > 1 else "")
             key = (step, mb, sorted(losses).index(loss), rank, ORDER.index(quantity), probes.get(probe, 0))
             records[name] = _record(name, key, fields, where, series)
+    _whole_steps(path, printed, per_step)
     return LossRun(path, "log", dict(sorted(records.items(), key=lambda item: item[1].key)), steps,
                    {"files": [str(f) for f in files], "micro_batches": micro_batches, "losses": list(losses)},
                    printed)
+
+
+def _whole_steps(path: Path, printed: dict[str, tuple[int, str]], per_step: int) -> None:
+    """Every series ends on a whole step and every rank's losses end on the same step: a run cut off inside a step (or
+    read with another --micro-batches / --losses than it printed) would otherwise compare a part of a step as if whole,
+    and pass where both runs stop at the same record."""
+    for series, (count, last) in printed.items():
+        if count % per_step:
+            raise LossLogError(f"{path}: {series} printed {count} records, not a whole number of steps of {per_step} "
+                               f"(micro-batches x losses per step; the last at {last}): a run cut off inside a step, "
+                               "or --micro-batches / --losses other than what it printed")
+    counts = {series: count for series, (count, _) in printed.items() if "loss_path" not in series}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{series} {count}" for series, count in counts.items())
+        raise LossLogError(f"{path}: its ranks printed different numbers of loss records ({listed}): a rank that "
+                           "stopped early, or logs of another run mixed in")
 
 
 def _parse(line: str, where: str) -> list[tuple[str, dict]]:
