@@ -125,6 +125,9 @@ def test_what_the_record_describes_is_recorded(refusals):
     bf16 = refusals["bf16 without masters: meta.json"]
     assert bf16["no_masters"] == "50 bfloat16 parameters updated in place, without fp32 masters (multi_precision off)"
     assert bf16["capture"]["dtype"] == "bfloat16" and bf16["capture"]["config"]["train"]["master_weights"] is False
+    described = refusals["Momentum, 1-D undecayed: meta.json"]["capture"]["config"]["train"]
+    assert (described["optimizer"], described["momentum"], described["weight_decay"],
+            described["weight_decay_params"]) == ("sgd", 0.9, 0.01, "not_1d")
 
 
 @pytest.mark.ranks

@@ -167,10 +167,21 @@ def refusals(out: Path) -> dict:
             found[name] = None
         except ValueError as error:  # AttachError
             found[name] = f"{type(error).__name__}: {error}"
-    recorder = PaddleStepRecorder(out / "bf16", bf16, adamw(bf16), TINY_GLM)  # no masters: recorded, and said
-    recorder.record(1, [paddle.to_tensor(0.0)], 1e-3, recorder.grads())  # no step taken (no bf16 matmul on a CPU)
-    found["bf16 without masters: meta.json"] = json.loads((out / "bf16" / "meta.json").read_text())
+    found["bf16 without masters: meta.json"] = recorded_once(out / "bf16", bf16, adamw(bf16))  # recorded, and said
+    undecayed = fresh_model(m, "float32")
+    for p in undecayed.parameters():  # the runner's not_1d for Momentum (harness/optimizers/sgd.py)
+        p.regularizer = paddle.regularizer.L2Decay(0.0) if len(p.shape) <= 1 else None
+    found["Momentum, 1-D undecayed: meta.json"] = recorded_once(
+        out / "momentum", undecayed, momentum(parameters=undecayed.parameters(), momentum=0.9, weight_decay=0.01))
     return found
+
+
+def recorded_once(folder: Path, model, optimizer) -> dict:
+    """meta.json after one step recorded as the model and optimizer are (no step taken: Paddle has no bf16 matmul on a
+    CPU, and the description is what is looked at)."""
+    recorder = PaddleStepRecorder(folder, model, optimizer, TINY_GLM)
+    recorder.record(1, [paddle.to_tensor(0.0)], 1e-3, recorder.grads())
+    return json.loads((folder / "meta.json").read_text())
 
 
 def ranks(out: Path) -> dict:
