@@ -76,7 +76,7 @@ def test_a_recording_that_fails_stops_with_a_note_and_the_training_goes_on(plain
     assert state(tmp_path) == state(plain)
     written = meta(tmp_path)
     assert written["recording_stopped"]["step"] == 2 and "Not a directory" in written["recording_stopped"]["why"]
-    assert [s["step"] for s in written["capture"]["steps"]] == [1]
+    assert [s["step"] for s in written["capture"]["steps"]] == [1] and list(written["zero_grads"]) == ["step 1"]
     assert len(result["warnings"]) == 1 and "recording stopped at step 2" in result["warnings"][0]
 
 

@@ -160,9 +160,9 @@ class PaddleStepRecorder(StepRecorder):
         for quantity in self.carried:
             states.update({f"{quantity}.{name}": value for name, value in self.states.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.states.buffers.items()})
+        self.writer.write(step, scalars, {name: np.require(v, requirements="C") for name, v in states.items()})
         if self.without:
             self.zero_grads[f"step {step}"], self.without = self.without, []
-        self.writer.write(step, scalars, {name: np.require(v, requirements="C") for name, v in states.items()})
         self.steps.append({"step": step, "lr": float(lr)})
         self.write_meta()
 
