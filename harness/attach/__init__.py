@@ -10,7 +10,8 @@ side imports it. ``compare-runs`` reads what it writes (``harness.compare.captur
 - ``hf.py``: ``StepRecorderCallback``, an HF ``transformers.TrainerCallback`` (the HF ``Trainer``, hence ms-swift's),
   and ``attach(trainer, folder)``.
 - ``paddle.py``: ``PaddleStepRecorder``, for a Paddle dygraph loop over a PaddleFormers model (paddle_model's readers);
-  ``paddleformers.py``: its PaddleFormers ``TrainerCallback`` and ``attach(trainer, folder)``.
+  ``paddleformers.py``: its PaddleFormers ``TrainerCallback`` and ``attach(trainer, folder)``;
+  ``paddle_optimizer.py``: what a Paddle optimizer does beyond its record (refused when the recorder is built).
 - ``megatron.py``: ``MegatronStepRecorder``, the one call after ``optimizer.step()`` in a Megatron-Core loop
   (megatron_model's readers: ``MegatronStates``, ``step_outputs``).
 """

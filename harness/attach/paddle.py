@@ -7,12 +7,22 @@ accumulators the optimizer's record names) on the user's model and optimizer; wh
 the runner's (``Trainer.step``'s scalars, ``_at``, ``_save``). The loop calls ``grads()`` where its gradients are
 whole and scaled as the optimizer takes them (before ``optimizer.step()``, which clips inside), then ``record(...)``
 after it.
+
+It changes nothing in the loop (issue 40): a parameter without a gradient is written as the zeros Paddle would start
+from, its ``grad`` left None (meta.json's ``zero_grads`` names it per step, as the runner's); an error while recording
+stops the recording, not the training (meta.json's ``recording_stopped``, one warning). What it cannot describe is
+refused when it is built (``AttachError``): a trained parameter no name-map rule reads, an optimizer setting its
+record lacks (``harness.attach.paddle_optimizer``), several ranks (one rank's loop is what is tested).
 """
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
 import numpy as np
 
+from harness.attach import paddle_optimizer
 from harness.attach.torch import AttachError, StepRecorder
 from harness.capture.paddle import to_host
 from harness.case.ops import carried_quantities, train_buffer_names, train_state_names
@@ -20,6 +30,8 @@ from harness.families.names import NameMap
 from harness.runners.paddle.model import paddle
 from harness.runners.paddle.train import Trainer as RunnerTrainer
 from harness.runners.paddle.train import _at, _save, global_losses
+
+LOG = logging.getLogger(__name__)
 
 
 class PaddleStates:
@@ -29,10 +41,21 @@ class PaddleStates:
     host = RunnerTrainer.host
     one = RunnerTrainer.one
     canonical = RunnerTrainer.canonical
+    without_gradient = RunnerTrainer.without_gradient
 
     def __init__(self, model, optimizer, m, name_map, record):
         self.params, self.optimizer = dict(model.named_parameters()), optimizer
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
+        read = {source for rule in self.rules.values() for source in rule.sources}
+        if read - set(self.params):
+            raise AttachError(f"the family's [paddle.grads] name map reads {sorted(read - set(self.params))[0]}, "
+                              f"which the model has not ({len(read - set(self.params))} such): is it the family's "
+                              "PaddleFormers model (not wrapped, e.g. in paddle.DataParallel)?")
+        names = {id(param): name for name, param in self.params.items()}
+        unread = [names.get(id(p), p.name) for p in _trained(optimizer) if names.get(id(p)) not in read]
+        if unread:
+            raise AttachError(f"trained parameter {unread[0]} ({len(unread)} such) is read by no rule of the family's "
+                              "[paddle.grads] name map: its state would never be recorded or compared")
         self.accumulators = record.paddle_accumulators
         wanted = {name for name, _ in train_buffer_names(m)}  # as the runner: Paddle buffer -> canonical by checkpoint
         self.buffers = {name_map.rule("checkpoint", paddle_name).sources[0]: buffer
@@ -51,14 +74,28 @@ class PaddleStepRecorder(StepRecorder):
     def __init__(self, folder, model, optimizer, model_config: dict, *, steps_kept="all", stated: dict | None = None,
                  runner: str = "paddle_loop", implementation: str = "", knobs: dict | None = None,
                  adapters: list | None = None, versions: dict | None = None):
+        rank, world = self._rank_and_world()
+        if world > 1:
+            raise AttachError(f"PaddleStepRecorder on {world} ranks (this is rank {rank}): it records a one-rank "
+                              "loop only (several ranks are not built: docs/attach.md)")
         self.model, self.optimizer, self.masters = model, optimizer, {}
         self.device_type = "cpu" if paddle.get_device() == "cpu" else "gpu"
         first = next(iter(model.parameters()))
         self._common(folder, model_config, type(optimizer), str(first.dtype).removeprefix("paddle."), steps_kept,
                      stated, runner, implementation, knobs, adapters, versions)
+        trained = _trained(optimizer)
+        refused = paddle_optimizer.refusals(optimizer, trained, self.stated)
+        if refused:
+            raise AttachError(f"{'; '.join(refused)}: the {self.record_of.name} record (harness.optimizers) does not "
+                              "describe it, so the recorded run would be compared as if it had not been")
         self.states = PaddleStates(model, optimizer, self.m, NameMap.load(self.family, "paddle", model=self.m),
                                    self.record_of)
         self.carried = tuple(q for q in carried_quantities(self.record_of) if q != "master")
+        low = paddle_optimizer.low_precision(trained)
+        self.no_masters = (f"{len(low)} {paddle_optimizer.dtype_of(low[0])} parameters updated in place, without "
+                           "fp32 masters (multi_precision off)") if low else None
+        self.zero_grads: dict[str, list[str]] = {}  # "step k" -> canonical names without a gradient at step k
+        self.without, self.stopped = [], None
 
     def _rank_and_world(self) -> tuple[int, int]:
         if paddle.distributed.is_initialized():
@@ -75,13 +112,40 @@ class PaddleStepRecorder(StepRecorder):
         flags = paddle.get_flags(["FLAGS_use_accuracy_compatible_kernel"])
         return {"framework": "paddle", "device": self.device_type, "paddle_flags": flags}
 
+    @contextmanager
+    def recording(self, step: int):
+        """Where the recorder works in the user's loop: an error stops the recording (meta.json says at which step and
+        why, one warning is logged), never the training."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - any failure of the recorder's, whatever it is, is its own
+            self.stopped = {"step": step, "why": f"{type(error).__name__}: {error}"}
+            LOG.warning("harness recorder: recording stopped at step %d (%s); the training goes on, %s/meta.json "
+                        "says so", step, self.stopped["why"], self.folder)
+            try:
+                self.write_meta()
+            except Exception as also:  # noqa: BLE001 - the meta cannot be written either: the warning is all there is
+                LOG.warning("harness recorder: meta.json not written: %s", also)
+
     def grads(self) -> dict[str, np.ndarray]:
-        """The gradients the optimizer is about to consume (canonical host copies): before ``optimizer.step()``."""
-        return {f"grad.{name}": value.copy() for name, value in self.states.canonical("grad").items()}
+        """The gradients the optimizer is about to consume (canonical host copies): before ``optimizer.step()``.
+        A gradient Paddle has not made (``param.grad`` None) is read as zeros and left None."""
+        if self.stopped:
+            return {}
+        with self.recording(len(self.steps) + 1):
+            self.without = self.states.without_gradient()
+            return {f"grad.{name}": value.copy() for name, value in self.states.canonical("grad").items()}
+        return {}
 
     def record(self, step: int, losses, lr: float, grads: dict, grad_norm=None, clip_coeff=None) -> None:
         """Step `step`'s file, after ``optimizer.step()``: `losses` each micro-batch's share of the step's loss,
         `lr` the lr the step used, `grads` from ``grads()``, `grad_norm` / `clip_coeff` what the clip computed."""
+        if self.stopped:
+            return
+        with self.recording(step):
+            self._record(step, losses, lr, grads, grad_norm, clip_coeff)
+
+    def _record(self, step: int, losses, lr: float, grads: dict, grad_norm, clip_coeff) -> None:
         losses = self._check(step, losses)
         float64 = self.dtype == "float64"
         wide = np.float64 if float64 else np.float32
@@ -97,22 +161,27 @@ class PaddleStepRecorder(StepRecorder):
             states.update({f"{quantity}.{name}": value for name, value in self.states.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.states.buffers.items()})
         self.writer.write(step, scalars, {name: np.require(v, requirements="C") for name, v in states.items()})
+        if self.without:
+            self.zero_grads[f"step {step}"], self.without = self.without, []
         self.steps.append({"step": step, "lr": float(lr)})
         self.write_meta()
 
+    def _meta_notes(self) -> dict:
+        notes = {"zero_grads": self.zero_grads}
+        if self.stopped:
+            notes["recording_stopped"] = self.stopped
+        if self.no_masters:
+            notes["no_masters"] = self.no_masters
+        return notes
+
     def _optimizer_fields(self) -> dict:
         optimizer, params = self.optimizer, list(self.states.params.values())
-        decide = getattr(optimizer, "_apply_decay_param_fun", None)
-        if decide is None:
-            shown = "all"
-        else:
-            exempt = {p.name for p in params if not decide(p.name)}
-            shown = "not_1d" if exempt == {p.name for p in params if len(p.shape) <= 1} else "default"
-        decay = optimizer._weight_decay
+        exempt = {p.name for p in params if paddle_optimizer.undecayed(optimizer, p)}
+        shown = ("all" if not exempt else
+                 "not_1d" if exempt == {p.name for p in params if len(p.shape) <= 1} else "default")
         lr = optimizer._learning_rate
         base = float(getattr(lr, "base_lr", lr)) if not isinstance(lr, (int, float)) else float(lr)
-        fields = {"lr": base, "weight_decay": float(getattr(decay, "_coeff", decay) or 0.0),
-                  "weight_decay_params": shown}
+        fields = {"lr": base, "weight_decay": paddle_optimizer.weight_decay(optimizer), "weight_decay_params": shown}
         if self.record_of.name == "adamw":
             return {**fields, "betas": [float(optimizer._beta1), float(optimizer._beta2)],
                     "eps": float(optimizer._epsilon), "torch_adamw": "default"}
@@ -120,3 +189,11 @@ class PaddleStepRecorder(StepRecorder):
 
     def _has_masters(self) -> bool:
         return False
+
+
+def _trained(optimizer) -> list:
+    """The parameters `optimizer` updates (its parameter list, or its param groups' ``params``), but frozen ones."""
+    params = []
+    for entry in optimizer._parameter_list or []:
+        params += entry["params"] if isinstance(entry, dict) else [entry]
+    return [p for p in params if not p.stop_gradient]

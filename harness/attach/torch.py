@@ -149,6 +149,10 @@ class StepRecorder:
     def _has_masters(self) -> bool:
         return bool(self.masters)
 
+    def _meta_notes(self) -> dict:
+        """What a recorder adds to meta.json beside a runner's keys (the Paddle recorder's; none here)."""
+        return {}
+
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied: call after the last micro-batch's
         backward, before clipping (it scales them in place)."""
@@ -238,7 +242,7 @@ class StepRecorder:
                 else sorted(self.kept_setting),
                 "state_locations": state_locations(self.family, self.stack, self.record_of,
                                                    step_quantities(self.record_of)),
-                **provenance,
+                **provenance, **self._meta_notes(),
                 CAPTURE: {"dtype": self.dtype, "device": provenance["device"], "tokens": None,
                           "config": {"model": self.m.to_dict(), "train": self.describe()},
                           "steps": self.steps}}

@@ -157,19 +157,26 @@ def build_model(m, dtype: str, checkpoint_files: list[str]):
     from harness.runners.paddle.common import load_checkpoint
 
     m = model_config(m)
+    checkpoint = load_checkpoint(checkpoint_files)
+    model = fresh_model(m, dtype)  # its initial weights are all overwritten from the checkpoint
+    name_map = NameMap.load(m.family, "paddle", model=m)
+    buffers = {name for name, _ in family_of(m.family).buffers(m)}
+    return model, checkpoint, name_map, _load_weights(model, checkpoint, name_map, buffers)
+
+
+def fresh_model(m, dtype: str):
+    """The family's PaddleFormers model with its KNOBS, in train mode (dropout is 0: what a training step computes),
+    its weights as construction draws them after ``paddle.seed(0)``. `m`: typed config.model."""
     paddle_family = builder(m)
     config_class, model_class = paddle_family.classes()
-    checkpoint = load_checkpoint(checkpoint_files)
     config = config_class(**paddle_family.config_kwargs(m))
     for knob, (value, _) in paddle_family.KNOBS.items():
         setattr(config, knob, value)
     paddle.set_default_dtype(dtype)
-    paddle.seed(0)  # construction draws initial weights; all of them are overwritten from the checkpoint
+    paddle.seed(0)
     model = model_class(config)
-    model.train()  # the training path (dropout is 0): what a training step computes
-    name_map = NameMap.load(m.family, "paddle", model=m)
-    buffers = {name for name, _ in family_of(m.family).buffers(m)}
-    return model, checkpoint, name_map, _load_weights(model, checkpoint, name_map, buffers)
+    model.train()
+    return model
 
 
 def _fold_experts(names: dict[str, str]) -> dict[str, str]:
