@@ -232,3 +232,16 @@ def test_a_run_path_that_does_not_exist_is_an_error_naming_it(compared, tmp_path
     assert main(["compare-runs", str(missing), str(tmp_path / "no-such-log"), "--reports", str(tmp_path)]) == 2
     result, _ = compare_runs(missing, tmp_path / "no-such-log", reports_dir=tmp_path)
     assert result.message.startswith(f"run A: {missing} does not exist"), result.message
+
+
+def test_a_builtin_runs_default_weight_decay_reads_as_its_stacks_own_choice(compared, tmp_path):
+    """Megatron-Core's "default" leaves the 1-D parameters undecayed: a capture saying "not_1d" was trained alike, one
+    saying "all" was not."""
+    _, folders, _ = compared
+    alike = recorded(folders["a"], tmp_path / "not_1d", weight_decay_params="not_1d")
+    result, _ = compare_runs(folders["a"], alike, reports_dir=tmp_path)
+    assert result.verdict == "BITWISE_PASS", result.message
+    assert "weight_decay_params: 'default' in run A, 'not_1d' in run B (the same parameters decay" in result.message
+    other = recorded(folders["a"], tmp_path / "all", weight_decay_params="all")
+    result, _ = compare_runs(folders["a"], other, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and "weight_decay_params: 'default' in run A, 'all' in run B" in result.message

@@ -185,6 +185,9 @@ NOTED = {
 }
 STACK_FIELD = "one stack's implementation choice of the same update (an optimizer's stack field)"
 NOT_FOR_TRUTH = ("master_weights",)  # the truth is float64: no masters, whatever the runs' dtype
+# weight_decay_params "default" is each stack's own choice (harness.case.train_settings.WEIGHT_DECAY_PARAMS), by the
+# framework a built-in runner's meta.json names: Megatron-Core exempts the 1-D parameters (norms, biases)
+DEFAULT_DECAY = {"megatron-core": "not_1d", "pytorch": "all", "paddle": "all"}
 
 
 def comparison_case(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None = None,
@@ -233,6 +236,10 @@ def differences(a: CapturedRun, b: CapturedRun, fields_aside=()) -> tuple[list[s
     settings = [_settings(run.train) for run in (a, b)]
     stack_fields = {*a.train.record.stack_fields, *b.train.record.stack_fields}
     both_constant = {a.train.decay_style, b.train.decay_style} == {"constant"}
+    decayed = [decayed_params(run) for run in (a, b)]
+    if settings[0]["weight_decay_params"] == settings[1]["weight_decay_params"] and decayed[0] != decayed[1]:
+        notes.append(f"weight_decay_params: {settings[0]['weight_decay_params']!r} in both runs, each stack's own "
+                     f"choice: {decayed[0]!r} in run A, {decayed[1]!r} in run B (as compare runs them)")
     for key in [*settings[0], *(k for k in settings[1] if k not in settings[0])]:
         if key == "steps" or key in fields_aside or settings[0].get(key) == settings[1].get(key):
             continue
@@ -241,9 +248,21 @@ def differences(a: CapturedRun, b: CapturedRun, fields_aside=()) -> tuple[list[s
             notes.append(f"{text} ({NOTED.get(key, STACK_FIELD)})")
         elif key == "decay_steps" and both_constant:
             notes.append(f"{text} (no effect: both schedules are constant)")
+        elif key == "weight_decay_params" and decayed[0] == decayed[1]:
+            notes.append(f"{text} (the same parameters decay: {decayed[0]!r}, a built-in runner's 'default' read as "
+                         "its stack's own choice)")
         else:
             errors.append(text)
     return errors, notes
+
+
+def decayed_params(run: CapturedRun) -> str:
+    """Which parameters the run decays: its weight_decay_params, where a built-in runner's request says "default"
+    the choice of that runner's stack (``DEFAULT_DECAY``); a recorder's "default" (neither choice) stays."""
+    value = run.train.weight_decay_params
+    if value == "default" and run.source.name == REQUEST:
+        return DEFAULT_DECAY.get(run.meta.get("framework"), value)
+    return value
 
 
 def _settings(train: TrainSettings) -> dict:
