@@ -123,8 +123,10 @@ def test_a_folder_without_a_description_is_an_error_naming_it(compared, tmp_path
 
 
 def recorded(source, folder, *, step_files=None, model=None, **train):
-    """A copy of a real run described as a recorder describes its own (meta.json's capture entry, no request.json),
-    with `train` fields and `model` keys changed and only the first `step_files` step files left."""
+    """A copy of a real run described as a recorder describes its own (meta.json's capture entry, no request.json;
+    the parameters weight decay applies to as a recorder reads them), with `train` fields and `model` keys changed
+    and only the first `step_files` step files left."""
+    train = {"weight_decay_params": captured_runs.decayed_params(captured_runs.read(source)), **train}
     shutil.copytree(source, folder)
     request = json.loads((folder / "request.json").read_text())
     (folder / "request.json").unlink()
@@ -218,7 +220,7 @@ def test_a_steps_kept_difference_is_a_note_and_the_verdict_stays(compared, tmp_p
 def test_a_truth_of_other_training_settings_is_an_error_naming_the_field(compared, tmp_path):
     _, folders, _ = compared
     truth = recorded(folders["oracle"], tmp_path / "truth", lr=0.1)
-    result, _ = compare_runs(folders["a"], folders["b"], truth=truth, reports_dir=tmp_path)
+    result, _ = compare_runs(folders["b"], folders["b"], truth=truth, reports_dir=tmp_path)
     assert result.verdict == "ERROR" and result.exit_code == 2, result.message
     assert f"truth run {truth} was not trained as the runs were: lr: 0.001 in run A, 0.1 in the truth" \
         in result.message, result.message
@@ -241,7 +243,9 @@ def test_a_builtin_runs_default_weight_decay_reads_as_its_stacks_own_choice(comp
     alike = recorded(folders["a"], tmp_path / "not_1d", weight_decay_params="not_1d")
     result, _ = compare_runs(folders["a"], alike, reports_dir=tmp_path)
     assert result.verdict == "BITWISE_PASS", result.message
-    assert "weight_decay_params: 'default' in run A, 'not_1d' in run B (the same parameters decay" in result.message
+    assert "weight_decay_params: 'default' (megatron-core's own: 'not_1d') in run A, 'not_1d' in run B: the same " \
+        "parameters decay" in result.message, result.message
     other = recorded(folders["a"], tmp_path / "all", weight_decay_params="all")
     result, _ = compare_runs(folders["a"], other, reports_dir=tmp_path)
-    assert result.verdict == "ERROR" and "weight_decay_params: 'default' in run A, 'all' in run B" in result.message
+    assert result.verdict == "ERROR" and "weight_decay_params: 'default' (megatron-core's own: 'not_1d') in run A, " \
+        "'all' in run B" in result.message, result.message

@@ -228,32 +228,44 @@ def comparison_case(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None = 
 def differences(a: CapturedRun, b: CapturedRun, fields_aside=()) -> tuple[list[str], list[str]]:
     """(the differences that make a comparison meaningless, those only listed): each "field: A's value in run A, B's
     in run B", the model's config (``config.model``) and every training setting but the number of steps."""
-    errors, notes = [], []
     models = [model_config(run.model).to_dict() for run in (a, b)]
-    for key in [*models[0], *(k for k in models[1] if k not in models[0])]:
-        if models[0].get(key) != models[1].get(key):
-            errors.append(f"config.model.{key}: {_value(models[0], key)} in run A, {_value(models[1], key)} in run B")
+    errors = [f"config.model.{key}: {_value(models[0], key)} in run A, {_value(models[1], key)} in run B"
+              for key in [*models[0], *(k for k in models[1] if k not in models[0])]
+              if models[0].get(key) != models[1].get(key)]
+    decay_errors, notes = _decay(a, b)
+    errors += decay_errors
     settings = [_settings(run.train) for run in (a, b)]
     stack_fields = {*a.train.record.stack_fields, *b.train.record.stack_fields}
     both_constant = {a.train.decay_style, b.train.decay_style} == {"constant"}
-    decayed = [decayed_params(run) for run in (a, b)]
-    if settings[0]["weight_decay_params"] == settings[1]["weight_decay_params"] and decayed[0] != decayed[1]:
-        notes.append(f"weight_decay_params: {settings[0]['weight_decay_params']!r} in both runs, each stack's own "
-                     f"choice: {decayed[0]!r} in run A, {decayed[1]!r} in run B (as compare runs them)")
     for key in [*settings[0], *(k for k in settings[1] if k not in settings[0])]:
-        if key == "steps" or key in fields_aside or settings[0].get(key) == settings[1].get(key):
+        if key in ("steps", "weight_decay_params", *fields_aside) or settings[0].get(key) == settings[1].get(key):
             continue
         text = f"{key}: {_value(settings[0], key)} in run A, {_value(settings[1], key)} in run B"
         if key in NOTED or key in stack_fields:
             notes.append(f"{text} ({NOTED.get(key, STACK_FIELD)})")
         elif key == "decay_steps" and both_constant:
             notes.append(f"{text} (no effect: both schedules are constant)")
-        elif key == "weight_decay_params" and decayed[0] == decayed[1]:
-            notes.append(f"{text} (the same parameters decay: {decayed[0]!r}, a built-in runner's 'default' read as "
-                         "its stack's own choice)")
         else:
             errors.append(text)
     return errors, notes
+
+
+def _decay(a: CapturedRun, b: CapturedRun) -> tuple[list[str], list[str]]:
+    """([error], [note]) on which parameters each run decays, where they differ in name or in fact: a note where the
+    same parameters decay, or where two built-in runs say "default" (each stack's own choice, as compare runs
+    them); else an error."""
+    named = [run.train.weight_decay_params for run in (a, b)]
+    decayed = [decayed_params(run) for run in (a, b)]
+    if named[0] == named[1] and decayed[0] == decayed[1]:
+        return [], []
+    shown = [f"{name!r}" + (f" ({run.meta.get('framework')}'s own: {held!r})" if held != name else "")
+             for name, held, run in zip(named, decayed, (a, b), strict=True)]
+    text = f"weight_decay_params: {shown[0]} in run A, {shown[1]} in run B"
+    if decayed[0] == decayed[1]:
+        return [], [f"{text}: the same parameters decay"]
+    if named == ["default", "default"] and "default" not in decayed:
+        return [], [f"{text}: each stack's own choice, as compare runs them"]
+    return [text], []
 
 
 def decayed_params(run: CapturedRun) -> str:
