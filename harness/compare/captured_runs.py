@@ -1,6 +1,8 @@
 """Two training runs captured outside a comparison (``python -m harness compare-runs RUN_A RUN_B``, docs/attach.md):
 what each folder holds, the case the training level compares them as, and the checks that make a comparison of two
-unrelated runs an error naming the tensor instead of a table of differences.
+unrelated runs an error naming the tensor or the setting instead of a table of differences. It fails closed: a run
+that stopped early, a description that disagrees with its step files, another model or other training settings are
+ERROR, never a shorter or a quieter comparison.
 
 A run is a step folder: ``steps/step{k:05d}.safetensors`` (``harness.run.steps``) and ``meta.json``, as a built-in
 training runner writes it (its ``request.json`` beside them says the model, dtype and training settings) or as a
@@ -31,8 +33,6 @@ REQUEST = "request.json"  # a built-in runner's request, beside its step files
 CAPTURE = steps.CAPTURE  # meta.json's entry a recorder writes: the request's fields for a run no request started
 DESCRIBED = ("dtype", "config")  # what a run's description must hold (config: {"model", "train"})
 SCALARS = ("grad_norm", "clip_coeff")  # written by one stack and not another (clipping off): never a layout error
-
-
 STEP_FILE = re.compile(r"step(\d+)(?:\.rank\d+)?\.safetensors")  # harness.run.steps.step_file's names
 
 
