@@ -6,11 +6,17 @@ harness/compare/captured_runs.py): two runs captured before, compared as the tra
   the compare's own report.
 - A run against itself is BITWISE_PASS (exit 0); a folder whose step files are not what its description says, and
   two runs of different families, are ERROR naming the tensor (exit 2).
+- compare-runs fails closed (issue 40): runs of different lengths, a description that disagrees with its step files,
+  two runs (or a truth) of other training settings or another model, and a path that does not exist are ERROR naming
+  them; ``--steps N`` compares a prefix only when asked; a difference that does not change the update (the steps
+  kept) is a note. These runs are the real side folders, copied and described as a recorder describes its run
+  (meta.json's capture entry), the description edited: harness logic over real step files.
 """
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from harness.case.train_settings import TrainSettings
@@ -18,6 +24,7 @@ from harness.cli import main
 from harness.commands.compare_runs import compare_runs
 from harness.compare import captured_runs
 from harness.report.train_section import step_rows
+from harness.run.steps import StepWriter, step_file
 from tests.support.cases import write_cases
 from tests.support.train import run_train_case, tiny_train_case
 
@@ -113,3 +120,132 @@ def test_a_folder_without_a_description_is_an_error_naming_it(compared, tmp_path
     (bare / "request.json").unlink()
     result, _ = compare_runs(folders["a"], bare, reports_dir=tmp_path)
     assert result.verdict == "ERROR" and "request.json" in result.message and "capture" in result.message
+
+
+def recorded(source, folder, *, step_files=None, model=None, **train):
+    """A copy of a real run described as a recorder describes its own (meta.json's capture entry, no request.json;
+    the parameters weight decay applies to as a recorder reads them), with `train` fields and `model` keys changed
+    and only the first `step_files` step files left."""
+    train = {"weight_decay_params": captured_runs.decayed_params(captured_runs.read(source)), **train}
+    shutil.copytree(source, folder)
+    request = json.loads((folder / "request.json").read_text())
+    (folder / "request.json").unlink()
+    config = {"model": {**request["config"]["model"], **(model or {})},
+              "train": {**request["config"]["train"], **train}}
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["capture"] = {"dtype": request["dtype"], "device": "cpu", "tokens": request["tokens"], "config": config}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    for path in (folder / "steps").iterdir():
+        if step_files is not None and int(path.name[4:9]) > step_files:
+            path.unlink()
+    return folder
+
+
+def digests_only(folder, kept):
+    """Rewrites the steps not in `kept` as a run keeping only `kept` writes them: the runners' StepWriter (scalars,
+    one digest per state tensor), from the step's real tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    writer = StepWriter(folder, kept, lambda tensors, path, metadata: save_file(tensors, path, metadata),
+                        lambda array: np.ascontiguousarray(array).view(np.uint8))
+    for step in range(1, 3):
+        if step not in kept:
+            tensors = {name.split(".", 1)[1]: t for name, t in load_file(step_file(folder, step)).items()}
+            writer.write(step, {n: t for n, t in tensors.items() if "." not in n},
+                         {n: t for n, t in tensors.items() if "." in n})
+
+
+@pytest.mark.parametrize("short_first", [False, True], ids=["2-vs-1", "1-vs-2"])
+def test_a_run_that_stopped_early_is_an_error_naming_both_runs(compared, tmp_path, short_first):
+    _, folders, _ = compared
+    short = recorded(folders["b"], tmp_path / "short", step_files=1, steps=1, steps_kept=[1])
+    pair = (short, folders["b"]) if short_first else (folders["b"], short)
+    result, run_dir = compare_runs(*pair, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert f"({short}) ends at step 1" in result.message and f"({folders['b']}) ends at step 2" in result.message
+    assert json.loads((run_dir / "report.json").read_text())["exit_code"] == 2
+
+
+def test_steps_n_compares_the_first_n_steps_of_both(compared, tmp_path):
+    _, folders, _ = compared
+    short = recorded(folders["b"], tmp_path / "short", step_files=1, steps=1, steps_kept=[1])
+    assert main(["compare-runs", str(folders["b"]), str(short), "--steps", "1", "--reports", str(tmp_path)]) == 0
+    result, run_dir = compare_runs(folders["b"], short, steps=1, reports_dir=tmp_path)
+    train = json.loads((run_dir / "report.json").read_text())["train"]
+    assert result.verdict == "BITWISE_PASS" and [s["step"] for s in train["steps"]] == [1], result.message
+    assert "run A has 2 steps: steps 1 to 1 compared (--steps 1), 2 to 2 not" in train["notes"]
+    result, _ = compare_runs(folders["b"], short, steps=2, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and f"--steps 2: run B ({short}) ends at step 1" in result.message
+
+
+def test_a_description_behind_or_ahead_of_its_step_files_is_an_error_naming_the_file(compared, tmp_path):
+    _, folders, _ = compared
+    short = recorded(folders["b"], tmp_path / "short", step_files=1, steps=1, steps_kept=[1])
+    behind = recorded(folders["b"], tmp_path / "behind", steps=1, steps_kept=[1])  # steps/ still holds step 2
+    result, _ = compare_runs(short, behind, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert f"{behind}/steps/step00002.safetensors holds step 2, but {behind}/meta.json field capture describes 1 " \
+           "steps" in result.message, result.message
+    ahead = recorded(folders["b"], tmp_path / "ahead", step_files=1)  # describes 2 steps, holds 1
+    result, _ = compare_runs(folders["b"], ahead, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and f"{ahead}/steps/step00002.safetensors is missing" in result.message
+
+
+def test_runs_of_other_training_settings_are_an_error_listing_each_field(compared, tmp_path):
+    """The lr a recorder reports is its largest group's: an extra group at 100x the lr reads as lr 0.1."""
+    _, folders, _ = compared
+    other = recorded(folders["b"], tmp_path / "other", lr=0.1, betas=[0.9, 0.999])
+    result, _ = compare_runs(folders["b"], other, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert "lr: 0.001 in run A, 0.1 in run B" in result.message, result.message
+    assert "betas: [0.9, 0.95] in run A, [0.9, 0.999] in run B" in result.message, result.message
+    model = recorded(folders["b"], tmp_path / "model", model={"rms_norm_eps": 1e-5})
+    result, _ = compare_runs(folders["b"], model, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and "config.model.rms_norm_eps: 1e-06 in run A, 1e-05 in run B" \
+        in result.message, result.message
+
+
+def test_a_steps_kept_difference_is_a_note_and_the_verdict_stays(compared, tmp_path):
+    _, folders, _ = compared
+    digests = recorded(folders["b"], tmp_path / "digests", steps_kept=[1])
+    digests_only(digests, kept=[1])
+    result, run_dir = compare_runs(folders["b"], digests, reports_dir=tmp_path)
+    notes = json.loads((run_dir / "report.json").read_text())["train"]["notes"]
+    assert result.verdict == "BITWISE_PASS" and result.exit_code == 0, result.message
+    assert any(n.startswith("steps_kept: [1, 2] in run A, [1] in run B") for n in notes), notes
+    assert any(n.startswith("steps 2: state tensors compared by digest") for n in notes), notes
+    assert "steps_kept: [1, 2] in run A" in (run_dir / "report.md").read_text()
+
+
+def test_a_truth_of_other_training_settings_is_an_error_naming_the_field(compared, tmp_path):
+    _, folders, _ = compared
+    truth = recorded(folders["oracle"], tmp_path / "truth", lr=0.1)
+    result, _ = compare_runs(folders["b"], folders["b"], truth=truth, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert f"truth run {truth} was not trained as the runs were: lr: 0.001 in run A, 0.1 in the truth" \
+        in result.message, result.message
+
+
+def test_a_run_path_that_does_not_exist_is_an_error_naming_it(compared, tmp_path):
+    _, folders, _ = compared
+    missing = tmp_path / "no-such-run"
+    result, _ = compare_runs(folders["a"], missing, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and result.message.startswith(f"run B: {missing} does not exist"), result.message
+    assert main(["compare-runs", str(missing), str(tmp_path / "no-such-log"), "--reports", str(tmp_path)]) == 2
+    result, _ = compare_runs(missing, tmp_path / "no-such-log", reports_dir=tmp_path)
+    assert result.message.startswith(f"run A: {missing} does not exist"), result.message
+
+
+def test_a_builtin_runs_default_weight_decay_reads_as_its_stacks_own_choice(compared, tmp_path):
+    """Megatron-Core's "default" leaves the 1-D parameters undecayed: a capture saying "not_1d" was trained alike, one
+    saying "all" was not."""
+    _, folders, _ = compared
+    alike = recorded(folders["a"], tmp_path / "not_1d", weight_decay_params="not_1d")
+    result, _ = compare_runs(folders["a"], alike, reports_dir=tmp_path)
+    assert result.verdict == "BITWISE_PASS", result.message
+    assert "weight_decay_params: 'default' (megatron-core's own: 'not_1d') in run A, 'not_1d' in run B: the same " \
+        "parameters decay" in result.message, result.message
+    other = recorded(folders["a"], tmp_path / "all", weight_decay_params="all")
+    result, _ = compare_runs(folders["a"], other, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and "weight_decay_params: 'default' (megatron-core's own: 'not_1d') in run A, " \
+        "'all' in run B" in result.message, result.message

@@ -30,6 +30,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--truth", type=Path, help="step folders: a float64 run of the same steps (the training "
                                                    "level's truth side's folder); each step says which run is "
                                                    "closer to it")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="step folders: compare steps 1 to N of both runs (default: every step; runs of "
+                             "different lengths are an ERROR)")
     parser.add_argument("--micro-batches", type=int, default=1, metavar="N",
                         help="loss logs: micro-batches per step on each rank (compare_loss.py's -m; default 1)")
     parser.add_argument("--losses-a", default="main", metavar="NAME,NAME",
@@ -41,7 +44,8 @@ def add_parser(commands) -> None:
 
 
 def main(args) -> int:
-    result, run_dir = compare_runs(args.a, args.b, truth=args.truth, micro_batches=args.micro_batches,
+    result, run_dir = compare_runs(args.a, args.b, truth=args.truth, steps=args.steps,
+                                   micro_batches=args.micro_batches,
                                    losses=(_names(args.losses_a), _names(args.losses_b or args.losses_a)),
                                    reports_dir=args.reports)
     report.console(result, run_dir)
@@ -52,23 +56,29 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
-def compare_runs(a: Path, b: Path, *, truth: Path | None = None, micro_batches: int = 1,
+def compare_runs(a: Path, b: Path, *, truth: Path | None = None, steps: int | None = None, micro_batches: int = 1,
                  losses: tuple[tuple[str, ...], tuple[str, ...]] = (("main",), ("main",)),
                  reports_dir: Path = run_folder.REPORTS_DIR) -> tuple[CaseResult, Path]:
     """The report of two captured runs, in a new run folder under `reports_dir`."""
     run_id, run_dir = run_folder.new_run_dir(Path(reports_dir), "compare-runs")
-    inputs = {"a": str(a), "b": str(b), "truth": str(truth) if truth else None}
+    inputs = {"a": str(a), "b": str(b), "truth": str(truth) if truth else None, "steps": steps}
     result = CaseResult(run_id=run_id, case_name=f"compare-runs {Path(a).name} {Path(b).name}", device="files",
                         started_at=run_folder.now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "inputs": inputs})
     try:
+        for label, path in (("run A", a), ("run B", b), ("--truth", truth)):
+            if path is not None and not Path(path).exists():
+                raise captured_runs.RunError(f"{label}: {path} does not exist")
         kinds = [captured_runs.is_step_run(path) for path in (a, b)]
         if all(kinds):
-            _step_runs(result, Path(a), Path(b), Path(truth) if truth else None)
+            _step_runs(result, Path(a), Path(b), Path(truth) if truth else None, steps)
         elif not any(kinds):
             if truth:
                 raise captured_runs.RunError("--truth: loss-only runs have no state to judge against a truth")
+            if steps is not None:
+                raise captured_runs.RunError("--steps: for step folders; loss-only runs are compared record by "
+                                             "record")
             _loss_runs(result, Path(a), Path(b), micro_batches, losses)
         else:
             step, other = (a, b) if kinds[0] else (b, a)
@@ -80,12 +90,12 @@ def compare_runs(a: Path, b: Path, *, truth: Path | None = None, micro_batches: 
     return result, run_dir
 
 
-def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None) -> None:
+def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None, steps: int | None) -> None:
     runs = [captured_runs.read(path) for path in (a, b)]
     reference = captured_runs.read(truth) if truth else None
     for run in runs + ([reference] if reference else []):
         captured_runs.check(run)
-    case, notes = captured_runs.comparison_case(*runs, truth=reference)
+    case, notes = captured_runs.comparison_case(*runs, truth=reference, steps=steps)
     pair = [run.side(label) for label, run in zip("ab", runs, strict=True)]
     for side, run in zip(pair, runs, strict=True):  # several ranks: each rank's state against rank 0's
         agree = captured_runs.ranks(run)
@@ -97,7 +107,19 @@ def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None) -> None
     result.tensors, result.train = train_steps.compare_steps(case, pair, truth_side)
     result.first_divergence = first_divergence(result.tensors)
     result.verdict, result.message = decide(pair, result.tensors)
+    notes += _not_computed(result.train)
+    result.train["notes"] = notes
     result.message += "".join(f"; {note}" for note in notes)
+
+
+def _not_computed(summary: dict) -> list[str]:
+    """A scalar a run did not write (a norm without clipping), named once with the steps it is missing from."""
+    missing: dict[str, list[int]] = {}
+    for step in summary["steps"]:
+        for scalar, value in step["scalars"].items():
+            if value["equal"] is None:
+                missing.setdefault(f"{scalar} {value['note']}", []).append(step["step"])
+    return [f"{what}: not compared (steps {', '.join(map(str, at))})" for what, at in missing.items()]
 
 
 def _loss_runs(result: CaseResult, a: Path, b: Path, micro_batches: int, losses) -> None:

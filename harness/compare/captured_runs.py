@@ -1,6 +1,8 @@
 """Two training runs captured outside a comparison (``python -m harness compare-runs RUN_A RUN_B``, docs/attach.md):
 what each folder holds, the case the training level compares them as, and the checks that make a comparison of two
-unrelated runs an error naming the tensor instead of a table of differences.
+unrelated runs an error naming the tensor or the setting instead of a table of differences. It fails closed: a run
+that stopped early, a description that disagrees with its step files, another model or other training settings are
+ERROR, never a shorter or a quieter comparison.
 
 A run is a step folder: ``steps/step{k:05d}.safetensors`` (``harness.run.steps``) and ``meta.json``, as a built-in
 training runner writes it (its ``request.json`` beside them says the model, dtype and training settings) or as a
@@ -12,6 +14,7 @@ recorder in the user's own loop writes it (``harness.attach``: the same step fil
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
@@ -30,6 +33,7 @@ REQUEST = "request.json"  # a built-in runner's request, beside its step files
 CAPTURE = steps.CAPTURE  # meta.json's entry a recorder writes: the request's fields for a run no request started
 DESCRIBED = ("dtype", "config")  # what a run's description must hold (config: {"model", "train"})
 SCALARS = ("grad_norm", "clip_coeff")  # written by one stack and not another (clipping off): never a layout error
+STEP_FILE = re.compile(r"step(\d+)(?:\.rank\d+)?\.safetensors")  # harness.run.steps.step_file's names
 
 
 class RunError(DumpError):
@@ -123,10 +127,24 @@ def as_case(run: CapturedRun, name: str = "", train: TrainSettings | None = None
 
 def check(run: CapturedRun) -> None:
     """Every step file the run's description promises, every kept tensor and every digest, in its dtype and shape
-    (``harness.run.steps.validate``); RunError naming the file and tensor."""
+    (``harness.run.steps.validate``), and no step file beyond them (a description behind its steps: a recorder
+    stopped between the two); RunError naming the file and tensor."""
     problem = steps.validate(run.folder, as_case(run))
     if problem:
         raise RunError(problem)
+    beyond = sorted((number, path) for path in (run.folder / steps.STEPS_DIR).iterdir()
+                    if (number := _step_number(path.name)) is not None and number > run.train.steps)
+    if beyond:
+        number, path = beyond[0]
+        described = f"{run.source}" + (f" field {CAPTURE}" if run.source.name == META else "")
+        raise RunError(f"{path} holds step {number}, but {described} describes {run.train.steps} steps: the "
+                       "description and the step files disagree")
+
+
+def _step_number(name: str) -> int | None:
+    """step00007.safetensors, step00007.rank1.safetensors -> 7; any other name -> None."""
+    match = STEP_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def ranks(run: CapturedRun) -> dict | None:
@@ -152,12 +170,33 @@ def layouts(run: CapturedRun, train: TrainSettings) -> dict[str, tuple[str, tupl
             for spec in train_step_outputs(m, train, 1) if spec.name.split(".", 1)[1] not in SCALARS}
 
 
-def comparison_case(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None = None) -> tuple[Case, list[str]]:
+# What a difference between the two runs' training settings (TrainSettings' fields) means (docs/attach.md). A field
+# named here is listed in the report and changes nothing else; every other field changes the update (the optimizer
+# and its own settings, lr, min_lr, weight decay and which parameters it applies to, clipping, the schedule, masters,
+# micro-batches, the routing bias update): a difference in it is an ERROR, the bits of such runs say nothing of the
+# frameworks. `steps` has its own rule (runs of different lengths: ERROR, or --steps N).
+NOTED = {
+    "steps_kept": "which steps keep their tensors (the others are compared by digest)",
+    "dp": "data-parallel ranks over the same global batch (what training-ranks.md compares)",
+    "ep": "expert-parallel ranks among them",
+    "distributed_optimizer": "where the optimizer's state lives, not its update",
+    "flip": "a negative control's planted bit",
+    "bare": "bench_speed's unobserved run",
+}
+STACK_FIELD = "one stack's implementation choice of the same update (an optimizer's stack field)"
+NOT_FOR_TRUTH = ("master_weights",)  # the truth is float64: no masters, whatever the runs' dtype
+# weight_decay_params "default" is each stack's own choice (harness.case.train_settings.WEIGHT_DECAY_PARAMS), by the
+# framework a built-in runner's meta.json names: Megatron-Core exempts the 1-D parameters (norms, biases)
+DEFAULT_DECAY = {"megatron-core": "not_1d", "pytorch": "all", "paddle": "all"}
+
+
+def comparison_case(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None = None,
+                    steps: int | None = None) -> tuple[Case, list[str]]:
     """(the case both runs are compared as, notes for the report). Both must hold the same tensors in the same
-    dtypes and shapes (same family, widths, micro-batches, optimizer state, masters); RunError naming the first
-    tensor that differs otherwise. The steps both have are compared; kept steps are those both kept; a clip factor
-    only where both clipped at the same norm."""
-    notes = []
+    dtypes and shapes (RunError naming the first tensor that differs otherwise), be of the same model and training
+    settings (RunError listing every field that changes the update, with both values; ``NOTED``'s are notes), and
+    have the same number of steps unless `steps` (--steps N) asks for steps 1..N of both. A truth run must hold the
+    same tensors and settings (its dtype and masters aside) and at least as many steps."""
     mine, theirs = layouts(a, a.train), layouts(b, b.train)
     for name in [*mine, *(n for n in theirs if n not in mine)]:
         if mine.get(name) != theirs.get(name):
@@ -165,26 +204,126 @@ def comparison_case(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None = 
             raise RunError(f"runs {a.folder} and {b.folder} do not hold the same state{families}: tensor "
                            f"{name!r} is {_layout(mine.get(name))} in run A (as {a.source} describes it) and "
                            f"{_layout(theirs.get(name))} in run B (as {b.source} describes it)")
-    count = min(a.train.steps, b.train.steps)
-    if a.train.steps != b.train.steps:
-        notes.append(f"run A has {a.train.steps} steps, run B {b.train.steps}: steps 1 to {count} compared")
+    count = compared_steps(a, b, steps)
+    errors, notes = differences(a, b)
+    if errors:
+        raise RunError(f"runs {a.folder} and {b.folder} were not trained alike, so their bits say nothing of the "
+                       f"frameworks: {'; '.join(errors)} (as {a.source} and {b.source} describe them)")
+    notes += [f"run {label} has {run.train.steps} steps: steps 1 to {count} compared (--steps {count}), "
+              f"{count + 1} to {run.train.steps} not" for label, run in (("A", a), ("B", b)) if run.train.steps > count]
     kept = tuple(s for s in a.train.steps_kept if s in b.train.steps_kept and s <= count)
-    clip = a.train.clip_grad if a.train.clip_grad == b.train.clip_grad else 0.0
-    if a.train.clip_grad != b.train.clip_grad:
-        notes.append(f"run A clips the gradients' global norm at {a.train.clip_grad or 'off'}, run B at "
-                     f"{b.train.clip_grad or 'off'}: clip factors not compared")
-    train = replace(a.train, steps=count, steps_kept=kept, clip_grad=clip, flip=None)
+    digested = [s for s in range(1, count + 1) if s not in kept]
+    if digested:
+        notes.append(f"steps {', '.join(map(str, digested))}: state tensors compared by digest (equal or not, no "
+                     f"distances): run A keeps steps {_kept(a, count)}, run B {_kept(b, count)}")
+    if not a.train.clip_grad:
+        notes.append("clip factors not compared: neither run clips (clip_grad 0)")
     if truth is not None:
-        expected = {n: layout for n, layout in layouts(truth, truth.train).items()}
-        for name, (_, shape) in mine.items():
-            held = expected.get(name.replace(".master.", ".param.", 1))
-            if held is None or held[1] != shape:
-                raise RunError(f"truth run {truth.folder} does not hold {name!r} as {list(shape)} (as "
-                               f"{truth.source} describes it: {_layout(held)})")
-        if truth.train.steps < count:
-            raise RunError(f"truth run {truth.folder} has {truth.train.steps} steps; the runs compare {count}")
+        check_truth(truth, a, mine, count)
+    train = replace(a.train, steps=count, steps_kept=kept, flip=None)
     case = as_case(a, f"{a.folder.name} vs {b.folder.name}", train, (a.runner, b.runner))
     return case, notes
+
+
+def differences(a: CapturedRun, b: CapturedRun, fields_aside=()) -> tuple[list[str], list[str]]:
+    """(the differences that make a comparison meaningless, those only listed): each "field: A's value in run A, B's
+    in run B", the model's config (``config.model``) and every training setting but the number of steps."""
+    models = [model_config(run.model).to_dict() for run in (a, b)]
+    errors = [f"config.model.{key}: {_value(models[0], key)} in run A, {_value(models[1], key)} in run B"
+              for key in [*models[0], *(k for k in models[1] if k not in models[0])]
+              if models[0].get(key) != models[1].get(key)]
+    decay_errors, notes = _decay(a, b)
+    errors += decay_errors
+    settings = [_settings(run.train) for run in (a, b)]
+    stack_fields = {*a.train.record.stack_fields, *b.train.record.stack_fields}
+    both_constant = {a.train.decay_style, b.train.decay_style} == {"constant"}
+    for key in [*settings[0], *(k for k in settings[1] if k not in settings[0])]:
+        if key in ("steps", "weight_decay_params", *fields_aside) or settings[0].get(key) == settings[1].get(key):
+            continue
+        text = f"{key}: {_value(settings[0], key)} in run A, {_value(settings[1], key)} in run B"
+        if key in NOTED or key in stack_fields:
+            notes.append(f"{text} ({NOTED.get(key, STACK_FIELD)})")
+        elif key == "decay_steps" and both_constant:
+            notes.append(f"{text} (no effect: both schedules are constant)")
+        else:
+            errors.append(text)
+    return errors, notes
+
+
+def _decay(a: CapturedRun, b: CapturedRun) -> tuple[list[str], list[str]]:
+    """([error], [note]) on which parameters each run decays, where they differ in name or in fact: a note where the
+    same parameters decay, or where two built-in runs say "default" (each stack's own choice, as compare runs
+    them); else an error."""
+    named = [run.train.weight_decay_params for run in (a, b)]
+    decayed = [decayed_params(run) for run in (a, b)]
+    if named[0] == named[1] and decayed[0] == decayed[1]:
+        return [], []
+    shown = [f"{name!r}" + (f" ({run.meta.get('framework')}'s own: {held!r})" if held != name else "")
+             for name, held, run in zip(named, decayed, (a, b), strict=True)]
+    text = f"weight_decay_params: {shown[0]} in run A, {shown[1]} in run B"
+    if decayed[0] == decayed[1]:
+        return [], [f"{text}: the same parameters decay"]
+    if named == ["default", "default"] and "default" not in decayed:
+        return [], [f"{text}: each stack's own choice, as compare runs them"]
+    return [text], []
+
+
+def decayed_params(run: CapturedRun) -> str:
+    """Which parameters the run decays: its weight_decay_params, where a built-in runner's request says "default"
+    the choice of that runner's stack (``DEFAULT_DECAY``); a recorder's "default" (neither choice) stays."""
+    value = run.train.weight_decay_params
+    if value == "default" and run.source.name == REQUEST:
+        return DEFAULT_DECAY.get(run.meta.get("framework"), value)
+    return value
+
+
+def _settings(train: TrainSettings) -> dict:
+    """The settings as compared: the request's fields, the optimizer always named."""
+    return {**train.to_dict(), "optimizer": train.record.name}
+
+
+def _value(values: dict, key: str) -> str:
+    return repr(values[key]) if key in values else "absent"
+
+
+def compared_steps(a: CapturedRun, b: CapturedRun, steps: int | None) -> int:
+    """How many steps are compared: every step of two runs of the same length, or the first `steps` of both. A run
+    that stopped early is an ERROR, not a shorter comparison."""
+    if steps is None:
+        if a.train.steps != b.train.steps:
+            raise RunError(f"the runs have different lengths: run A ({a.folder}) ends at step {a.train.steps}, run B "
+                           f"({b.folder}) ends at step {b.train.steps} (as {a.source} and {b.source} describe them); a "
+                           "run that stopped early is not a pass: --steps N compares steps 1 to N of both")
+        return a.train.steps
+    if steps < 1:
+        raise RunError(f"--steps {steps}: must be >= 1")
+    for label, run in (("A", a), ("B", b)):
+        if run.train.steps < steps:
+            raise RunError(f"--steps {steps}: run {label} ({run.folder}) ends at step {run.train.steps} (as "
+                           f"{run.source} describes it)")
+    return steps
+
+
+def check_truth(truth: CapturedRun, run: CapturedRun, layout: dict, count: int) -> None:
+    """The truth run holds every tensor of the runs (a master as a parameter), was trained as they were (its dtype
+    and masters aside) and has their `count` steps; RunError naming the tensor, the fields or the steps."""
+    expected = layouts(truth, truth.train)
+    for name, (_, shape) in layout.items():
+        held = expected.get(name.replace(".master.", ".param.", 1))
+        if held is None or held[1] != shape:
+            raise RunError(f"truth run {truth.folder} does not hold {name!r} as {list(shape)} (as "
+                           f"{truth.source} describes it: {_layout(held)})")
+    errors, _ = differences(run, truth, NOT_FOR_TRUTH)
+    if errors:
+        wording = "; ".join(error.replace("in run B", "in the truth") for error in errors)
+        raise RunError(f"truth run {truth.folder} was not trained as the runs were: {wording} (as {run.source} and "
+                       f"{truth.source} describe them)")
+    if truth.train.steps < count:
+        raise RunError(f"truth run {truth.folder} has {truth.train.steps} steps; the runs compare {count}")
+
+
+def _kept(run: CapturedRun, count: int) -> str:
+    return ", ".join(str(s) for s in run.train.steps_kept if s <= count) or "none"
 
 
 def _layout(layout) -> str:
