@@ -31,6 +31,8 @@ from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TRUTH = "truth"  # the truth side's own name for an interpreter (--python truth=PATH)
+ORACLE_RUNNER = "oracle"  # the op level's framework-free truth: no side runs it, so its own name picks its interpreter
 STDERR_TAIL_CHARS = 4000
 # Intra-op threads of every runner unless the user sets OMP_NUM_THREADS / MKL_NUM_THREADS: oneDNN and MKL may split a
 # reduction across threads, so the count is part of a result (harness.baselines.records records it). Fixed, so a
@@ -77,6 +79,14 @@ def runner_python(runner: str, overrides: dict[str, str]) -> str:
     return overrides.get(runner) or os.environ.get(f"HARNESS_PYTHON_{runner.upper()}") or sys.executable
 
 
+def truth_python(runner: str, overrides: dict[str, str]) -> str:
+    """The truth's interpreter: its own (``--python truth=PATH``, ``HARNESS_PYTHON_TRUTH``; the op level's oracle also
+    ``--python oracle=PATH``, a runner no side runs), never a side's: a model's or a training run's truth runs
+    hf_model's code, and under hf_model's interpreter it inherited whatever that environment does wrong (issue 40)."""
+    own = overrides.get(TRUTH) or os.environ.get(f"HARNESS_PYTHON_{TRUTH.upper()}")
+    return own or (runner_python(runner, overrides) if runner == ORACLE_RUNNER else sys.executable)
+
+
 def runner_env(device: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -108,6 +118,7 @@ class SideSpec(NamedTuple):
     # run's flip or re-feed)
     dp: int = 1  # data-parallel ranks: the side runs on tp x dp processes
     per_step: bool = False  # it writes one file per training step (harness.run.steps), checked rank against rank
+    truth: bool = False  # the truth side: its own interpreter (truth_python), never a side's
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
@@ -139,7 +150,7 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
                 request = _request(side_case, side.inputs, device, folder, side.tp)
                 (folder / "request.json").write_text(json.dumps(request, indent=2))
             label, runner, tp, dp = side.label, side.runner, side.tp, side.dp
-            python = runner_python(runner, pythons)
+            python = (truth_python if side.truth else runner_python)(runner, pythons)
             started.append((label, runner, folder, python, tp * dp, _start(runner, python, folder, device, tp, dp),
                             side_case, side.per_step))
         deadline = time.monotonic() + timeout
