@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -139,6 +140,9 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
     timeout covers the whole group (on a GPU: each side)."""
     if device == "gpu" and len(sides) > 1:
         return [result for side in sides for result in run_sides(case, [side], device, run_dir, pythons, timeout)]
+    if device == "gpu" and case.gpu_memory_gib and (short := too_little_memory(case.gpu_memory_gib)):
+        return [SideResult(side.label, side.runner, "error", run_dir / side.folder, "", reason=short)
+                for side in sides]
     with supervisor.watch():  # whatever the runners started and left behind is killed and reaped afterwards
         started = []
         for side in sides:
@@ -262,7 +266,8 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
         side.status, side.reason = "unsupported", side.meta["unsupported"]
     elif side.returncode != 0 or "unsupported_on_some_ranks" in side.meta:
         blamed = launch.failed_rank(side.stderr_tail) if ranks > 1 else ""
-        side.reason = "; ".join(filter(None, [f"exited with code {side.returncode}", blamed,
+        side.reason = "; ".join(filter(None, [out_of_memory(side.stderr_tail) if side.returncode else "",
+                                              f"exited with code {side.returncode}", blamed,
                                               side.meta.get("unsupported_on_some_ranks")]))
     else:
         if per_step:  # its step files first, then every rank's state against rank 0's
@@ -271,6 +276,49 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
             problem = (_gather(side, case, ranks, per_step) if ranks > 1 else "") or _validate_outputs(side, case)
         side.status, side.reason = ("error", f"bad output: {problem}") if problem else ("ok", "")
     return side
+
+
+def too_little_memory(needed_gib: float) -> str:
+    """Why a side that needs `needed_gib` of GPU memory (the case's ``gpu_memory_gib``) cannot run on the GPUs this
+    process may use, or '' (also when nvidia-smi cannot say: the runner's own out-of-memory error then names it)."""
+    visible = placement.visible_gpus({**os.environ, **placement.runner_env_overrides()})
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for line in listed.splitlines():
+        index, total, name = (part.strip() for part in line.split(",", 2))
+        if index in visible and total.isdigit() and int(total) / 1024 < needed_gib:
+            return (f"needs {needed_gib:g} GiB of GPU memory (case field gpu_memory_gib), GPU {index} ({name}) has "
+                    f"{int(total) / 1024:.1f} GiB: not started")
+    return ""
+
+
+# What each framework prints when an allocation fails: torch's caching allocator (torch.OutOfMemoryError), Paddle's
+# (ResourceExhaustedError), Python's own on the host
+TORCH_OOM = re.compile(r"CUDA out of memory\. Tried to allocate ([\d.]+ \w+)\. GPU (\d+) has a total capacity of "
+                       r"([\d.]+ \w+) of which ([\d.]+ \w+) is free")
+PADDLE_OOM = re.compile(r"Cannot allocate ([\d.]+\s*\w+) memory on GPU (\d+), ([\d.]+\s*\w+) memory has been "
+                        r"allocated and available memory is only ([\d.]+\s*\w+)")
+GPU_OOM_WORDS = ("torch.OutOfMemoryError", "CUDA out of memory", "ResourceExhaustedError", "Out of memory error on GPU")
+
+
+def out_of_memory(stderr_tail: str) -> str:
+    """What a runner that died of an allocation says about it, named (the sizes from its own message), or ''."""
+    if match := TORCH_OOM.search(stderr_tail):
+        wanted, gpu, total, free = match.groups()
+        return (f"ran out of GPU memory: tried to allocate {wanted}, device has {total} total ({free} free, "
+                f"GPU {gpu})")
+    if match := PADDLE_OOM.search(stderr_tail):
+        wanted, gpu, held, free = match.groups()
+        return (f"ran out of GPU memory: tried to allocate {wanted}, {held} allocated already ({free} free, "
+                f"GPU {gpu})")
+    if any(word in stderr_tail for word in GPU_OOM_WORDS):
+        return "ran out of GPU memory"
+    if re.search(r"^MemoryError\b", stderr_tail, re.MULTILINE):
+        return "ran out of host memory (MemoryError)"
+    return ""
 
 
 def _gather(side: SideResult, case: Case, ranks: int, per_step: bool) -> str:
