@@ -27,14 +27,14 @@ from harness.run.orchestrate import SideResult
 from harness.run.steps import step_file
 
 # Formula against truth, relative to the tensor's step (parameters) or its largest value (the rest): both are float64
-# evaluations of one formula in another order, about 1e-16 apart; a fault is a relative error of order 1 (measured on
-# the tiny 3-step cases of tests/test_train_truth.py, 2026-12-06: at most 2e-13 clean, 9 with a 10x lr).
+# evaluations of one formula in another order; a fault is a relative error of order 1 (the tiny 3-step cases of
+# tests/test_train_truth.py at 16 tokens, 2026-12-06: at most 1.3e-13 clean, 9 with a 10x lr).
 TRUTH_AGREEMENT = 1e-9
 # A side's step farther from the truth's than half the truth's step is flagged. Measured on the tiny 3-step
 # DeepSeek-V3 case at 16 tokens, Megatron-Core against HF, AVX-512+AMX Xeon, 2026-12-06: clean at most 0.027
-# (float32: Megatron's own weight decay and routing-bias choices) and 0.21 (bfloat16 parameters, their rounding: so a
-# side with fp32 masters is judged on its masters); 10x its lr at step 3 gives 9.0 on the planted side, 0.90 on the
-# others when the truth itself is planted.
+# (float32: Megatron's own weight decay and routing-bias choices) and 0.032 (bfloat16, on the masters; the bf16
+# parameters' own rounding gives up to 0.21, so a side with fp32 masters is judged on its masters); 10x its lr at
+# step 3 gives 9.0 on the planted side, 0.90 on the others when the truth itself is planted (docs/training.md).
 FARTHER = 0.5
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
 
