@@ -81,6 +81,7 @@ def _truth_step(train: TrainSettings, names, step: int, before, now) -> tuple[st
     if not _close(reported, lr, abs(lr)):
         return f"step{step}.lr is {reported!r}, the case's schedule gives {lr!r}", math.inf
     grads = {name: now(f"grad.{name}") for name, _ in names}
+    grads = {name: grad for name, grad in grads.items() if grad is not None}  # a stack writes every one; else skip
     coeff = 1.0
     if train.clip_grad > 0:
         norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
@@ -92,7 +93,7 @@ def _truth_step(train: TrainSettings, names, step: int, before, now) -> tuple[st
     record, worst = train.record, 0.0
     for name, shape in names:
         param = before(f"param.{name}")
-        if param is None:  # a fused parameter before step 1: no state to start from
+        if param is None or name not in grads:  # a fused parameter before step 1: no state to start from
             continue
         state = None if step == 1 else {q: before(f"{q}.{name}") for q in record.state}
         decay = train.weight_decay if train.weight_decay_params != "not_1d" or len(shape) > 1 else 0.0
