@@ -22,6 +22,7 @@ from harness.compare.result import EXIT_CODES
 from harness.levels import AXES
 from harness.pipeline import failsafe, run_folder
 from harness.report import case_report as report
+from harness.run.orchestrate import TRUTH
 
 # Options renamed (old spelling -> the new one, given the old one's value); commit 9e6c533 made them one --versus
 RENAMED = {f"--versus-{axis}": f"--versus {axis}=" for axis in ("tp", "dp", "ep", "impl")}
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "torch_nn); give it twice or more to sweep several pairs")
     compare.add_argument("--python", action="append", default=[], metavar="RUNNER=PATH",
                          help="interpreter for a runner, e.g. paddle=/envs/paddle/bin/python "
-                              "(or set HARNESS_PYTHON_<RUNNER>)")
+                              "(or set HARNESS_PYTHON_<RUNNER>); truth=PATH for the truth side (default: this one, "
+                              "never a side's)")
     compare.add_argument("--timeout", type=failsafe.seconds, default=1800.0,
                          help="seconds per runner before it is killed")
     compare.add_argument("--weights", help="safetensors file for cases that import their weights")
@@ -134,8 +136,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")
-        if not path or runner not in RUNNERS:
-            parser.error(f"--python expects RUNNER=PATH with RUNNER one of {', '.join(RUNNERS)} (got {item!r})")
+        if not path or runner not in (*RUNNERS, TRUTH):
+            parser.error(f"--python expects RUNNER=PATH with RUNNER one of {', '.join(RUNNERS)} or {TRUTH} (the "
+                         f"truth's own) (got {item!r})")
         pythons[runner] = path
     if args.command == "nightly":
         return nightly.main(args, pythons)

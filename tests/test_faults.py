@@ -257,6 +257,13 @@ def test_runner_flooding_stderr_keeps_only_a_tail(world, capsys):
     assert world.reports_written()[-1].stat().st_size < 200_000
 
 
+def test_runner_out_of_gpu_memory_is_named_with_its_sizes(world, capsys):
+    """Issue 40, finding 9: a side that died of torch.OutOfMemoryError said only "exited with code 1"."""
+    got, err = run_main(capsys, world.args("--no-oracle", *world.python(megatron="good", paddle="oom")))
+    assert_ends(world, got, err, 2, "ERROR", "runner b (paddle) failed: ran out of GPU memory: tried to allocate "
+                "1.75 GiB, device has 79.19 GiB total (1.21 GiB free, GPU 0); exited with code 1")
+
+
 def test_missing_interpreter(world, capsys):
     got, err = run_main(capsys, world.args("--no-oracle", "--python", f"paddle={world.root / 'no-such-python'}",
                                            *world.python(megatron="good")))

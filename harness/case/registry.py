@@ -48,6 +48,7 @@ DEFAULT_DISTRIBUTION = {
 FIELDS = {
     "description", "family", "op", "dtype", "tp", "seed", "tokens", "shapes", "config", "tensors",
     "runners", "devices", "expect", "perturb", "weights_from", "base", "tolerance", "train", "truth",
+    "gpu_memory_gib",
 }
 
 
@@ -111,6 +112,8 @@ class Case:
     weights_from: WeightImport | None = None
     tolerance: tolerance_policy.Tolerance | None = None  # None: bitwise
     truth: bool = True  # False: the case never runs the truth (a 100-step float64 training run costs too much)
+    # the GPU memory one side needs, GiB (measured); a GPU with less is refused before anything runs
+    gpu_memory_gib: float | None = None
 
     @property
     def op_spec(self) -> Op:
@@ -376,6 +379,10 @@ def _build(name: str, path: Path, table: dict) -> Case:
     if not devices or any(d not in DEVICES for d in devices):
         raise f.error("devices", f"must be a non-empty list of {', '.join(DEVICES)}", list(devices))
 
+    gpu_memory = f.get("gpu_memory_gib", (int, float), None)
+    if gpu_memory is not None and (gpu_memory <= 0 or "gpu" not in devices):
+        raise f.error("gpu_memory_gib", "must be > 0, on a case whose devices list gpu", gpu_memory)
+
     outputs = [s.name for s in spec.outputs(shapes, tokens, config)]
     tolerance = tolerance_policy.parse(f, outputs)
     return Case(
@@ -388,6 +395,7 @@ def _build(name: str, path: Path, table: dict) -> Case:
         perturb=_perturbation(f, input_roles, {s.name: s.shape for s in input_specs},
                               {s.name: WIDTHS.get(resolve_dtype(s.dtype, dtype), 0) for s in input_specs}),
         weights_from=_weight_import(f, input_roles), tolerance=tolerance, truth=f.get("truth", bool, True),
+        gpu_memory_gib=None if gpu_memory is None else float(gpu_memory),
     )
 
 

@@ -39,15 +39,17 @@ def quantity_of(name: str) -> str:
     return name.split(".")[1]
 
 
-def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None = None) -> tuple[list, dict]:
-    """(every comparison in time order, the summary along time)."""
+def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None = None,
+                  unreliable: set[int] = frozenset()) -> tuple[list, dict]:
+    """(every comparison in time order, the summary along time); no side is compared with the truth at the steps
+    in `unreliable` (harness.compare.train_truth.check_truth)."""
     train, m = case.train, case.config["model"]
     comparisons, steps = [], []
     for step in range(1, train.steps + 1):
         specs = train_step_outputs(m, train, step)
         rows = _compare_step(step, specs, pair)
         comparisons += rows
-        steps.append(_summarise_step(step, specs, rows, pair, truth, case))
+        steps.append(_summarise_step(step, specs, rows, pair, None if step in unreliable else truth, case))
     first = next((s for s in steps if s["first_divergence"]), None)
     parameters = sum(1 for s in train_step_outputs(m, train, 1) if quantity_of(s.name) == "param")
     return comparisons, {
@@ -228,6 +230,6 @@ def distance(value: np.ndarray, reference: np.ndarray) -> tuple[int, float]:
 def _truth_status(truth: SideResult | None) -> dict:
     if truth is None:
         return {}
-    return {"runner": truth.runner, "status": truth.status, "reason": truth.reason,
+    return {"runner": truth.runner, "status": truth.status, "reason": truth.reason, "python": truth.python,
             "what": f"{TRUTH_RUNNER} trained in float64 (float64 mode, no masters), rounded once to each tensor's "
                     "dtype"}

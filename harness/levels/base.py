@@ -101,6 +101,11 @@ class Level:
     def judge(self, run: Run, result: CaseResult) -> None:
         """After the verdict: what the level decides on top of the bits (a float64 case's semantic check)."""
 
+    def unexpected(self, run: Run, result: CaseResult) -> list[str]:
+        """What the level found that no expectation may pass (a side far from the truth): each one an unmet
+        expectation's problem."""
+        return []
+
     def notes(self, run: Run, result: CaseResult) -> list[str]:
         """What the reader must know beyond the verdict (appended to its message)."""
         return []

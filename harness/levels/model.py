@@ -27,7 +27,7 @@ class ModelLevel(Level):
         if run.case.dtype == "float64":
             return None
         return SideSpec(model_outputs.TRUTH_LABEL, model_outputs.TRUTH_RUNNER, run.checkpoint.files, 1,
-                        f"{model_outputs.TRUTH_LABEL}-{model_outputs.TRUTH_RUNNER}-float64", "float64")
+                        f"{model_outputs.TRUTH_LABEL}-{model_outputs.TRUTH_RUNNER}-float64", "float64", truth=True)
 
     def compare(self, run: Run, result: CaseResult) -> None:
         compared = model_outputs.compare_outputs(run.case, run.framework)

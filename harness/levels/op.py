@@ -55,7 +55,7 @@ class OpLevel(Level):
 
     def truth(self, run: Run) -> SideSpec | None:
         """The framework-free oracle on the shared, unperturbed inputs."""
-        return SideSpec(ORACLE_LABEL, "oracle", run.checkpoint.files, 1, f"{ORACLE_LABEL}-oracle")
+        return SideSpec(ORACLE_LABEL, "oracle", run.checkpoint.files, 1, f"{ORACLE_LABEL}-oracle", truth=True)
 
     def compare(self, run: Run, result: CaseResult) -> None:
         a, b = (Dump(side.outputs, {spec.name: side.outputs for spec in run.case.output_specs()})

@@ -1,9 +1,11 @@
 """The training level: N optimizer steps of the whole causal LM in each stack's own training code, every state tensor
 after every step (op ``causal_lm_train``, docs/training.md).
 
-Its truth is ``hf_model`` trained in float64; a float64 case is judged at every step from the same state on both sides
-(``harness.compare.train_float64``, which needs the re-feed in time, run for it); ``--versus dp=N`` and
-``--versus ep=N`` compare one stack with itself on another number of ranks (docs/training-ranks.md).
+Its truth is ``hf_model`` trained in float64 under its own interpreter, its every step held to the optimizer's float64
+formula and each side's step to the truth's (``harness.compare.train_truth``); a float64 case is judged at every step
+from the same state on both sides (``harness.compare.train_float64``, which needs the re-feed in time, run for it);
+``--versus dp=N`` and ``--versus ep=N`` compare one stack with itself on another number of ranks
+(docs/training-ranks.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import replace
 
 from harness.case.registry import RUNNERS, Case, CaseError
 from harness.case.train_settings import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
-from harness.compare import train_float64, train_refeed, train_steps
+from harness.compare import train_float64, train_refeed, train_steps, train_truth
 from harness.compare.model_outputs import TRUTH_LABEL, TRUTH_RUNNER
 from harness.compare.result import ERROR, CaseResult
 from harness.levels.base import Level, Run, Versus, same_runner
@@ -82,12 +84,27 @@ class TrainLevel(Level):
         does not depend on how ranks split it): no masters, no flip. None for a float64 case (its own check)."""
         if run.case.dtype == "float64":
             return None
-        settings = replace(run.case.train, master_weights=False, flip=None, dp=1, ep=1).to_dict()
+        train_ = run.case.train
+        # each kept step and the one before it: the state a step starts from, for the check of its update
+        kept = sorted({*train_.steps_kept, *(k - 1 for k in train_.steps_kept if k > 1)})
+        settings = replace(train_, master_weights=False, flip=None, dp=1, ep=1, steps_kept=tuple(kept)).to_dict()
         return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, run.checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64",
-                        "float64", {"train": settings}, per_step=True)
+                        "float64", {"train": settings}, per_step=True, truth=True)
 
     def compare(self, run: Run, result: CaseResult) -> None:
-        result.tensors, result.train = train_steps.compare_steps(run.case, run.framework, run.truth)
+        """Every step of the pair; with a truth that ran, the truth's own check first: a step where it does not
+        follow the optimizer's formula judges no side (neither "closer" counts nor flags)."""
+        truth = run.truth if run.truth is not None and run.truth.status == "ok" else None
+        checked, initial = None, None
+        if truth is not None:
+            initial = train_truth.initial_state(run.case, run.checkpoint.files)
+            checked = train_truth.check_truth(run.case, truth, initial)
+        unreliable = {int(k) for k in (checked or {}).get("unreliable", {})}
+        result.tensors, result.train = train_steps.compare_steps(run.case, run.framework, run.truth, unreliable)
+        if checked is not None:
+            result.train["truth"]["check"] = checked
+            errors, flags = train_truth.farther(run.case, run.framework, truth, initial, unreliable)
+            result.train["truth"]["step_errors"], result.train["farther"] = errors, flags
         if run.versus:  # which quantities stay bitwise, from which step each parts
             result.comparison.update(train_steps.invariance(result.train))
 
@@ -100,7 +117,15 @@ class TrainLevel(Level):
 
     def judge(self, run: Run, result: CaseResult) -> None:
         """A float64 case: every step judged (harness.compare.train_float64); a re-feed that failed or did not
-        reproduce side b's own steps leaves the check unjudged past step 1: ERROR, saying so."""
+        reproduce side b's own steps leaves the check unjudged past step 1: ERROR, saying so. Any other case: a truth
+        that does not follow the optimizer's formula at a step is ERROR (its distances are no evidence there)."""
+        unreliable = ((result.train or {}).get("truth") or {}).get("check", {}).get("unreliable")
+        if unreliable and result.verdict not in (ERROR, "UNSUPPORTED"):
+            first = min(unreliable, key=int)
+            result.verdict = ERROR
+            result.message = (f"the float64 truth is unreliable at step{'s' if len(unreliable) > 1 else ''} "
+                              f"{', '.join(sorted(unreliable, key=int))}: {unreliable[first]}; no side is judged "
+                              f"against it there (its python: {run.truth.python}); {result.message}")
         if run.case.dtype != "float64" or not result.tensors:
             return
         refeed = result.train.get("refeed") or {}
@@ -111,8 +136,14 @@ class TrainLevel(Level):
             return
         semantic_verdict(result, train_float64.check(run.case, result.tensors, run.refed), result.train)
 
+    def unexpected(self, run: Run, result: CaseResult) -> list[str]:
+        """A side farther from the truth at a step than ``train_truth.FARTHER`` allows: never an expectation met."""
+        return [f"side {f['side']} ({f['runner']}) farther from the float64 truth than expected at step {f['step']} "
+                f"in {f['quantity']} (its step off by {f['error']:.3g} of the truth's, allowed "
+                f"{train_truth.FARTHER:g})" for f in (result.train or {}).get("farther", [])]
+
     def notes(self, run: Run, result: CaseResult) -> list[str]:
-        notes = []
+        notes = self.unexpected(run, result)
         c = result.comparison
         if c and result.tensors:
             kind = "dp" if c["kind"] == "data_parallel" else "ep"

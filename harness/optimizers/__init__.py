@@ -4,7 +4,8 @@ A record says what the optimizer is to the harness, framework-free: its own sett
 defaulted, read from the case's ``train`` table), the per-parameter state a step writes (canonical quantity names:
 ``step{k}.<quantity>.<p>``), where each stack keeps that state (copied into meta.json), and how each stack builds it
 through its own API: ``torch`` (hf_model), ``paddle`` (paddle_model) and ``megatron`` (megatron_model's
-``OptimizerConfig``). Those builders import their framework inside the function: only runners call them.
+``OptimizerConfig``). Those builders import their framework inside the function: only runners call them. Its
+``update`` is one step in float64 numpy, framework-free: what the truth's step must give.
 
 Adding an optimizer: a module here with its settings, its record and its builders, listed in ``OPTIMIZERS``; cases
 that name it (docs/contributing.md).
@@ -39,6 +40,10 @@ class Optimizer:
     # settings -> (OptimizerConfig keyword arguments of this optimizer, what meta.json shows of them, why)
     megatron: Callable[[Any], tuple[dict, dict, str]]
     distributed_optimizer: bool  # whether Megatron's DistributedOptimizer takes it
+    # (settings, param, grad, state before the step or None at the first, lr, weight_decay, step) -> (param, state):
+    # one step in float64 numpy as torch documents the optimizer, the harness's own formula that the float64 truth's
+    # update is checked against (harness.compare.train_truth); `grad` is the one applied (clipped already)
+    update: Callable[..., tuple[Any, dict]]
     matrix: Mapping[str, tuple[dict, ...]]  # runner -> knob-matrix cells of its stack fields (--gate-matrix)
 
     def parse(self, values: dict):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from harness.optimizers import Optimizer
 
 TORCH_ADAMW = {"default": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -85,6 +87,20 @@ def megatron_config(settings: AdamWSettings) -> tuple[dict, dict, str]:
             "Megatron's Adam is torch.optim.AdamW (decoupled weight decay) without TE/Apex")
 
 
+def update(settings: AdamWSettings, param: np.ndarray, grad: np.ndarray, state: dict | None, lr: float,
+           weight_decay: float, step: int) -> tuple[np.ndarray, dict]:
+    """One AdamW step in float64 as torch.optim.AdamW documents it (decoupled decay first, bias-corrected moments;
+    eps added to sqrt(v_hat))."""
+    beta1, beta2 = settings.betas
+    exp_avg, exp_avg_sq = (state["exp_avg"], state["exp_avg_sq"]) if state else (np.zeros_like(param),) * 2
+    param = param * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    denom = np.sqrt(exp_avg_sq) / np.sqrt(1 - beta2 ** step) + settings.eps
+    param = param - lr / (1 - beta1 ** step) * exp_avg / denom
+    return param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
 ADAMW = Optimizer(
     name="adamw", label="AdamW", settings=AdamWSettings,
     fields={"betas": ((list,), [0.9, 0.95]), "eps": ((float,), 1e-8)},
@@ -101,5 +117,6 @@ ADAMW = Optimizer(
     },
     paddle_accumulators={"exp_avg": "moment1", "exp_avg_sq": "moment2"},
     torch=torch_optimizer, paddle=paddle_optimizer, megatron=megatron_config, distributed_optimizer=True,
+    update=update,
     matrix={"hf_model": ({"torch_adamw": "foreach"}, {"torch_adamw": "fused"})},
 )

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from harness.optimizers import Optimizer
 
 
@@ -81,6 +83,15 @@ def megatron_config(settings: SGDSettings) -> tuple[dict, dict, str]:
             "Megatron's SGD is torch.optim.SGD (coupled weight decay, no dampening, no Nesterov) without TE/Apex")
 
 
+def update(settings: SGDSettings, param: np.ndarray, grad: np.ndarray, state: dict | None, lr: float,
+           weight_decay: float, step: int) -> tuple[np.ndarray, dict]:
+    """One step of SGD with momentum in float64 as torch.optim.SGD documents it (coupled decay, the buffer g' at the
+    first step)."""
+    decayed = grad + weight_decay * param
+    buffer = decayed if state is None else settings.momentum * state["momentum_buffer"] + decayed
+    return param - lr * buffer, {"momentum_buffer": buffer}
+
+
 SGD = Optimizer(
     name="sgd", label="SGD with momentum", settings=SGDSettings,
     fields={"momentum": ((float,), 0.9)}, stack_fields={},
@@ -92,5 +103,6 @@ SGD = Optimizer(
     },
     paddle_accumulators={"momentum_buffer": "velocity"},
     torch=torch_optimizer, paddle=paddle_optimizer, megatron=megatron_config, distributed_optimizer=False,
+    update=update,
     matrix={},
 )

@@ -185,6 +185,10 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         if o.versus is None:  # the expectation is about the case's runners; a runner against itself: findings
             result.expectation = check_expectation(run.case.expect, result.verdict, result.tensors,
                                                    rank_departures(result.sides))
+            found = level.unexpected(run, result)
+            if found:
+                result.expectation["problems"] += found
+                result.expectation["met"] = False
         started.clock.lap("compare")
     except BaseException as error:  # every failure, the harness's own and a signal included: a verdict, a report
         failsafe.record(result, error)

@@ -50,6 +50,14 @@ def headline(data: dict) -> list[str]:
     truth = train.get("truth") or {}
     if truth and truth["status"] != "ok":
         lines.append(f"float64 truth: {truth['status']}: {truth['reason']}")
+    check = truth.get("check")
+    if check:  # harness.compare.train_truth
+        unreliable = "; ".join(f"**unreliable at step {k}**: {why}" for k, why in check["unreliable"].items())
+        checked = ", ".join(map(str, check["checked"])) or "none"
+        lines.append(f"float64 truth (python `{truth['python']}`) against {check['formula']}: steps {checked} "
+                     f"checked; {unreliable or 'every one follows it'}")
+    lines += [f"**farther from the float64 truth than expected**: step {f['step']}, {f['quantity']}, side {f['side']} "
+              f"({f['runner']}): its step off by {f['error']:.3g} of the truth's" for f in train.get("farther", [])]
     refeed = train.get("refeed")
     if refeed and refeed["status"] != "ok":
         lines.append(f"re-feed in time: **{refeed['status']}**: {refeed['reason']}")

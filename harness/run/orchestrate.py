@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,8 @@ from harness.run.kernels import onednn_kernels
 from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TRUTH = "truth"  # the truth side's own name for an interpreter (--python truth=PATH)
+ORACLE_RUNNER = "oracle"  # the op level's framework-free truth: no side runs it, so its own name picks its interpreter
 STDERR_TAIL_CHARS = 4000
 # Intra-op threads of every runner unless the user sets OMP_NUM_THREADS / MKL_NUM_THREADS: oneDNN and MKL may split a
 # reduction across threads, so the count is part of a result (harness.baselines.records records it). Fixed, so a
@@ -77,6 +80,14 @@ def runner_python(runner: str, overrides: dict[str, str]) -> str:
     return overrides.get(runner) or os.environ.get(f"HARNESS_PYTHON_{runner.upper()}") or sys.executable
 
 
+def truth_python(runner: str, overrides: dict[str, str]) -> str:
+    """The truth's interpreter: its own (``--python truth=PATH``, ``HARNESS_PYTHON_TRUTH``; the op level's oracle also
+    ``--python oracle=PATH``, a runner no side runs), never a side's: a model's or a training run's truth runs
+    hf_model's code, and under hf_model's interpreter it inherited whatever that environment does wrong (issue 40)."""
+    own = overrides.get(TRUTH) or os.environ.get(f"HARNESS_PYTHON_{TRUTH.upper()}")
+    return own or (runner_python(runner, overrides) if runner == ORACLE_RUNNER else sys.executable)
+
+
 def runner_env(device: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -108,6 +119,7 @@ class SideSpec(NamedTuple):
     # run's flip or re-feed)
     dp: int = 1  # data-parallel ranks: the side runs on tp x dp processes
     per_step: bool = False  # it writes one file per training step (harness.run.steps), checked rank against rank
+    truth: bool = False  # the truth side: its own interpreter (truth_python), never a side's
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
@@ -128,6 +140,9 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
     timeout covers the whole group (on a GPU: each side)."""
     if device == "gpu" and len(sides) > 1:
         return [result for side in sides for result in run_sides(case, [side], device, run_dir, pythons, timeout)]
+    if device == "gpu" and case.gpu_memory_gib and (short := too_little_memory(case.gpu_memory_gib)):
+        return [SideResult(side.label, side.runner, "error", run_dir / side.folder, "", reason=short)
+                for side in sides]
     with supervisor.watch():  # whatever the runners started and left behind is killed and reaped afterwards
         started = []
         for side in sides:
@@ -139,7 +154,7 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
                 request = _request(side_case, side.inputs, device, folder, side.tp)
                 (folder / "request.json").write_text(json.dumps(request, indent=2))
             label, runner, tp, dp = side.label, side.runner, side.tp, side.dp
-            python = runner_python(runner, pythons)
+            python = (truth_python if side.truth else runner_python)(runner, pythons)
             started.append((label, runner, folder, python, tp * dp, _start(runner, python, folder, device, tp, dp),
                             side_case, side.per_step))
         deadline = time.monotonic() + timeout
@@ -251,7 +266,8 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
         side.status, side.reason = "unsupported", side.meta["unsupported"]
     elif side.returncode != 0 or "unsupported_on_some_ranks" in side.meta:
         blamed = launch.failed_rank(side.stderr_tail) if ranks > 1 else ""
-        side.reason = "; ".join(filter(None, [f"exited with code {side.returncode}", blamed,
+        side.reason = "; ".join(filter(None, [out_of_memory(side.stderr_tail) if side.returncode else "",
+                                              f"exited with code {side.returncode}", blamed,
                                               side.meta.get("unsupported_on_some_ranks")]))
     else:
         if per_step:  # its step files first, then every rank's state against rank 0's
@@ -260,6 +276,49 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
             problem = (_gather(side, case, ranks, per_step) if ranks > 1 else "") or _validate_outputs(side, case)
         side.status, side.reason = ("error", f"bad output: {problem}") if problem else ("ok", "")
     return side
+
+
+def too_little_memory(needed_gib: float) -> str:
+    """Why a side that needs `needed_gib` of GPU memory (the case's ``gpu_memory_gib``) cannot run on the GPUs this
+    process may use, or '' (also when nvidia-smi cannot say: the runner's own out-of-memory error then names it)."""
+    visible = placement.visible_gpus({**os.environ, **placement.runner_env_overrides()})
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for line in listed.splitlines():
+        index, total, name = (part.strip() for part in line.split(",", 2))
+        if index in visible and total.isdigit() and int(total) / 1024 < needed_gib:
+            return (f"needs {needed_gib:g} GiB of GPU memory (case field gpu_memory_gib), GPU {index} ({name}) has "
+                    f"{int(total) / 1024:.1f} GiB: not started")
+    return ""
+
+
+# What each framework prints when an allocation fails: torch's caching allocator (torch.OutOfMemoryError), Paddle's
+# (ResourceExhaustedError), Python's own on the host
+TORCH_OOM = re.compile(r"CUDA out of memory\. Tried to allocate ([\d.]+ \w+)\. GPU (\d+) has a total capacity of "
+                       r"([\d.]+ \w+) of which ([\d.]+ \w+) is free")
+PADDLE_OOM = re.compile(r"Cannot allocate ([\d.]+\s*\w+) memory on GPU (\d+), ([\d.]+\s*\w+) memory has been "
+                        r"allocated and available memory is only ([\d.]+\s*\w+)")
+GPU_OOM_WORDS = ("torch.OutOfMemoryError", "CUDA out of memory", "ResourceExhaustedError", "Out of memory error on GPU")
+
+
+def out_of_memory(stderr_tail: str) -> str:
+    """What a runner that died of an allocation says about it, named (the sizes from its own message), or ''."""
+    if match := TORCH_OOM.search(stderr_tail):
+        wanted, gpu, total, free = match.groups()
+        return (f"ran out of GPU memory: tried to allocate {wanted}, device has {total} total ({free} free, "
+                f"GPU {gpu})")
+    if match := PADDLE_OOM.search(stderr_tail):
+        wanted, gpu, held, free = match.groups()
+        return (f"ran out of GPU memory: tried to allocate {wanted}, {held} allocated already ({free} free, "
+                f"GPU {gpu})")
+    if any(word in stderr_tail for word in GPU_OOM_WORDS):
+        return "ran out of GPU memory"
+    if re.search(r"^MemoryError\b", stderr_tail, re.MULTILINE):
+        return "ran out of host memory (MemoryError)"
+    return ""
 
 
 def _gather(side: SideResult, case: Case, ranks: int, per_step: bool) -> str:

@@ -9,7 +9,8 @@ of ``out`` flipped: a DIFF), crash, hang (and a child in its group), hang_spawne
 in a session of its own, then hangs), daemon (starts a daemon in a new session, then succeeds), garbage
 (outputs that are not safetensors), nan (NaN in ``out``), wrong_shape, wrong_dtype, missing_tensor,
 extra_tensor, no_meta, no_outputs (exit 0, writes nothing), random (different bits every run),
-unsupported (exit 3 with a reason), self_kill (SIGKILL itself), loud_crash (10 MB of stderr, then exit 1);
+unsupported (exit 3 with a reason), self_kill (SIGKILL itself), loud_crash (10 MB of stderr, then exit 1), oom
+(torch's out-of-GPU-memory error as torch prints it, then exit 1);
 for workers (``--worker``, harness.run.workers): crash_second and hang_second (``good``, but crash or hang in a
 worker's second cell), per_process (bits that differ between processes but not between cells of one process).
 """
@@ -28,8 +29,18 @@ from pathlib import Path
 
 BEHAVIOURS = ("good", "one_bit", "crash", "hang", "hang_spawner", "daemon", "garbage", "nan", "wrong_shape",
               "wrong_dtype", "missing_tensor", "extra_tensor", "no_meta", "no_outputs", "random", "unsupported",
-              "self_kill", "loud_crash", "crash_second", "hang_second", "per_process")
+              "self_kill", "loud_crash", "oom", "crash_second", "hang_second", "per_process")
 REPO = Path(__file__).resolve().parents[2]
+# torch 2.x's caching allocator's message (c10/cuda/CUDACachingAllocator.cpp), at the sizes of
+# kimi_k2_2layer_train_full's AdamW step on an H100 (docs/gpu-and-tp.md)
+TORCH_OOM = (
+    "Traceback (most recent call last):\n  File \"torch/optim/adamw.py\", line 473, in _multi_tensor_adamw\n"
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 1.21 GiB is free. Including non-PyTorch memory, this process has 77.97 GiB memory in use. Of the "
+    "allocated memory 76.40 GiB is allocated by PyTorch, and 1.05 GiB is reserved by PyTorch but unallocated. If "
+    "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
 
 
 def interpreter(folder: Path, behaviour: str) -> str:
@@ -122,6 +133,9 @@ def cell_of(behaviour: str, request_path: Path, cell: int = 1) -> int:
     elif behaviour == "crash":
         print("Traceback (most recent call last):\nRuntimeError: simulated crash in a test double", file=sys.stderr)
         sys.exit(7)
+    elif behaviour == "oom":
+        print(TORCH_OOM, file=sys.stderr)
+        sys.exit(1)
     elif behaviour == "loud_crash":
         sys.stderr.write("x" * 10_000_000 + "\nsimulated loud crash\n")
         sys.exit(1)
