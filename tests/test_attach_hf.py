@@ -180,3 +180,36 @@ def test_the_recorded_trainer_ends_with_the_unrecorded_trainers_bits(builtin, tm
     steps = json.loads((tmp_path / "recorded" / "meta.json").read_text())["capture"]["steps"]
     assert [s.get("without_grad") for s in steps] == [[drop] if drop else None] * 2
 
+
+
+def test_an_error_while_recording_leaves_the_trainer_training(tmp_path, monkeypatch, caplog):
+    """The HF Trainer with the callback in this process (test_attach_torch's tiny model and random micro-batches),
+    the disk filling at step 2 of 3 (test_attach_torch's test double of the step writer's save): the Trainer trains
+    its 3 steps, one warning is logged, meta.json says where recording stopped."""
+    if absent("transformers", "accelerate"):
+        pytest.skip("the HF Trainer needs transformers and accelerate (requirements-models.txt)")
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    from harness.attach import torch as recorder_module
+    from harness.attach.hf import attach
+    from tests.support.train import TINY_MODEL
+    from tests.test_attach_torch import disk_full_at_step_2, tiny_model
+
+    monkeypatch.setattr(recorder_module, "save_on_host", disk_full_at_step_2(recorder_module.save_on_host))
+    data = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, TINY_MODEL["vocab_size"], (8,), generator=data) for _ in range(6)]
+    arguments = TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                  save_strategy="no", per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                  max_steps=3, train_sampling_strategy="sequential", dataloader_num_workers=0)
+    trainer = Trainer(model=tiny_model(), args=arguments, train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+    attach(trainer, tmp_path / "run", model_config=TINY_MODEL)
+    with caplog.at_level(logging.WARNING, logger="harness.attach.torch"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "harness.attach.torch"]
+    assert len(warnings) == 1 and "recording stopped at step 2" in warnings[0], warnings
+    capture = json.loads((tmp_path / "run" / "meta.json").read_text())["capture"]
+    assert capture["stopped"]["step"] == 2 and "No space left on device" in capture["stopped"]["error"]
+    assert [s["step"] for s in capture["steps"]] == [1]

@@ -116,6 +116,7 @@ class StepRecorder:
         self.writer.kept = self.kept if rank == 0 else set()  # "all" of an unknown number of steps
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
         self.stopped: dict | None = None  # {"step", "error"} once an error stopped the recording
+        self.listed: dict = {}  # optimizer flags meta.json lists (``_refuse_what_it_cannot_describe``)
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
         self.versions = {**self._versions(), **(versions or {})}
 
@@ -148,6 +149,7 @@ class StepRecorder:
         (``capture.not_described``)."""
         self._check_masters()
         self._optimizer_fields()  # the optimizer's settings as the record has them, or AttachError
+        self.listed = {flag: value for group in self._groups() for flag, value in self._listed_flags(group).items()}
         unread = self._unread_parameters()
         if unread:
             raise AttachError(f"trained parameters {', '.join(unread[:5])}{' ...' if len(unread) > 5 else ''} "
@@ -193,14 +195,14 @@ class StepRecorder:
             return None
 
     def _stop(self, step: int, error: Exception) -> None:
-        """No more steps are recorded; meta.json says at which step and why, and describes the run as one of `step`
-        steps whose last file is absent (removed where it was written, whole or in part), so that compare-runs
-        refuses it (ERROR) rather than passes the steps before."""
+        """No more steps are recorded; meta.json says at which step (the one the failing call named) and why, and
+        describes the run as one step longer than it recorded, that step's file absent (removed where it was written,
+        whole or in part), so that compare-runs refuses it (ERROR) rather than passes the steps before."""
         self.stopped = {"step": step, "error": f"{type(error).__name__}: {error}"}
         log.warning("harness recorder (%s): recording stopped at step %d (%s); training goes on unrecorded, "
                     "%s says so", self.folder, step, self.stopped["error"], self.folder / META)
         try:
-            step_file(self.folder, step, self.rank).unlink(missing_ok=True)
+            step_file(self.folder, len(self.steps) + 1, self.rank).unlink(missing_ok=True)
             self.write_meta()
         except Exception as again:  # noqa: BLE001 - the folder itself failing: the warning is all there is
             log.warning("harness recorder (%s): meta.json not written either (%s: %s)", self.folder,
@@ -351,8 +353,7 @@ class StepRecorder:
     def _notes(self) -> dict:
         """What the description leaves out but the run holds: optimizer flags listed, not refused; where an error
         stopped the recording."""
-        flags = {k: v for group in self._groups() for k, v in self._listed_flags(group).items()}
-        return {**({"not_described": {"optimizer_flags": flags}} if flags else {}),
+        return {**({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
                 **({"stopped": self.stopped} if self.stopped else {})}
 
 
