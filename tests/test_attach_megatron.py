@@ -7,6 +7,7 @@ training case's checkpoint and data (tests/support/train.py's tiny DeepSeek-V3: 
 - The loop's captured run is megatron_model's step files bit for bit (every tensor of every step, the routing bias
   Megatron moves included).
 - A loop that leaves out Megatron-LM's ``finalize_model_grads_func`` is found at step 1's routing bias, nothing before.
+- The loop with the recorder ends with the loop's bits without it (every parameter, every optimizer state tensor).
 - Two captures, the Megatron loop's and the HF Trainer's (docs/examples/attach/hf_trainer.py), compared with
   compare-runs give the compare's own per-step table (Megatron-Core against HF), but for the one cell the stacks
   differ in what they compute: the Trainer computes a grad norm without clipping, hf_model's runner none.
@@ -63,6 +64,20 @@ def test_a_megatron_loop_with_the_hook_gives_megatron_models_bits(compared, tmp_
     assert meta["runner"] == "megatron_loop" and set(meta["versions"]) == {"torch", "megatron-core"}
     assert meta["state_locations"] == builtin["state_locations"]
     assert meta["capture"]["config"]["train"]["weight_decay_params"] == "not_1d"
+
+
+def test_the_recorded_loop_ends_with_the_unrecorded_loops_bits(compared, tmp_path):
+    from safetensors.numpy import load_file
+
+    _, folders = compared
+    finals = {name: tmp_path / f"{name}.safetensors" for name in ("recorded", "unrecorded")}
+    run_example("megatron_loop.py", folders["a"], tmp_path / "recorded", "--final-state", str(finals["recorded"]))
+    run_example("megatron_loop.py", folders["a"], tmp_path / "unrecorded", "--final-state", str(finals["unrecorded"]),
+                "--unrecorded")
+    mine, theirs = (load_file(finals[name]) for name in ("recorded", "unrecorded"))
+    assert mine.keys() == theirs.keys() and any(n.startswith("state0.") for n in mine)
+    differing = [n for n in mine if mine[n].tobytes() != theirs[n].tobytes()]
+    assert not differing, differing
 
 
 def test_a_loop_without_finalize_model_grads_parts_at_the_routing_bias(compared, tmp_path):

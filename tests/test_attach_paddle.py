@@ -67,7 +67,7 @@ def test_a_recorded_paddle_loop_ends_with_the_unrecorded_loops_bits(plain_loop, 
     zero_grads = meta(tmp_path)["zero_grads"]
     assert {step: experts(names) for step, names in zero_grads.items()} == \
         {f"step {step}": experts(names) for step, names in without.items() if names}
-    assert result["warnings"] == [] and "recording_stopped" not in meta(tmp_path)
+    assert result["warnings"] == [] and "stopped" not in meta(tmp_path)["capture"]
 
 
 def test_a_recording_that_fails_stops_with_a_note_and_the_training_goes_on(plain_loop, tmp_path):
@@ -75,7 +75,8 @@ def test_a_recording_that_fails_stops_with_a_note_and_the_training_goes_on(plain
     result = run_mode("loop-broken", tmp_path)
     assert state(tmp_path) == state(plain)
     written = meta(tmp_path)
-    assert written["recording_stopped"]["step"] == 2 and "Not a directory" in written["recording_stopped"]["why"]
+    stopped = written["capture"]["stopped"]
+    assert stopped["step"] == 2 and "Not a directory" in stopped["error"], stopped
     assert [s["step"] for s in written["capture"]["steps"]] == [1] and list(written["zero_grads"]) == ["step 1"]
     assert len(result["warnings"]) == 1 and "recording stopped at step 2" in result["warnings"][0]
 

@@ -6,6 +6,11 @@ tests/test_train_ranks_e2e.py). Tiny 2-layer DeepSeek-V3, 2 steps of 2 micro-bat
   capture equals the built-in run bit for bit; rank 0 wrote the canonical state (the other rank's experts and pieces
   gathered through the runner's ``MegatronStates``), rank 1 the digests of what it holds, and compare-runs checks every
   rank against rank 0 (``ranks_agree``): identical.
+- The torch recorder (``StepRecorder``) in a plain torch loop under torch's DistributedDataParallel on 2 ranks
+  (tests/support/torch_ranks_loop.py): its run is the same loop's on one rank bit for bit through compare-runs (every
+  rank's losses gathered in global micro-batch order, each its share of the step's loss: DDP's averaging and the
+  one-rank loop's division by the micro-batches are both exact powers of two); issue 40, finding 5: the loss was
+  this rank's alone and compare-runs refused the run.
 """
 
 import json
@@ -25,6 +30,7 @@ from tests.support.train import TINY_TRAIN, run_train_case, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ranks]
 LOOP = REPO_ROOT / "docs" / "examples" / "attach" / "megatron_loop.py"
+TORCH_LOOP = REPO_ROOT / "tests" / "support" / "torch_ranks_loop.py"
 RANKED = {"dp2": {**TINY_TRAIN, "dp": 2}, "dp2_ep2": {**TINY_TRAIN, "dp": 2, "ep": 2}}
 
 
@@ -98,3 +104,27 @@ def test_compare_runs_fails_a_captured_run_whose_rank_1_departs(cases, tmp_path,
     outcome, _ = compare_runs(builtin, captured, reports_dir=tmp_path)
     assert (outcome.verdict, outcome.exit_code) == ("DIFF", 1), outcome.message
     assert "rank 1 departs from rank 0 at step 2" in outcome.message and name in outcome.message, outcome.message
+
+
+def test_the_torch_recorder_on_two_ranks_gives_the_one_rank_loops_bits(tmp_path):
+    if absent("transformers"):
+        pytest.skip("needs transformers")
+    from tests.test_attach_torch import train
+
+    env = {**runner_env("cpu"), "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("ONEDNN_VERBOSE", None)
+    captured = tmp_path / "ddp"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(TORCH_LOOP), str(captured)],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(captured / "steps")) == ["step00001.rank1.safetensors", "step00001.safetensors",
+                                                       "step00002.rank1.safetensors", "step00002.safetensors"]
+    described = json.loads((captured / "meta.json").read_text())["capture"]["config"]["train"]
+    assert (described["dp"], described["micro_batches"]) == (2, 2)
+    one_rank, *_ = train(tmp_path / "one")
+    outcome, run_dir = compare_runs(one_rank, captured, reports_dir=tmp_path)
+    assert outcome.verdict == "BITWISE_PASS" and outcome.exit_code == 0, outcome.message
+    assert len(outcome.tensors) == 346
+    agree = json.loads((run_dir / "report.json").read_text())["sides"][1]["meta"]["ranks_agree"]
+    assert agree["ranks"] == 2 and agree["checked"] > 0 and agree["differing_count"] == 0, agree

@@ -6,15 +6,27 @@ DeepSeek-V3 of tests/support/train.py in HF transformers, initialised by transfo
   through compare-runs (step 2 by digest): the digests of a step not kept stand for its tensors.
 - A loop that decays every parameter against one that leaves the 1-D ones undecayed is an ERROR naming
   weight_decay_params with both values (compare-runs compares no runs of other training settings).
-- The recorder refuses a step out of order, a step with another number of micro-batches, and an optimizer the harness
-  has no record of, each naming it.
+- The recorded loop ends with the unrecorded loop's bits (every parameter, every optimizer state tensor), also where
+  one parameter's gradient is None (dropped by a hook): the recorder writes zeros for it, leaves its ``.grad`` None
+  and names it in meta.json (issue 40, finding 3).
+- At construction the recorder refuses what its record could not describe: an optimizer the harness has no record
+  of, a trained parameter the family's name map does not read (finding 4), AdamW's amsgrad or maximize, SGD's
+  maximize or nesterov, a bfloat16 model without fp32 masters (finding 10); it lists an optimizer flag that keeps
+  the math (differentiable) in meta.json.
+- An error while recording (a step out of order, another number of micro-batches, a disk that fills at step 2: a
+  test double of the writer's save) stops the recording, not the loop: the loop trains to the end with the
+  unrecorded loop's bits, one warning is logged, meta.json says at which step and why, and compare-runs refuses the
+  run (ERROR) rather than passing the steps before (finding 10).
 """
 
+import errno
 import json
+import logging
 
 import pytest
 import torch
 
+from harness.attach.torch import AttachError, StepRecorder
 from harness.commands.compare_runs import compare_runs
 from harness.families import model_config
 from tests.support.installed import absent
@@ -34,19 +46,31 @@ def tiny_model():
     return model
 
 
-def train(folder, *, steps_kept="all", not_1d=True):
-    """The loop of docs/attach.md, "Any torch loop"."""
-    from harness.attach.torch import StepRecorder
+DROPPED = "model.layers.0.mlp.up_proj.weight"  # a trained parameter whose gradient a hook sets to None
 
-    model = tiny_model()
+
+def optimizer_of(model, not_1d=True):
     params = list(model.parameters())
     groups = ([{"params": [p for p in params if p.dim() > 1]},
                {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}] if not_1d
               else [{"params": params}])
-    optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    recorder = StepRecorder(folder, model, optimizer, TINY_MODEL, steps_kept=steps_kept, stated={"clip_grad": 1.0})
+    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, steps=2, writer=None):
+    """The loop of docs/attach.md, "Any torch loop" (without a recorder where not `recorded`; `drop`: a parameter
+    whose gradient a hook sets to None after each accumulation; `writer`: a test double put in place of the step
+    writer's save). Returns the folder, the model and the optimizer."""
+    model = tiny_model()
+    if drop:
+        model.get_parameter(drop).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    optimizer = optimizer_of(model, not_1d)
+    recorder = (StepRecorder(folder, model, optimizer, TINY_MODEL, steps_kept=steps_kept, stated={"clip_grad": 1.0})
+                if recorded else None)
+    if writer:
+        recorder.writer.save = writer(recorder.writer.save)
     data = torch.Generator().manual_seed(1)
-    for step in (1, 2):
+    for step in range(1, steps + 1):
         losses = []
         for _ in range(2):
             ids = torch.randint(0, TINY_MODEL["vocab_size"], (1, 8), generator=data)
@@ -56,18 +80,36 @@ def train(folder, *, steps_kept="all", not_1d=True):
                                        shift_labels=labels) / 2
             loss.backward()
             losses.append(loss.detach())
-        grads = recorder.grads()
-        norm, factor = recorder.clip_grad_norm_(model.parameters(), 1.0)  # the model's order, both runs
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        recorder.record(step, losses, lr, grads, grad_norm=norm, clip_coeff=factor)
+        if recorder is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        else:
+            grads = recorder.grads()
+            norm, factor = recorder.clip_grad_norm_(model.parameters(), 1.0)  # the model's order, both runs
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            recorder.record(step, losses, lr, grads, grad_norm=norm, clip_coeff=factor)
         optimizer.zero_grad()
-    return folder
+    return folder, model, optimizer
+
+
+def final_bits(model, optimizer) -> dict:
+    """Every parameter and every optimizer state tensor at the end, as integers (bits)."""
+    tensors = {f"param.{n}": p for n, p in model.named_parameters()}
+    tensors |= {f"state.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
+    return {name: t.detach().clone().view(torch.int32 if t.dtype == torch.float32 else t.dtype)
+            for name, t in tensors.items()}
+
+
+def assert_same_bits(mine: dict, theirs: dict) -> None:
+    assert mine.keys() == theirs.keys()
+    differing = [name for name in mine if not torch.equal(mine[name], theirs[name])]
+    assert not differing, differing
 
 
 def test_a_step_kept_as_digests_compares_as_its_tensors(tmp_path):
-    kept = train(tmp_path / "kept")
-    digests = train(tmp_path / "digests", steps_kept=[1])
+    kept, *_ = train(tmp_path / "kept")
+    digests, *_ = train(tmp_path / "digests", steps_kept=[1])
     result, run_dir = compare_runs(kept, digests, reports_dir=tmp_path)
     report = json.loads((run_dir / "report.json").read_text())
     assert result.verdict == "BITWISE_PASS" and result.exit_code == 0, result.message
@@ -80,22 +122,95 @@ def test_a_step_kept_as_digests_compares_as_its_tensors(tmp_path):
 def test_another_weight_decay_is_an_error_naming_it(tmp_path):
     """The two loops' step files part at step 1's 1-D parameters; the recorders' descriptions say why before any file
     is read: compare-runs refuses runs of other training settings (issue 40)."""
-    result, _ = compare_runs(train(tmp_path / "not_1d"), train(tmp_path / "all", not_1d=False), reports_dir=tmp_path)
+    result, _ = compare_runs(train(tmp_path / "not_1d")[0], train(tmp_path / "all", not_1d=False)[0],
+                             reports_dir=tmp_path)
     assert result.verdict == "ERROR" and result.exit_code == 2, result.message
     assert "weight_decay_params: 'not_1d' in run A, 'all' in run B" in result.message, result.message
 
 
-def test_the_recorder_refuses_what_it_cannot_record(tmp_path):
-    from harness.attach.torch import AttachError, StepRecorder
+@pytest.mark.parametrize("drop", [None, DROPPED])
+def test_the_recorded_loop_ends_with_the_unrecorded_loops_bits(drop, tmp_path):
+    _, model, optimizer = train(tmp_path / "recorded", drop=drop)
+    _, bare_model, bare_optimizer = train(None, recorded=False, drop=drop)
+    assert_same_bits(final_bits(model, optimizer), final_bits(bare_model, bare_optimizer))
+    assert len(optimizer.state_dict()["state"]) == 30 - (drop is not None)  # AdamW never stepped the dropped one
+    meta = json.loads((tmp_path / "recorded" / "meta.json").read_text())
+    assert [s.get("without_grad") for s in meta["capture"]["steps"]] == [[drop] if drop else None] * 2
+    if drop:  # the step file holds zeros for it: the up half of the canonical gate_up_proj (cat0 of gate, up)
+        from safetensors.torch import load_file
 
+        written = load_file(tmp_path / "recorded" / "steps" / "step00001.safetensors")
+        gate_up = written["step1.grad.model.layers.0.mlp.gate_up_proj.weight"]
+        half = TINY_MODEL["intermediate_size"]
+        assert gate_up[:half].any() and not gate_up[half:].any()
+
+
+def test_the_recorder_refuses_what_it_cannot_describe(tmp_path):
     model = tiny_model()
-    with pytest.raises(AttachError, match=r"optimizer torch.optim.adam.Adam: the recorder writes the state of AdamW"):
-        StepRecorder(tmp_path / "adam", model, torch.optim.Adam(model.parameters()), TINY_MODEL)
+    refused = {
+        "optimizer torch.optim.adam.Adam: the recorder writes the state of AdamW": torch.optim.Adam(model.parameters()),
+        "AdamW with amsgrad=True: the adamw record is its math without amsgrad":
+            torch.optim.AdamW(model.parameters(), amsgrad=True),
+        "AdamW with maximize=True: the adamw record": torch.optim.AdamW(model.parameters(), maximize=True),
+        "SGD with maximize=True: the sgd record": torch.optim.SGD(model.parameters(), momentum=0.9, maximize=True),
+        "SGD with nesterov=True: the sgd record": torch.optim.SGD(model.parameters(), momentum=0.9, nesterov=True),
+    }
+    for message, optimizer in refused.items():
+        with pytest.raises(AttachError, match=message):
+            StepRecorder(tmp_path / "refused", model, optimizer, TINY_MODEL)
     with pytest.raises(AttachError, match=r"model_config: .*'no_such_key'"):
         StepRecorder(tmp_path / "bad", model, torch.optim.AdamW(model.parameters()), {**TINY_MODEL, "no_such_key": 1})
-    recorder = StepRecorder(tmp_path / "r", model, torch.optim.AdamW(model.parameters()), TINY_MODEL)
-    with pytest.raises(AttachError, match=r"step 2 recorded after 0 steps: .*expected 1"):
-        recorder.record(2, [torch.tensor(1.0)], 1e-3, {})
+    model.extra = torch.nn.Parameter(torch.zeros(3))  # trained, outside the family's name map
+    with pytest.raises(AttachError, match=r"trained parameters extra \(1\): in the optimizer's param groups, read by "
+                                          r"no rule of the deepseek_v3 name map"):
+        StepRecorder(tmp_path / "extra", model, torch.optim.AdamW(model.parameters()), TINY_MODEL)
+    del model.extra
+    with pytest.raises(AttachError, match=r"dtype bfloat16 without fp32 master weights: .* pass masters="):
+        StepRecorder(tmp_path / "bf16", model.to(torch.bfloat16), torch.optim.AdamW(model.parameters()), TINY_MODEL)
+
+
+def test_a_flag_that_keeps_the_math_is_listed(tmp_path):
+    model = tiny_model()
+    recorder = StepRecorder(tmp_path, model, torch.optim.AdamW(model.parameters(), differentiable=True), TINY_MODEL)
+    recorder.write_meta()
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["capture"]["not_described"] == {"optimizer_flags": {"differentiable": True}}
+
+
+def disk_full_at_step_2(save):
+    """A test double of the step writer's save: the disk fills when step 2 is written."""
+    def save_or_fail(tensors, path, metadata):
+        if "step00002" in path:
+            raise OSError(errno.ENOSPC, "No space left on device (test double)")
+        save(tensors, path, metadata)
+    return save_or_fail
+
+
+def test_an_error_while_recording_stops_the_recording_not_the_loop(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="harness.attach.torch"):
+        folder, model, optimizer = train(tmp_path / "full", steps=3, writer=disk_full_at_step_2)
+    _, bare_model, bare_optimizer = train(None, recorded=False, steps=3)
+    assert_same_bits(final_bits(model, optimizer), final_bits(bare_model, bare_optimizer))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "recording stopped at step 2" in warnings[0], warnings
+    capture = json.loads((folder / "meta.json").read_text())["capture"]
+    assert capture["stopped"] == {"step": 2, "error": "OSError: [Errno 28] No space left on device (test double)"}
+    assert [s["step"] for s in capture["steps"]] == [1] and capture["config"]["train"]["steps"] == 2
+    whole, *_ = train(tmp_path / "whole")
+    result, _ = compare_runs(whole, folder, reports_dir=tmp_path)
+    assert result.verdict == "ERROR" and result.exit_code == 2, result.message
+    assert "step00002.safetensors is missing" in result.message, result.message
+
+
+def test_a_misused_recorder_stops_with_a_note(tmp_path):
+    model = tiny_model()
+    recorder = StepRecorder(tmp_path / "order", model, torch.optim.AdamW(model.parameters()), TINY_MODEL)
+    recorder.record(2, [torch.tensor(1.0)], 1e-3, {})  # returns
+    stopped = json.loads((tmp_path / "order" / "meta.json").read_text())["capture"]["stopped"]
+    assert stopped == {"step": 2, "error": "AttachError: step 2 recorded after 0 steps: record every step, in "
+                                           "order (expected 1)"}
+    recorder = StepRecorder(tmp_path / "count", model, torch.optim.AdamW(model.parameters()), TINY_MODEL)
     recorder.micro_batches = 2  # as if step 1 had two micro-batches
-    with pytest.raises(AttachError, match=r"step 1 has 1 micro-batch losses, step 1 had 2"):
-        recorder.record(1, [torch.tensor(1.0)], 1e-3, {})
+    recorder.record(1, [torch.tensor(1.0)], 1e-3, {})
+    stopped = json.loads((tmp_path / "count" / "meta.json").read_text())["capture"]["stopped"]
+    assert stopped["error"] == "AttachError: step 1 has 1 micro-batch losses, step 1 had 2"

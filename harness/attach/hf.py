@@ -19,7 +19,8 @@ and are put back when training ends, see those where the Trainer computes them:
   ``harness.runners.torch.hf_train.ClipFactor``: the output of its one ``torch.clamp``).
 
 Then ``on_optimizer_step`` (after ``optimizer.step()``, before the scheduler steps and the gradients are zeroed)
-records the step with the lr the step used.
+records the step with the lr the step used. An error of an observer or of the recording stops the recording
+(``StepRecorder.guard``: a note in meta.json, one warning), never the Trainer.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class StepRecorderCallback(TrainerCallback):
             observer = Backpropagated()
             with observer:
                 result = backward(loss, *args, **kwargs)
-            self.losses.append(observer.loss())
+            self.recorder.guard(lambda: self.losses.append(observer.loss()))
             return result
 
         def observed_clip(parameters, max_norm, *args, **kwargs):
@@ -92,7 +93,8 @@ class StepRecorderCallback(TrainerCallback):
             with observer:
                 norm = clip(parameters, max_norm, *args, **kwargs)
             self.norm = norm
-            self.factor = observer.factor() if max_norm != float("inf") else None  # inf: a norm, no clipping
+            if max_norm != float("inf"):  # inf: a norm, no clipping
+                self.factor = self.recorder.guard(observer.factor)
             return norm
 
         trainer.accelerator.backward, trainer.accelerator.clip_grad_norm_ = observed_backward, observed_clip
@@ -115,10 +117,13 @@ class StepRecorderCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.grads is None:  # no clipping call this step: the gradients are the ones the optimizer takes
             self.grads = self.recorder.grads()
+        self.lr = self.recorder.guard(self._lr)
+
+    def _lr(self) -> float:
         lrs = {group["lr"] for group in self.recorder.optimizer.param_groups}
         if len(lrs) != 1:
             raise RuntimeError(f"the optimizer's param groups step with different lrs {sorted(lrs)}: one lr a step")
-        self.lr = lrs.pop()
+        return lrs.pop()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.recorder.record(state.global_step + 1, self.losses, self.lr, self.grads, self.norm, self.factor)

@@ -76,16 +76,20 @@ class MegatronStepRecorder(StepRecorder):
         self.states = MegatronStates(names, model, optimizer, dict(train_state_names(self.m)), ranks.gather_group(),
                                      ep, carried_quantities(self.record_of), routed_expert_names(full))
         self.pending = None
+        self.model = model
+        self._refuse_what_it_cannot_describe()
         self._observe()
 
     def _observe(self) -> None:
         step = self.optimizer.step
 
         def observed_step(*args, **kwargs):
-            grads, lr = held(self.states, "grad", clone=True), self.states.lr()  # step() clips them in place
+            # step() clips the gradients in place; a rank whose recording stopped reads nothing (held gathers: on
+            # several ranks the others then wait, see docs/attach.md)
+            read = self.guard(lambda: (held(self.states, "grad", clone=True), self.states.lr()))
             with clip_scale() as scales:
                 result = step(*args, **kwargs)
-            self.pending = (grads, lr, result, list(scales))
+            self.pending = None if read is None else (*read, result, list(scales))
             return result
 
         self.optimizer.step = observed_step
@@ -95,7 +99,11 @@ class MegatronStepRecorder(StepRecorder):
         vars(self.optimizer).pop("step", None)
 
     def record(self, step: int, losses) -> None:
-        """Step `step`'s file, after ``optimizer.step()``: `losses` the step's micro-batch losses (this rank's)."""
+        """Step `step`'s file, after ``optimizer.step()``: `losses` the step's micro-batch losses (this rank's).
+        Returns, whatever happens (``guard``)."""
+        self.guard(lambda: self._record(step, losses), step)
+
+    def _record(self, step: int, losses) -> None:
         losses = self._check(step, losses)
         if self.pending is None:
             raise AttachError(f"step {step}: optimizer.step() was not called since the last record")
@@ -116,6 +124,12 @@ class MegatronStepRecorder(StepRecorder):
 
     def _groups(self) -> list[dict]:
         return [group for inner in self.optimizer.chained_optimizers for group in inner.optimizer.param_groups]
+
+    def _unread_parameters(self) -> list[str]:
+        """The model's trained parameters (Megatron's optimizer steps every one that requires a gradient) that no
+        rule of the name map reads."""
+        read = {id(param) for param in self.states.rules.values()}
+        return [name for name, param in self.model.named_parameters() if param.requires_grad and id(param) not in read]
 
     def _has_masters(self) -> bool:
         return bool(self.states.masters)

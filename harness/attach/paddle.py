@@ -10,15 +10,13 @@ after it.
 
 It changes nothing in the loop (issue 40): a parameter without a gradient is written as the zeros Paddle would start
 from, its ``grad`` left None (meta.json's ``zero_grads`` names it per step, as the runner's); an error while recording
-stops the recording, not the training (meta.json's ``recording_stopped``, one warning). What it cannot describe is
-refused when it is built (``AttachError``): a trained parameter no name-map rule reads, an optimizer setting its
-record lacks (``harness.attach.paddle_optimizer``), several ranks (one rank's loop is what is tested).
+stops the recording, not the training (the base class's ``guard``: meta.json's ``capture.stopped``, one warning). What
+it cannot describe is refused when it is built (``AttachError``): a trained parameter no name-map rule reads, an
+optimizer setting its record lacks (``harness.attach.paddle_optimizer``), several ranks (one rank's loop is what is
+tested).
 """
 
 from __future__ import annotations
-
-import logging
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -30,8 +28,6 @@ from harness.families.names import NameMap
 from harness.runners.paddle.model import paddle
 from harness.runners.paddle.train import Trainer as RunnerTrainer
 from harness.runners.paddle.train import _at, _save, global_losses
-
-LOG = logging.getLogger(__name__)
 
 
 class PaddleStates:
@@ -95,7 +91,7 @@ class PaddleStepRecorder(StepRecorder):
         self.no_masters = (f"{len(low)} {paddle_optimizer.dtype_of(low[0])} parameters updated in place, without "
                            "fp32 masters (multi_precision off)") if low else None
         self.zero_grads: dict[str, list[str]] = {}  # "step k" -> canonical names without a gradient at step k
-        self.without, self.stopped = [], None
+        self.without: list[str] = []  # this step's parameters without a gradient, read by grads()
 
     def _rank_and_world(self) -> tuple[int, int]:
         if paddle.distributed.is_initialized():
@@ -112,38 +108,20 @@ class PaddleStepRecorder(StepRecorder):
         flags = paddle.get_flags(["FLAGS_use_accuracy_compatible_kernel"])
         return {"framework": "paddle", "device": self.device_type, "paddle_flags": flags}
 
-    @contextmanager
-    def recording(self, step: int):
-        """Where the recorder works in the user's loop: an error stops the recording (meta.json says at which step and
-        why, one warning is logged), never the training."""
-        try:
-            yield
-        except Exception as error:  # noqa: BLE001 - any failure of the recorder's, whatever it is, is its own
-            self.stopped = {"step": step, "why": f"{type(error).__name__}: {error}"}
-            LOG.warning("harness recorder: recording stopped at step %d (%s); the training goes on, %s/meta.json "
-                        "says so", step, self.stopped["why"], self.folder)
-            try:
-                self.write_meta()
-            except Exception as also:  # noqa: BLE001 - the meta cannot be written either: the warning is all there is
-                LOG.warning("harness recorder: meta.json not written: %s", also)
-
     def grads(self) -> dict[str, np.ndarray]:
         """The gradients the optimizer is about to consume (canonical host copies): before ``optimizer.step()``.
-        A gradient Paddle has not made (``param.grad`` None) is read as zeros and left None."""
-        if self.stopped:
-            return {}
-        with self.recording(len(self.steps) + 1):
-            self.without = self.states.without_gradient()
-            return {f"grad.{name}": value.copy() for name, value in self.states.canonical("grad").items()}
-        return {}
+        A gradient Paddle has not made (``param.grad`` None) is read as zeros and left None. An error stops the
+        recording, not the training (the base class's ``guard``)."""
+        return self.guard(self._grads) or {}
+
+    def _grads(self) -> dict[str, np.ndarray]:
+        self.without = self.states.without_gradient()
+        return {f"grad.{name}": value.copy() for name, value in self.states.canonical("grad").items()}
 
     def record(self, step: int, losses, lr: float, grads: dict, grad_norm=None, clip_coeff=None) -> None:
         """Step `step`'s file, after ``optimizer.step()``: `losses` each micro-batch's share of the step's loss,
         `lr` the lr the step used, `grads` from ``grads()``, `grad_norm` / `clip_coeff` what the clip computed."""
-        if self.stopped:
-            return
-        with self.recording(step):
-            self._record(step, losses, lr, grads, grad_norm, clip_coeff)
+        self.guard(lambda: self._record(step, losses, lr, grads, grad_norm, clip_coeff), step)
 
     def _record(self, step: int, losses, lr: float, grads: dict, grad_norm, clip_coeff) -> None:
         losses = self._check(step, losses)
@@ -168,8 +146,6 @@ class PaddleStepRecorder(StepRecorder):
 
     def _meta_notes(self) -> dict:
         notes = {"zero_grads": self.zero_grads}
-        if self.stopped:
-            notes["recording_stopped"] = self.stopped
         if self.no_masters:
             notes["no_masters"] = self.no_masters
         return notes

@@ -10,11 +10,16 @@ runner's holds (versions, device, determinism flags, environment flags, state lo
 ``capture``, the request's fields a comparison reads (``harness.run.steps.CAPTURE``): the model's config, the dtype,
 and the training settings as far as the loop shows them (the optimizer's own from its param groups; what the loop
 alone knows, its schedule, from the caller).
+
+A recorder changes nothing in the loop it records, refuses at construction what its record could not describe
+(``_refuse_what_it_cannot_describe``), and never stops the loop: an error while recording stops the recording only,
+with a note in meta.json (``guard``, ``_stop``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -27,8 +32,9 @@ from harness.families import model_config
 from harness.families.names import NameMap
 from harness.optimizers import OPTIMIZERS
 from harness.run.protocol import META, env_flags, host_provenance
-from harness.run.steps import CAPTURE, StepWriter, state_locations
+from harness.run.steps import CAPTURE, StepWriter, state_locations, step_file
 from harness.runners.torch import env as torch_env
+from harness.runners.torch import ranks
 from harness.runners.torch.train_state import TorchStates, host_bytes, save_on_host
 
 # optimizer class (torch.optim's; paddle.optimizer's) -> the optimizer record (harness.optimizers) whose state it keeps
@@ -46,6 +52,12 @@ class _Every:
 
 
 EVERY = _Every()
+log = logging.getLogger(__name__)
+# optimizer flags the optimizer records describe as their math: a loop that sets one is refused
+REFUSED_FLAGS = {"adamw": {"amsgrad": False, "maximize": False}, "sgd": {"maximize": False, "nesterov": False,
+                                                                         "dampening": 0}}
+# flags that keep the record's math in another code path (its bits may differ, as foreach's and fused's do): listed
+LISTED_FLAGS = ("capturable", "differentiable")
 
 
 class AttachError(ValueError):
@@ -75,7 +87,9 @@ class StepRecorder:
         self._common(folder, model_config, type(optimizer), dtype or str(first.dtype).removeprefix("torch."),
                      steps_kept, stated, runner, implementation, knobs, adapters, versions)
         self.states = TorchStates.hf(model, self.m, NameMap.load(self.family, "hf"), optimizer,
-                                     carried_quantities(self.record_of), self.masters)
+                                     carried_quantities(self.record_of), self.masters, fill_absent_grads=False)
+        self.group = ranks.gather_group()  # every rank's losses, in global micro-batch order
+        self._refuse_what_it_cannot_describe()
 
     def _common(self, folder, model_config, optimizer_class, dtype: str, steps_kept, stated, runner,
                 implementation, knobs, adapters, versions) -> None:
@@ -101,6 +115,8 @@ class StepRecorder:
         self.writer = StepWriter(self.folder, [], *self._writes(), rank)
         self.writer.kept = self.kept if rank == 0 else set()  # "all" of an unknown number of steps
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
+        self.stopped: dict | None = None  # {"step", "error"} once an error stopped the recording
+        self.listed: dict = {}  # optimizer flags meta.json lists (``_refuse_what_it_cannot_describe``)
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
         self.versions = {**self._versions(), **(versions or {})}
 
@@ -124,6 +140,73 @@ class StepRecorder:
                                 "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                                 "cudnn_deterministic": torch.backends.cudnn.deterministic},
                 **torch_env.provenance(self.device)}
+
+    # --- what a recorder refuses at construction (each a method a subclass may override) -------------------------
+    def _refuse_what_it_cannot_describe(self) -> None:
+        """AttachError, before the loop trains, for a run whose record would be refused or would say less than it
+        trained: masters where the dtype takes none (or none where it does), an optimizer flag outside the record's
+        math, a trained parameter no name-map rule reads. What stays comparable is listed in meta.json
+        (``capture.not_described``)."""
+        self._check_masters()
+        self._optimizer_fields()  # the optimizer's settings as the record has them, or AttachError
+        self.listed = {flag: value for group in self._groups() for flag, value in self._listed_flags(group).items()}
+        unread = self._unread_parameters()
+        if unread:
+            raise AttachError(f"trained parameters {', '.join(unread[:5])}{' ...' if len(unread) > 5 else ''} "
+                              f"({len(unread)}): in the optimizer's param groups, read by no rule of the "
+                              f"{self.family} name map ([{self.stack}] section): their training would not be "
+                              "recorded; train them in another optimizer, or record a model the family describes")
+
+    def _check_masters(self) -> None:
+        """A bfloat16 loop trains fp32 masters and any other dtype none (what a training case's settings allow)."""
+        masters = self._has_masters()
+        if self.dtype == "bfloat16" and not masters:
+            raise AttachError("dtype bfloat16 without fp32 master weights: the records compare a bfloat16 run by "
+                              "its fp32 masters; pass masters={HF parameter name: its fp32 master} (the tensors "
+                              "your optimizer steps)")
+        if self.dtype != "bfloat16" and masters:
+            raise AttachError(f"dtype {self.dtype} with master weights: only a bfloat16 run keeps fp32 masters "
+                              "(pass masters=None)")
+
+    def _unread_parameters(self) -> list[str]:
+        """The optimizer's tensors no name-map rule reads (as parameter or master), by name where the model names
+        them."""
+        states = self.states
+        read = {id(states.masters.get(s, states.params[s])) for rule in states.rules.values() for s in rule.sources}
+        names = {id(t): n for n, t in {**states.params, **states.masters}.items()}
+        return [names.get(id(p), f"an unnamed {list(p.shape)} tensor") for g in self._groups() for p in g["params"]
+                if id(p) not in read]
+
+    def _listed_flags(self, group: dict) -> dict:
+        """The optimizer's flags set in `group` that the record's fields do not carry but the comparison survives."""
+        return {flag: group[flag] for flag in LISTED_FLAGS if group.get(flag)}
+
+    # --- an error while recording stops the recording, never the loop ---------------------------------------------
+    def guard(self, action, step: int | None = None, collective: bool = False):
+        """`action()`'s value; after an error (now or earlier) None, the recording stopped (``_stop``). A
+        `collective` action runs on a stopped rank too: the other ranks wait for it."""
+        if self.stopped is not None and not collective:
+            return None
+        try:
+            return action()
+        except Exception as error:  # noqa: BLE001 - any error of the recorder: the user's training goes on
+            if self.stopped is None:
+                self._stop(len(self.steps) + 1 if step is None else step, error)
+            return None
+
+    def _stop(self, step: int, error: Exception) -> None:
+        """No more steps are recorded; meta.json says at which step (the one the failing call named) and why, and
+        describes the run as one step longer than it recorded, that step's file absent (removed where it was written,
+        whole or in part), so that compare-runs refuses it (ERROR) rather than passes the steps before."""
+        self.stopped = {"step": step, "error": f"{type(error).__name__}: {error}"}
+        log.warning("harness recorder (%s): recording stopped at step %d (%s); training goes on unrecorded, "
+                    "%s says so", self.folder, step, self.stopped["error"], self.folder / META)
+        try:
+            step_file(self.folder, len(self.steps) + 1, self.rank).unlink(missing_ok=True)
+            self.write_meta()
+        except Exception as again:  # noqa: BLE001 - the folder itself failing: the warning is all there is
+            log.warning("harness recorder (%s): meta.json not written either (%s: %s)", self.folder,
+                        type(again).__name__, again)
 
     def _check(self, step: int, losses) -> list:
         """`losses` as a list, once the step is the next one and has step 1's number of micro-batches."""
@@ -155,8 +238,9 @@ class StepRecorder:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied: call after the last micro-batch's
-        backward, before clipping (it scales them in place)."""
-        return self.states.grads()
+        backward, before clipping (it scales them in place). A parameter without a gradient reads as zeros (its
+        ``.grad`` left None) and is named in meta.json (``capture.steps[k].without_grad``)."""
+        return self.guard(self.states.grads) or {}
 
     def clip_grad_norm_(self, parameters, max_norm: float):
         """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` as the loop would call it, returning (norm, the
@@ -171,26 +255,41 @@ class StepRecorder:
 
     def record(self, step: int, losses, lr: float, grads: dict[str, torch.Tensor], grad_norm=None,
                clip_coeff=None) -> None:
-        """Step `step`'s file, after ``optimizer.step()``: `losses` each micro-batch's loss as backpropagated,
-        `lr` the lr the step used, `grads` from ``grads()``, `grad_norm` / `clip_coeff` the norm and the factor the
-        loop's clipping computed and applied (None where it computes none)."""
+        """Step `step`'s file, after ``optimizer.step()``: `losses` each micro-batch's loss as backpropagated (this
+        rank's), `lr` the lr the step used, `grads` from ``grads()``, `grad_norm` / `clip_coeff` the norm and the
+        factor the loop's clipping computed and applied (None where it computes none). Returns, whatever happens
+        (``guard``)."""
+        every = None if self.group is None else self.guard(lambda: self._global_losses(losses), step, True)
+        self.guard(lambda: self._record(step, losses, every, lr, grads, grad_norm, clip_coeff), step)
+
+    def _global_losses(self, losses) -> torch.Tensor:
+        """Every rank's micro-batch losses in global order, each its share of the step's loss (hf_model's runner's
+        ``ranks.global_losses``). A collective: every rank calls it every step, stopped or not."""
+        local = torch.stack([loss.detach().reshape(()) for loss in losses])
+        return ranks.global_losses(local, self.world, self.group)
+
+    def _record(self, step: int, losses, every, lr: float, grads: dict, grad_norm, clip_coeff) -> None:
+        """`losses` this rank's, `every` all ranks' in global order (None on one rank)."""
         losses = self._check(step, losses)
+        if every is None:
+            every = torch.stack([loss.detach().reshape(()) for loss in losses])
         loss_dtype = torch.float64 if self.dtype == "float64" else torch.float32
-        scalars = {"lr": torch.tensor(float(lr), dtype=torch.float64),
-                   "loss": torch.stack([loss.detach().reshape(()) for loss in losses]).to(loss_dtype)}
+        scalars = {"lr": torch.tensor(float(lr), dtype=torch.float64), "loss": every.to(loss_dtype)}
         for name, value in (("grad_norm", grad_norm), ("clip_coeff", clip_coeff)):
             if value is not None:  # the gradients' dtype, as the runner writes them
                 scalars[name] = torch.as_tensor(value).detach().reshape(())
         self.has_clip = self.has_clip or clip_coeff is not None
+        without = sorted(self.states.absent)
         self.writer.write(step, scalars, self.states.step_outputs(grads))
-        self.steps.append({"step": step, "lr": float(lr)})
+        self.steps.append({"step": step, "lr": float(lr), **({"without_grad": without} if without else {})})
         self.write_meta()
 
     def describe(self) -> dict:
         """The training settings this run amounts to (``TrainSettings.to_dict``): the optimizer's from its param
         groups, the rest stated by the caller or read from the steps written."""
-        settings = {**self._optimizer_fields(),
-                    "steps": len(self.steps), "micro_batches": (self.micro_batches or 1) * self._layout()["dp"],
+        settings = {**self._optimizer_fields(),  # a stopped run describes the step it stopped at: its file absent
+                    "steps": len(self.steps) + (self.stopped is not None),
+                    "micro_batches": (self.micro_batches or 1) * self._layout()["dp"],
                     "min_lr": 0.0,
                     "warmup_steps": 0, "decay_style": "constant",
                     "decay_steps": max(1, len(self.steps)), "master_weights": self._has_masters(),
@@ -217,14 +316,18 @@ class StepRecorder:
                 "weight_decay": float(max(decays)), "weight_decay_params": shown}
 
     def _optimizer_settings(self, group: dict) -> dict:
+        name = self.record_of.name
+        changed = {flag: group.get(flag, default) for flag, default in REFUSED_FLAGS.get(name, {}).items()
+                   if group.get(flag, default) != default}
+        if changed:
+            shown = ", ".join(f"{flag}={value}" for flag, value in changed.items())
+            raise AttachError(f"{type(self.optimizer).__name__} with {shown}: the {name} record is its math without "
+                              f"{' or '.join(changed)} (harness.optimizers)")
         if self.record_of.name == "adamw":
             flags = ("fused" if group.get("fused") else "foreach" if group.get("foreach") else
                      "for_loop" if group.get("foreach") is False else "default")
             return {"betas": [float(b) for b in group["betas"]], "eps": float(group["eps"]), "torch_adamw": flags}
         if self.record_of.name == "sgd":
-            if group.get("nesterov") or group.get("dampening", 0):
-                raise AttachError(f"torch.optim.SGD with nesterov={group.get('nesterov')}, dampening="
-                                  f"{group.get('dampening')}: the sgd record is momentum without either")
             return {"optimizer": "sgd", "momentum": float(group["momentum"])}
         raise AttachError(f"no settings reader for {self.record_of.name}")
 
@@ -245,10 +348,17 @@ class StepRecorder:
                 **provenance, **self._meta_notes(),
                 CAPTURE: {"dtype": self.dtype, "device": provenance["device"], "tokens": None,
                           "config": {"model": self.m.to_dict(), "train": self.describe()},
-                          "steps": self.steps}}
+                          "steps": self.steps, **self._notes()}}
         path = self.folder / META
         path.with_suffix(".tmp").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
         os.replace(path.with_suffix(".tmp"), path)
+
+
+    def _notes(self) -> dict:
+        """What the description leaves out but the run holds: optimizer flags listed, not refused; where an error
+        stopped the recording."""
+        return {**({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
+                **({"stopped": self.stopped} if self.stopped else {})}
 
 
 def _model(config):

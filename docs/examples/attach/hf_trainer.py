@@ -8,6 +8,10 @@ compares with the built-in ``hf_model`` runner's folder (or any other captured r
 
     python docs/examples/attach/hf_trainer.py REPORT/b-hf_model/request.json OUT [--max-grad-norm 1.0]
 
+``--unrecorded`` trains without the recorder and ``--final-state FILE`` saves every parameter and optimizer state
+tensor at the end: the two show that the recorder changes nothing (tests/test_attach_hf.py); ``--drop-grad NAME``
+sets that parameter's gradient to None after each accumulation (a trained parameter without a gradient).
+
 What it sets so the Trainer does what hf_model's runner does (docs/attach.md says why each matters):
 ``train_sampling_strategy="sequential"`` (the case's micro-batches in order), the case's labels passed as
 ``shift_labels`` (they are next-token targets already; ``labels`` would be shifted again and lose the last token),
@@ -26,6 +30,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments
 
 from harness.attach.hf import attach
@@ -41,6 +46,9 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, help="the Trainer's clipping (default: the case's clip_grad)")
     parser.add_argument("--as-shipped", action="store_true", help="leave transformers 5.3.0's second division of the "
                                                                    "loss by the accumulation steps in place")
+    parser.add_argument("--unrecorded", action="store_true", help="train without the recorder")
+    parser.add_argument("--final-state", type=Path, help="save the parameters and optimizer state at the end")
+    parser.add_argument("--drop-grad", help="a parameter whose gradient is set to None after each accumulation")
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     model_config, train = request["config"]["model"], request["config"]["train"]
@@ -50,6 +58,8 @@ def main() -> None:
     hf = hf_model.builder(model_config).modeling()
     model = hf_model.build_model(hf, model_config, torch.float32, torch.device("cpu"), checkpoint,
                                  NameMap.load(model_config["family"], "hf"))
+    if args.drop_grad:
+        model.get_parameter(args.drop_grad).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     data = [{"input_ids": checkpoint[f"step{step}.mb{mb}.input_ids"],
              "labels": checkpoint[f"step{step}.mb{mb}.labels"],
              "shift_labels": checkpoint[f"step{step}.mb{mb}.labels"]}
@@ -69,8 +79,19 @@ def main() -> None:
     if not args.as_shipped:  # transformers 5.3.0 hands accelerate its accumulation steps and accelerate's backward
         trainer.accelerator.gradient_accumulation_steps = 1  # divides the loss by them again (issue 45305, PR 45349)
 
-    attach(trainer, args.out, model_config=model_config)  # the one line the harness asks for
+    if not args.unrecorded:
+        attach(trainer, args.out, model_config=model_config)  # the one line the harness asks for
     trainer.train()
+    if args.final_state:
+        save_file(final_state(trainer.model, trainer.optimizer), str(args.final_state))
+
+
+def final_state(model, optimizer) -> dict:
+    """Every parameter by name, every optimizer state tensor by its param index and key (torch's state_dict)."""
+    state = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"state.{i}.{key}": value.clone() for i, held in optimizer.state_dict()["state"].items()
+                  for key, value in held.items() if isinstance(value, torch.Tensor)})
+    return state
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ It trains the model and data of a registry training case (its request.json names
 local layer spec, the checkpoint through the name map) with the CPU adapters a Megatron-Core training run needs on a
 CPU (``CudaOnCpu``, see harness/runners/megatron/train.py); the loop is this file's: ``DistributedDataParallel``,
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func()`` with pretrain_gpt's loss
-function, ``optimizer.step()``, then the one call ``recorder.record(step, losses)``.
+function, ``optimizer.step()``, then the one call ``recorder.record(step, losses)``. ``--unrecorded`` trains without
+the recorder and ``--final-state FILE`` saves every parameter and optimizer state tensor at the end (rank 0's): the
+two show that the recorder changes nothing (tests/test_attach_megatron.py).
 """
 
 import argparse
@@ -23,6 +25,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors.torch import save_file
 
 from harness.attach.megatron import MegatronStepRecorder
 from harness.case.train_settings import rank_micro_batches
@@ -38,6 +41,8 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="the captured run's folder")
     parser.add_argument("--without-finalize", action="store_true",
                         help="leave config.finalize_model_grads_func unset, as a loop that skips Megatron-LM's setup")
+    parser.add_argument("--unrecorded", action="store_true", help="train without the recorder")
+    parser.add_argument("--final-state", type=Path, help="save the parameters and optimizer state at the end")
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     m, train = request["config"]["model"], request["config"]["train"]
@@ -75,19 +80,31 @@ def main() -> None:
             lr_warmup_steps=train["warmup_steps"], lr_decay_steps=train["decay_steps"],
             lr_decay_style=train["decay_style"], start_wd=train["weight_decay"], end_wd=train["weight_decay"],
             wd_incr_steps=train["decay_steps"], wd_incr_style="constant")
-    recorder = MegatronStepRecorder(args.out, [ddp], optimizer, m,
-                                    stated={"warmup_steps": train["warmup_steps"], "decay_style": train["decay_style"],
-                                            "decay_steps": train["decay_steps"]})
+    schedule = {key: train[key] for key in ("warmup_steps", "decay_style", "decay_steps")}
+    recorder = None if args.unrecorded else MegatronStepRecorder(args.out, [ddp], optimizer, m, stated=schedule)
     for step in range(1, train["steps"] + 1):
         batches = [(checkpoint[f"step{step}.mb{mb}.input_ids"].view(1, -1),
                     checkpoint[f"step{step}.mb{mb}.labels"].view(1, -1))
                    for mb in rank_micro_batches(train["micro_batches"], train["dp"], rank)]  # this rank's share
         with CudaOnCpu():
             losses = train_step([ddp], optimizer, scheduler, batches)
-        recorder.record(step, losses)  # the one call after optimizer.step()
-    recorder.close()
+        if recorder:
+            recorder.record(step, losses)  # the one call after optimizer.step()
+    if recorder:
+        recorder.close()
+    if args.final_state and rank == 0:
+        save_file(final_state(model, optimizer), str(args.final_state))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+def final_state(model, optimizer) -> dict:
+    """Every parameter by name, every state tensor of each inner torch optimizer by its param index and key."""
+    state = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for at, inner in enumerate(optimizer.chained_optimizers):
+        state.update({f"state{at}.{i}.{key}": value.clone() for i, held in inner.optimizer.state_dict()["state"].items()
+                      for key, value in held.items() if isinstance(value, torch.Tensor)})
+    return state
 
 
 def train_step(model_chunks, optimizer, scheduler, batches):

@@ -25,26 +25,39 @@ INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat
 
 
 class TorchStates:
-    def __init__(self, rules: dict, params: dict, masters: dict, optimizer, carried: tuple[str, ...]):
+    def __init__(self, rules: dict, params: dict, masters: dict, optimizer, carried: tuple[str, ...],
+                 fill_absent_grads: bool = True):
         self.rules, self.params, self.masters, self.optimizer = rules, params, masters, optimizer
         self.carried = carried  # what a step hands to the next (harness.case.ops.carried_quantities)
         self.buffers: dict[str, torch.Tensor] = {}  # canonical routing-bias name -> the model's buffer
+        # hf_model's runner gives a parameter without a gradient a zero one (its optimizer then steps it, as
+        # Megatron's zeroed gradient buffers do); a recorder in a user's loop changes nothing: it reads zeros and
+        # names the parameter (``absent``, the names read without a gradient since the last ``grads()``), and reads
+        # the optimizer state of a parameter never stepped as the zeros the optimizer would start it from
+        self.fill_absent_grads = fill_absent_grads
+        self.absent: set[str] = set()
 
     @classmethod
-    def hf(cls, model, m, name_map, optimizer, carried: tuple[str, ...], masters: dict | None = None) -> TorchStates:
+    def hf(cls, model, m, name_map, optimizer, carried: tuple[str, ...], masters: dict | None = None,
+           fill_absent_grads: bool = True) -> TorchStates:
         """An HF model's state (hf_model's runner, and the recorder in a user's HF loop: ``harness.attach``): each
         canonical parameter through its ``[hf.grads]`` rule, the routing biases by their checkpoint names (HF's buffer
         names are the checkpoint's)."""
         rules = {name: name_map.rule("grads", name, m) for name, _ in train_state_names(m)}
-        states = cls(rules, dict(model.named_parameters()), masters or {}, optimizer, carried)
+        states = cls(rules, dict(model.named_parameters()), masters or {}, optimizer, carried, fill_absent_grads)
         buffers = dict(model.named_buffers())
         states.buffers = {name: buffers[name] for name, _ in train_buffer_names(m)}
         return states
 
-    def source(self, quantity: str, name: str) -> torch.Tensor:
+    def source(self, quantity: str, name: str, filled: bool = False) -> torch.Tensor:
+        """The framework tensor behind `name`'s `quantity`; `filled`: a missing gradient is given a zero one (a
+        tensor to write into)."""
         optimized = self.masters.get(name, self.params[name])
         if quantity == "grad":
             if optimized.grad is None:
+                if not (filled or self.fill_absent_grads):
+                    self.absent.add(name)
+                    return torch.zeros_like(optimized)
                 optimized.grad = torch.zeros_like(optimized)
             return optimized.grad
         if quantity == "param":
@@ -52,6 +65,8 @@ class TorchStates:
         if quantity == "master":
             return self.masters[name]
         state = self.optimizer.state.get(optimized, {})
+        if not state and not self.fill_absent_grads:  # never stepped (never had a gradient): the state it would make
+            return torch.zeros_like(optimized)
         if quantity not in state:
             raise RuntimeError(f"{type(self.optimizer).__name__} keeps no {quantity!r} for {name} (it has "
                                f"{sorted(state)})")
@@ -67,6 +82,7 @@ class TorchStates:
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied (clipping and the step change them in
         place), keyed ``grad.<p>``."""
+        self.absent = set()
         return {f"grad.{name}": tensor.clone() for name, tensor in self.canonical("grad").items()}
 
     def step_outputs(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,7 +101,7 @@ class TorchStates:
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
         rule = self.rules[name]
-        put_rule(rule, [self.source(quantity, s) for s in rule.sources], value)
+        put_rule(rule, [self.source(quantity, s, filled=True) for s in rule.sources], value)
 
 
 def put_rule(rule, targets: list[torch.Tensor], value: torch.Tensor) -> None:
