@@ -143,6 +143,9 @@ def test_the_recorded_loop_ends_with_the_unrecorded_loops_bits(drop, tmp_path):
         gate_up = written["step1.grad.model.layers.0.mlp.gate_up_proj.weight"]
         half = TINY_MODEL["intermediate_size"]
         assert gate_up[:half].any() and not gate_up[half:].any()
+        result, _ = compare_runs(tmp_path / "recorded", tmp_path / "recorded", reports_dir=tmp_path / "reports")
+        assert result.verdict == "BITWISE_PASS", result.message
+        assert f"run A, step 1: 1 parameter(s) without a gradient, written as zeros: {drop}" in result.message
 
 
 def test_the_recorder_refuses_what_it_cannot_describe(tmp_path):
@@ -199,7 +202,7 @@ def test_an_error_while_recording_stops_the_recording_not_the_loop(tmp_path, cap
     whole, *_ = train(tmp_path / "whole")
     result, _ = compare_runs(whole, folder, reports_dir=tmp_path)
     assert result.verdict == "ERROR" and result.exit_code == 2, result.message
-    assert "step00002.safetensors is missing" in result.message, result.message
+    assert "its recorder stopped recording at step 2 (OSError" in result.message, result.message
 
 
 def test_a_misused_recorder_stops_with_a_note(tmp_path):
@@ -214,3 +217,15 @@ def test_a_misused_recorder_stops_with_a_note(tmp_path):
     recorder.record(1, [torch.tensor(1.0)], 1e-3, {})
     stopped = json.loads((tmp_path / "count" / "meta.json").read_text())["capture"]["stopped"]
     assert stopped["error"] == "AttachError: step 1 has 1 micro-batch losses, step 1 had 2"
+
+
+def test_a_trainers_schedule_is_read_from_its_value_and_another_shape_is_refused():
+    # str(SchedulerType.COSINE) is "SchedulerType.COSINE": read as text, every cosine run was described "constant"
+    from transformers.trainer_utils import SchedulerType
+
+    from harness.attach.torch import decay_style
+
+    assert [decay_style(SchedulerType(name)) for name in ("cosine", "cosine_with_min_lr", "constant",
+                                                          "constant_with_warmup")] == ["cosine"] * 2 + ["constant"] * 2
+    with pytest.raises(AttachError, match=r"lr_scheduler_type 'linear': the training settings describe cosine"):
+        decay_style(SchedulerType("linear"))

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
-from harness.attach.torch import StepRecorder
+from harness.attach.torch import StepRecorder, decay_style
 from harness.runners.torch.hf_train import ClipFactor
 
 RUNNER = "hf_trainer"
@@ -143,7 +143,7 @@ class StepRecorderCallback(TrainerCallback):
         kwargs = dict(args.lr_scheduler_kwargs or {})
         stated = {"clip_grad": float(args.max_grad_norm or 0.0), "warmup_steps": int(args.get_warmup_steps(
             args.max_steps)) if args.max_steps > 0 else 0,
-                  "decay_style": "cosine" if "cosine" in str(scheduler) else "constant",
+                  "decay_style": decay_style(scheduler),
                   "min_lr": float(kwargs.get("min_lr", 0.0))}
         if args.max_steps > 0:
             stated["decay_steps"] = int(args.max_steps)

@@ -24,6 +24,7 @@ from contextlib import ExitStack
 from paddleformers.trainer import TrainerCallback
 
 from harness.attach.paddle import PaddleStepRecorder
+from harness.attach.torch import decay_style
 from harness.runners.paddle.train import clip_norm_and_factor
 
 RUNNER = "paddleformers_trainer"
@@ -91,7 +92,7 @@ class StepRecorderCallback(TrainerCallback):
         trainer = self.trainer
         stated = {"clip_grad": float(args.max_grad_norm or 0.0), "min_lr": float(getattr(args, "min_lr", 0.0)),
                   "warmup_steps": int(args.warmup_steps or 0),
-                  "decay_style": "cosine" if "cosine" in str(args.lr_scheduler_type) else "constant"}
+                  "decay_style": decay_style(args.lr_scheduler_type)}
         if args.max_steps > 0:
             stated["decay_steps"] = int(args.max_steps)
         knobs = {"lr_scheduler": {"value": type(trainer.lr_scheduler).__name__,

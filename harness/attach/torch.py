@@ -64,6 +64,23 @@ class AttachError(ValueError):
     """A loop the recorder cannot capture as it is; the message names what and the value."""
 
 
+# a Trainer's lr_scheduler_type (HF's, PaddleFormers' SchedulerType values) -> its decay style (TrainSettings'):
+# one with another shape (linear, polynomial, restarts ...) has no description and is refused
+SCHEDULES = {"cosine": "cosine", "cosine_with_min_lr": "cosine", "constant": "constant",
+             "constant_with_warmup": "constant"}
+
+
+def decay_style(scheduler) -> str:
+    """The decay style of a Trainer's `scheduler` (an enum or its string), or AttachError naming it: its str() is
+    ``SchedulerType.COSINE``, never "cosine", so the value is read, not the text."""
+    name = str(getattr(scheduler, "value", scheduler))
+    if name not in SCHEDULES:
+        raise AttachError(f"lr_scheduler_type {name!r}: the training settings describe {', '.join(SCHEDULES)} "
+                          "(harness.case.train_settings' decay styles); a run of another schedule would be compared "
+                          "as if it had not been")
+    return SCHEDULES[name]
+
+
 class StepRecorder:
     """Writes `folder`/steps/step{k:05d}.safetensors and `folder`/meta.json for a torch loop.
 

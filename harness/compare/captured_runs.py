@@ -128,7 +128,12 @@ def as_case(run: CapturedRun, name: str = "", train: TrainSettings | None = None
 def check(run: CapturedRun) -> None:
     """Every step file the run's description promises, every kept tensor and every digest, in its dtype and shape
     (``harness.run.steps.validate``), and no step file beyond them (a description behind its steps: a recorder
-    stopped between the two); RunError naming the file and tensor."""
+    stopped between the two), and no recording a recorder stopped (an error in the user's loop: ``harness.attach``'s
+    ``capture.stopped``); RunError naming the file and tensor, or the step and error."""
+    stopped = (run.meta.get(CAPTURE) or {}).get("stopped") if isinstance(run.meta.get(CAPTURE), dict) else None
+    if stopped:
+        raise RunError(f"{run.folder}: its recorder stopped recording at step {stopped.get('step')} "
+                       f"({stopped.get('error')}; {META} field {CAPTURE}.stopped): the run is not whole")
     problem = steps.validate(run.folder, as_case(run))
     if problem:
         raise RunError(problem)
@@ -218,11 +223,31 @@ def comparison_case(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None = 
                      f"distances): run A keeps steps {_kept(a, count)}, run B {_kept(b, count)}")
     if not a.train.clip_grad:
         notes.append("clip factors not compared: neither run clips (clip_grad 0)")
+    for label, run in (("A", a), ("B", b)):
+        notes += recorder_notes(run, label, count)
     if truth is not None:
         check_truth(truth, a, mine, count)
     train = replace(a.train, steps=count, steps_kept=kept, flip=None)
     case = as_case(a, f"{a.folder.name} vs {b.folder.name}", train, (a.runner, b.runner))
     return case, notes
+
+
+def recorder_notes(run: CapturedRun, label: str, count: int) -> list[str]:
+    """What a recorder wrote beside its steps (harness.attach), as notes: the optimizer flags it listed, and the
+    parameters it found without a gradient (written as zeros), per compared step."""
+    capture = run.meta.get(CAPTURE) if isinstance(run.meta.get(CAPTURE), dict) else {}
+    notes = []
+    flags = (capture.get("not_described") or {}).get("optimizer_flags")
+    if flags:
+        notes.append(f"run {label}: optimizer flags its record does not carry (the same math): "
+                     + ", ".join(f"{flag}={value}" for flag, value in flags.items()))
+    absent = {f"step {s['step']}": s["without_grad"] for s in capture.get("steps", []) if s.get("without_grad")}
+    absent.update(run.meta.get("zero_grads") or {})  # the Paddle recorder's and the built-in runners' own key
+    for step, names in absent.items():
+        if names and int(step.split()[-1]) <= count:
+            notes.append(f"run {label}, {step}: {len(names)} parameter(s) without a gradient, written as zeros: "
+                         f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+    return notes
 
 
 def differences(a: CapturedRun, b: CapturedRun, fields_aside=()) -> tuple[list[str], list[str]]:
