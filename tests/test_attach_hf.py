@@ -202,7 +202,8 @@ def test_an_error_while_recording_leaves_the_trainer_training(tmp_path, monkeypa
     ids = [torch.randint(0, TINY_MODEL["vocab_size"], (8,), generator=data) for _ in range(6)]
     arguments = TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
                                   save_strategy="no", per_device_train_batch_size=1, gradient_accumulation_steps=2,
-                                  max_steps=3, train_sampling_strategy="sequential", dataloader_num_workers=0)
+                                  max_steps=3, train_sampling_strategy="sequential", dataloader_num_workers=0,
+                                  lr_scheduler_type="constant")  # HF's default, linear, is refused: no description
     trainer = Trainer(model=tiny_model(), args=arguments, train_dataset=[{"input_ids": i, "labels": i} for i in ids])
     attach(trainer, tmp_path / "run", model_config=TINY_MODEL)
     with caplog.at_level(logging.WARNING, logger="harness.attach.torch"):

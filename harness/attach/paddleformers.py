@@ -13,7 +13,7 @@ the gradients are read there, with the lr. Around the step, the paddle_model run
 instance, removed when training ends, keeps each micro-batch's share of the step's loss: ``training_step``'s return
 value (the loss / accumulation steps).
 
-An error in these events stops the recording (``PaddleStepRecorder.recording``: meta.json says at which step and why),
+An error in these events stops the recording (the recorder's ``guard``: meta.json says at which step and why),
 never the training; a loop the recorder cannot describe is refused when it is built, at the first step.
 """
 
@@ -61,26 +61,25 @@ class StepRecorderCallback(TrainerCallback):
         self.losses, self.grads, self.lr, self.seen = [], None, None, None
 
     def on_optimizer_begin(self, args, state, control, **kwargs):
-        if self.recorder.stopped:
-            return
-        with self.recorder.recording(state.global_step + 1):
-            self.grads, self.lr = self.recorder.grads(), self.recorder.optimizer.get_lr()
-            clip = getattr(self.recorder.optimizer, "_grad_clip", None)
-            self.seen = self.around_step.enter_context(clip_norm_and_factor(clip)) if clip is not None else None
+        self.recorder.guard(self._before_step, state.global_step + 1)
+
+    def _before_step(self) -> None:
+        self.grads, self.lr = self.recorder.grads(), self.recorder.optimizer.get_lr()
+        clip = getattr(self.recorder.optimizer, "_grad_clip", None)
+        self.seen = self.around_step.enter_context(clip_norm_and_factor(clip)) if clip is not None else None
 
     def on_optimizer_end(self, args, state, control, **kwargs):
         self.around_step.close()
-        if self.recorder.stopped:
-            return
-        with self.recorder.recording(state.global_step + 1):
-            norm = factor = None
-            if self.seen is not None:
-                if len(self.seen["sqrt"]) != 1 or len(self.seen["divide"]) != 1:
-                    raise RuntimeError(f"ClipGradByGlobalNorm called paddle.sqrt {len(self.seen['sqrt'])} and "
-                                       f"paddle.divide {len(self.seen['divide'])} times; the observer expects once "
-                                       "each")
-                norm, factor = self.seen["sqrt"][0], self.seen["divide"][0]
-            self.recorder.record(state.global_step + 1, self.losses, self.lr, self.grads, norm, factor)
+        self.recorder.guard(lambda: self._record(state.global_step + 1), state.global_step + 1)
+
+    def _record(self, step: int) -> None:
+        norm = factor = None
+        if self.seen is not None:
+            if len(self.seen["sqrt"]) != 1 or len(self.seen["divide"]) != 1:
+                raise RuntimeError(f"ClipGradByGlobalNorm called paddle.sqrt {len(self.seen['sqrt'])} and "
+                                   f"paddle.divide {len(self.seen['divide'])} times; the observer expects once each")
+            norm, factor = self.seen["sqrt"][0], self.seen["divide"][0]
+        self.recorder.record(step, self.losses, self.lr, self.grads, norm, factor)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.around_step.close()

@@ -220,6 +220,9 @@ class StepRecorder:
                     "%s says so", self.folder, step, self.stopped["error"], self.folder / META)
         try:
             step_file(self.folder, len(self.steps) + 1, self.rank).unlink(missing_ok=True)
+        except OSError:  # the steps folder itself gone (a disk that went away): no file to remove
+            pass
+        try:
             self.write_meta()
         except Exception as again:  # noqa: BLE001 - the folder itself failing: the warning is all there is
             log.warning("harness recorder (%s): meta.json not written either (%s: %s)", self.folder,
