@@ -576,6 +576,23 @@ def test_a_record_without_bits_is_judged_by_its_counts_and_one_with_bits_by_both
         "the record pins each side's bits; tonight's run has no digests to check them"])
 
 
+def test_recording_again_over_a_record_without_bits_adds_them_and_says_so():
+    """`baseline update` over a record made before records carried bits: the same counts are not called a change
+    of every tensor; the case is listed as now pinning its bits, and the file no longer lists it without bits."""
+    entry = {"case": "c", "verdict": "DIFF", "exit_code": 1, "outcome": "fail", "message": "", "result": {
+        "case": {"tokens": 16}, "checkpoint": {"digest": "abc"}, "tensors": [
+            {"name": "out", "status": "DIFF", "mismatches": 3, "max_ulp": 4, "digests": ["xxh3_128:1", "xxh3_128:2"]},
+            {"name": "grad.input", "status": "EQUAL", "digests": ["xxh3_128:3", "xxh3_128:3"]}]}}
+    night = {"run_id": "n", "device": "cpu", "harness": {"host": HOST}, "cases": [entry]}
+    old = {"platform": records.platform(HOST, "cpu"), "runners": {}, "recorded_from": {}, "name": "x", "_file": "x",
+           "cases": {"c": {**records.record(entry, bits=False), "runners": []}}}
+    old["without_bits"] = {"cases": ["c"], "why": store.WITHOUT_BITS}
+    [(new, changes, previous)] = store.build(night, [old])
+    assert previous is old and changes == [
+        {"case": "c", "change": "changed", "details": ["the same counts, now with each side's bits"]}]
+    assert records.has_bits(new["cases"]["c"]) and "without_bits" not in new
+
+
 def test_a_baseline_file_lists_its_records_without_bits(tmp_path):
     """A file says which of its records pin counts only (``without_bits``), and the fit check holds it to that."""
     registry = registry_from(tmp_path, tiny_case("one"))

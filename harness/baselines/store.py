@@ -20,6 +20,7 @@ from harness.baselines.records import (
     entry_platform,
     expectation_met_by,
     file_name,
+    has_bits,
     is_runner_field,
     numbers,
     platform_id,
@@ -122,8 +123,11 @@ def _build_one(night: dict, print_: dict, entries: list[dict], names: set[str],
         if name not in old:
             changes.append({"case": name, "change": "added", "details": [_summary(now)]})
         else:
-            moved = compare_records(old[name], now) if old[name]["definition"] == now["definition"] else \
+            moved = compare_records(old[name], record(entry, bits=has_bits(old[name]))) \
+                if old[name]["definition"] == now["definition"] else \
                 ["definition changed: " + "; ".join(definition_changes(old[name]["definition"], now["definition"]))]
+            if not moved and has_bits(now) and not has_bits(old[name]):
+                moved = ["the same counts, now with each side's bits"]
             if moved:
                 changes.append({"case": name, "change": "changed", "details": moved})
     host = night.get("harness") or {}
