@@ -148,7 +148,8 @@ def test_green_after_update_then_one_flipped_bit_turns_exactly_that_case_red(ben
     assert f"wrote {written}" in out
     stored = json.loads(written.read_text())
     assert stored["platform"] == part["platform"] == records.platform(host_provenance(), "cpu")
-    assert stored["cases"]["known_diff"]["differing"] == {"out": {"status": "DIFF", "mismatches": 3, "max_ulp": 4}}
+    out_record = stored["cases"]["known_diff"]["differing"]["out"]
+    assert {k: v for k, v in out_record.items() if k != "bits"} == {"status": "DIFF", "mismatches": 3, "max_ulp": 4}
     assert stored["cases"]["known_diff"]["runners"] == ["megatron", "paddle"]
     assert stored["runners"]["paddle"] == {"env.ONEDNN_MAX_CPU_ISA": "AVX2", "framework": "fake-paddle",
                                            "versions.fake-paddle": "1.0"}  # no logging switch, no path
@@ -520,12 +521,98 @@ def test_a_long_record_lists_its_first_steps_and_still_catches_any_change(monkey
     assert not records.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step9.grad.v"]})  # cannot say
 
 
+def test_other_bits_with_the_same_counts_are_a_change(bench, capsys):
+    """Issue 40, finding 7: a record pinned per tensor only the mismatch count and max ULP, so a night whose Paddle
+    side computed three other elements apart, by the same bits (3 mismatches, max ULP 4 again), matched. A record now
+    keeps each side's digest per differing tensor and one of the bitwise-equal ones: the night is `changed`, naming
+    the tensor and the side whose bits moved."""
+    written = bench.recorded(capsys)
+    stored = json.loads(written.read_text())["cases"]["known_diff"]
+    assert [len(stored["differing"]["out"]["bits"]), len(stored["equal_bits"])] == [2, 64]
+    assert stored["differing"]["out"]["bits"][0] != stored["differing"]["out"]["bits"][1]
+    moved = [["out", [0, 1], 0], ["out", [1, 3], 1], ["out", [3, 2], 2]]  # three other elements, the same bits
+    bench.plan({"known_diff": {"flips": moved}})
+    code, night, run_dir, out = bench.night(capsys)
+    assert code == 1, out
+    assert {c: (e["outcome"], e["baseline"]) for c, e in by_case(night).items()} == {
+        "known_diff": ("fail", "changed"), "agrees": ("pass", "match"), "control": ("pass", "match")}
+    [problem] = [p for p in by_case(night)["known_diff"]["problems"] if p.startswith("differs from the baseline")]
+    assert problem.startswith("differs from the baseline: out: other bits on side b (a, b: "), problem
+    tensor = next(t for t in by_case(night)["known_diff"]["result"]["tensors"] if t["name"] == "out")
+    assert (tensor["mismatches"], tensor["max_ulp"]) == (3, 4)  # the counts the record held
+
+
+def test_a_record_without_bits_is_judged_by_its_counts_and_one_with_bits_by_both():
+    """Records made before records carried bits (the AMD files: nobody can record that platform here) keep being
+    judged by verdict, counts and max ULP; a record with bits also fails when only the bits moved, the bitwise-equal
+    tensors' included (both sides alike), and when tonight's run has no digests to check them."""
+    def entry(out_bits=("xxh3_128:1", "xxh3_128:2"), equal_bits="xxh3_128:3", mismatches=3, digests=True):
+        tensors = [{"name": "out", "status": "DIFF", "mismatches": mismatches, "max_ulp": 4,
+                    "digests": list(out_bits)},
+                   {"name": "grad.input", "status": "EQUAL", "digests": [equal_bits, equal_bits]}]
+        if not digests:
+            tensors = [{k: v for k, v in t.items() if k != "digests"} for t in tensors]
+        return {"case": "c", "verdict": "DIFF", "exit_code": 1, "outcome": "fail", "message": "", "result": {
+            "case": {"tokens": 16}, "checkpoint": {"digest": "abc"}, "expectation": {}, "tensors": tensors}}
+
+    def judged(known, tonight):
+        return (lambda j: (j["status"], j["changes"]))(records.judge_case(
+            tonight, {"platform": {}, "runners": {}, "cases": {"c": known}}))
+
+    hashed, counts_only = records.record(entry()), records.record(entry(), bits=False)
+    assert records.has_bits(hashed) and not records.has_bits(counts_only)
+    assert counts_only["differing"] == {"out": {"status": "DIFF", "mismatches": 3, "max_ulp": 4}}
+    assert records.without_bits({"old": counts_only, "new": hashed}) == ["old"]
+    other_out, other_equal = entry(out_bits=("xxh3_128:1", "xxh3_128:9")), entry(equal_bits="xxh3_128:8")
+    assert judged(counts_only, other_out) == ("match", []) and judged(counts_only, other_equal) == ("match", [])
+    assert judged(counts_only, entry(mismatches=4)) == ("changed", ["out: mismatches 3 → 4"])
+    assert judged(hashed, entry()) == ("match", [])
+    assert judged(hashed, other_out) == ("changed", [
+        'out: other bits on side b (a, b: ["xxh3_128:1", "xxh3_128:2"] → ["xxh3_128:1", "xxh3_128:9"])'])
+    status, [change] = judged(hashed, other_equal)
+    assert status == "changed" and change.startswith("the bitwise-equal tensors hold other bits on both sides")
+    assert judged(hashed, entry(mismatches=4)) == ("changed", ["out: mismatches 3 → 4"])  # counts name it already
+    assert judged(hashed, entry(digests=False)) == ("changed", [
+        "the record pins each side's bits; tonight's run has no digests to check them"])
+
+
+def test_recording_again_over_a_record_without_bits_adds_them_and_says_so():
+    """`baseline update` over a record made before records carried bits: the same counts are not called a change
+    of every tensor; the case is listed as now pinning its bits, and the file no longer lists it without bits."""
+    entry = {"case": "c", "verdict": "DIFF", "exit_code": 1, "outcome": "fail", "message": "", "result": {
+        "case": {"tokens": 16}, "checkpoint": {"digest": "abc"}, "tensors": [
+            {"name": "out", "status": "DIFF", "mismatches": 3, "max_ulp": 4, "digests": ["xxh3_128:1", "xxh3_128:2"]},
+            {"name": "grad.input", "status": "EQUAL", "digests": ["xxh3_128:3", "xxh3_128:3"]}]}}
+    night = {"run_id": "n", "device": "cpu", "harness": {"host": HOST}, "cases": [entry]}
+    old = {"platform": records.platform(HOST, "cpu"), "runners": {}, "recorded_from": {}, "name": "x", "_file": "x",
+           "cases": {"c": {**records.record(entry, bits=False), "runners": []}}}
+    old["without_bits"] = {"cases": ["c"], "why": store.WITHOUT_BITS}
+    [(new, changes, previous)] = store.build(night, [old])
+    assert previous is old and changes == [
+        {"case": "c", "change": "changed", "details": ["the same counts, now with each side's bits"]}]
+    assert records.has_bits(new["cases"]["c"]) and "without_bits" not in new
+
+
+def test_a_baseline_file_lists_its_records_without_bits(tmp_path):
+    """A file says which of its records pin counts only (``without_bits``), and the fit check holds it to that."""
+    registry = registry_from(tmp_path, tiny_case("one"))
+    known = {"verdict": "DIFF", "definition": store.case_definition(registry.get("one")), "differing": {},
+             "runners": []}
+    table = {"platform": records.platform(HOST, "cpu"), "runners": {}, "cases": {"one": known}}
+    assert store.fit_problems(table, registry) == [
+        "field 'without_bits' lists [], but the records without each side's bits are ['one']"]
+    assert store.fit_problems({**table, "without_bits": {"cases": ["one"], "why": store.WITHOUT_BITS}},
+                              registry) == []
+    hashed = {**table, "cases": {"one": {**known, "equal_bits": "0" * 64}}}
+    assert store.fit_problems(hashed, registry) == []
+
+
 def test_a_baseline_that_no_longer_fits_the_registry_or_the_fields_is_named(tmp_path):
     registry = registry_from(tmp_path, tiny_case("one"), tiny_case("two", seed=9))
     case = registry.get("one")
     good = {"platform": records.platform(HOST, "cpu"), "runners": {"megatron": {"framework": "megatron-core"}},
             "cases": {"one": {"verdict": "DIFF", "definition": store.case_definition(case), "differing": {},
-                              "runners": ["megatron", None]}}}
+                              "equal_bits": "0" * 64, "runners": ["megatron", None]}}}
     assert store.fit_problems(good, registry) == []
     stale = copy.deepcopy(good)
     stale["runners"]["megatron"]["env.ONEDNN_VERBOSE"] = "1"

@@ -279,8 +279,9 @@ PLANTED_FLOAT64 = ("glm4_moe_2layer_float64", "model.layers.0.self_attn.k_proj.b
 
 
 def check_run(case, report, run_dir):
-    """The cases' stated verdicts (bf16 Megatron vs HF part at the first RMSNorm, fp32 at q_proj: HF folds the q/k/v
-    bias into the GEMM, Megatron adds it after; PaddleFormers vs HF at the first RMSNorm) have 282 gradients. The
+    """The cases' stated verdicts (bf16 Megatron vs HF part at the first RMSNorm, fp32 by layer 1's router on every
+    CPU, at q_proj already on AMD EPYC, where HF's bias folded into the GEMM rounds apart from Megatron's added after;
+    PaddleFormers vs HF at the first RMSNorm) have 282 gradients. The
     control, one bit of v_proj.bias[5] on Megatron's side b: Megatron holds it as a row of the fused linear_qkv, so
     only column 5 of the de-interleaved v_proj output differs, and the q_proj and k_proj parts of the same fused output
     stay equal: the interleave maps the planted element where it belongs."""

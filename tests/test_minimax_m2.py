@@ -417,8 +417,9 @@ K_NORM = "model.layers.0.self_attn.k_norm.weight"  # the all-heads key norm, Meg
 
 
 def check_run(case, report, run_dir):
-    """The stated verdicts (bf16 Megatron vs HF part at the first RMSNorm, fp32 at layer 0's core attention:
-    baddbmm(alpha=scale) against matmul * scale, everything before it bit-equal, the all-heads q/k norm included)
+    """The stated verdicts (bf16 Megatron vs HF part at the first RMSNorm, fp32 by layer 0's router on every CPU, at
+    the core attention already on AMD EPYC: baddbmm(alpha=scale) against matmul * scale; everything before it
+    bit-equal, the all-heads q/k norm included)
     have 1045 gradients and name the family's Megatron module. The control, one bit of k_norm.weight[5] on Megatron's
     side b (the family's own module, one RMSNorm over both key heads): only column 5 of k_norm's [T, kv_heads x
     head_dim] output differs, q, k, v and q_norm equal. Training: 1045 parameters, first apart at the loss on AMD EPYC

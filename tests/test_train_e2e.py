@@ -24,8 +24,9 @@ import pytest
 
 from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
+from harness.case.registry import Registry
 from tests.support.cases import write_cases
-from tests.support.e2e import on_amd_avx512_bf16
+from tests.support.e2e import assert_repeats_the_record, committed_record, on_amd_avx512_bf16
 from tests.support.train import TINY_GLM, TINY_MODEL, TINY_SGD, TINY_TRAIN, run_train_case, tiny_train_case
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
@@ -427,6 +428,10 @@ def test_glm4_moe_training_pairs_part_at_step_1_and_keep_the_routing_bias(case, 
                  and t["status"] == "EQUAL"}
         assert equal and all(".mlp.experts." in name for name in equal)
     assert train["steps"][0]["quantities"]["param"]["equal"] == 282
+    stated = Registry.load().get(case)
+    known, table = committed_record(stated)  # this platform's record pins every tensor's counts and bits
+    if known is not None:
+        assert_repeats_the_record(stated, report, table)
     if runners.endswith("hf_model"):
         assert set(train["steps"][2]["truth"]) >= {"grad", "exp_avg", "param", "loss"}
     else:  # Paddle's GLM MoE calls only the experts with tokens: the others have no gradient there, named per step

@@ -5,7 +5,8 @@ code (docs/training.md has the measurements).
 
 - Each pair gives DIFF at every step and parts first at step 1 (the routers and the core attention round apart by
   construction: cases/<family>.toml); the tensor it parts at the family's tests pin on the platform it was measured
-  on (AMD EPYC with AVX-512 BF16).
+  on (AMD EPYC with AVX-512 BF16), and where this platform's baseline records the pair, the run repeats the record
+  (every differing tensor's counts and each side's bits).
 - The negative controls (a flipped bit of an Adam moment) are found at exactly their tensors and step.
 - The float64 check of every step passes for every pair the stacks can run.
 - A pair a stack cannot run (a family PaddleFormers has no dygraph model of) is UNSUPPORTED, as its case states.
@@ -21,6 +22,7 @@ from harness.case.registry import Registry
 from harness.families import family_of
 from harness.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from tests.support import zoo
+from tests.support.e2e import assert_repeats_the_record, committed_record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
 
@@ -63,6 +65,9 @@ def test_zoo_training_pairs_part_at_step_1(case, tmp_path, checkpoints_dir):
         zeros = {t["name"] for t in grads if t["status"] == "EQUAL" or not t["max_abs_error"]}
         assert zeros and all(".mlp.experts." in name for name in zeros), sorted(zeros)[:5]
     assert train["steps"][0]["quantities"]["param"]["equal"] == parameters
+    known, table = committed_record(stated)
+    if known is not None:
+        assert_repeats_the_record(stated, report, table)
     zoo.check_run(stated, report, run_dir)
 
 

@@ -40,7 +40,11 @@ Library paths are dropped from values: an environment installed elsewhere comput
 **A record** (``record``): the case's verdict, for UNSUPPORTED its reason (normalised: no paths, pids or
 addresses), its definition (checkpoint digest, op, dtype, tp, tokens, shapes, config, runners, perturbation), the
 runner fields of each side (by reference into the file's ``runners`` table), and per tensor that is not bitwise
-equal its status, mismatch count, max ULP and ±0 / NaN counts.
+equal its status, mismatch count, max ULP and ±0 / NaN counts. Counts do not pin bits (a tensor can move and keep its
+mismatch count and max ULP), so a record also keeps each side's bits: per differing tensor ``bits``, the two sides'
+digests of its raw bytes (``harness.compare.tensors``: XXH3-128), and ``equal_bits``, the sha256 of the bitwise-equal
+tensors' names and digests (one digest each: both sides hold the same bytes). A record without ``equal_bits`` (one
+made before records carried bits; the file lists them under ``without_bits``) is judged by its counts alone, as then.
 
 **How a night's case is judged** (``judge_case``), first rule that applies:
 
@@ -53,10 +57,10 @@ equal its status, mismatch count, max ULP and ±0 / NaN counts.
 | ``changed`` | ERROR | fail |
 | ``redefined`` | the record is of another definition (tokens, inputs, config ...) | its own expectation |
 | ``runner changed`` | a side's runner fields differ from the record's (named) | its own expectation |
-| ``match`` | same verdict and UNSUPPORTED reason; the same tensors differ, same numbers | pass (skip: UNSUPPORTED) |
+| ``match`` | same verdict and UNSUPPORTED reason; the same tensors differ, same numbers, same bits | pass (skip) |
 | ``within tolerance`` | a stated tolerance holds tonight; same verdict and tensors, numbers moved | pass, listed |
 | ``fixed`` | otherwise, and now it meets its own expectation where the record did not | fail (record again) |
-| ``changed`` | anything else, a met expectation included: the record pins numbers, not the expectation | fail, named |
+| ``changed`` | anything else, a met expectation included: the record pins numbers and bits | fail, named |
 
 "Its own expectation" is the outcome without baselines: pass when met, skip when UNSUPPORTED, else fail. A met
 expectation never passes a case whose numbers moved from its record: an expectation names a few tensors, the record
@@ -163,20 +167,29 @@ def differences(before: dict, after: dict) -> list[dict]:
 
 # --- records -------------------------------------------------------------------------------------------------
 
-def record(entry: dict) -> dict | None:
-    """What a baseline keeps of one night entry (runner fields aside); None for a case with no verdict."""
+def record(entry: dict, bits: bool = True) -> dict | None:
+    """What a baseline keeps of one night entry (runner fields aside); None for a case with no verdict. `bits`
+    False: without each side's bits, as a record made before records carried them (what such a record is judged
+    against)."""
     if not entry.get("verdict"):
         return None
     result = entry.get("result") or {}
-    differing = {}
+    differing, equal = {}, {}
     for tensor in result.get("tensors", []):
+        digests = tensor.get("digests") if bits else None
         if tensor.get("status") == "EQUAL":
+            if digests:
+                equal[tensor["name"]] = digests[0]
             continue
         differing[tensor["name"]] = {key: tensor.get(key) for key in TENSOR_FIELDS
                                      if key in ALWAYS_RECORDED or tensor.get(key)}
+        if digests:
+            differing[tensor["name"]]["bits"] = list(digests)
     found = {"verdict": entry["verdict"], "definition": definition(result)}
     if entry["verdict"] == UNSUPPORTED_VERDICT:
         found["reason"] = normalise_reason(result.get("message") or entry.get("message") or "")
+    if bits and any(tensor.get("digests") for tensor in result.get("tensors", [])):
+        found["equal_bits"] = hashlib.sha256(json.dumps(equal, sort_keys=True).encode()).hexdigest()
     ordered = sorted(differing.items(), key=lambda item: _in_time(item[0]))
     found["differing"] = dict(ordered[:KEPT_DIFFERING])
     if len(ordered) > KEPT_DIFFERING:
@@ -189,6 +202,17 @@ def _in_time(name: str) -> tuple[int, str]:
     """A tensor's place in a record: by training step (step2 before step10), then by name."""
     step = STEP.match(name)
     return (int(step.group(1)) if step else 0, name)
+
+
+def has_bits(rec: dict) -> bool:
+    """Whether a record pins each side's bits (made since records carry them), not only the counts."""
+    return "equal_bits" in rec
+
+
+def without_bits(cases: dict[str, dict]) -> list[str]:
+    """The records of compared tensors that pin counts only (what a baseline file lists under ``without_bits``)."""
+    return sorted(name for name, rec in cases.items()
+                  if rec["verdict"] not in (ERROR_VERDICT, UNSUPPORTED_VERDICT) and not has_bits(rec))
 
 
 def differing_count(rec: dict) -> int:
@@ -231,9 +255,12 @@ def record_changes(before: dict, after: dict) -> list[tuple[str, str]]:
     if {before["verdict"], after["verdict"]} & {ERROR_VERDICT, UNSUPPORTED_VERDICT}:
         return changes  # tensors were not compared on one side: the verdict says it all
     old, new = before["differing"], after["differing"]
+    if has_bits(before) and not has_bits(after):
+        changes.append(("bits", "the record pins each side's bits; tonight's run has no digests to check them"))
+        old = {name: {k: v for k, v in t.items() if k != "bits"} for name, t in old.items()}
     if before.get("differing_all") or after.get("differing_all"):  # a long record lists only its first tensors
         if before.get("differing_all") == after.get("differing_all") and old == new:
-            return changes
+            return changes + _equal_bits_change(before, after)
         if before.get("differing_all") != after.get("differing_all"):
             changes.append(("set", f"the differing tensors changed: {differing_count(before)} in the baseline "
                                    f"(sha256 {(before.get('differing_all') or {}).get('sha256', 'of its list')[:12]})"
@@ -248,9 +275,28 @@ def record_changes(before: dict, after: dict) -> list[tuple[str, str]]:
         elif old[name] != new[name]:
             moved = [f"{k.replace('_', ' ')} {old[name].get(k, 0)} → {new[name].get(k, 0)}" for k in TENSOR_FIELDS
                      if old[name].get(k, 0) != new[name].get(k, 0)]
+            moved += _bits_moved(old[name].get("bits"), new[name].get("bits"))
             changes.append(("set" if old[name].get("status") != new[name].get("status") else "numbers",
                             f"{name}: " + ", ".join(moved)))
-    return changes
+    return changes + _equal_bits_change(before, after, changes)
+
+
+def _bits_moved(before: list[str] | None, after: list[str] | None) -> list[str]:
+    """Which side's bits of a differing tensor moved (its counts may not have): empty for a record without bits."""
+    if not before or before == after:
+        return []
+    moved = [label for label, old, new in zip(SIDES, before, after or [None, None], strict=True) if old != new]
+    return [f"other bits on side {' and '.join(moved)} ({', '.join(SIDES)}: {short(before)} → {short(after)})"]
+
+
+def _equal_bits_change(before: dict, after: dict, changes: list = ()) -> list[tuple[str, str]]:
+    """The bitwise-equal tensors now hold other bits (both sides alike), where the set of differing tensors is the
+    record's (another set changes the equal ones' digest anyway, and is named already)."""
+    if not has_bits(before) or not has_bits(after) or before["equal_bits"] == after["equal_bits"] or any(
+            kind == "set" for kind, _ in changes):
+        return []
+    return [("bits", f"the bitwise-equal tensors hold other bits on both sides (sha256 "
+                     f"{before['equal_bits'][:12]} → {after['equal_bits'][:12]})")]
 
 
 def definition_changes(before: dict, after: dict) -> list[str]:
@@ -279,7 +325,8 @@ def runner_changes(entry: dict, known: dict, baseline: dict) -> list[str]:
 def record_problems(entry: dict, baseline: dict) -> list[str]:
     """How a run of a case differs from its record in `baseline` (definition, runner fields, verdict, reason,
     tensors), one phrase each: empty when it repeats the record exactly. What an end-to-end test pins."""
-    known, now = baseline["cases"][entry["case"]], record(entry)
+    known = baseline["cases"][entry["case"]]
+    now = record(entry, bits=has_bits(known))
     if now is None:
         return [f"not run: {entry.get('message', '')}"]
     if known["definition"] != now["definition"]:
@@ -312,7 +359,8 @@ def judge_case(entry: dict, baseline: dict | None) -> dict:
     own = entry["outcome"]
     if baseline is None:
         return {"status": "no baseline", "outcome": own, "changes": []}
-    known, now = baseline["cases"].get(entry["case"]), record(entry)
+    known = baseline["cases"].get(entry["case"])
+    now = record(entry, bits=known is None or has_bits(known))
     ran_before = known is not None and known["verdict"] != UNSUPPORTED_VERDICT
     if known is None:
         return {"status": "not run" if now is None else "new", "outcome": own, "changes": []}

@@ -20,12 +20,14 @@ from harness.baselines.records import (
     entry_platform,
     expectation_met_by,
     file_name,
+    has_bits,
     is_runner_field,
     numbers,
     platform_id,
     record,
     short,
     side_fields,
+    without_bits,
 )
 from harness.case import checkpoints
 from harness.case.registry import CaseError, Registry
@@ -34,6 +36,8 @@ BASELINES_DIR = Path(__file__).resolve().parents[2] / "baselines"
 SCHEMA = 2
 KIND = "bitwise-harness baseline"
 RECORD_COMMAND = "python -m harness baseline record --device {device} --tokens {tokens}"
+WITHOUT_BITS = ("recorded before records carried each side's bits (2026-12-06): judged by verdict, counts and max ULP "
+                "only; record them again on this platform to pin their bits")
 
 
 class BaselineError(ValueError):
@@ -119,8 +123,11 @@ def _build_one(night: dict, print_: dict, entries: list[dict], names: set[str],
         if name not in old:
             changes.append({"case": name, "change": "added", "details": [_summary(now)]})
         else:
-            moved = compare_records(old[name], now) if old[name]["definition"] == now["definition"] else \
+            moved = compare_records(old[name], record(entry, bits=has_bits(old[name]))) \
+                if old[name]["definition"] == now["definition"] else \
                 ["definition changed: " + "; ".join(definition_changes(old[name]["definition"], now["definition"]))]
+            if not moved and has_bits(now) and not has_bits(old[name]):
+                moved = ["the same counts, now with each side's bits"]
             if moved:
                 changes.append({"case": name, "change": "changed", "details": moved})
     host = night.get("harness") or {}
@@ -141,6 +148,8 @@ def _build_one(night: dict, print_: dict, entries: list[dict], names: set[str],
                 "platform_id": platform_id(print_), "platform": print_,
                 "recorded_from": recorded_from,
                 "runners": dict(sorted(runners.items())), "cases": dict(sorted(cases.items()))}
+    if without_bits(cases):
+        baseline["without_bits"] = {"cases": without_bits(cases), "why": WITHOUT_BITS}
     return baseline, changes, previous
 
 
@@ -161,14 +170,19 @@ def dumps(baseline: dict) -> str:
 
 
 def _dump(value, depth: int) -> str:
-    small = isinstance(value, (dict, list)) and len(value) <= 6 and not any(isinstance(v, (dict, list)) and v
-                                                                         for v in _values(value))
+    small = isinstance(value, (dict, list)) and len(value) <= 6 and not any(
+        isinstance(v, (dict, list)) and v and not _digests(v) for v in _values(value))
     if not isinstance(value, (dict, list)) or not value or small:
         return json.dumps(value)
     pad, inner = "  " * depth, "  " * (depth + 1)
     if isinstance(value, list):
         return "[\n" + ",\n".join(inner + _dump(v, depth + 1) for v in value) + f"\n{pad}]"
     return "{\n" + ",\n".join(f"{inner}{json.dumps(k)}: {_dump(v, depth + 1)}" for k, v in value.items()) + f"\n{pad}}}"
+
+
+def _digests(value) -> bool:
+    """A differing tensor's two digests (``bits``): kept on its record's line."""
+    return isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
 
 
 def _values(value):
@@ -192,6 +206,9 @@ def fit_problems(baseline: dict, registry: Registry) -> list[str]:
             problems.append(f"runners.{key}: fields no longer in the fingerprint: {', '.join(stale)}")
     for name, known in baseline["cases"].items():
         problems += [f"case {name}: {p}" for p in _case_fit(name, known, baseline, registry, device)]
+    listed, found = (baseline.get("without_bits") or {}).get("cases", []), without_bits(baseline["cases"])
+    if listed != found:
+        problems.append(f"field 'without_bits' lists {listed}, but the records without each side's bits are {found}")
     return problems
 
 

@@ -9,6 +9,8 @@ bitwise-equal tensor costs one pass. Conventions (documented in the README):
 - ``max_rel_error``: over elements whose reference (side B) value is nonzero.
 - ``max_abs_error``/``max_rel_error`` are computed in float64, for bf16 and fp16 in float32 (their values are
   exact there; a difference may round, by at most 2**-24 relative, invisible at the 3 digits reported).
+- ``digests``: each side's XXH3-128 of the tensor's raw bytes (``harness.run.steps.digest``), side A first: what a
+  baseline's record pins each side's bits with (equal counts may still be other bits).
 - ``scale`` is the tensor's largest finite magnitude (side B) and ``max_error_in_scale_ulps`` the
   largest absolute error divided by the format's spacing at that scale: below 1 means the
   difference is under the resolution of the tensor's largest values, whatever the raw ULP count near zero.
@@ -28,6 +30,7 @@ import numpy as np
 
 from harness import bits
 from harness.compare.mismatch_map import MismatchMap
+from harness.run.steps import digest
 
 EQUAL, DIFF, SHAPE_MISMATCH, DTYPE_MISMATCH, MISSING = "EQUAL", "DIFF", "SHAPE_MISMATCH", "DTYPE_MISMATCH", "MISSING"
 CHUNK_ELEMENTS = 2**20  # temporaries of a few MB: measured faster than 8M-element chunks (make bench)
@@ -56,6 +59,7 @@ class TensorComparison:
     max_error_in_scale_ulps: float = 0.0
     first_mismatch: dict | None = None
     note: str = ""
+    digests: list[str] = field(default_factory=list)
     mismatch_map: MismatchMap | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -78,7 +82,8 @@ def compare_tensor(name: str, a: np.ndarray | None, b: np.ndarray | None,
         return _compare_integers(name, a, b)
     fmt = bits.format_of(a.dtype)
     a_bits, b_bits = bits.as_bits(np.ascontiguousarray(a)).ravel(), bits.as_bits(np.ascontiguousarray(b)).ravel()
-    result = TensorComparison(name, EQUAL, dtype=fmt.name, shape=list(a.shape), elements=int(a.size))
+    result = TensorComparison(name, EQUAL, dtype=fmt.name, shape=list(a.shape), elements=int(a.size),
+                              digests=[digest(a_bits.view(np.uint8)), digest(b_bits.view(np.uint8))])
     if bits_equal(a_bits, b_bits, chunk_elements):
         return result
     cols = a.shape[-1] if a.ndim else 1
@@ -121,7 +126,8 @@ def bits_equal(a_bits: np.ndarray, b_bits: np.ndarray, chunk_elements: int = CHU
 
 def _compare_integers(name: str, a: np.ndarray, b: np.ndarray) -> TensorComparison:
     """Integer outputs (top-k expert indices): equal or not per element; ULP statistics do not apply."""
-    result = TensorComparison(name, EQUAL, dtype=a.dtype.name, shape=list(a.shape), elements=int(a.size))
+    result = TensorComparison(name, EQUAL, dtype=a.dtype.name, shape=list(a.shape), elements=int(a.size),
+                              digests=[digest(np.ascontiguousarray(x).view(np.uint8)) for x in (a, b)])
     where = np.flatnonzero(a.ravel() != b.ravel())
     if where.size:
         index = [int(i) for i in np.unravel_index(int(where[0]), a.shape)]

@@ -127,7 +127,7 @@ def _by_digest(spec, digests: list[str], layouts: list) -> TensorComparison:
         return TensorComparison(spec.name, SHAPE_MISMATCH, dtype=dtype_a,
                                 note=f"shape {list(shape_a)} vs {list(shape_b)} (compared by digest)")
     return TensorComparison(spec.name, EQUAL if digests[0] == digests[1] else DIFF, shape=list(spec.shape),
-                            note="compared by digest (step not kept)")
+                            note="compared by digest (step not kept)", digests=list(digests))
 
 
 def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth, case: Case) -> dict:
