@@ -183,8 +183,8 @@ def test_the_recorded_trainer_ends_with_the_unrecorded_trainers_bits(builtin, tm
 
 
 def test_an_error_while_recording_leaves_the_trainer_training(tmp_path, monkeypatch, caplog):
-    """The HF Trainer with the callback in this process (test_attach_torch's tiny model and random micro-batches),
-    the disk filling at step 2 of 3 (test_attach_torch's test double of the step writer's save): the Trainer trains
+    """The HF Trainer with the callback in this process (tests/support/torch_loop.py's tiny model, random batches),
+    the disk filling at step 2 of 3 (torch_loop's test double of the step writer's save): the Trainer trains
     its 3 steps, one warning is logged, meta.json says where recording stopped."""
     if absent("transformers", "accelerate"):
         pytest.skip("the HF Trainer needs transformers and accelerate (requirements-models.txt)")
@@ -194,8 +194,8 @@ def test_an_error_while_recording_leaves_the_trainer_training(tmp_path, monkeypa
 
     from harness.attach import torch as recorder_module
     from harness.attach.hf import attach
+    from tests.support.torch_loop import disk_full_at_step_2, tiny_model
     from tests.support.train import TINY_MODEL
-    from tests.test_attach_torch import disk_full_at_step_2, tiny_model
 
     monkeypatch.setattr(recorder_module, "save_on_host", disk_full_at_step_2(recorder_module.save_on_host))
     data = torch.Generator().manual_seed(1)

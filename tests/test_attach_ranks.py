@@ -109,7 +109,7 @@ def test_compare_runs_fails_a_captured_run_whose_rank_1_departs(cases, tmp_path,
 def test_the_torch_recorder_on_two_ranks_gives_the_one_rank_loops_bits(tmp_path):
     if absent("transformers"):
         pytest.skip("needs transformers")
-    from tests.test_attach_torch import train
+    from tests.support.torch_loop import train
 
     env = {**runner_env("cpu"), "PYTHONPATH": str(REPO_ROOT)}
     env.pop("ONEDNN_VERBOSE", None)

@@ -19,7 +19,6 @@ DeepSeek-V3 of tests/support/train.py in HF transformers, initialised by transfo
   run (ERROR) rather than passing the steps before (finding 10).
 """
 
-import errno
 import json
 import logging
 
@@ -28,83 +27,11 @@ import torch
 
 from harness.attach.torch import AttachError, StepRecorder
 from harness.commands.compare_runs import compare_runs
-from harness.families import model_config
 from tests.support.installed import absent
+from tests.support.torch_loop import DROPPED, assert_same_bits, disk_full_at_step_2, final_bits, tiny_model, train
 from tests.support.train import TINY_MODEL
 
 pytestmark = pytest.mark.skipif(absent("transformers"), reason="needs transformers")
-
-
-def tiny_model():
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
-
-    from harness.families.deepseek_v3.hf import hf_config
-
-    torch.manual_seed(0)
-    model = hf.DeepseekV3ForCausalLM(hf_config(model_config(TINY_MODEL), hf))
-    model.train()
-    return model
-
-
-DROPPED = "model.layers.0.mlp.up_proj.weight"  # a trained parameter whose gradient a hook sets to None
-
-
-def optimizer_of(model, not_1d=True):
-    params = list(model.parameters())
-    groups = ([{"params": [p for p in params if p.dim() > 1]},
-               {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}] if not_1d
-              else [{"params": params}])
-    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, steps=2, writer=None):
-    """The loop of docs/attach.md, "Any torch loop" (without a recorder where not `recorded`; `drop`: a parameter
-    whose gradient a hook sets to None after each accumulation; `writer`: a test double put in place of the step
-    writer's save). Returns the folder, the model and the optimizer."""
-    model = tiny_model()
-    if drop:
-        model.get_parameter(drop).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    optimizer = optimizer_of(model, not_1d)
-    recorder = (StepRecorder(folder, model, optimizer, TINY_MODEL, steps_kept=steps_kept, stated={"clip_grad": 1.0})
-                if recorded else None)
-    if writer:
-        recorder.writer.save = writer(recorder.writer.save)
-    data = torch.Generator().manual_seed(1)
-    for step in range(1, steps + 1):
-        losses = []
-        for _ in range(2):
-            ids = torch.randint(0, TINY_MODEL["vocab_size"], (1, 8), generator=data)
-            labels = torch.randint(0, TINY_MODEL["vocab_size"], (1, 8), generator=data)
-            logits = model(input_ids=ids, use_cache=False).logits
-            loss = model.loss_function(logits=logits, labels=None, vocab_size=TINY_MODEL["vocab_size"],
-                                       shift_labels=labels) / 2
-            loss.backward()
-            losses.append(loss.detach())
-        if recorder is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-        else:
-            grads = recorder.grads()
-            norm, factor = recorder.clip_grad_norm_(model.parameters(), 1.0)  # the model's order, both runs
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            recorder.record(step, losses, lr, grads, grad_norm=norm, clip_coeff=factor)
-        optimizer.zero_grad()
-    return folder, model, optimizer
-
-
-def final_bits(model, optimizer) -> dict:
-    """Every parameter and every optimizer state tensor at the end, as integers (bits)."""
-    tensors = {f"param.{n}": p for n, p in model.named_parameters()}
-    tensors |= {f"state.{i}.{k}": v for i, state in optimizer.state_dict()["state"].items() for k, v in state.items()}
-    return {name: t.detach().clone().view(torch.int32 if t.dtype == torch.float32 else t.dtype)
-            for name, t in tensors.items()}
-
-
-def assert_same_bits(mine: dict, theirs: dict) -> None:
-    assert mine.keys() == theirs.keys()
-    differing = [name for name in mine if not torch.equal(mine[name], theirs[name])]
-    assert not differing, differing
 
 
 def test_a_step_kept_as_digests_compares_as_its_tensors(tmp_path):
@@ -178,15 +105,6 @@ def test_a_flag_that_keeps_the_math_is_listed(tmp_path):
     recorder.write_meta()
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["capture"]["not_described"] == {"optimizer_flags": {"differentiable": True}}
-
-
-def disk_full_at_step_2(save):
-    """A test double of the step writer's save: the disk fills when step 2 is written."""
-    def save_or_fail(tensors, path, metadata):
-        if "step00002" in path:
-            raise OSError(errno.ENOSPC, "No space left on device (test double)")
-        save(tensors, path, metadata)
-    return save_or_fail
 
 
 def test_an_error_while_recording_stops_the_recording_not_the_loop(tmp_path, caplog):
