@@ -165,6 +165,9 @@ def test_the_expectation_says_whether_ranks_agree():
     assert check_expectation(Expectation("BITWISE_PASS"), "BITWISE_PASS", tensors, [])["met"]
     unmet = check_expectation(Expectation("DIFF"), "DIFF", tensors, departed)
     assert unmet["problems"] == [f"ranks were expected to agree: {departed[0]}"]
+    # a case that states nothing (stated=False) lists no verdict problem, but a rank departure still fails it
+    unstated = check_expectation(Expectation("BITWISE_PASS"), "BITWISE_PASS", tensors, departed)
+    assert not unstated["met"] and unstated["problems"] == [f"ranks were expected to agree: {departed[0]}"]
     assert check_expectation(Expectation("DIFF", ranks_agree=False), "DIFF", tensors, departed)["met"]
     agreed = check_expectation(Expectation("BITWISE_PASS", ranks_agree=False), "BITWISE_PASS", tensors, [])
     assert agreed["problems"] == ["a side's ranks were expected to end a step with other state than its rank 0 "

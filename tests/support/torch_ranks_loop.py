@@ -15,8 +15,8 @@ import torch
 
 from harness.attach.torch import StepRecorder
 from harness.case.train_settings import rank_micro_batches
+from tests.support.torch_loop import optimizer_of, tiny_model
 from tests.support.train import TINY_MODEL
-from tests.test_attach_torch import optimizer_of, tiny_model
 
 MICRO_BATCHES = 2
 
