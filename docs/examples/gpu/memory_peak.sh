@@ -3,6 +3,7 @@
 # kimi_k2_2layer_train_full, Megatron vs HF) on the device machine while nvidia-smi samples every GPU process's memory
 # every 100 ms, then prints each process's peak. From the repository root, with the cp312 wheels in .whl/ (as
 # docs/examples/speed/gpu_bench.sh) and OUT set to a folder for what comes back.
+# Not run yet: written 2026-12-06, when no H200 could be had (docs/gpu-and-tp.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/memory_peak}
 CASE=${CASE:-kimi_k2_2layer_train_full}
