@@ -26,6 +26,7 @@ from conftest import E2E_TOKENS
 from harness import CompareOptions, compare_case
 from harness.case.registry import Registry
 from tests.support.cases import write_cases
+from tests.support.doubles import ten_x_lr_at_step
 from tests.support.e2e import assert_repeats_the_record, committed_record, on_amd_avx512_bf16
 from tests.support.train import TINY_GLM, TINY_MODEL, TINY_SGD, TINY_TRAIN, run_train_case, tiny_train_case
 
@@ -163,23 +164,7 @@ def test_float64_check_judges_every_step_from_the_same_state(cases, tmp_path, ch
 
 
 PLANTS = {  # a fault in HF's own training code (side b), planted at process start (tests/support/doubles.py)
-    "10x lr at the last step": """
-        import torch
-        original, calls = torch.optim.AdamW.step, [0]
-        def step(self, *args, **kwargs):  # the lr the runner reads before step() is unchanged
-            calls[0] += 1
-            if calls[0] != 2:
-                return original(self, *args, **kwargs)
-            saved = [group["lr"] for group in self.param_groups]
-            for group in self.param_groups:
-                group["lr"] = 10 * group["lr"]
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                for group, lr in zip(self.param_groups, saved):
-                    group["lr"] = lr
-        torch.optim.AdamW.step = step
-    """,
+    "10x lr at the last step": ten_x_lr_at_step(2),
     "weight decay on the 1-D parameters too": """
         import torch
         original = torch.optim.AdamW.__init__

@@ -27,28 +27,12 @@ from harness.optimizers import OPTIMIZERS
 from harness.run import orchestrate
 from harness.run.orchestrate import truth_python
 from tests.support.cases import write_cases
-from tests.support.doubles import python_with_startup
+from tests.support.doubles import python_with_startup, ten_x_lr_at_step
 from tests.support.train import TINY_SGD, TINY_TRAIN, run_train_case, tiny_train_case
 
 TRAIN3 = {**TINY_TRAIN, "steps": 3, "decay_steps": 3}
 # 10x its lr at its third step, the lr it reports unchanged (issue 40, finding 8): a fault in the stack's environment
-TEN_X_LR_AT_STEP_3 = """
-    import torch
-    original, calls = torch.optim.AdamW.step, [0]
-    def step(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] != 3:
-            return original(self, *args, **kwargs)
-        saved = [group["lr"] for group in self.param_groups]
-        for group in self.param_groups:
-            group["lr"] = 10 * group["lr"]
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            for group, lr in zip(self.param_groups, saved):
-                group["lr"] = lr
-    torch.optim.AdamW.step = step
-"""
+TEN_X_LR_AT_STEP_3 = ten_x_lr_at_step(3)
 
 
 def test_truth_never_takes_a_sides_interpreter(monkeypatch):

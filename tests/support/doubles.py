@@ -79,3 +79,25 @@ def python_with_startup(folder, name, code: str) -> str:
     site.mkdir(parents=True)
     (site / "sitecustomize.py").write_text(textwrap.dedent(code))
     return fake_interpreter(folder, name, f'#!/bin/sh\nPYTHONPATH="{site}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+
+
+def ten_x_lr_at_step(step: int) -> str:
+    """Startup code (``python_with_startup``) for a fault in torch's AdamW: its `step`-th call uses 10x the lr, the lr
+    the runner reads before step() unchanged."""
+    return f"""
+        import torch
+        original, calls = torch.optim.AdamW.step, [0]
+        def step(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] != {step}:
+                return original(self, *args, **kwargs)
+            saved = [group["lr"] for group in self.param_groups]
+            for group in self.param_groups:
+                group["lr"] = 10 * group["lr"]
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                for group, lr in zip(self.param_groups, saved):
+                    group["lr"] = lr
+        torch.optim.AdamW.step = step
+    """
