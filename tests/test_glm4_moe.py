@@ -16,10 +16,11 @@ import pytest
 
 from harness.case.registry import Registry
 from harness.families import FAMILIES, ModelConfigError, family_of
-from harness.families.glm4_moe.config import Glm4MoeConfig
 from harness.families.names import NameMap
 from tests.support.installed import absent
 from tests.support.zoo import assert_config_refused
+
+Glm4MoeConfig = FAMILIES["glm4_moe"].config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"family": "glm4_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -45,7 +46,8 @@ def test_defaults_are_glm_4_5_airs_real_values():
         "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "use_qk_norm": False,
         "attention_bias": True, "partial_rotary_factor": 0.5, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu", "family": "glm4_moe"}
-    assert air.rotary_dim == 64 and Glm4MoeConfig.from_dict(air.to_dict()) == air
+    assert FAMILIES["glm4_moe"].architecture(air).attention.rotary_dim == 64
+    assert Glm4MoeConfig.from_dict(air.to_dict()) == air
 
 
 @pytest.mark.parametrize("given, problem", [

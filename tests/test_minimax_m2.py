@@ -15,11 +15,12 @@ import pytest
 
 from harness.case.registry import Registry
 from harness.families import FAMILIES, ModelConfigError, family_of
-from harness.families.minimax_m2.config import MiniMaxM2Config
 from harness.families.names import NameMap
 from harness.run.protocol import Unsupported
 from tests.support.installed import absent
 from tests.support.zoo import assert_config_refused
+
+MiniMaxM2Config = FAMILIES["minimax_m2"].config
 
 TINY = {"family": "minimax_m2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "rotary_dim": 16, "intermediate_size": 32,
@@ -45,7 +46,8 @@ def test_defaults_are_minimax_m2s_real_values():
         "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 196608, "tie_word_embeddings": False, "hidden_act": "silu",
         "family": "minimax_m2"}
-    assert m2.partial_rotary_factor == 0.5 and MiniMaxM2Config.from_dict(m2.to_dict()) == m2
+    assert FAMILIES["minimax_m2"].architecture(m2).attention.rotary_dim / m2.head_dim == 0.5
+    assert MiniMaxM2Config.from_dict(m2.to_dict()) == m2
     assert family_of("minimax_m2").dense_layers(m2) == [] and len(family_of("minimax_m2").moe_layers(m2)) == 62
 
 
@@ -91,7 +93,7 @@ def test_the_2layer_case_has_1045_gradients_and_all_heads_q_k_norms(case):
     family = family_of("minimax_m2")
     assert FAMILIES["minimax_m2"] is family and family.interleave(case.model) == (2, (6 * 32, 32, 32))
     assert family.buffers(case.model) == [(f"model.layers.{L}.mlp.e_score_correction_bias", (256,)) for L in (0, 1)]
-    assert case.model.partial_rotary_factor == 0.5  # rotary_dim 16 of head_dim 32, MiniMax-M2's 64 of 128
+    assert case.model.rotary_dim / case.model.head_dim == 0.5  # rotary_dim 16 of head_dim 32, MiniMax-M2's 64 of 128
 
 
 def test_every_case_says_its_pair_and_the_variants_their_dtypes():

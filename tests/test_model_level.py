@@ -15,8 +15,9 @@ from harness.case.registry import CaseError, Registry
 from harness.compare import model_outputs
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.families import FAMILIES, ModelConfigError, family_of, model_config
-from harness.families.deepseek_v3.config import DeepseekV3Config, RopeScaling
 from harness.families.names import NameMap, expand_stack
+
+DeepseekV3Config = FAMILIES["deepseek_v3"].config
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_every_default_is_resolved_to_kimi_k2s_values(case):
 def test_the_typed_config_is_what_code_reads_and_gives_the_wire_dict_back(case):
     m = case.model
     assert isinstance(m, DeepseekV3Config) and m.family == "deepseek_v3"
-    assert (m.hidden_size, m.n_routed_experts, m.rope_scaling) == (256, 384, RopeScaling())
+    assert (m.hidden_size, m.n_routed_experts, m.rope_scaling) == (256, 384, DeepseekV3Config().rope_scaling)
     assert m.to_dict() == case.config["model"] and model_config(case.config["model"]) == m
     assert Registry.load().get("kimi_shared_fc1").model is None  # an op case has no model
     family = family_of(m.family)

@@ -18,9 +18,10 @@ import pytest
 from harness.case.registry import Registry
 from harness.families import FAMILIES, family_of
 from harness.families.names import NameMap
-from harness.families.qwen2_moe.config import Qwen2MoeConfig
 from tests.support.installed import absent
 from tests.support.zoo import assert_config_refused, python_json
+
+Qwen2MoeConfig = FAMILIES["qwen2_moe"].config
 
 TINY = {"family": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
         "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -47,7 +48,8 @@ def test_defaults_are_qwen15_moe_a27bs_real_values():
         "use_sliding_window": False, "family": "qwen2_moe"}
     assert Qwen2MoeConfig.from_dict(real.to_dict()) == real and json.loads(json.dumps(real.to_dict())) == \
         real.to_dict()
-    assert real.head_dim == 128 and real.shared_expert_intermediate_size == 4 * real.moe_intermediate_size
+    assert real.hidden_size // real.num_attention_heads == 128
+    assert real.shared_expert_intermediate_size == 4 * real.moe_intermediate_size
     family = family_of("qwen2_moe")
     assert FAMILIES["qwen2_moe"] is family and family.moe_layers(real) == list(range(24))
     assert family.dense_layers(real) == [] and family.buffers(real) == []
@@ -66,7 +68,7 @@ def test_defaults_are_qwen15_moe_a27bs_real_values():
     ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size must be > 0"),
     ({"num_experts_per_tok": 9, "num_experts": 8}, "num_experts_per_tok must be <= num_experts"),
     ({"mlp_only_layers": [2], "num_hidden_layers": 2}, "mlp_only_layers must be distinct layers"),
-    ({"mlp_only_layers": 1}, "mlp_only_layers must be a list of layer numbers"),
+    ({"mlp_only_layers": 1}, "mlp_only_layers must be a list of int"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be > 0"),
 ])
 def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
@@ -140,10 +142,10 @@ def test_every_case_says_its_pair_and_the_variants_their_dtypes():
     assert (small.num_attention_heads, small.num_key_value_heads, small.num_experts, small.num_experts_per_tok,
             small.norm_topk_prob) == (full.num_attention_heads, full.num_key_value_heads, full.num_experts,
                                       full.num_experts_per_tok, full.norm_topk_prob)
-    assert small.hidden_size / small.head_dim == full.hidden_size / full.head_dim
     for width in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size"):
         assert getattr(small, width) / small.hidden_size == getattr(full, width) / full.hidden_size, width
-    assert all(w % 16 == 0 for w in (small.hidden_size, small.head_dim, small.moe_intermediate_size,
+    head_dim = small.hidden_size // small.num_attention_heads
+    assert all(w % 16 == 0 for w in (small.hidden_size, head_dim, small.moe_intermediate_size,
                                       small.shared_expert_intermediate_size, small.intermediate_size))
 
 
@@ -257,8 +259,7 @@ def test_hf_and_megatron_routers_are_bit_equal_without_the_renormalisation():
 
 SHARED = """
     import json, torch
-    from harness.families.qwen2_moe.config import Qwen2MoeConfig
-    from harness.families.qwen2_moe.megatron import translate_config
+        from harness.families.qwen2_moe.megatron import translate_config
     from harness.runners.megatron import model as mm
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP

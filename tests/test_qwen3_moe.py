@@ -17,9 +17,10 @@ import pytest
 from harness.case.registry import Registry
 from harness.families import FAMILIES, family_of
 from harness.families.names import NameMap
-from harness.families.qwen3_moe.config import Qwen3MoeConfig
 from tests.support.installed import absent
 from tests.support.zoo import assert_config_refused, python_json
+
+Qwen3MoeConfig = FAMILIES["qwen3_moe"].config
 
 TINY = {"family": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -64,7 +65,7 @@ def test_defaults_are_qwen3_30b_a3bs_real_values():
     ({"num_experts_per_tok": 9, "num_experts": 8}, "num_experts_per_tok must be <= num_experts"),
     ({"mlp_only_layers": [2], "num_hidden_layers": 2}, "mlp_only_layers must be distinct layers"),
     ({"mlp_only_layers": [0, 0]}, "mlp_only_layers must be distinct layers"),
-    ({"mlp_only_layers": 1}, "mlp_only_layers must be a list of layer numbers"),
+    ({"mlp_only_layers": 1}, "mlp_only_layers must be a list of int"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step must be > 0"),
 ])
 def test_a_bad_config_is_refused_naming_key_and_value(tmp_path, given, problem):
@@ -253,8 +254,7 @@ def test_hf_and_megatron_routers_choose_the_same_experts_and_round_the_probabili
 
 ROUTER = """
     import json, torch
-    from harness.families.qwen3_moe.config import Qwen3MoeConfig
-    from harness.families.qwen3_moe.megatron import routing_record_router, translate_config
+        from harness.families.qwen3_moe.megatron import routing_record_router, translate_config
     from harness.runners.megatron import model as mm
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter

@@ -1,39 +1,38 @@
-"""Model families: one record each (``Family``), by name in ``FAMILIES``. Framework-free; a family's per-stack builder
-modules (``<family>/megatron.py``, ``hf.py``, ``paddle.py``) import their framework and are imported by runners only,
-through ``Family.builder(stack)``.
+"""Model families, as data: one folder each (``family.toml``: the typed config, the architecture; ``names.toml``: the
+names per stack; ``<stack>.toml``: what one framework's builder reads of it), read into one ``Family`` record each,
+by name in ``FAMILIES``. Framework-free: each framework builds every family in its own room
+(harness/runners/megatron/families.py, harness/runners/torch/hf_families.py, harness/runners/paddle/families.py).
 
-Adding a family: its package here (``__init__.py`` with the record as ``FAMILY``, its typed config, its parameter
-layout, module outputs and gradients, ``names.toml``, one builder per stack) and its cases (docs/model-contract.md).
-``FAMILIES`` finds it: every subpackage of this one is a family, DeepSeek-V3 first (``DEFAULT``), the others by name.
+Adding a family: its folder here and its cases (docs/model-contract.md). ``FAMILIES`` finds it: every subfolder with a
+``family.toml`` is a family, DeepSeek-V3 first (``DEFAULT``), the others by name.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Mapping
+from pathlib import Path
 
-from harness.families.record import Family, ModelConfigError
+from harness.families.architecture import Architecture
+from harness.families.config import FamilyConfig, ModelConfigError
+from harness.families.record import Family, FamilyFileError
 
 DEFAULT = "deepseek_v3"  # the family of a config.model that names none
 
-__all__ = ["DEFAULT", "FAMILIES", "Family", "ModelConfigError", "discover", "family_of", "model_config",
-           "routed_experts"]
+__all__ = ["DEFAULT", "FAMILIES", "Architecture", "Family", "FamilyConfig", "FamilyFileError", "ModelConfigError",
+           "discover", "family_of", "model_config", "routed_experts"]
 
 
-def discover(package: str = __name__) -> dict[str, Family]:
-    """name -> record of every subpackage of `package` (its ``FAMILY``), `DEFAULT` first, the others by name. A
-    subpackage without a ``FAMILY`` record, or two records of one name, is an error naming them."""
+HERE = Path(__file__).resolve().parent
+
+
+def discover(folder: Path = HERE) -> dict[str, Family]:
+    """name -> record of every subfolder of `folder` with a ``family.toml``, `DEFAULT` first, the others by name. Two
+    records of one name are an error naming both folders."""
     found: dict[str, Family] = {}
-    for info in sorted(pkgutil.iter_modules(importlib.import_module(package).__path__), key=lambda m: m.name):
-        if not info.ispkg:
-            continue
-        module = importlib.import_module(f"{package}.{info.name}")
-        family = getattr(module, "FAMILY", None)
-        if not isinstance(family, Family):
-            raise TypeError(f"{module.__name__} is a family package without a FAMILY record (a harness Family)")
+    for sub in sorted(p for p in folder.iterdir() if (p / "family.toml").is_file()):
+        family = Family.load(sub)
         if family.name in found:
-            raise ValueError(f"two families named {family.name!r}: {found[family.name].folder} and {family.folder}")
+            raise FamilyFileError(f"two families named {family.name!r}: {found[family.name].folder} and {sub}")
         found[family.name] = family
     return dict(sorted(found.items(), key=lambda item: item[0] != DEFAULT))
 
@@ -47,7 +46,7 @@ def family_of(name: str) -> Family:
     return FAMILIES[name]
 
 
-def model_config(model):
+def model_config(model) -> FamilyConfig:
     """A model's typed config: `model` itself when typed, else the wire dict (a request's or a case's resolved
     ``config.model``) read by its family's ``from_dict``."""
     if not isinstance(model, Mapping):

@@ -131,11 +131,11 @@ def lookup(table: dict[str, str], name: str) -> str | None:
 
 def grouping(family: str, config, where: str) -> tuple[int, tuple[int, ...]]:
     """(groups, per-group widths) of the interleave kinds for `config`: the family's answer (``Family.interleave``)."""
-    record = family_of(family)
-    if config is None or record.interleave is None:
+    grouped = None if config is None else family_of(family).interleave(model_config(config))
+    if grouped is None:
         raise ModelConfigError(f"[{where}]: an interleave rule needs the model's config and a family that says how "
                                f"it groups ({family}: {'no Family.interleave' if config is not None else 'no config'})")
-    groups, widths = record.interleave(model_config(config))
+    groups, widths = grouped
     return int(groups), tuple(int(w) for w in widths)
 
 

@@ -1,17 +1,24 @@
-"""The ``Family`` record type: what the harness asks of a model family, and nothing family-specific itself."""
+"""The ``Family`` record: what the harness asks of a model family, read from the family's folder (``family.toml``:
+its config, its architecture; ``names.toml``: its names per stack; ``<stack>.toml``: what one framework's builder
+needs to know of it). Nothing family-specific is written here, and nothing imports a framework."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+
+import tomllib
 
 from harness.case.specs import TensorSpec
+from harness.families import layout
+from harness.families.architecture import ATTENTION_KINDS, QK_NORMS, SCORINGS, Architecture, Attention, Moe
+from harness.families.config import ConfigRules, FamilyConfig, ModelConfigError, make_config
+from harness.families.expressions import ExpressionError, evaluate
 
-STACKS = ("megatron", "hf", "paddle")  # one builder module per stack: harness/families/<family>/<stack>.py
+STACKS = ("megatron", "hf", "paddle")  # one builder per stack, in its runner's room
 # What the runners ask of a family's builder for each stack (harness/families/deepseek_v3/<stack>.py and
 # glm4_moe/<stack>.py say what each is).
 BUILDER_API = {
@@ -21,70 +28,114 @@ BUILDER_API = {
     "paddle": ("MODEL", "KNOBS", "adapters", "classes", "config_kwargs", "record_routing",
                "canonical_modules", "canonical_grads", "explain", "fleet_model"),
 }
+CHOICES = {"attention.kind": ATTENTION_KINDS, "attention.qk_norm": QK_NORMS, "moe.scoring": SCORINGS}
 
 
-class ModelConfigError(ValueError):
-    """A model config key or value the harness cannot use; the message names the key and value."""
-
-
-def resolve_keys(given: dict, defaults: dict, fixed: dict, typed=None) -> dict:
-    """A case's ``config.model`` over a family's `defaults` (its HF keys; ``family`` aside): an unknown key refused,
-    each value of its default's type (`typed(key, value, default)`, ``typed_value`` unless given), a key in `fixed`
-    one of the values the harness models, a number > 0. The family's config checks what relates keys."""
-    typed = typed or typed_value
-    unknown = sorted(set(given) - set(defaults) - {"family"})
-    if unknown:
-        raise ModelConfigError(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(defaults))}")
-    resolved = {**defaults, **{k: v for k, v in given.items() if k != "family"}}
-    for key, value in resolved.items():
-        value = resolved[key] = typed(key, value, defaults[key])
-        if key in fixed and value not in fixed[key]:
-            raise ModelConfigError(f"{key} must be one of {fixed[key]} (the harness models only these) "
-                                   f"(got {value!r})")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
-            raise ModelConfigError(f"{key} must be > 0 (got {value!r})")
-    return resolved
-
-
-def typed_value(key: str, value, default):
-    """`value`, of the default's type (an int where a float is expected is kept as given; rope_theta becomes a
-    float)."""
-    if key == "rope_theta" and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
-        raise ModelConfigError(f"{key} must be {type(default).__name__} (got {value!r})")
-    return value
+class FamilyFileError(ValueError):
+    """A family's TOML file the harness cannot read; the message names the file, the field and the value."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: one record per family, compared by identity
 class Family:
-    """One model family (like an ``Op`` record one floor up). Every callable takes the family's typed config.
-
-    `config` is the typed config class: ``resolve(given)`` (a case's ``config.model``: defaults filled, validated,
-    errors naming key and value), ``from_dict(wire)`` (a request's resolved ``config.model``) and ``to_dict()`` (the
-    wire dict, with ``family``). Canonical names are HF checkpoint names (docs/model-contract.md)."""
+    """One model family (like an ``Op`` record one floor up), read from its folder by ``Family.load``. Every method
+    takes the family's typed config (``config``: ``resolve``, ``from_dict``, ``to_dict``). Canonical names are HF
+    checkpoint names (docs/model-contract.md)."""
 
     name: str
-    config: type
-    folder: Path  # names.toml (the name maps and float64 floors) and the builder modules
-    # (HF checkpoint name, shape, kind) of every parameter and buffer, in forward order; kinds are the family's, but
-    # "norm" (weights near 1) and "buffer" (not trained, float32 or wider: a routing bias) are read by the harness
-    parameters: Callable[[Any], list[tuple[str, tuple[int, ...], str]]]
-    gradients: Callable[[Any], list[tuple[str, tuple[int, ...]]]]  # "grad.<name>", shape, in backward order
-    modules: Callable[[Any, int], list[TensorSpec]]  # module outputs at a token count, in forward order
-    dense_layers: Callable[[Any], list[int]]
-    moe_layers: Callable[[Any], list[int]]
-    routed_experts: Callable[[Any], int]  # per MoE layer (0: a dense model)
+    config: type[FamilyConfig]
+    folder: Path  # family.toml, names.toml (the name maps and float64 floors), <stack>.toml
+    about: str  # what the family is, and where its values come from
+    # how each Architecture field is read from the config: expressions over its keys (family.toml [architecture])
+    blueprint: dict
     # Checkpoint name suffixes whose first dim counts the routed experts: sliced when a real checkpoint has more
     sliced_by_expert: tuple[str, ...] = ()
-    # (groups, per-group widths of the parts) for the name maps' interleave rules (harness.families.names): a stack
-    # that fuses q, k and v into one tensor per key/value head (Megatron's linear_qkv, Paddle's qkv_proj) gets
-    # (num_key_value_heads, (heads / groups x head_dim, head_dim, head_dim)); None: the family fuses nothing so
-    interleave: Callable[[Any], tuple[int, tuple[int, ...]]] | None = None
+
+    @classmethod
+    def load(cls, folder: Path) -> Family:
+        """The family whose ``family.toml`` is in `folder`; errors name the file, the field and the value."""
+        path = folder / "family.toml"
+        data = _read(path)
+        head, defaults = data.get("family", {}), data.get("config", {})
+        rules = ConfigRules(fixed={k: tuple(v) for k, v in data.get("fixed", {}).items()},
+                            may_be_zero=tuple(head.get("may_be_zero", ())),
+                            checks=tuple((c["holds"], c["error"], c["refuses"]) for c in data.get("check", ())))
+        config = make_config(head["name"], head["config_class"], defaults, rules, head.get("about", ""))
+        family = cls(name=head["name"], config=config, folder=folder, about=head.get("about", ""),
+                     blueprint=data.get("architecture", {}), sliced_by_expert=tuple(head.get("sliced_by_expert", ())))
+        try:
+            family.architecture(config())
+        except (ExpressionError, KeyError, TypeError, ValueError) as error:
+            raise FamilyFileError(f"{path}: [architecture] does not describe the default config: {error}") from None
+        return family
 
     @property
     def names(self) -> Path:
         return self.folder / "names.toml"
+
+    def stack(self, stack: str) -> dict:
+        """What `stack`'s builder reads of this family (``<stack>.toml``; empty where the family has none)."""
+        if stack not in STACKS:
+            raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
+        return self._stacks.setdefault(stack, _read(self.folder / f"{stack}.toml") if
+                                       (self.folder / f"{stack}.toml").exists() else {})
+
+    @cached_property
+    def _stacks(self) -> dict:
+        return {}
+
+    def architecture(self, config) -> Architecture:
+        """The blocks and their widths for `config` (``[architecture]``: each field an expression over its keys)."""
+        values = config.to_dict()
+        blueprint = self.blueprint
+
+        def read(table: dict, record: type, where: str):
+            given = {}
+            for f in fields(record):
+                if f.name not in table:
+                    continue
+                value = table[f.name]
+                value = evaluate(value[1:], values) if isinstance(value, str) and value.startswith("=") else value
+                choices = CHOICES.get(f"{where}.{f.name}")
+                if choices and value not in choices:
+                    raise FamilyFileError(f"{self.folder / 'family.toml'}: [architecture.{where}] {f.name} = "
+                                          f"{value!r}: must be one of {choices}")
+                given[f.name] = tuple(value) if isinstance(value, (list, range)) else value
+            return given
+
+        attention = Attention(**read(blueprint["attention"], Attention, "attention"))
+        moe = Moe(**read(blueprint["moe"], Moe, "moe")) if "moe" in blueprint else None
+        top = {k: v for k, v in blueprint.items() if k not in ("attention", "moe")}
+        return Architecture(attention=attention, moe=moe, **read(top, Architecture, "architecture"))
+
+    def parameters(self, config) -> list[tuple[str, tuple[int, ...], str]]:
+        """(HF checkpoint name, shape, kind) of every parameter and buffer, in forward order; kinds "norm" (weights
+        near 1) and "buffer" (not trained, float32 or wider: a routing bias) are read by the harness."""
+        return layout.parameters(self.architecture(config))
+
+    def gradients(self, config) -> list[tuple[str, tuple[int, ...]]]:
+        """("grad.<name>", shape), in backward order."""
+        return layout.gradients(self.architecture(config))
+
+    def modules(self, config, tokens: int) -> list[TensorSpec]:
+        """Module outputs at a token count, in forward order."""
+        return layout.modules(self.architecture(config), tokens)
+
+    def dense_layers(self, config) -> list[int]:
+        return list(self.architecture(config).dense_layers)
+
+    def moe_layers(self, config) -> list[int]:
+        a = self.architecture(config)
+        return list(a.moe_layers) if a.moe else []
+
+    def routed_experts(self, config) -> int:
+        """Per MoE layer (0: a dense model)."""
+        moe = self.architecture(config).moe
+        return moe.experts if moe else 0
+
+    def interleave(self, config) -> tuple[int, tuple[int, ...]] | None:
+        """(groups, per-group widths of q, k, v) for the name maps' interleave rules (harness.families.names); None:
+        the family fuses nothing so (MLA)."""
+        return layout.interleave(self.architecture(config))
 
     def buffers(self, config) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of the buffers: in the checkpoint and the state a training step may change, never trained."""
@@ -95,3 +146,13 @@ class Family:
         if stack not in STACKS:
             raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
         return importlib.import_module(f"harness.families.{self.name}.{stack}")
+
+
+def _read(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise FamilyFileError(f"{path}: not TOML ({error})") from None
+
+
+__all__ = ["BUILDER_API", "STACKS", "Family", "FamilyFileError", "ModelConfigError"]

@@ -18,9 +18,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from harness.families.deepseek_v3.config import DeepseekV3Config
-from harness.families.deepseek_v3.layout import moe_layers
+from harness.families import FamilyConfig as DeepseekV3Config
+from harness.families import family_of
 from harness.run.cell_state import attribute_restored
+
+_FAMILY = family_of('deepseek_v3')  # transitional: the family's layout, until this builder moves to its room
+moe_layers = _FAMILY.moe_layers
 
 MODEL = "DeepseekV3ForCausalLM"
 # This family's knobs (harness.runners.torch.hf_model has the rest), each written to meta.json

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.families.deepseek_v3.config import DeepseekV3Config
+from harness.families import FamilyConfig as DeepseekV3Config
 from harness.run.cell_state import patch
 from harness.run.protocol import Unsupported
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from harness.families.deepseek_v3.config import DeepseekV3Config
+from harness.families import FamilyConfig as DeepseekV3Config
 from harness.run.protocol import Phases, Unsupported, import_failure
 
 MODEL = "paddleformers.transformers.deepseek_v3.DeepseekV3ForCausalLM"

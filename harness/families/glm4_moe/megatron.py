@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.families.glm4_moe.config import Glm4MoeConfig
+from harness.families import FamilyConfig as Glm4MoeConfig
 from harness.run.protocol import Unsupported
 
 IMPLEMENTATION = ("megatron.core.models.gpt.GPTModel, local spec (no TE): SelfAttention (linear_qkv, local "

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import os
 
-from harness.families.glm4_moe.config import Glm4MoeConfig
-from harness.families.glm4_moe.layout import gradients, modules, moe_layers, parameters
+from harness.families import FamilyConfig as Glm4MoeConfig
+from harness.families import family_of
 from harness.run.protocol import Phases, Unsupported, import_failure
+
+_FAMILY = family_of('glm4_moe')  # transitional: the family's layout, until this builder moves to its room
+gradients, modules, moe_layers, parameters = _FAMILY.gradients, _FAMILY.modules, _FAMILY.moe_layers, _FAMILY.parameters
 
 MODEL = "paddleformers.transformers.glm4_moe.modeling.Glm4MoeForCausalLMDeprecated"
 # Its MoE layer on an expert-parallel group (Glm4MoeDecoderLayer: expert_model_parallel_size > 1 and not

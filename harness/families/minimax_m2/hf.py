@@ -25,9 +25,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from harness.families.minimax_m2.config import MiniMaxM2Config
-from harness.families.minimax_m2.layout import moe_layers
+from harness.families import FamilyConfig as MiniMaxM2Config
+from harness.families import family_of
 from harness.runners.torch import hf_float64
+
+_FAMILY = family_of('minimax_m2')  # transitional: the family's layout, until this builder moves to its room
+moe_layers = _FAMILY.moe_layers
 
 MODEL = "MiniMaxM2ForCausalLM"
 # This family's knobs (harness.runners.torch.hf_model has the rest), each written to meta.json
@@ -59,7 +62,7 @@ def build(hf, m: MiniMaxM2Config):
 def hf_config(m: MiniMaxM2Config, hf):
     """transformers' MiniMaxM2Config from the case's typed config: every key it reads given (rope_theta and the
     partial factor as rope_parameters); the checkpoint keys it does not read are the fixed values the model has."""
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta, "partial_rotary_factor": m.partial_rotary_factor}
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta, "partial_rotary_factor": (m.rotary_dim / m.head_dim)}
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
             "tie_word_embeddings", "num_experts_per_tok", "num_local_experts")
@@ -67,9 +70,9 @@ def hf_config(m: MiniMaxM2Config, hf):
                                 router_jitter_noise=0.0, output_router_logits=False, use_cache=False,
                                 pad_token_id=None, attn_implementation="eager", experts_implementation="eager")
     if config.head_dim != m.head_dim or config.rope_parameters.get("partial_rotary_factor") != \
-            m.partial_rotary_factor:  # transformers 5.3.0 keeps both as given; one that drops them: refuse
+            (m.rotary_dim / m.head_dim):  # transformers 5.3.0 keeps both as given; one that drops them: refuse
         raise RuntimeError(f"transformers' MiniMaxM2Config did not keep head_dim {m.head_dim} / partial_rotary_factor "
-                           f"{m.partial_rotary_factor} (got {config.head_dim}, {config.rope_parameters})")
+                           f"{(m.rotary_dim / m.head_dim)} (got {config.head_dim}, {config.rope_parameters})")
     return config
 
 

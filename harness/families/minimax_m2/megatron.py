@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.families.minimax_m2.config import MiniMaxM2Config
+from harness.families import FamilyConfig as MiniMaxM2Config
 from harness.run.protocol import Unsupported
 
 IMPLEMENTATION = ("megatron.core.models.gpt.GPTModel, local spec (no TE): SelfAttention (linear_qkv, local "
@@ -142,7 +142,7 @@ def layer_spec(spec, skip=()) -> None:
 def gpt_model_kwargs(model: MiniMaxM2Config) -> dict:
     """GPTModel's own RoPE arguments (not TransformerConfig fields in megatron-core 0.16): partial rotary, as Bridge
     sets it (rotary_percent = rotary_dim / head_dim)."""
-    return {"rotary_percent": float(model.partial_rotary_factor), "rotary_base": float(model.rope_theta)}
+    return {"rotary_percent": float(model.rotary_dim / model.head_dim), "rotary_base": float(model.rope_theta)}
 
 
 def translate_config(model: MiniMaxM2Config, dtype: torch.dtype, device: torch.device, expert_parallel: int = 1):
@@ -167,7 +167,8 @@ def translate_config(model: MiniMaxM2Config, dtype: torch.dtype, device: torch.d
         "add_qkv_bias / add_bias_linear": "False / False (Bridge)",
         "qk_layernorm": "True with the full-dimension norm (Bridge: qk_layernorm True, transformer_layer_spec "
                         "minimax_m2_layer_spec)",
-        "rotary_percent / rotary_base": f"{model.partial_rotary_factor} / {float(model.rope_theta)} (rotary_dim "
+        "rotary_percent / rotary_base": f"{model.rotary_dim / model.head_dim} / {float(model.rope_theta)} "
+                                        f"(rotary_dim "
                                         f"{model.rotary_dim} / head_dim {model.head_dim}, as Bridge computes it; "
                                         "rope_theta): GPTModel arguments",
         "ffn_hidden_size / moe_ffn_hidden_size": f"{model.intermediate_size} / {model.intermediate_size} "

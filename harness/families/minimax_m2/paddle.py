@@ -22,9 +22,12 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from harness.families.minimax_m2.config import MiniMaxM2Config
-from harness.families.minimax_m2.layout import gradients, modules, parameters
+from harness.families import FamilyConfig as MiniMaxM2Config
+from harness.families import family_of
 from harness.run.protocol import Phases, Unsupported, import_failure
+
+_FAMILY = family_of('minimax_m2')  # transitional: the family's layout, until this builder moves to its room
+gradients, modules, parameters = _FAMILY.gradients, _FAMILY.modules, _FAMILY.parameters
 
 MODEL = "paddleformers.transformers.minimax_m2.modeling.MiniMaxM2ForCausalLM (a PaddleFleet builder)"
 KNOBS = {}  # nothing is built on the CPU

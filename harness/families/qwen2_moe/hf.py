@@ -22,9 +22,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from harness.families.qwen2_moe.config import Qwen2MoeConfig
-from harness.families.qwen2_moe.layout import moe_layers
+from harness.families import FamilyConfig as Qwen2MoeConfig
+from harness.families import family_of
 from harness.runners.torch import hf_float64
+
+_FAMILY = family_of('qwen2_moe')  # transitional: the family's layout, until this builder moves to its room
+moe_layers = _FAMILY.moe_layers
 
 MODEL = "Qwen2MoeForCausalLM"
 # This family's knobs (harness.runners.torch.hf_model has the rest), each written to meta.json

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.families.qwen2_moe.config import Qwen2MoeConfig
+from harness.families import FamilyConfig as Qwen2MoeConfig
+from harness.families import family_of
 from harness.families.qwen3_moe.megatron import moe_submodules, routing_record_router
 
 IMPLEMENTATION = ("megatron.core.models.gpt.GPTModel, local spec (no TE): SelfAttention (linear_qkv with bias, local "
@@ -77,7 +78,9 @@ def translate_config(model: Qwen2MoeConfig, dtype: torch.dtype, device: torch.de
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layers, experts, topk = model.num_hidden_layers, model.num_experts, model.num_experts_per_tok
-    freq = [1 if model.is_moe(layer) else 0 for layer in range(layers)]
+    model_moe_layers = family_of("qwen2_moe").moe_layers(model)
+    head_dim = model.hidden_size // model.num_attention_heads
+    freq = [1 if layer in model_moe_layers else 0 for layer in range(layers)]
     pre_softmax = not model.norm_topk_prob
     knobs = {
         "spec": "get_gpt_decoder_block_spec(use_transformer_engine=False, normalization='RMSNorm'): local modules, "
@@ -86,7 +89,7 @@ def translate_config(model: Qwen2MoeConfig, dtype: torch.dtype, device: torch.de
         "moe_layer_freq": (f"{freq} (every layer MoE: decoder_sparse_step 1)" if all(freq) else
                            f"{freq}: mlp_only_layers / decoder_sparse_step as HF reads them (a diagnostic case; the "
                            "real models have every layer MoE)"),
-        "num_query_groups / kv_channels": f"{model.num_key_value_heads} / {model.head_dim} (num_key_value_heads, "
+        "num_query_groups / kv_channels": f"{model.num_key_value_heads} / {head_dim} (num_key_value_heads, "
                                           "hidden / heads)",
         "add_qkv_bias / add_bias_linear": "True / False (Bridge's Qwen2ModelProvider; the fork's Qwen2MoEBridge): "
                                           "q, k and v biased, no other linear",
@@ -131,7 +134,7 @@ def translate_config(model: Qwen2MoeConfig, dtype: torch.dtype, device: torch.de
     config = TransformerConfig(
         num_layers=layers, hidden_size=model.hidden_size, ffn_hidden_size=model.intermediate_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
-        kv_channels=model.head_dim, add_qkv_bias=True, qk_layernorm=False, softmax_scale=model.head_dim ** -0.5,
+        kv_channels=head_dim, add_qkv_bias=True, qk_layernorm=False, softmax_scale=head_dim ** -0.5,
         normalization="RMSNorm", layernorm_epsilon=float(model.rms_norm_eps), attention_backend=AttnBackend.local,
         add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         bias_activation_fusion=True, masked_softmax_fusion=False, attention_softmax_in_fp32=True,

@@ -44,7 +44,8 @@ from functools import cache, partial
 
 import torch
 
-from harness.families.qwen3_moe.config import Qwen3MoeConfig
+from harness.families import FamilyConfig as Qwen3MoeConfig
+from harness.families import family_of
 
 IMPLEMENTATION = ("megatron.core.models.gpt.GPTModel, local spec (no TE): SelfAttention (linear_qkv, q_layernorm / "
                   "k_layernorm per head, local DotProductAttention), MoELayer(TopKRouter softmax, SequentialMLP), "
@@ -121,7 +122,8 @@ def translate_config(model: Qwen3MoeConfig, dtype: torch.dtype, device: torch.de
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layers, experts, topk = model.num_hidden_layers, model.num_experts, model.num_experts_per_tok
-    freq = [1 if model.is_moe(layer) else 0 for layer in range(layers)]
+    model_moe_layers = family_of("qwen3_moe").moe_layers(model)
+    freq = [1 if layer in model_moe_layers else 0 for layer in range(layers)]
     pre_softmax = not model.norm_topk_prob
     knobs = {
         "spec": "get_gpt_decoder_block_spec(use_transformer_engine=False, normalization='RMSNorm'), as Bridge's "

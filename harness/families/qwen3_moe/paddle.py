@@ -27,9 +27,12 @@ from functools import partial
 
 import numpy as np
 
-from harness.families.qwen3_moe.config import Qwen3MoeConfig
-from harness.families.qwen3_moe.layout import gradients, modules, moe_layers, parameters
+from harness.families import FamilyConfig as Qwen3MoeConfig
+from harness.families import family_of
 from harness.run.protocol import Phases, Unsupported, import_failure
+
+_FAMILY = family_of('qwen3_moe')  # transitional: the family's layout, until this builder moves to its room
+gradients, modules, moe_layers, parameters = _FAMILY.gradients, _FAMILY.modules, _FAMILY.moe_layers, _FAMILY.parameters
 
 MODEL = "paddleformers.transformers.qwen3_moe.modeling.Qwen3MoeForCausalLMDeprecated"
 

@@ -1,0 +1,86 @@
+"""What a model family is made of, as the harness describes it once for every framework: the blocks (attention, the
+MLP or MoE of each layer, the norms) and their settings, with the widths of one typed config filled in.
+
+A family's ``family.toml`` says in its ``[architecture]`` table how each field here is read from its config (an
+expression over the HF config keys: ``harness.families.expressions``); ``Family.architecture(config)`` gives the
+result. The canonical tensors (``harness.families.layout``) and every framework's builder read this record, never a
+family's name, except for a quirk the builder names where it handles it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention (MHA when kv_heads == heads); multi-latent attention
+QK_NORMS = ("none", "per_head", "all_heads")  # RMSNorm of q and k: none, over each head, over all heads of a token
+SCORINGS = ("softmax", "sigmoid")  # the router's scores
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One layer's self-attention. ``kind`` "gqa": q_proj, k_proj, v_proj, o_proj (biases on q, k, v when
+    ``qkv_bias``); "mla": q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
+
+    kind: str
+    heads: int
+    kv_heads: int
+    head_dim: int  # q and k per head (MLA: its no-RoPE part plus its RoPE part)
+    v_head_dim: int
+    rotary_dim: int  # the dims of each q/k head that RoPE rotates (MLA: qk_rope_head_dim)
+    rope_theta: float
+    qkv_bias: bool = False
+    qk_norm: str = "none"
+    q_lora_rank: int = 0  # MLA only
+    kv_lora_rank: int = 0  # MLA only
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def out_width(self) -> int:
+        """The width o_proj reads: heads x v_head_dim."""
+        return self.heads * self.v_head_dim
+
+
+@dataclass(frozen=True)
+class Moe:
+    """One MoE layer: a router over ``experts`` routed experts of ``ffn`` each, top-``topk`` per token, and an optional
+    shared expert (``shared_ffn`` wide; 0: none), gated by a sigmoid of one linear when ``shared_gate``."""
+
+    experts: int
+    topk: int
+    ffn: int
+    scoring: str  # softmax | sigmoid
+    norm_topk: bool  # the chosen k probabilities divided by their sum
+    topk_scaling: float = 1.0  # multiplies the routing weights (routed_scaling_factor)
+    expert_bias: str = ""  # the module holding the routing bias (e_score_correction_bias), under the layer; "": none
+    shared_ffn: int = 0
+    shared_expert: str = "shared_experts"  # its module under the layer's mlp (the HF checkpoint's name)
+    shared_gate: bool = False  # mlp.shared_expert_gate: [1, hidden], sigmoid of it scales the shared expert
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A whole causal LM: embedding, ``layers`` decoder layers (pre-norm attention, pre-norm MLP: dense in
+    ``dense_layers``, MoE in the others), final norm, untied lm_head; every norm an RMSNorm of ``norm_eps``."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    attention: Attention
+    dense_ffn: int  # the dense MLP's width (layers in dense_layers)
+    dense_layers: tuple[int, ...]
+    moe: Moe | None
+    norm_eps: float
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in range(self.layers) if layer not in self.dense_layers)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.dense_layers

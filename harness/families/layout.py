@@ -1,0 +1,129 @@
+"""Every family's canonical tensors, derived once from its ``Architecture``: each parameter and buffer (HF checkpoint
+names), the gradients (gate and up fused as Megatron fuses them) and the module outputs, in the order a step makes
+them. Framework-free."""
+
+from __future__ import annotations
+
+from harness.case.specs import FLOAT32_OR_WIDER, TensorSpec
+from harness.families import tensors
+from harness.families.architecture import Architecture, Attention
+
+Parameter = tuple[str, tuple[int, ...], str]
+
+
+def parameters(a: Architecture) -> list[Parameter]:
+    """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | bias | norm | embedding |
+    router | buffer (the routing bias)."""
+    h = a.hidden
+    params: list[Parameter] = [("model.embed_tokens.weight", (a.vocab, h), "embedding")]
+    for layer in range(a.layers):
+        p = f"model.layers.{layer}."
+        params.append((p + "input_layernorm.weight", (h,), "norm"))
+        params += _attention(a.attention, h, p + "self_attn.")
+        params += [(p + "self_attn.o_proj.weight", (h, a.attention.out_width), "linear"),
+                   (p + "post_attention_layernorm.weight", (h,), "norm")]
+        if not a.is_moe(layer):
+            params += _mlp(p + "mlp.", a.dense_ffn, h)
+            continue
+        moe = a.moe
+        params.append((p + "mlp.gate.weight", (moe.experts, h), "router"))
+        if moe.expert_bias:
+            params.append((p + moe.expert_bias + ".e_score_correction_bias", (moe.experts,), "buffer"))
+        for expert in range(moe.experts):
+            params += _mlp(p + f"mlp.experts.{expert}.", moe.ffn, h)
+        if moe.shared_ffn:
+            params += _mlp(p + f"mlp.{moe.shared_expert}.", moe.shared_ffn, h)
+        if moe.shared_gate:
+            params.append((p + "mlp.shared_expert_gate.weight", (1, h), "linear"))
+    return params + [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (a.vocab, h), "linear")]
+
+
+def _attention(at: Attention, h: int, p: str) -> list[Parameter]:
+    """q, k and v's parameters (o_proj aside): GQA's projections (with their biases) and q/k norms, or MLA's low-rank
+    projections and their norms."""
+    if at.kind == "mla":
+        rope = at.rotary_dim
+        return [(p + "q_a_proj.weight", (at.q_lora_rank, h), "linear"),
+                (p + "q_a_layernorm.weight", (at.q_lora_rank,), "norm"),
+                (p + "q_b_proj.weight", (at.q_width, at.q_lora_rank), "linear"),
+                (p + "kv_a_proj_with_mqa.weight", (at.kv_lora_rank + rope, h), "linear"),
+                (p + "kv_a_layernorm.weight", (at.kv_lora_rank,), "norm"),
+                (p + "kv_b_proj.weight", (at.heads * (at.head_dim - rope + at.v_head_dim), at.kv_lora_rank),
+                 "linear")]
+    params: list[Parameter] = []
+    for name, width in (("q_proj", at.q_width), ("k_proj", at.kv_width), ("v_proj", at.kv_width)):
+        params.append((p + f"{name}.weight", (width, h), "linear"))
+        if at.qkv_bias:
+            params.append((p + f"{name}.bias", (width,), "bias"))
+    if at.qk_norm != "none":
+        per_head = at.qk_norm == "per_head"
+        params += [(p + "q_norm.weight", (at.head_dim if per_head else at.q_width,), "norm"),
+                   (p + "k_norm.weight", (at.head_dim if per_head else at.kv_width,), "norm")]
+    return params
+
+
+def _mlp(p: str, ffn: int, h: int) -> list[Parameter]:
+    return [(p + "gate_proj.weight", (ffn, h), "linear"), (p + "up_proj.weight", (ffn, h), "linear"),
+            (p + "down_proj.weight", (h, ffn), "linear")]
+
+
+def gradients(a: Architecture) -> list[tuple[str, tuple[int, ...]]]:
+    """Canonical gradient names and shapes, in backward order (harness.families.tensors)."""
+    return tensors.gradients(parameters(a))
+
+
+def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
+    """Module outputs in forward order (canonical HF module paths). Per-head q/k norms keep their heads apart
+    ([T, heads, head_dim]); norms over all heads are [T, heads x head_dim]. A MoE layer: the routing (top-k indices,
+    probabilities), each routed expert's output, the shared expert's (and its gate's logit, [T, 1]), the MoE output."""
+    h, t, at = a.hidden, tokens, a.attention
+    specs = [TensorSpec("module.model.embed_tokens", (t, h), "output")]
+    for layer in range(a.layers):
+        p = f"module.model.layers.{layer}."
+        specs.append(TensorSpec(p + "input_layernorm", (t, h), "output"))
+        specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output") for name, shape in _attention_outputs(at)]
+        specs += [TensorSpec(p + "self_attn.core_attention", (t, at.out_width), "output"),
+                  TensorSpec(p + "self_attn.o_proj", (t, h), "output"),
+                  TensorSpec(p + "post_attention_layernorm", (t, h), "output")]
+        if not a.is_moe(layer):
+            f = a.dense_ffn
+            specs += [TensorSpec(p + "mlp.gate_up_proj", (t, 2 * f), "output"),
+                      TensorSpec(p + "mlp.act", (t, f), "output"), TensorSpec(p + "mlp.down_proj", (t, h), "output")]
+        else:
+            moe = a.moe
+            specs += [TensorSpec(p + "mlp.gate.topk_indices", (t, moe.topk), "output", "int64"),
+                      TensorSpec(p + "mlp.gate.probs", (t, moe.experts), "output", FLOAT32_OR_WIDER)]
+            specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(moe.experts)]
+            if moe.shared_ffn:
+                specs.append(TensorSpec(p + f"mlp.{moe.shared_expert}", (t, h), "output"))
+            if moe.shared_gate:
+                specs.append(TensorSpec(p + "mlp.shared_expert_gate", (t, 1), "output", optional=True))
+            specs.append(TensorSpec(p + "mlp", (t, h), "output"))
+        specs.append(TensorSpec(p.rstrip("."), (t, h), "output"))
+    specs.append(TensorSpec("module.model.norm", (t, h), "output"))
+    return specs
+
+
+def _attention_outputs(at: Attention) -> list[tuple[str, tuple[int, ...]]]:
+    if at.kind == "mla":
+        rope = at.rotary_dim
+        return [("q_a_proj", (at.q_lora_rank,)), ("q_a_layernorm", (at.q_lora_rank,)), ("q_b_proj", (at.q_width,)),
+                ("kv_a_proj_with_mqa", (at.kv_lora_rank + rope,)), ("kv_a_layernorm", (at.kv_lora_rank,)),
+                ("kv_b_proj", (at.heads * (at.head_dim - rope + at.v_head_dim),))]
+    outputs = [("q_proj", (at.q_width,)), ("k_proj", (at.kv_width,)), ("v_proj", (at.kv_width,))]
+    if at.qk_norm == "per_head":
+        outputs += [("q_norm", (at.heads, at.head_dim)), ("k_norm", (at.kv_heads, at.head_dim))]
+    elif at.qk_norm == "all_heads":
+        outputs += [("q_norm", (at.q_width,)), ("k_norm", (at.kv_width,))]
+    return outputs
+
+
+def interleave(a: Architecture) -> tuple[int, tuple[int, ...]] | None:
+    """How a stack that fuses q, k and v per key/value head (Megatron's linear_qkv, Paddle's qkv_proj) orders them:
+    per query group, its heads / groups query heads, then its key head, then its value head (Megatron Bridge's
+    QKVMapping / merge_qkv_weights, conversion/param_mapping.py @ 0f418defd83bb8b007f00748e822b3e758ec2593). None for
+    MLA, which fuses nothing so."""
+    at = a.attention
+    if at.kind == "mla":
+        return None
+    return at.kv_heads, (at.heads // at.kv_heads * at.head_dim, at.head_dim, at.head_dim)
