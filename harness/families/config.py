@@ -35,6 +35,7 @@ class FamilyConfig:
 
     family: ClassVar[str]
     rules: ClassVar[ConfigRules]
+    record: ClassVar[Any]  # its Family (harness.families.record), set when the family is loaded
 
     @classmethod
     def resolve(cls, given: dict) -> FamilyConfig:

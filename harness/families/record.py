@@ -4,6 +4,7 @@ needs to know of it). Nothing family-specific is written here, and nothing impor
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -62,6 +63,7 @@ class Family:
         config = make_config(head["name"], head["config_class"], defaults, rules, head.get("about", ""))
         family = cls(name=head["name"], config=config, folder=folder, about=head.get("about", ""),
                      blueprint=data.get("architecture", {}), sliced_by_expert=tuple(head.get("sliced_by_expert", ())))
+        config.record = family  # a typed config knows its family: resolved once, passed as it is
         try:
             family.architecture(config())
         except (ExpressionError, KeyError, TypeError, ValueError) as error:
@@ -83,6 +85,7 @@ class Family:
     def _stacks(self) -> dict:
         return {}
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - records live as long as the process; configs are frozen
     def architecture(self, config) -> Architecture:
         """The blocks and their widths for `config` (``[architecture]``: each field an expression over its keys)."""
         values = config.to_dict()
