@@ -467,7 +467,7 @@ def _import_model_weights(case: Case, weights_file: str) -> dict[str, tuple[np.n
     weights with a ``weight_scale_inv`` (Kimi-K2's release) are dequantized blockwise in float32 first."""
     path = Path(weights_file).expanduser()
     files = _model_files(path)
-    sliced = families.family_of(case.model.family).sliced_by_expert  # first dim: the routed experts
+    sliced = case.model.record.sliced_by_expert  # first dim: the routed experts
     on_disk = _on_disk(case)
     imported = {}
     for spec in case.input_specs():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from harness.case.specs import FLOAT32_OR_WIDER, TensorSpec
 from harness.case.train_settings import TrainSettings
-from harness.families import family_of, model_config
+from harness.families import model_config
 from harness.optimizers import Optimizer
 
 # MLA's softmax scale with YaRN (MLASelfAttention: mscale = 0.1 * mscale_all_dim * ln(factor) + 1, scale = mscale^2 /
@@ -452,7 +452,7 @@ BUFFER_DIST = {"dist": "normal", "mean": 0.0, "std": 0.01}  # a buffer (the rout
 def _causal_lm_inputs(shapes, tokens, config):
     m = model_config(config["model"])
     specs = []
-    for name, shape, kind in family_of(m.family).parameters(m):
+    for name, shape, kind in m.record.parameters(m):
         if kind == "buffer":
             specs.append(TensorSpec(name, shape, "weight", FLOAT32_OR_WIDER, default_dist=BUFFER_DIST))
         else:
@@ -464,7 +464,7 @@ def _causal_lm_inputs(shapes, tokens, config):
 def _causal_lm_outputs(shapes, tokens, config):
     """Forward (module outputs, logits, loss), then backward (every parameter gradient): topological order."""
     m = model_config(config["model"])
-    family = family_of(m.family)
+    family = m.record
     loss_dtype = FLOAT32_OR_WIDER
     return [*family.modules(m, tokens), TensorSpec("logits", (tokens, m.vocab_size), "output"),
             TensorSpec("loss", (), "output", loss_dtype),
@@ -507,13 +507,13 @@ def train_buffer_names(m) -> list[tuple[str, tuple[int, ...]]]:
     bias (Megatron updates it after every step: aux-loss-free load balancing; HF's and Paddle's training code leave
     it)."""
     m = model_config(m)
-    return family_of(m.family).buffers(m)
+    return m.record.buffers(m)
 
 
 def train_state_names(m) -> list[tuple[str, tuple[int, ...]]]:
     """(canonical parameter name, shape) of every trained parameter: the gradient names without "grad."."""
     m = model_config(m)
-    return [(name[len("grad."):], shape) for name, shape in family_of(m.family).gradients(m)]
+    return [(name[len("grad."):], shape) for name, shape in m.record.gradients(m)]
 
 
 def train_step_outputs(m, train: TrainSettings, step: int) -> list[TensorSpec]:

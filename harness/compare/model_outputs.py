@@ -27,7 +27,6 @@ from harness.case.specs import resolve_dtype
 from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.compare.versus_oracle import closer_side
-from harness.families import family_of
 from harness.families.names import NameMap, lookup
 from harness.run.orchestrate import SideResult
 from harness.runners.oracle.runner import round_once
@@ -170,7 +169,7 @@ def idle_experts(case: Case, sides: list[SideResult]) -> dict[str, list[int]]:
     """Per MoE layer, the routed experts no token went to on either side (their gradients are zero on both)."""
     from safetensors import safe_open
     idle = {}
-    experts = family_of(case.model.family).routed_experts(case.model)
+    experts = case.model.record.routed_experts(case.model)
     for spec in case.output_specs():
         if not spec.name.endswith(".mlp.gate.topk_indices"):
             continue
