@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass, fields
-from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 
@@ -78,12 +77,7 @@ class Family:
         """What `stack`'s builder reads of this family (``<stack>.toml``; empty where the family has none)."""
         if stack not in STACKS:
             raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
-        return self._stacks.setdefault(stack, _read(self.folder / f"{stack}.toml") if
-                                       (self.folder / f"{stack}.toml").exists() else {})
-
-    @cached_property
-    def _stacks(self) -> dict:
-        return {}
+        return _read_once(self.folder / f"{stack}.toml")
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - records live as long as the process; configs are frozen
     def architecture(self, config) -> Architecture:
@@ -149,6 +143,12 @@ class Family:
         if stack not in STACKS:
             raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
         return importlib.import_module(f"harness.families.{self.name}.{stack}")
+
+
+@functools.cache
+def _read_once(path: Path) -> dict:
+    """A stack's file of a family, read once per process (empty where there is none)."""
+    return _read(path) if path.exists() else {}
 
 
 def _read(path: Path) -> dict:
