@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
-from harness.compare import captured_runs, hook_dumps, loss_logs, train_steps
+from harness.compare import captured_runs, hook_dumps, loss_logs, module_steps, train_steps
 from harness.compare.result import ORACLE_LABEL, CaseResult, decide, first_divergence
 from harness.pipeline import describe_case, failsafe, run_folder
 from harness.report import case_report as report
@@ -120,11 +120,30 @@ def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None, steps: 
     result.case, result.sides = describe_case(case), pair + ([truth_side] if truth_side else [])
     result.device = " / ".join(dict.fromkeys(run.device for run in runs))
     result.tensors, result.train = train_steps.compare_steps(case, pair, truth_side)
+    module_rows, modules, module_notes = module_steps.compare(*runs, reference, case.train.steps)
+    result.tensors += module_rows
     result.first_divergence = first_divergence(result.tensors)
     result.verdict, result.message = decide(pair, result.tensors)
-    notes += _not_computed(result.train)
+    if modules:
+        result.train["modules"] = modules
+        result.message += _first_module(modules)
+    notes += module_notes + _not_computed(result.train)
     result.train["notes"] = notes
     result.message += "".join(f"; {note}" for note in notes)
+
+
+def _first_module(modules: dict) -> str:
+    """The module outputs' line of the verdict: the first divergent module and which run the truth sides with."""
+    first = modules["first_divergence"]
+    steps = ", ".join(map(str, modules["steps"]))
+    if first is None:
+        return f"; module outputs bitwise equal at steps {steps}"
+    truth = first["truth"]
+    side = None if truth is None else "neither run" if truth["side"] == "neither" else f"run {truth['side']}"
+    sides = "" if truth is None else (f"; at it the float64 truth sides with {side} (largest distance from it: run A "
+                                      f"{truth['distance_a']:.3g}, run B {truth['distance_b']:.3g})")
+    return (f"; first divergent module: {first['module']} at step {first['step']}, micro-batch "
+            f"{first['micro_batch']} (module outputs captured at steps {steps}){sides}")
 
 
 def _not_computed(summary: dict) -> list[str]:

@@ -98,20 +98,23 @@ def paddle_model(renamed: bool):
     return model
 
 
-def plant(module, call: int, stack):
-    """A forward hook adding one ULP to the first element of the module's output at its `call`-th forward."""
+def plant(module, call: int, stack, amount: float | None = None):
+    """A forward hook adding one ULP (or `amount`) to the first element of the module's output at its `call`-th
+    forward (the first tensor of a tuple output)."""
     seen = {"calls": 0}
 
     def hook(layer, inputs, output):
         seen["calls"] += 1
         if seen["calls"] != call:
             return None
-        first = float(output.detach().flatten()[0].item())
-        step = np.float32(np.nextafter(np.float32(first), np.float32(np.inf)) - np.float32(first))
-        mask = np.zeros(output.shape, dtype=bool)
+        tensor = output[0] if isinstance(output, tuple) else output
+        first = np.array(tensor.detach().flatten()[0].item(), dtype=np.float32)
+        step = amount if amount is not None else float(np.nextafter(first, np.float32(np.inf)) - first)
+        mask = np.zeros(tensor.shape, dtype=bool)
         mask.flat[0] = True
-        return stack.where(stack.to_tensor(mask) if stack.__name__ == "paddle" else stack.from_numpy(mask),
-                           output + float(step), output)
+        planted = stack.where(stack.to_tensor(mask) if stack.__name__ == "paddle" else stack.from_numpy(mask),
+                              tensor + step, tensor)
+        return (planted, *output[1:]) if isinstance(output, tuple) else planted
 
     if stack.__name__ == "paddle":
         return module.register_forward_post_hook(hook)
