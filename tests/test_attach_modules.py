@@ -10,6 +10,8 @@ tiny DeepSeek-V3, float32, CPU, 2 AdamW steps of 2 micro-batches).
   first divergent module is that one, at step 2, micro-batch 0, every module output before it equal; DIFF, exit 1,
   whether or not the step's state shows it (on the Intel Xeon with AMX, 2026-12-06, it does not: the step files are
   bitwise equal and only 3 module outputs differ, that one and the two after it).
+- One ULP planted in the gradient reaching ``model.layers.1.self_attn.o_proj``'s output at step 2, micro-batch 1: the
+  first divergent is that module's output gradient there.
 - With a float64 truth run of the same loop that captured step 2, a planted +1.0 there: the truth sides with run A.
 - A run against itself: the module outputs equal; a step captured by one run only is a note.
 """
@@ -23,6 +25,7 @@ from harness.commands.compare_runs import compare_runs
 from tests.support.torch_loop import assert_same_bits, final_bits, train
 
 MODULE = "model.layers.0.self_attn.q_a_proj"
+GRAD_MODULE = "model.layers.1.self_attn.o_proj"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("modules-at")
     folders = {}
     for name, options in {"a": {}, "b": {"plant": (MODULE, 3, None)}, "big": {"plant": (MODULE, 3, 1.0)},
+                          "grad": {"plant_grad": (GRAD_MODULE, 4)},
                           "truth": {"float64": True}}.items():
         folders[name], model, optimizer = train(root / name, modules_at=[2], **options)
         if name == "a":
@@ -52,15 +56,27 @@ def test_a_planted_bit_is_located_at_its_module_and_step(runs, tmp_path):
     data = report(run_dir)
     assert data["train"]["steps"][0]["verdict"] == "BITWISE_PASS"  # step 2 may absorb the ULP
     first = data["train"]["modules"]["first_divergence"]
-    assert first == {"step": 2, "module": MODULE, "micro_batch": 0, "tensor": f"step2.module.mb0.module.{MODULE}",
-                     "truth": None}
-    assert f"first divergent module: {MODULE} at step 2, micro-batch 0" in result.message
+    assert first == {"step": 2, "module": MODULE, "quantity": "output", "micro_batch": 0,
+                     "tensor": f"step2.module.mb0.module.{MODULE}", "truth": None}
+    assert f"first divergent module: {MODULE} (output) at step 2, micro-batch 0" in result.message
     rows = [t for t in data["tensors"] if t["name"].startswith("step2.module.")]
     before = rows[:[t["name"] for t in rows].index(first["tensor"])]
     assert [t["name"] for t in before] == ["step2.module.mb0.module.model.embed_tokens",
                                            "step2.module.mb0.module.model.layers.0.input_layernorm"]
     assert all(t["status"] == "EQUAL" for t in before)
     assert next(t for t in rows if t["name"] == first["tensor"])["max_ulp"] == 1
+    names = [t["name"] for t in rows]  # micro-batch 0's outputs, then the gradients that reached them, then mb 1's
+    gradient = names.index(f"step2.module.mb0.refeed.grad_output.{MODULE}")
+    assert names.index("step2.module.mb0.module.model.norm") < gradient
+    assert gradient < names.index("step2.module.mb1.module.model.embed_tokens")
+
+
+def test_a_planted_bit_in_a_modules_output_gradient_is_located_there(runs, tmp_path):
+    result, run_dir = compare_runs(runs["a"], runs["grad"], reports_dir=tmp_path)
+    assert result.verdict == "DIFF" and result.exit_code == 1, result.message
+    first = report(run_dir)["train"]["modules"]["first_divergence"]
+    assert (first["module"], first["quantity"], first["step"], first["micro_batch"]) == (GRAD_MODULE, "output gradient",
+                                                                                         2, 1)
 
 
 def test_the_float64_truth_sides_with_the_run_without_the_planted_change(runs, tmp_path):

@@ -142,7 +142,7 @@ def _first_module(modules: dict) -> str:
     side = None if truth is None else "neither run" if truth["side"] == "neither" else f"run {truth['side']}"
     sides = "" if truth is None else (f"; at it the float64 truth sides with {side} (largest distance from it: run A "
                                       f"{truth['distance_a']:.3g}, run B {truth['distance_b']:.3g})")
-    return (f"; first divergent module: {first['module']} at step {first['step']}, micro-batch "
+    return (f"; first divergent module: {first['module']} ({first['quantity']}) at step {first['step']}, micro-batch "
             f"{first['micro_batch']} (module outputs captured at steps {steps}){sides}")
 
 

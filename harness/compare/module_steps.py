@@ -1,8 +1,9 @@
 """The first divergent module inside a step of two captured runs (docs/attach.md, ``modules_at``): where both runs
-wrote ``modules/step{k:05d}.safetensors`` (``harness.attach.modules``: each micro-batch's module outputs in canonical
-names), each module output compared bit for bit (``harness.compare.tensors``) in the order the forward makes them
-(micro-batch, then the family's module order: ``Family.modules``), and, where the truth run captured the step too,
-which run the float64 truth sides with at the first divergent module (the smaller largest distance from it).
+wrote ``modules/step{k:05d}.safetensors`` (``harness.attach.modules``: each micro-batch's module outputs and output
+gradients in canonical names), each compared bit for bit (``harness.compare.tensors``) in the order the step makes
+them (micro-batch; the outputs in the family's module order, ``Family.modules``; then the gradients in reverse),
+and, where the truth run captured the step too, which run the float64 truth sides with at the first divergent module
+(the smaller largest distance from it).
 
 Fails closed: two runs that captured the same step but not the same module outputs (names, shapes) are an ERROR
 naming the first one; a step captured by one run only is a note.
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from harness.capture import MODULES_DIR, module_file
+from harness.capture import GRAD, MODULES_DIR, module_file
 from harness.compare.captured_runs import CapturedRun, RunError
 from harness.compare.tensors import EQUAL, TensorComparison, compare_tensor
 from harness.families import family_of, model_config
@@ -58,20 +59,26 @@ def compare(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None, count: in
             row = compare_tensor(f"step{step}.module.{name}", tensors[0][name], tensors[1][name])
             rows.append(row)
             if first is None and row.status != EQUAL:
-                micro_batch, _, module = name.partition(".")
-                first = {"step": step, "module": module.removeprefix("module."), "micro_batch": int(micro_batch[2:]),
-                         "tensor": row.name, "truth": _sides_with(truth, step, name, tensors)}
+                micro_batch, _, held = name.partition(".")
+                quantity = "output gradient" if held.startswith(GRAD) else "output"
+                first = {"step": step, "module": held.removeprefix(GRAD).removeprefix("module."),
+                         "quantity": quantity, "micro_batch": int(micro_batch[2:]), "tensor": row.name,
+                         "truth": _sides_with(truth, step, name, tensors)}
     return rows, {"steps": steps, "first_divergence": first}, notes
 
 
 def _order(run: CapturedRun):
-    """Sort key of ``mb{i}.module.<name>``: the micro-batch, then the family's forward order of modules."""
+    """Sort key of ``mb{i}.module.<name>`` and ``mb{i}.refeed.grad_output.<name>``: the micro-batch, then the outputs
+    in the family's forward order of modules, then the gradients in the backward's (the reverse)."""
     m = model_config(run.model)
-    position = {spec.name: i for i, spec in enumerate(family_of(m.family).modules(m, 1))}
+    position = {spec.name.removeprefix("module."): i for i, spec in enumerate(family_of(m.family).modules(m, 1))}
 
     def key(name: str) -> tuple:
-        micro_batch, _, module = name.partition(".")
-        return int(micro_batch[2:]), position.get(module, len(position)), module
+        micro_batch, _, held = name.partition(".")
+        gradient = held.startswith(GRAD)
+        module = held.removeprefix(GRAD).removeprefix("module.")
+        at = position.get(module, len(position))
+        return int(micro_batch[2:]), gradient, -at if gradient else at, module
     return key
 
 
