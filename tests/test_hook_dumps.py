@@ -7,8 +7,10 @@ micro-batches, each run in its own process).
 - A run against a second run of itself passes, exit 0; one ULP planted in one module's output at one forward is
   located at that module, step and micro-batch (torch: ``mlp.down`` at step 2, micro-batch 0; Paddle, under other
   module names paired through a name map: ``mlp.act`` at step 2, micro-batch 1), exit 1, every record before it equal.
-- Fail closed: modules with other names and no map, a map that misses a module, a run cut off inside a step, a call
-  skipped, a line that does not read whole: each an ERROR naming the file, line or module.
+- Two ranks: one ULP planted on rank 1 only is located at rank 1.
+- Fail closed: modules with other names and no map, a file of a folder without its rank, a map that misses a module,
+  a run cut off inside a step, a call skipped, a line that does not read whole: each an ERROR naming the file, line or
+  module.
 """
 
 import json
@@ -91,6 +93,23 @@ def test_paddle_runs_under_other_module_names_pair_through_a_name_map(runs, tmp_
     assert result.verdict == "DIFF" and result.exit_code == 1, result.message
     assert report["train"]["first_divergence"] == {"step": 2, "quantity": "output", "micro_batch": 1, "rank": 0,
                                                    "module": "mlp.act", "tensor": "step2.output.rank0.mb1.mlp.act"}
+
+
+def test_a_planted_bit_on_one_rank_is_located_at_that_rank(runs, tmp_path):
+    folders = {}
+    for run, ranks in {"a": ("torch", "torch-again"), "b": ("torch-again", "torch-planted")}.items():
+        folders[run] = tmp_path / run
+        folders[run].mkdir()
+        for rank, source in enumerate(ranks):
+            shutil.copy(runs / source / "dumps" / "workerlog.0", folders[run] / f"workerlog.{rank}")
+    result, report = compare(tmp_path, folders["a"], folders["b"])
+    assert result.verdict == "DIFF", result.message
+    assert report["train"]["first_divergence"] == {"step": 2, "quantity": "output", "module": "mlp.down",
+                                                   "micro_batch": 0, "rank": 1,
+                                                   "tensor": "step2.output.rank1.mb0.mlp.down"}
+    (folders["b"] / "workerlog.1").rename(folders["b"] / "extra.log")
+    result, _ = compare(tmp_path, folders["a"], folders["b"])
+    assert result.verdict == "ERROR" and "extra.log: which rank wrote it?" in result.message
 
 
 def test_the_command_line_exits_with_the_verdicts_code(runs, tmp_path):
