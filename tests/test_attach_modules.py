@@ -5,7 +5,8 @@ writes step 2's module outputs of each micro-batch in canonical names (``harness
 tiny DeepSeek-V3, float32, CPU, 2 AdamW steps of 2 micro-batches).
 
 - Recording module outputs changes nothing: every parameter and optimizer state tensor at the end equals the run
-  recorded without them, bit for bit.
+  recorded without them, bit for bit; so when the recording stops at step 2 (a test double of the step writer fills
+  the disk), and then no module file is written for it.
 - One ULP planted in ``model.layers.0.self_attn.q_a_proj``'s output at its third forward (step 2, micro-batch 0): the
   first divergent module is that one, at step 2, micro-batch 0, every module output before it equal; DIFF, exit 1,
   whether or not the step's state shows it (on the Intel Xeon with AMX, 2026-12-06, it does not: the step files are
@@ -22,7 +23,7 @@ import shutil
 import pytest
 
 from harness.commands.compare_runs import compare_runs
-from tests.support.torch_loop import assert_same_bits, final_bits, train
+from tests.support.torch_loop import assert_same_bits, disk_full_at_step_2, final_bits, train
 
 MODULE = "model.layers.0.self_attn.q_a_proj"
 GRAD_MODULE = "model.layers.1.self_attn.o_proj"
@@ -47,6 +48,13 @@ def report(run_dir):
 
 def test_recording_module_outputs_changes_nothing(runs, tmp_path):
     _, model, optimizer = train(tmp_path / "plain")
+    assert_same_bits(final_bits(model, optimizer), runs["a_bits"])
+
+
+def test_a_recording_that_stops_captures_no_more_modules_and_changes_nothing(runs, tmp_path):
+    folder, model, optimizer = train(tmp_path / "stopped", modules_at=[1, 2], writer=disk_full_at_step_2)
+    assert sorted(p.name for p in (folder / "modules").iterdir()) == ["step00001.safetensors"]
+    assert json.loads((folder / "meta.json").read_text())["capture"]["stopped"]["step"] == 2
     assert_same_bits(final_bits(model, optimizer), runs["a_bits"])
 
 

@@ -20,7 +20,8 @@ from harness.families.names import NameMap
 
 
 class ModuleSteps:
-    """The hooks of ``modules_at``: `current_step()` says which step the loop is in (the recorder's count + 1)."""
+    """The hooks of ``modules_at``: `current_step()` says which step the loop is in (the recorder's count + 1; None
+    once its recording stopped)."""
 
     def __init__(self, model, m, steps, current_step):
         self.model, self.steps, self.current_step = model, set(steps), current_step

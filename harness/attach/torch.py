@@ -91,9 +91,9 @@ class StepRecorder:
     `optimizer`: the torch optimizer whose state is written (AdamW, or SGD with momentum); `masters`: {HF parameter
     name: fp32 master} where the loop keeps them; `steps_kept`: "all", "none" or a list of steps (the others keep
     their scalars and one digest per tensor); `modules_at`: steps at which every module's output of each micro-batch
-    is written too, in canonical names (``harness.attach.modules``); `stated`: what only the loop knows (``STATED``:
-    its schedule, its clipping), for the description; `runner`: who trained (``hf_trainer``, ``torch_loop``...);
-    `implementation`, `knobs`, `adapters`, `versions`: into meta.json as a runner's."""
+    and its output gradient are written too, in canonical names (``harness.attach.modules``); `stated`: what only the
+    loop knows (``STATED``: its schedule, its clipping), for the description; `runner`: who trained (``hf_trainer``,
+    ``torch_loop``...); `implementation`, `knobs`, `adapters`, `versions`: into meta.json as a runner's."""
 
     stack = "hf"  # the name map's section its state is read through, and meta.json's state locations
 
@@ -110,8 +110,8 @@ class StepRecorder:
                                      carried_quantities(self.record_of), self.masters, fill_absent_grads=False)
         self.group = ranks.gather_group()  # every rank's losses, in global micro-batch order
         self._refuse_what_it_cannot_describe()
-        self.modules = ModuleSteps(model, self.m, modules_at, lambda: len(self.steps) + 1) \
-            if modules_at and self.rank == 0 else None
+        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now) if modules_at and self.rank == 0 \
+            else None
 
     def _common(self, folder, model_config, optimizer_class, dtype: str, steps_kept, stated, runner,
                 implementation, knobs, adapters, versions) -> None:
@@ -261,6 +261,10 @@ class StepRecorder:
     def _meta_notes(self) -> dict:
         """What a recorder adds to meta.json beside a runner's keys (the Paddle recorder's; none here)."""
         return {}
+
+    def _step_now(self) -> int | None:
+        """The step the loop is in (None once the recording stopped: modules_at captures nothing more)."""
+        return None if self.stopped is not None else len(self.steps) + 1
 
     def close(self) -> None:
         """Remove the hooks of `modules_at` (none without it)."""
