@@ -56,10 +56,11 @@ class Backpropagated(TorchFunctionMode):
         return self.seen[0]
 
 
-def attach(trainer, folder, *, model_config: dict, steps_kept="all"):
+def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
     """A ``StepRecorderCallback`` added to `trainer`; returns it. `model_config`: the model's config in the harness's
     form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``)."""
-    callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept)
+    callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
+                                    modules_at=modules_at)
     trainer.add_callback(callback)
     return callback
 
@@ -67,8 +68,9 @@ def attach(trainer, folder, *, model_config: dict, steps_kept="all"):
 class StepRecorderCallback(TrainerCallback):
     """Writes `folder`'s step files and meta.json after every optimizer step of `trainer` (see the module)."""
 
-    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all"):
+    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
+        self.modules_at = modules_at
         self.recorder: StepRecorder | None = None
         self.restore: list = []
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
@@ -130,6 +132,8 @@ class StepRecorderCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unobserve()
+        if self.recorder is not None:
+            self.recorder.close()
 
     def _recorder(self, args) -> StepRecorder:
         import transformers
@@ -168,7 +172,8 @@ class StepRecorderCallback(TrainerCallback):
                                                                 "norm, and the factor of its one torch.clamp "
                                                                 "(ClipFactor, an observer)",
                      "changes_computation": False}]
-        return StepRecorder(self.folder, model, optimizer, self.model_config, steps_kept=self.steps_kept, stated=stated,
+        return StepRecorder(self.folder, model, optimizer, self.model_config, steps_kept=self.steps_kept,
+                            modules_at=self.modules_at, stated=stated,
                             runner=RUNNER, implementation=f"transformers.{type(trainer).__name__} "
                                                           f"({type(trainer).__module__}) training "
                                                           f"{type(model).__name__}",

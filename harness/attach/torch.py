@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from harness.attach.modules import ModuleSteps
+from harness.capture import module_file
 from harness.case.ops import carried_quantities, step_quantities
 from harness.case.train_settings import FIELDS, TrainSettings
 from harness.families import model_config
@@ -88,16 +90,17 @@ class StepRecorder:
     the harness's form (``{"family": ..., <the family's HF config keys>}``, as a training case's ``config.model``);
     `optimizer`: the torch optimizer whose state is written (AdamW, or SGD with momentum); `masters`: {HF parameter
     name: fp32 master} where the loop keeps them; `steps_kept`: "all", "none" or a list of steps (the others keep
-    their scalars and one digest per tensor); `stated`: what only the loop knows (``STATED``: its schedule, its
-    clipping), for the description; `runner`: who trained (``hf_trainer``, ``torch_loop``...); `implementation`,
-    `knobs`, `adapters`, `versions`: into meta.json as a runner's."""
+    their scalars and one digest per tensor); `modules_at`: steps at which every module's output of each micro-batch
+    and its output gradient are written too, in canonical names (``harness.attach.modules``); `stated`: what only the
+    loop knows (``STATED``: its schedule, its clipping), for the description; `runner`: who trained (``hf_trainer``,
+    ``torch_loop``...); `implementation`, `knobs`, `adapters`, `versions`: into meta.json as a runner's."""
 
     stack = "hf"  # the name map's section its state is read through, and meta.json's state locations
 
     def __init__(self, folder, model, optimizer, model_config: dict, *, dtype: str | None = None,
-                 masters: dict | None = None, steps_kept="all", stated: dict | None = None, runner: str = "torch_loop",
-                 implementation: str = "", knobs: dict | None = None, adapters: list | None = None,
-                 versions: dict | None = None):
+                 masters: dict | None = None, steps_kept="all", modules_at=(), stated: dict | None = None,
+                 runner: str = "torch_loop", implementation: str = "", knobs: dict | None = None,
+                 adapters: list | None = None, versions: dict | None = None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or {}
         first = next(iter(model.parameters()))
         self.device = first.device
@@ -107,6 +110,8 @@ class StepRecorder:
                                      carried_quantities(self.record_of), self.masters, fill_absent_grads=False)
         self.group = ranks.gather_group()  # every rank's losses, in global micro-batch order
         self._refuse_what_it_cannot_describe()
+        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now) if modules_at and self.rank == 0 \
+            else None
 
     def _common(self, folder, model_config, optimizer_class, dtype: str, steps_kept, stated, runner,
                 implementation, knobs, adapters, versions) -> None:
@@ -132,6 +137,7 @@ class StepRecorder:
         self.writer = StepWriter(self.folder, [], *self._writes(), rank)
         self.writer.kept = self.kept if rank == 0 else set()  # "all" of an unknown number of steps
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
+        self.modules: ModuleSteps | None = None  # modules_at's hooks (the torch recorder's)
         self.stopped: dict | None = None  # {"step", "error"} once an error stopped the recording
         self.listed: dict = {}  # optimizer flags meta.json lists (``_refuse_what_it_cannot_describe``)
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
@@ -256,6 +262,15 @@ class StepRecorder:
         """What a recorder adds to meta.json beside a runner's keys (the Paddle recorder's; none here)."""
         return {}
 
+    def _step_now(self) -> int | None:
+        """The step the loop is in (None once the recording stopped: modules_at captures nothing more)."""
+        return None if self.stopped is not None else len(self.steps) + 1
+
+    def close(self) -> None:
+        """Remove the hooks of `modules_at` (none without it)."""
+        if self.modules is not None:
+            self.modules.close()
+
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied: call after the last micro-batch's
         backward, before clipping (it scales them in place). A parameter without a gradient reads as zeros (its
@@ -301,6 +316,9 @@ class StepRecorder:
         self.has_clip = self.has_clip or clip_coeff is not None
         without = sorted(self.states.absent)
         self.writer.write(step, scalars, self.states.step_outputs(grads))
+        if self.modules is not None and step in self.modules.steps:
+            module_file(self.folder, step).parent.mkdir(exist_ok=True)
+            save_on_host(self.modules.take(), str(module_file(self.folder, step)), {})
         self.steps.append({"step": step, "lr": float(lr), **({"without_grad": without} if without else {})})
         self.write_meta()
 
@@ -377,7 +395,9 @@ class StepRecorder:
     def _notes(self) -> dict:
         """What the description leaves out but the run holds: optimizer flags listed, not refused; where an error
         stopped the recording."""
-        return {**({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
+        modules = {"modules_at": sorted(self.modules.steps),
+                   "modules_not_captured": self.modules.not_captured} if self.modules is not None else {}
+        return {**modules, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
                 **({"stopped": self.stopped} if self.stopped else {})}
 
 

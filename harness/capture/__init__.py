@@ -4,6 +4,19 @@ step. Each imports only its own framework, safetensors and ``harness.families.na
 or a user's own training script can import it without the rest of the harness. See ``harness/capture/torch.py``."""
 
 import math
+from pathlib import Path
+
+MODULES_DIR = "modules"  # a recorder's modules_at files beside its step files (harness.attach.modules)
+
+
+def module_file(folder, step: int) -> Path:
+    """Where a recorder writes step `step`'s module outputs (``modules_at``)."""
+    return Path(folder) / MODULES_DIR / f"step{step:05d}.safetensors"
+
+
+def micro_batch_key(micro_batch: int, name: str) -> str:
+    """``mb{i}.<name>``: a module output of one micro-batch, `name` the capture's own (``module.<canonical>``)."""
+    return f"mb{micro_batch}.{name}"
 
 
 def module_sources(seen: dict[str, dict], rule, word: str = "module") -> tuple[list, str | None]:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
-from harness.compare import captured_runs, loss_logs, train_steps
+from harness.compare import captured_runs, hook_dumps, loss_logs, module_steps, train_steps
 from harness.compare.result import ORACLE_LABEL, CaseResult, decide, first_divergence
 from harness.pipeline import describe_case, failsafe, run_folder
 from harness.report import case_report as report
@@ -40,6 +40,13 @@ def add_parser(commands) -> None:
                              "--pf-loss-order, e.g. main,mtp; default main)")
     parser.add_argument("--losses-b", default=None, metavar="NAME,NAME",
                         help="loss logs: the same for run B (e.g. mtp,main; default: run A's)")
+    parser.add_argument("--hook-dumps", action="store_true",
+                        help="the runs are per-module md5 dumps ([DUMP PF] forward/grad lines: PaddleFleet's, or "
+                             "harness.attach.dump_hooks'): name the first module that departs, per step, "
+                             "micro-batch (--micro-batches) and rank")
+    parser.add_argument("--name-map", type=Path, metavar="FILE",
+                        help="hook dumps: a JSON or TOML table of 'module in A' = 'module in B' (default: the "
+                             "same names)")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
 
 
@@ -47,7 +54,7 @@ def main(args) -> int:
     result, run_dir = compare_runs(args.a, args.b, truth=args.truth, steps=args.steps,
                                    micro_batches=args.micro_batches,
                                    losses=(_names(args.losses_a), _names(args.losses_b or args.losses_a)),
-                                   reports_dir=args.reports)
+                                   hook_dumps=args.hook_dumps, name_map=args.name_map, reports_dir=args.reports)
     report.console(result, run_dir)
     return result.exit_code
 
@@ -58,10 +65,12 @@ def _names(text: str) -> tuple[str, ...]:
 
 def compare_runs(a: Path, b: Path, *, truth: Path | None = None, steps: int | None = None, micro_batches: int = 1,
                  losses: tuple[tuple[str, ...], tuple[str, ...]] = (("main",), ("main",)),
+                 hook_dumps: bool = False, name_map: Path | None = None,
                  reports_dir: Path = run_folder.REPORTS_DIR) -> tuple[CaseResult, Path]:
     """The report of two captured runs, in a new run folder under `reports_dir`."""
     run_id, run_dir = run_folder.new_run_dir(Path(reports_dir), "compare-runs")
-    inputs = {"a": str(a), "b": str(b), "truth": str(truth) if truth else None, "steps": steps}
+    inputs = {"a": str(a), "b": str(b), "truth": str(truth) if truth else None, "steps": steps,
+              "hook_dumps": hook_dumps, "name_map": str(name_map) if name_map else None}
     result = CaseResult(run_id=run_id, case_name=f"compare-runs {Path(a).name} {Path(b).name}", device="files",
                         started_at=run_folder.now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
@@ -70,8 +79,14 @@ def compare_runs(a: Path, b: Path, *, truth: Path | None = None, steps: int | No
         for label, path in (("run A", a), ("run B", b), ("--truth", truth)):
             if path is not None and not Path(path).exists():
                 raise captured_runs.RunError(f"{label}: {path} does not exist")
+        if name_map is not None and not hook_dumps:
+            raise captured_runs.RunError("--name-map: for --hook-dumps runs")
         kinds = [captured_runs.is_step_run(path) for path in (a, b)]
-        if all(kinds):
+        if hook_dumps:
+            if truth or steps is not None:
+                raise captured_runs.RunError("--truth and --steps: for step folders, not --hook-dumps runs")
+            _dump_runs(result, Path(a), Path(b), micro_batches, name_map)
+        elif all(kinds):
             _step_runs(result, Path(a), Path(b), Path(truth) if truth else None, steps)
         elif not any(kinds):
             if truth:
@@ -105,11 +120,30 @@ def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None, steps: 
     result.case, result.sides = describe_case(case), pair + ([truth_side] if truth_side else [])
     result.device = " / ".join(dict.fromkeys(run.device for run in runs))
     result.tensors, result.train = train_steps.compare_steps(case, pair, truth_side)
+    module_rows, modules, module_notes = module_steps.compare(*runs, reference, case.train.steps)
+    result.tensors += module_rows
     result.first_divergence = first_divergence(result.tensors)
     result.verdict, result.message = decide(pair, result.tensors)
-    notes += _not_computed(result.train)
+    if modules:
+        result.train["modules"] = modules
+        result.message += _first_module(modules)
+    notes += module_notes + _not_computed(result.train)
     result.train["notes"] = notes
     result.message += "".join(f"; {note}" for note in notes)
+
+
+def _first_module(modules: dict) -> str:
+    """The module outputs' line of the verdict: the first divergent module and which run the truth sides with."""
+    first = modules["first_divergence"]
+    steps = ", ".join(map(str, modules["steps"]))
+    if first is None:
+        return f"; module outputs bitwise equal at steps {steps}"
+    truth = first["truth"]
+    side = None if truth is None else "neither run" if truth["side"] == "neither" else f"run {truth['side']}"
+    sides = "" if truth is None else (f"; at it the float64 truth sides with {side} (largest distance from it: run A "
+                                      f"{truth['distance_a']:.3g}, run B {truth['distance_b']:.3g})")
+    return (f"; first divergent module: {first['module']} ({first['quantity']}) at step {first['step']}, micro-batch "
+            f"{first['micro_batch']} (module outputs captured at steps {steps}){sides}")
 
 
 def _not_computed(summary: dict) -> list[str]:
@@ -128,3 +162,15 @@ def _loss_runs(result: CaseResult, a: Path, b: Path, micro_batches: int, losses)
     result.first_divergence = first_divergence(result.tensors)
     result.verdict, result.message = decide([], result.tensors)
     result.message += f"; loss only ({runs[0].kind}): no gradient, optimizer state or parameter was captured"
+
+
+def _dump_runs(result: CaseResult, a: Path, b: Path, micro_batches: int, name_map: Path | None) -> None:
+    runs = hook_dumps.read_pair(a, b, micro_batches, name_map)
+    result.tensors, result.train = hook_dumps.compare(*runs)
+    result.first_divergence = first_divergence(result.tensors)
+    result.verdict, result.message = decide([], result.tensors)
+    first = result.train["first_divergence"]
+    if first:
+        result.message = (f"first divergent module: {first['module']} ({first['quantity']}) at step {first['step']}, "
+                          f"micro-batch {first['micro_batch']}, rank {first['rank']}; {result.message}")
+    result.message += f"; {hook_dumps.WHAT}: {hook_dumps.LACKS}"

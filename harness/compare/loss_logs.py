@@ -59,8 +59,8 @@ RECORDS = {"[LOSS_PATH_MD5]": ("loss_path", PROBE, "[LOSS_PATH_MD5] rank=R NAME 
 # A step's records in the order the loss is made: the probes along the loss path, the per-token loss, the final loss
 ORDER = ("loss", "loss_path", "per_token_loss", "final_loss")
 NON_FINITE = "NON_FINITE"  # a final loss that is inf or nan in both runs: an ERROR, whatever its bits
-WHAT = {"log": "PaddleFleet alignment logs (per_token_loss / final_loss md5 per rank and micro-batch)",
-        "loss.json": f"{LOSS_JSON} ({SCHEMA}: the main loss of each step as a float64)"}
+WHAT = {"log": "loss only: PaddleFleet alignment logs (per_token_loss / final_loss md5 per rank and micro-batch)",
+        "loss.json": f"loss only: {LOSS_JSON} ({SCHEMA}: the main loss of each step as a float64)"}
 
 
 class LossLogError(DumpError):

@@ -27,8 +27,8 @@ def headline(data: dict) -> list[str]:
     first = train["first_divergence"]
     equal_steps = sum(1 for s in steps if s["verdict"] == "BITWISE_PASS")
     if train.get("loss_only"):  # harness.compare.loss_logs: the losses a log or loss.json holds, nothing else
-        lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** (loss only: "
-                 f"{train['loss_only']['what']}; no gradient, optimizer state or parameter was captured)"]
+        lacks = train["loss_only"].get("lacks", "no gradient, optimizer state or parameter was captured")
+        lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** ({train['loss_only']['what']}; {lacks})"]
     else:
         lines = [f"**{equal_steps} of {len(steps)} steps BITWISE_PASS** ({train['parameters']} parameters; tensors "
                  f"of steps {_steps(train['steps_kept'], len(steps))} kept, the others compared by digest)"]

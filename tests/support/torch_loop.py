@@ -11,6 +11,7 @@ import torch
 
 from harness.attach.torch import StepRecorder
 from harness.families import model_config
+from tests.support import hook_dump_loops
 from tests.support.train import TINY_MODEL
 
 
@@ -36,16 +37,24 @@ def optimizer_of(model, not_1d=True):
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, steps=2, writer=None):
+def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, steps=2, writer=None, modules_at=(),
+          plant=None, plant_grad=None, float64=False):
     """The loop of docs/attach.md, "Any torch loop" (without a recorder where not `recorded`; `drop`: a parameter
     whose gradient a hook sets to None after each accumulation; `writer`: a test double put in place of the step
-    writer's save). Returns the folder, the model and the optimizer."""
-    model = tiny_model()
+    writer's save; `modules_at`: the recorder's; `plant`: (module, call, amount or None: one ULP) added to the first
+    element of that module's output at its call-th forward (tests/support/hook_dump_loops.py's ``plant``);
+    `plant_grad`: (module, call): one ULP added to the gradient reaching that module's output at its call-th forward;
+    `float64`: the model in float64, a truth run). Returns the folder, the model and the optimizer."""
+    model = tiny_model().double() if float64 else tiny_model()
     if drop:
         model.get_parameter(drop).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    if plant:
+        hook_dump_loops.plant(model.get_submodule(plant[0]), plant[1], torch, plant[2])
+    if plant_grad:
+        plant_gradient(model.get_submodule(plant_grad[0]), plant_grad[1])
     optimizer = optimizer_of(model, not_1d)
-    recorder = (StepRecorder(folder, model, optimizer, TINY_MODEL, steps_kept=steps_kept, stated={"clip_grad": 1.0})
-                if recorded else None)
+    recorder = (StepRecorder(folder, model, optimizer, TINY_MODEL, steps_kept=steps_kept, stated={"clip_grad": 1.0},
+                             modules_at=modules_at) if recorded else None)
     if writer:
         recorder.writer.save = writer(recorder.writer.save)
     data = torch.Generator().manual_seed(1)
@@ -69,7 +78,28 @@ def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, st
             optimizer.step()
             recorder.record(step, losses, lr, grads, grad_norm=norm, clip_coeff=factor)
         optimizer.zero_grad()
+    if recorder is not None:
+        recorder.close()
     return folder, model, optimizer
+
+
+def plant_gradient(module, call: int) -> None:
+    """A forward hook whose `call`-th forward adds one ULP to the first element of the gradient reaching the
+    module's output (a tensor hook registered before any recorder's on that output)."""
+    seen = {"calls": 0}
+
+    def bump(grad):
+        first = grad.flatten()[0]
+        step = torch.nextafter(first, torch.tensor(float("inf"), dtype=first.dtype)) - first
+        mask = torch.zeros_like(grad, dtype=torch.bool)
+        mask.view(-1)[0] = True
+        return torch.where(mask, grad + step, grad)
+
+    def hook(layer, inputs, output):
+        seen["calls"] += 1
+        if seen["calls"] == call:
+            (output[0] if isinstance(output, tuple) else output).register_hook(bump)
+    module.register_forward_hook(hook)
 
 
 def final_bits(model, optimizer) -> dict:

@@ -1,0 +1,67 @@
+"""Module capture at chosen steps of a user's torch loop (``StepRecorder(..., modules_at=[k, ...])``, docs/attach.md):
+at step k, every module output of each micro-batch's forward and the gradient that reached it in the backward, in
+the model level's canonical module names, written to ``modules/step{k:05d}.safetensors`` beside the step files
+(``mb{i}.module.<canonical module>``, ``mb{i}.refeed.grad_output.<canonical module>``), so that ``compare-runs`` names
+the first divergent module at the first divergent step (``harness.compare.module_steps``).
+
+The capture is the model level's own, over the family's ``[hf.modules]`` name map and its module list
+(``Family.modules``): ``harness.capture.torch.Capture`` for the outputs and the re-feed's recording
+(``harness.capture.torch.Refeed`` in "record" mode, the same units as the hf_model runner's) for the output
+gradients; one of each per micro-batch, started by a pre-hook on the model's top-level forward. Both clone what the
+step produced and change nothing.
+"""
+
+from __future__ import annotations
+
+from harness.capture import EXPERT_WHY, GRAD, micro_batch_key, refeed_units
+from harness.capture.torch import Capture, Refeed
+from harness.families import family_of
+from harness.families.names import NameMap
+
+
+class ModuleSteps:
+    """The hooks of ``modules_at``: `current_step()` says which step the loop is in (the recorder's count + 1; None
+    once its recording stopped)."""
+
+    def __init__(self, model, m, steps, current_step):
+        self.model, self.steps, self.current_step = model, set(steps), current_step
+        self.name_map = NameMap.load(m.family, "hf", model=m)
+        self.names = [spec.name.removeprefix("module.") for spec in family_of(m.family).modules(m, 1)]
+        self.units, why_not = refeed_units(self.names, lambda n: self.name_map.rule("modules", n, m),
+                                           extra={"lm_head": ["lm_head"]}, skip={r"\.experts\.\d+$": EXPERT_WHY})
+        self.not_captured = {GRAD + name: why for name, why in why_not.items()}
+        self.captures: list[dict] = []  # this step's tensors, one dict per micro-batch
+        self.open: tuple[Capture, Refeed] | None = None
+        self.handle = model.register_forward_pre_hook(self._start)
+
+    def _start(self, module, args) -> None:
+        if self.current_step() not in self.steps:
+            return
+        self._finish_last()
+        capture = Capture(self.model, self.name_map, 0)
+        capture.watch(self.names)
+        self.open = (capture, Refeed(self.model, self.units, "record", batch_dim=0))
+
+    def _finish_last(self) -> None:
+        """The open micro-batch's module outputs and output gradients (its backward is done: the next forward or
+        ``record`` came)."""
+        if self.open is None:
+            return
+        capture, refeed = self.open
+        capture.finish()
+        grads = {name: tensor for name, tensor in refeed.finish().items() if name.startswith(GRAD)}
+        self.not_captured.update(capture.not_captured)
+        self.captures.append({**capture.tensors, **grads})
+        self.open = None
+
+    def take(self) -> dict:
+        """This step's tensors ({mb{i}.<name>: tensor}, on the CPU); the captures end."""
+        self._finish_last()
+        tensors = {micro_batch_key(i, name): tensor.detach().to("cpu").contiguous()
+                   for i, held in enumerate(self.captures) for name, tensor in held.items()}
+        self.captures = []
+        return tensors
+
+    def close(self) -> None:
+        self._finish_last()
+        self.handle.remove()
