@@ -314,7 +314,8 @@ def test_float64_yarn_tables_are_hfs_formula():
     and the config the runner builds gives HF's mscale-squared softmax scale."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from harness.families.deepseek_v3.hf import hf_config, yarn_inv_freq
+    from harness.runners.torch.hf_families import hf_config
+    from harness.runners.torch.hf_float64 import yarn_inv_freq
     m = Registry.load().get("kimi_k2_2layer").model
     config = hf_config(m, hf)
     theirs = hf.DeepseekV3RotaryEmbedding(config)
