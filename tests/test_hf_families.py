@@ -181,3 +181,43 @@ def test_a_float64_run_in_its_own_process_names_the_familys_model_knobs_and_rout
     routed = sorted(int(n.split(".")[3]) for n in outputs if n.endswith(".mlp.gate.topk_indices"))
     assert routed == moe and all(outputs[f"module.model.layers.{layer}.mlp.gate.topk_indices"].shape[1] ==
                                  FAMILIES[family].architecture(m).moe.topk for layer in moe)
+
+
+def on_disk(family: str, m):
+    """canonical name -> its name in the family's released checkpoints ([disk.checkpoint]; the name itself where the
+    family has no [disk] section): what transformers' from_pretrained reads."""
+    from harness.families import ModelConfigError
+
+    try:
+        disk = NameMap.load(family, "disk", model=m)
+    except ModelConfigError:
+        return lambda name: name
+    return lambda name: disk.rule("checkpoint", name).sources[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_own_loading_gives_the_name_maps_tensors_bit_for_bit(models, family, tmp_path):
+    """The ecosystem's name map: transformers' ``from_pretrained`` applies its own conversion mapping
+    (transformers/conversion_mapping.py: MiniMax-M2's block_sparse_moe renames, the routed experts fused into
+    gate_up_proj and down_proj) to a checkpoint in the released names; hf_model's loader, through names.toml's
+    [disk] and [hf.checkpoint], gives every tensor of the same model with the same name and the same bits."""
+    import torch
+    from safetensors.torch import save_file
+
+    from harness.runners.torch import hf_families, hf_model
+
+    m = models[family]
+    record, generator = FAMILIES[family], torch.Generator().manual_seed(0)
+    canonical = {name: torch.randn(shape, generator=generator) for name, shape, _ in record.parameters(m)}
+    disk = on_disk(family, m)
+    save_file({disk(name): tensor for name, tensor in canonical.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf = hf_families.modeling(m)
+    model, config = hf_families.build(hf, m)
+    config.save_pretrained(tmp_path)
+    theirs = getattr(hf, hf_families.model_class(m)).from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    ours = hf_model._state_dict(model, canonical, NameMap.load(family, "hf", model=m), m, torch.float32,
+                                {name for name, _ in record.buffers(m)})
+    assert sorted(ours) == sorted(theirs)
+    unequal = [name for name in ours if not torch.equal(ours[name], theirs[name])]
+    assert not unequal, f"{family}: transformers loads other bits into {unequal[:5]}"
