@@ -157,16 +157,16 @@ def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
     """Inside: HF's RMSNorm, router and eager attention in float64 (when `on`); yields {what: how} for meta.json
     ({} when off; the RoPE tables: ``rotary``; the loss: the runner). hf.toml's ``[float64]`` may give a text of its
     own (``rms_norm``)."""
-    s, architecture = spec(m), m.record.architecture(m)
+    s, moe = spec(m), m.record.architecture(m).moe
     prefix, texts = s["prefix"], s.get("float64", {})
-    router, router_why = ROUTERS[(s["routing"], architecture.moe.scoring)]
     rms_why = texts.get("rms_norm", "normalises in float64 (HF: float32)")
-    with hf_float64.islands([
-        (getattr(hf, f"{prefix}RMSNorm"), "forward", hf_float64.rms_norm, f"{prefix}RMSNorm.forward", rms_why),
-        (getattr(hf, s["router"]), "forward", router, f"{s['router']}.forward", router_why),
-        (hf, "eager_attention_forward", hf_float64.eager_attention(hf), "eager_attention_forward",
-         "softmax in float64 (HF: float32)"),
-    ], on) as replaced:
+    islands = [(getattr(hf, f"{prefix}RMSNorm"), "forward", hf_float64.rms_norm, f"{prefix}RMSNorm.forward", rms_why)]
+    if moe is not None:  # a dense family has no router
+        router, router_why = ROUTERS[(s["routing"], moe.scoring)]
+        islands.append((getattr(hf, s["router"]), "forward", router, f"{s['router']}.forward", router_why))
+    islands.append((hf, "eager_attention_forward", hf_float64.eager_attention(hf), "eager_attention_forward",
+                    "softmax in float64 (HF: float32)"))
+    with hf_float64.islands(islands, on) as replaced:
         if on:
             yarn = rope_parameters(m)["rope_type"] == "yarn"
             replaced = {**replaced, f"{prefix}RotaryEmbedding": f"{'YaRN inverse' if yarn else 'inverse'} "
