@@ -127,14 +127,14 @@ def norms_in_two_orders(request_path: Path, captured: Path, step: int) -> tuple[
     from harness.families import model_config
     from harness.families.names import NameMap
     from harness.runners.torch import env as torch_env
-    from harness.runners.torch import hf_model
+    from harness.runners.torch import hf_families, hf_model
     from harness.runners.torch.train_state import TorchStates
 
     request = json.loads(request_path.read_text())
     config = request["config"]["model"]
     checkpoint = torch_env.load_inputs(request["checkpoint"], torch.device("cpu"))
     names = NameMap.load(config["family"], "hf")
-    model = hf_model.build_model(hf_model.builder(config).modeling(), config, torch.float32, torch.device("cpu"),
+    model = hf_model.build_model(hf_families.modeling(model_config(config)), config, torch.float32, torch.device("cpu"),
                                  checkpoint, names)
     states = TorchStates.hf(model, model_config(config), names, None, ())
     prefix = f"step{step}.grad."

@@ -329,7 +329,7 @@ def test_hf_config_gets_the_partial_rotary_factor_transformers_5_3_ignores():
     import transformers
     from transformers.models.minimax_m2 import modeling_minimax_m2 as hf
 
-    from harness.families.minimax_m2.hf import hf_config
+    from harness.runners.torch.hf_families import hf_config
 
     m = MiniMaxM2Config.resolve(TINY)
     config = hf_config(m, hf)

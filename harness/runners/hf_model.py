@@ -1,4 +1,4 @@
-"""``python -m harness.runners.hf_model``: HF transformers' model of a family (harness/families/<family>/hf.py), a whole
+"""``python -m harness.runners.hf_model``: HF transformers' model of a family (``torch/hf_families.py``), a whole
 model: one forward and backward (op ``causal_lm``, ``torch/hf_model.py``) or N optimizer steps with the case's torch
 optimizer, AdamW or SGD (op ``causal_lm_train``, ``torch/hf_train.py``)."""
 
@@ -26,8 +26,10 @@ def probe(device: str) -> dict:
 
     try:
         import transformers
-        builders = [family.builder("hf") for family in FAMILIES.values()]
-        model = ", ".join(f"{builder.modeling().__name__}.{builder.MODEL}" for builder in builders)
+
+        from harness.runners.torch import hf_families
+        defaults = [family.config() for family in FAMILIES.values()]
+        model = ", ".join(f"{hf_families.modeling(m).__name__}.{hf_families.model_class(m)}" for m in defaults)
     except Exception as error:  # noqa: BLE001
         return {**answer, **import_answer("transformers", error)}
     answer["versions"]["transformers"] = transformers.__version__

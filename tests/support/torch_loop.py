@@ -18,7 +18,7 @@ from tests.support.train import TINY_MODEL
 def tiny_model():
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from harness.families.deepseek_v3.hf import hf_config
+    from harness.runners.torch.hf_families import hf_config
 
     torch.manual_seed(0)
     model = hf.DeepseekV3ForCausalLM(hf_config(model_config(TINY_MODEL), hf))

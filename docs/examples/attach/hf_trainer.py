@@ -33,10 +33,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import Trainer, TrainingArguments
 
+from harness import families
 from harness.attach.hf import attach
 from harness.families.names import NameMap
 from harness.runners.torch import env as torch_env
-from harness.runners.torch import hf_model
+from harness.runners.torch import hf_families, hf_model
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
 
     # The user's model and data: here the case's checkpoint, loaded as the harness's runners load it.
     checkpoint = torch_env.load_inputs(request["checkpoint"], torch.device("cpu"))
-    hf = hf_model.builder(model_config).modeling()
+    hf = hf_families.modeling(families.model_config(model_config))
     model = hf_model.build_model(hf, model_config, torch.float32, torch.device("cpu"), checkpoint,
                                  NameMap.load(model_config["family"], "hf"))
     if args.drop_grad:

@@ -1,10 +1,12 @@
-"""The float64 mode HF transformers models share: the same formulas as HF's float32 islands (RMSNorm, the router GEMM,
-the eager attention's softmax, the RoPE tables), in float64. A family's HF builder (``harness/families/<family>/
-hf.py``) names which classes of its modeling module get which (``islands``); nothing else changes, and HF's own code
-is put back when the cell ends (``harness.run.cell_state.attribute_restored``), so a worker's next cell runs it."""
+"""The float64 mode HF transformers models share: the same formulas as HF's float32 islands (RMSNorm, the router:
+its GEMM, softmax or sigmoid; the eager attention's softmax, the RoPE tables: default or YaRN), in float64. The hf
+room (``harness.runners.torch.hf_families``) names which classes of a family's modeling module get which
+(``islands``); nothing else changes, and HF's own code is put back when the cell ends
+(``harness.run.cell_state.attribute_restored``), so a worker's next cell runs it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -27,6 +29,32 @@ def router_gemm(self, hidden_states):
     """A sigmoid router's gating GEMM (DeepseekV3TopkRouter, Glm4MoeTopkRouter) in float64 (HF: float32)."""
     hidden_states = hidden_states.view(-1, self.config.hidden_size)
     return F.linear(hidden_states.type(torch.float64), self.weight.type(torch.float64))
+
+
+def softmax_router(self, hidden_states):
+    """A softmax router's forward (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter: transformers 5.3.0) with the softmax in the
+    model's dtype (HF: float32): in a float64 run, float64."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = torch.nn.functional.softmax(router_logits, dtype=hidden_states.dtype, dim=-1)
+    router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    router_top_value = router_top_value.to(router_logits.dtype)
+    return router_logits, router_top_value, router_indices
+
+
+def sigmoid_router(self, hidden_states, e_score_correction_bias):
+    """A sigmoid router with a routing bias (``MiniMaxM2TopKRouter.forward``) with the sigmoid in float64 (HF:
+    ``sigmoid(router_logits.float())``): the same steps, the gating GEMM in the weight's dtype (float64 here)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    routing_weights = torch.sigmoid(router_logits.to(torch.float64))
+    scores_for_choice = routing_weights + e_score_correction_bias
+    _, top_k_index = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False)
+    top_k_weights = routing_weights.gather(1, top_k_index)
+    top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
+    return router_logits, top_k_weights, top_k_index
 
 
 def eager_attention(hf):
@@ -53,14 +81,56 @@ def default_rope(rotary, config) -> None:
     rotary.inv_freq = (1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64) / dim))).to(
         rotary.inv_freq.device)
     rotary.attention_scaling = 1.0
+    rotary.forward = _float64_tables(rotary)
 
+
+def yarn_rope(rotary, config) -> None:
+    """A rotary module of rope_type "yarn" (DeepSeek-V3's) with its inverse frequencies and cos/sin tables in
+    float64."""
+    inv_freq, rotary.attention_scaling = yarn_inv_freq(config)
+    rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+    rotary.forward = _float64_tables(rotary)
+
+
+def _float64_tables(rotary):
+    """The rotary module's forward (transformers 5.3.0) with its cos/sin tables computed in float64."""
     def forward(x, position_ids):
         inv = rotary.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1)
         freqs = (inv @ position_ids[:, None, :].to(torch.float64)).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
+    return forward
 
-    rotary.forward = forward
+
+def yarn_inv_freq(config, dtype=torch.float64) -> tuple[torch.Tensor, float]:
+    """transformers' _compute_yarn_parameters (5.3.0), the same formula, in `dtype`."""
+    rp = config.rope_parameters
+    base, dim, factor = rp["rope_theta"], config.qk_rope_head_dim, rp["factor"]
+    mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rp.get("attention_factor") or (
+        float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)) if mscale and mscale_all_dim
+        else get_mscale(factor))
+    beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+    original = rp["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=dtype) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=dtype) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor, attention_factor
 
 
 @contextmanager

@@ -1,8 +1,8 @@
 """HF transformers runner for model cases (op ``causal_lm``, docs/model-contract.md): imports torch + transformers.
 
-The model is transformers' own class for the case's family (its HF builder, ``harness/families/<family>/hf.py``:
-DeepSeek-V3's ``DeepseekV3ForCausalLM``), built from the request's ``config.model`` (every value given, none left to
-transformers' defaults) and loaded from the canonical checkpoint through the name map's ``[hf.checkpoint]`` table:
+The model is transformers' own class for the case's family (DeepSeek-V3's ``DeepseekV3ForCausalLM``), built by the
+hf room (``hf_families.py``, from the family's data) from the request's ``config.model`` (every value given, none left
+to transformers' defaults) and loaded from the canonical checkpoint through the name map's ``[hf.checkpoint]`` table:
 transformers 5 fuses a MoE layer's routed experts into ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` (gate rows first:
 its forward is ``linear(x, gate_up_proj[e]).chunk(2)``) and ``mlp.experts.down_proj`` ``[E, H, F]``, so the per-expert
 checkpoint tensors are stacked into them, and the per-expert canonical gradients are slices of their ``.grad``. One
@@ -12,7 +12,7 @@ already shifted), ``loss.backward()``; module outputs and gradients go through `
 Knobs, each chosen on purpose and written to meta.json: eager attention (matmul + float32 softmax, HF's reference
 path; sdpa would pick a CPU kernel by shape), eager experts (a loop of per-expert ``F.linear``; HF's default is
 ``grouped_mm`` where torch offers it), train mode, no KV cache, the family's buffers (the routing bias) kept in float32
-(HF's ``_keep_in_fp32_modules_strict``), TorchDynamo off; the family's own (``KNOBS`` of its builder).
+(HF's ``_keep_in_fp32_modules_strict``), TorchDynamo off; the family's own (``[knobs]`` of its ``hf.toml``).
 
 Float64 (the truth and the semantic check): HF computes some things in float32 whatever the model's dtype; in a
 float64 request the family's ``float64_mode`` replaces exactly those with the same formulas in float64 (listed in
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-from types import ModuleType
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -36,10 +35,11 @@ from safetensors.torch import save_file  # noqa: E402
 from harness.capture import EXPERT_WHY, REFEED_FILE, refeed_units  # noqa: E402
 from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
-from harness.families import family_of, model_config  # noqa: E402
+from harness.families import model_config  # noqa: E402
 from harness.families.names import NameMap, expand_stack  # noqa: E402
 from harness.run.protocol import OUTPUTS, Phases, Unsupported  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
+from harness.runners.torch import hf_families  # noqa: E402
 
 RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs")  # taken from route_tokens_to_experts' return value
 KNOBS = {
@@ -60,23 +60,16 @@ def run(request: dict, phases: Phases) -> dict:
         raise Unsupported(f"hf_model runs whole models (op causal_lm), not {request['op']!r}")
     if request["tp"] != 1:
         raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
-    hf_family = builder(request["config"]["model"])
+    m = model_config(request["config"]["model"])  # the family resolved once, passed typed
     with phases("import"):
-        hf = hf_family.modeling()
-    with hf_family.float64_mode(hf, on=request["dtype"] == "float64") as replaced:
-        return _run(request, phases, hf, replaced)
+        hf = hf_families.modeling(m)
+    with hf_families.float64_mode(hf, m, on=request["dtype"] == "float64") as replaced:
+        return _run(request, phases, m, hf, replaced)
 
 
-def builder(model) -> ModuleType:
-    """The HF builder of `model`'s family (`model`: the request's config.model, or typed)."""
-    return family_of(model_config(model).family).builder("hf")
-
-
-def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
+def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
     import transformers
 
-    m = model_config(request["config"]["model"])
-    hf_family = builder(m)
     dtype = torch_env.DTYPES[request["dtype"]]
     name_map = NameMap.load(m.family, "hf", model=m)
     outputs = OPS["causal_lm"].outputs({}, request["tokens"], request["config"])
@@ -87,7 +80,7 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
         model = build_model(hf, m, dtype, device, checkpoint, name_map)
         ids = checkpoint["input_ids"].view(1, -1)
         labels = checkpoint["labels"].view(1, -1)
-        gates = hf_family.record_routing(model, m)
+        gates = hf_families.record_routing(model, m)
     modules = [s.name[len("module."):] for s in outputs if s.name.startswith("module.")
                and not s.name.endswith(RECORDED)]
     grads = [s.name[len("grad."):] for s in outputs if s.name.startswith("grad.")]
@@ -114,7 +107,7 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
         cap.record("logits", logits[0])
         refeed_tensors = refeed.finish() if refeed else {}
         for layer, (indices, weights) in gates.items():
-            topk, probs = canonical_routing(indices, weights, family_of(m.family).routed_experts(m))
+            topk, probs = canonical_routing(indices, weights, m.record.routed_experts(m))
             cap.record(f"module.model.layers.{layer}.mlp.gate.topk_indices", topk)
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
     with phases("write"):
@@ -125,10 +118,10 @@ def _run(request: dict, phases: Phases, hf, float64_replaced: dict) -> dict:
                               "not_refed": {**group_by_expert(not_refed), **refeed.not_refed}}} if refeed else {}
     return {**refeed_meta,
         "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "implementation": f"{hf.__name__}.{hf_family.MODEL} (HF transformers, torch), attention "
+        "implementation": f"{hf.__name__}.{hf_families.model_class(m)} (HF transformers, torch), attention "
                           f"{model.config._attn_implementation}, experts {model.config._experts_implementation}",
         "adapters": [],
-        "knobs": {k: {"value": v, "why": why} for k, (v, why) in {**KNOBS, **hf_family.KNOBS}.items()},
+        "knobs": {k: {"value": v, "why": why} for k, (v, why) in {**KNOBS, **hf_families.knobs(m)}.items()},
         "float64_mode": float64_replaced,
         "not_captured": group_by_expert(cap.not_captured),
         "zero_grads": cap.zero_grads,
@@ -142,11 +135,10 @@ def build_model(hf, m, dtype: torch.dtype, device, checkpoint: dict, name_map: N
     """The family's model from the case's config (`m`: the request's config.model, or typed), every parameter and
     buffer from the checkpoint, in train mode (also the training runner's model: harness.runners.torch.hf_train)."""
     m = model_config(m)
-    hf_family = builder(m)
-    model, config = hf_family.build(hf, m)
-    buffers = {name for name, _ in family_of(m.family).buffers(m)}
+    model, config = hf_families.build(hf, m)
+    buffers = {name for name, _ in m.record.buffers(m)}
     model.load_state_dict(_state_dict(model, checkpoint, name_map, m, dtype, buffers), strict=True, assign=True)
-    hf_family.rotary(model, hf, config, device, dtype)
+    hf_families.rotary(model, hf, m, config, device, dtype)
     model.train()
     for param in model.parameters():
         param.requires_grad_(True)

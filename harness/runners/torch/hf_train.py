@@ -1,5 +1,5 @@
 """hf_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of the case's model family
-in HF transformers (the model of ``harness.runners.torch.hf_model``, its family's HF builder's ``MODEL``) with torch's
+in HF transformers (the model of ``harness.runners.torch.hf_model``, built by ``hf_families``) with torch's
 own training pieces, every per-step quantity written in canonical names through the family's ``[hf.grads]`` rules.
 
 The pieces are torch's and transformers' own: the optimizer the case names, built by its record
@@ -35,11 +35,12 @@ from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import carried_quantities, step_quantities
 from harness.case.train_settings import TrainSettings, rank_micro_batches
+from harness.families import model_config
 from harness.families.names import NameMap
 from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.torch import env as torch_env
-from harness.runners.torch import hf_model, ranks
+from harness.runners.torch import hf_families, hf_model, ranks
 from harness.runners.torch.train_state import (
     TorchStates,
     device_digests,
@@ -78,13 +79,14 @@ def run(request: dict, phases: Phases) -> dict:
         raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
     with phases("import"):
         import transformers
-        hf_family = hf_model.builder(request["config"]["model"])
-        hf = hf_family.modeling()
-    with hf_family.float64_mode(hf, on=request["dtype"] == "float64") as replaced:  # put back when the cell ends
-        return _run(request, phases, hf, transformers, replaced)
+        typed = model_config(request["config"]["model"])  # the family resolved once
+        hf = hf_families.modeling(typed)
+    # HF's own code is put back when the cell ends
+    with hf_families.float64_mode(hf, typed, on=request["dtype"] == "float64") as replaced:
+        return _run(request, phases, typed, hf, transformers, replaced)
 
 
-def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) -> dict:
+def _run(request: dict, phases: Phases, typed, hf, transformers, float64_mode: dict) -> dict:
     m, train = request["config"]["model"], TrainSettings.from_dict(request["config"]["train"])
     dtype = torch_env.DTYPES[request["dtype"]]
     name_map = NameMap.load(m["family"], "hf")
@@ -116,7 +118,7 @@ def _run(request: dict, phases: Phases, hf, transformers, float64_mode: dict) ->
         dist.destroy_process_group()
     return {
         "framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "implementation": f"{hf.__name__}.{hf_model.builder(m).MODEL} trained with "
+        "implementation": f"{hf.__name__}.{hf_families.model_class(typed)} trained with "
                           f"torch.optim.{type(trainer.optimizer).__name__}, "
                           f"torch.nn.utils.clip_grad_norm_ and transformers' LambdaLR schedule "
                           f"({'fp32 master weights' if train.master_weights else 'no master weights'})",

@@ -1,0 +1,174 @@
+"""The hf room: every model family in HF transformers (torch), built by one builder from the family's data: its
+architecture (``Family.architecture``) and what transformers calls it (``harness/families/<family>/hf.toml``: the
+modeling module and class prefix, the config keys given as they are, the knobs written to meta.json, the quirks'
+switches). ``harness.runners.torch.hf_model`` builds, loads and runs what this gives.
+
+Each block once: the transformers config (every key given, none left to transformers' defaults; RoPE settings as
+``rope_parameters``, YaRN from the config's ``rope_scaling``, a partial factor where ``hf.toml`` gives one), the model
+on the meta device, the RoPE module, the routing record, the float64 mode. The family's quirks are switches, named
+where they are read: ``routing`` (where transformers returns the routing), ``[float64]`` (a text of its own:
+MiniMax-M2's all-heads q/k norm), ``partial_rotary_factor`` (GLM-4.5's key, MiniMax-M2's rotary_dim that
+transformers 5.3.0 ignores).
+
+Float64 (the truth and the semantic check): HF computes RMSNorm, the router (its GEMM, softmax or sigmoid), the RoPE
+tables, the attention softmax and the loss in float32 whatever the model's dtype. In a float64 request the runner
+replaces exactly those with the same formulas in float64 (``harness.runners.torch.hf_float64``, listed in meta.json
+under ``float64_mode``); nothing changes for bfloat16 and float32, and HF's own code is back when the cell ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from harness.families import FamilyConfig
+from harness.families.expressions import evaluate
+from harness.runners.torch import hf_float64
+
+ROUTINGS = ("route_tokens_to_experts", "router_output")
+# Given to every family's transformers config: no dropout, no cache, no pad token, eager attention and experts
+COMMON = {"attention_dropout": 0.0, "use_cache": False, "pad_token_id": None, "attn_implementation": "eager",
+          "experts_implementation": "eager"}
+# The router's float64 forward: by where the routing is read and the router's scoring (hf_float64)
+ROUTERS = {("route_tokens_to_experts", "sigmoid"): (hf_float64.router_gemm, "router GEMM in float64 (HF: float32)"),
+           ("router_output", "softmax"): (hf_float64.softmax_router,
+                                          "softmax over the experts in float64 (HF: float32)"),
+           ("router_output", "sigmoid"): (hf_float64.sigmoid_router,
+                                          "sigmoid of the router logits in float64 (HF: float32)")}
+LOSS = "fixed_cross_entropy on the float64 logits (HF's ForCausalLMLoss upcasts to float32 first)"
+
+
+def spec(m: FamilyConfig) -> dict:
+    """The family's ``hf.toml``; an error names the file, the field and the value where a switch is not known."""
+    data = m.record.stack("hf")
+    path = m.record.folder / "hf.toml"
+    for key in ("module", "prefix", "router", "routing", "keys"):
+        if key not in data:
+            raise ValueError(f"{path}: no {key!r} (the hf room needs it)")
+    if data["routing"] not in ROUTINGS:
+        raise ValueError(f"{path}: routing = {data['routing']!r}: must be one of {ROUTINGS}")
+    return data
+
+
+def model_class(m: FamilyConfig) -> str:
+    """transformers' class of the family's causal LM (meta.json's implementation names it)."""
+    return f"{spec(m)['prefix']}ForCausalLM"
+
+
+def knobs(m: FamilyConfig) -> dict[str, tuple]:
+    """The family's knobs {name: (value, why)}, each written to meta.json beside hf_model's own."""
+    return {name: (knob["value"], knob["why"]) for name, knob in spec(m).get("knobs", {}).items()}
+
+
+def modeling(m: FamilyConfig):
+    """transformers' modeling module of the family (imported when a run asks for it)."""
+    module = spec(m)["module"]
+    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+
+def build(hf, m: FamilyConfig):
+    """(the family's causal LM on the meta device, its transformers config): the runner loads every tensor."""
+    config = hf_config(m, hf)
+    with torch.device("meta"):
+        return getattr(hf, model_class(m))(config), config
+
+
+def hf_config(m: FamilyConfig, hf):
+    """transformers' config of the family from the case's typed config: hf.toml's keys as they are (a tuple as a
+    list), its ``[config]`` constants, the common ones, and ``rope_parameters``; a key transformers did not keep as
+    given (hf.toml's ``kept``, and the partial factor) is refused."""
+    s = spec(m)
+    given = {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(m, k)) for k in s["keys"])}
+    rope = rope_parameters(m)
+    config = getattr(hf, f"{s['prefix']}Config")(**given, **s.get("config", {}), rope_parameters=rope, **COMMON)
+    got = {k: getattr(config, k) for k in s.get("kept", ())}
+    if "partial_rotary_factor" in rope:
+        got["partial_rotary_factor"] = config.rope_parameters.get("partial_rotary_factor")
+    wanted = {k: rope["partial_rotary_factor"] if k == "partial_rotary_factor" else getattr(m, k) for k in got}
+    if got != wanted:  # transformers 5.3.0 keeps every one as given; a later one that drops one: refuse
+        raise RuntimeError(f"transformers' {type(config).__name__} did not keep {wanted} (got {got})")
+    return config
+
+
+def rope_parameters(m: FamilyConfig) -> dict:
+    """transformers 5's RoPE settings: YaRN where the config has a ``rope_scaling`` (DeepSeek-V3), else "default";
+    rope_theta from the case, and the partial factor where hf.toml gives one (an expression over the config's
+    keys)."""
+    scaling = getattr(m, "rope_scaling", None)
+    if scaling is not None:
+        table = {k: getattr(scaling, k) for k in scaling.__dataclass_fields__ if k != "type"}
+        return {"rope_type": scaling.type, "rope_theta": m.rope_theta, **table}
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    factor = spec(m).get("partial_rotary_factor")
+    if factor is not None:
+        rope["partial_rotary_factor"] = evaluate(factor.removeprefix("="), m.to_dict())
+    return rope
+
+
+def rotary(model, hf, m: FamilyConfig, config, device, dtype: torch.dtype) -> None:
+    """The RoPE module made on `device` (its tables are buffers the checkpoint does not hold); in float64 its tables
+    in float64."""
+    model.model.rotary_emb = getattr(hf, f"{spec(m)['prefix']}RotaryEmbedding")(config=config, device=device)
+    if dtype == torch.float64:
+        float64_rope = hf_float64.yarn_rope if config.rope_parameters["rope_type"] == "yarn" else \
+            hf_float64.default_rope
+        float64_rope(model.model.rotary_emb, config)
+
+
+def record_routing(model, m: FamilyConfig) -> dict:
+    """{MoE layer: (top-k indices, routing weights)} as transformers returns them, filled in by the forward,
+    unchanged. hf.toml's ``routing``: "route_tokens_to_experts" (DeepSeek-V3, GLM-4.5: the MoE block's method returns
+    (indices, scaled weights)) or "router_output" (Qwen2/3-MoE, MiniMax-M2: the router returns (logits, weights,
+    indices); a forward hook keeps them)."""
+    gates = {}
+    by_method = spec(m)["routing"] == "route_tokens_to_experts"
+    for layer in m.record.moe_layers(m):
+        moe = model.model.layers[layer].mlp
+        if by_method:
+            _record_route_tokens(moe, layer, gates)
+        else:
+            moe.gate.register_forward_hook(_router_recorder(layer, gates))
+    return gates
+
+
+def _record_route_tokens(moe, layer: int, gates: dict) -> None:
+    original = moe.route_tokens_to_experts
+
+    def routed(router_logits):
+        indices, weights = original(router_logits)
+        gates[layer] = (indices.detach().clone(), weights.detach().clone())
+        return indices, weights
+
+    moe.route_tokens_to_experts = routed
+
+
+def _router_recorder(layer: int, gates: dict):
+    def hook(_module, _args, output):
+        _, weights, indices = output
+        gates[layer] = (indices.detach().clone(), weights.detach().clone())
+    return hook
+
+
+@contextmanager
+def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
+    """Inside: HF's RMSNorm, router and eager attention in float64 (when `on`); yields {what: how} for meta.json
+    ({} when off; the RoPE tables: ``rotary``; the loss: the runner). hf.toml's ``[float64]`` may give a text of its
+    own (``rms_norm``)."""
+    s, moe = spec(m), m.record.architecture(m).moe
+    prefix, texts = s["prefix"], s.get("float64", {})
+    rms_why = texts.get("rms_norm", "normalises in float64 (HF: float32)")
+    islands = [(getattr(hf, f"{prefix}RMSNorm"), "forward", hf_float64.rms_norm, f"{prefix}RMSNorm.forward", rms_why)]
+    if moe is not None:  # a dense family has no router
+        router, router_why = ROUTERS[(s["routing"], moe.scoring)]
+        islands.append((getattr(hf, s["router"]), "forward", router, f"{s['router']}.forward", router_why))
+    islands.append((hf, "eager_attention_forward", hf_float64.eager_attention(hf), "eager_attention_forward",
+                    "softmax in float64 (HF: float32)"))
+    with hf_float64.islands(islands, on) as replaced:
+        if on:
+            yarn = rope_parameters(m)["rope_type"] == "yarn"
+            replaced = {**replaced, f"{prefix}RotaryEmbedding": f"{'YaRN inverse' if yarn else 'inverse'} "
+                        "frequencies and cos/sin tables in float64 (HF: float32)", "loss": LOSS}
+        yield replaced

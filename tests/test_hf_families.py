@@ -1,0 +1,223 @@
+"""The hf room (harness/runners/torch/hf_families.py) over every family: one contract, parametrized over the registry
+of families (``FAMILIES``), instead of a copy per family. A family's own test file holds only what is its own (a
+quirk: MiniMax-M2's partial factor, tests/test_minimax_m2.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.case.registry import Registry
+from harness.families import FAMILIES, Family
+from harness.families.names import NameMap, expand_stack
+from tests.support.installed import absent
+from tests.support.model_case import model_request
+
+pytestmark = pytest.mark.skipif(absent("torch", "transformers"), reason="the hf room builds transformers' models")
+
+ROOT = Path(__file__).resolve().parents[1]
+LOADED = ("same", "stack", "stack_cat0")  # the [hf.checkpoint] kinds hf_model's loader reads
+
+
+@pytest.fixture(scope="module")
+def models() -> dict:
+    """family name -> the typed config of its first model-level case (registry order): the cases' own 2-layer
+    widths, so the contract sees what the runs see, with 8 routed experts, top-2 (a run of 384 experts takes a
+    minute on a shared CPU)."""
+    registry, found = Registry.load(), {}
+    for case in registry.cases.values():
+        if case.op == "causal_lm":
+            found.setdefault(case.model.family, fewer_experts(case.model))
+    assert set(found) == set(FAMILIES), f"a family without a model-level case: {set(FAMILIES) - set(found)}"
+    return found
+
+
+def fewer_experts(m, experts: int = 8, topk: int = 2):
+    """`m` with `experts` routed experts, top-`topk`: the keys its family's [architecture.moe] reads them from."""
+    moe = m.record.blueprint["moe"]
+    keys = {moe["experts"].removeprefix("="): experts, moe["topk"].removeprefix("="): topk}
+    assert all(key.isidentifier() for key in keys), keys
+    return m.record.config.resolve({**m.to_dict(), **keys})
+
+
+def hf_model_of(m):
+    """(transformers' model on the meta device, its config, its modeling module) as the runner builds it."""
+    from harness.runners.torch import hf_families
+
+    hf = hf_families.modeling(m)
+    model, config = hf_families.build(hf, m)
+    return model, config, hf
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_names_cover_every_parameter_of_the_hf_model_and_every_canonical_one(models, family):
+    """Each parameter and persistent buffer of transformers' model is named by the family's [hf.checkpoint] with a
+    rule the loader reads, from canonical tensors only; and every canonical parameter of the family feeds one."""
+    m = models[family]
+    model, _, _ = hf_model_of(m)
+    names = NameMap.load(family, "hf", model=m)
+    canonical = {name for name, _, _ in FAMILIES[family].parameters(m)}
+    used = set()
+    for name in model.state_dict():
+        rule = names.rule("checkpoint", name, m)
+        assert rule.kind in LOADED, f"{family}: [hf.checkpoint] {name}: {rule.kind}"
+        sources = [n for group in expand_stack(rule) for n in group] if rule.kind.startswith("stack") else \
+            list(rule.sources)
+        assert set(sources) <= canonical, f"{family}: {name} reads {set(sources) - canonical}"
+        used.update(sources)
+    assert used == canonical, f"{family}: canonical parameters no HF tensor reads: {sorted(canonical - used)[:5]}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_hf_config_is_every_key_as_given(models, family):
+    """transformers' config holds hf.toml's keys as the case gives them (none left to transformers' defaults), eager
+    attention and experts, and RoPE settings as rope_parameters (a partial factor where the architecture rotates
+    fewer dims than a head has)."""
+    from harness.runners.torch import hf_families
+
+    m = models[family]
+    _, config, _ = hf_model_of(m)
+    for key in FAMILIES[family].stack("hf")["keys"]:
+        value = getattr(m, key)
+        assert getattr(config, key) == (list(value) if isinstance(value, tuple) else value), f"{family}: {key}"
+    assert (config._attn_implementation, config._experts_implementation, config.use_cache) == ("eager", "eager", False)
+    attention = FAMILIES[family].architecture(m).attention
+    rope = config.rope_parameters
+    assert rope["rope_theta"] == attention.rope_theta and rope == hf_families.rope_parameters(m)
+    if attention.kind == "gqa":
+        assert rope.get("partial_rotary_factor", 1.0) * attention.head_dim == attention.rotary_dim
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float64_mode_replaces_the_familys_islands_and_puts_hfs_back(models, family):
+    """Inside: RMSNorm, the router and eager attention replaced, meta.json told each (and the RoPE tables and the
+    loss); after: transformers' own back. Off: nothing replaced, nothing told."""
+    from harness.runners.torch import hf_families
+
+    m = models[family]
+    spec = FAMILIES[family].stack("hf")
+    hf = hf_families.modeling(m)
+    owners = [(getattr(hf, f"{spec['prefix']}RMSNorm"), "forward"), (getattr(hf, spec["router"]), "forward"),
+              (hf, "eager_attention_forward")]
+    before = [getattr(owner, name) for owner, name in owners]
+    with hf_families.float64_mode(hf, m, on=False) as replaced:
+        assert replaced == {} and [getattr(o, n) for o, n in owners] == before
+    with hf_families.float64_mode(hf, m) as replaced:
+        assert all(getattr(o, n) is not b for (o, n), b in zip(owners, before, strict=True))
+        assert set(replaced) == {f"{spec['prefix']}RMSNorm.forward", f"{spec['router']}.forward",
+                                 "eager_attention_forward", f"{spec['prefix']}RotaryEmbedding", "loss"}
+        assert all("float64" in why for why in replaced.values())
+    assert [getattr(o, n) for o, n in owners] == before
+
+
+def test_a_bad_hf_toml_is_refused_naming_the_file_the_field_and_the_value(tmp_path):
+    from harness.runners.torch import hf_families
+
+    folder = tmp_path / "qwen3_moe"
+    shutil.copytree(FAMILIES["qwen3_moe"].folder, folder)
+    path = folder / "hf.toml"
+    path.write_text(path.read_text().replace('routing = "router_output"', 'routing = "by_magic"'))
+    family = Family.load(folder)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: routing = 'by_magic': must be one of")):
+        hf_families.modeling(family.config())
+    path.write_text(re.sub(r'(?m)^prefix = .*$', "", path.read_text()))
+    family = Family.load(folder)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: no 'prefix'")):
+        hf_families.model_class(family.config())
+
+
+class DroppingConfig:
+    """A test double of a transformers config class that drops the keys the room checks (``kept``) and the partial
+    factor: the room's own refusal, no verdict."""
+
+    def __init__(self, **given):
+        self.__dict__.update({k: v for k, v in given.items()})
+        self.rope_parameters = {k: v for k, v in given["rope_parameters"].items() if k != "partial_rotary_factor"}
+        for key in FAMILIES[self.family].stack("hf").get("kept", ()):
+            setattr(self, key, None)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if FAMILIES[f].stack("hf").get("kept")
+                                    or FAMILIES[f].stack("hf").get("partial_rotary_factor")])
+def test_a_transformers_that_drops_a_key_is_refused(models, family):
+    from harness.runners.torch import hf_families
+
+    m = models[family]
+    prefix = FAMILIES[family].stack("hf")["prefix"]
+    fake = type("Modeling", (), {f"{prefix}Config": type(f"{prefix}Config", (DroppingConfig,), {"family": family})})
+    with pytest.raises(RuntimeError, match=rf"transformers' {prefix}Config did not keep"):
+        hf_families.hf_config(m, fake)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_float64_run_in_its_own_process_names_the_familys_model_knobs_and_routing(models, family, tmp_path):
+    """The runner as the harness starts it: meta.json names transformers' class, the family's knobs from hf.toml, the
+    float64 islands; a routing record for each MoE layer, nothing for a dense one."""
+    from safetensors.numpy import load_file
+
+    m = models[family]
+    spec = FAMILIES[family].stack("hf")
+    request = model_request(tmp_path, m.to_dict(), dtype="float64", tokens=8)
+    done = subprocess.run([sys.executable, "-m", "harness.runners.hf_model", "--request", str(request)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    module = spec["module"]
+    assert meta["implementation"].startswith(
+        f"transformers.models.{module}.modeling_{module}.{spec['prefix']}ForCausalLM (HF transformers, torch)")
+    assert {k: meta["knobs"][k] for k in spec.get("knobs", {})} == spec.get("knobs", {})
+    assert f"{spec['router']}.forward" in meta["float64_mode"]
+    moe = FAMILIES[family].moe_layers(m)
+    assert list(meta["routing"]) == [f"layer {layer}" for layer in moe]
+    outputs = load_file(str(tmp_path / "out" / "outputs.safetensors"))
+    routed = sorted(int(n.split(".")[3]) for n in outputs if n.endswith(".mlp.gate.topk_indices"))
+    assert routed == moe and all(outputs[f"module.model.layers.{layer}.mlp.gate.topk_indices"].shape[1] ==
+                                 FAMILIES[family].architecture(m).moe.topk for layer in moe)
+
+
+def on_disk(family: str, m):
+    """canonical name -> its name in the family's released checkpoints ([disk.checkpoint]; the name itself where the
+    family has no [disk] section): what transformers' from_pretrained reads."""
+    from harness.families import ModelConfigError
+
+    try:
+        disk = NameMap.load(family, "disk", model=m)
+    except ModelConfigError:
+        return lambda name: name
+    return lambda name: disk.rule("checkpoint", name).sources[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_own_loading_gives_the_name_maps_tensors_bit_for_bit(models, family, tmp_path):
+    """The ecosystem's name map: transformers' ``from_pretrained`` applies its own conversion mapping
+    (transformers/conversion_mapping.py: MiniMax-M2's block_sparse_moe renames, the routed experts fused into
+    gate_up_proj and down_proj) to a checkpoint in the released names; hf_model's loader, through names.toml's
+    [disk] and [hf.checkpoint], gives every tensor of the same model with the same name and the same bits."""
+    import torch
+    from safetensors.torch import save_file
+
+    from harness.runners.torch import hf_families, hf_model
+
+    m = models[family]
+    record, generator = FAMILIES[family], torch.Generator().manual_seed(0)
+    canonical = {name: torch.randn(shape, generator=generator) for name, shape, _ in record.parameters(m)}
+    disk = on_disk(family, m)
+    save_file({disk(name): tensor for name, tensor in canonical.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf = hf_families.modeling(m)
+    model, config = hf_families.build(hf, m)
+    config.save_pretrained(tmp_path)
+    theirs = getattr(hf, hf_families.model_class(m)).from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    ours = hf_model._state_dict(model, canonical, NameMap.load(family, "hf", model=m), m, torch.float32,
+                                {name for name, _ in record.buffers(m)})
+    assert sorted(ours) == sorted(theirs)
+    unequal = [name for name in ours if not torch.equal(ours[name], theirs[name])]
+    assert not unequal, f"{family}: transformers loads other bits into {unequal[:5]}"
