@@ -125,6 +125,7 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         if o.versus is not None:
             case, result.comparison = level.versus(case, o.versus)
         result.case = describe_case(case)
+        checkpoints.check_memory(case)  # first: a case that cannot fit in memory is refused for that
         result.harness["disk"] = disk_budget.check(case, Path(o.reports_dir), Path(o.checkpoints_dir), o.repeat,
                                                    o.oracle)
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)

@@ -3,7 +3,8 @@ and the space there is, before anything runs (issue 47: a night that filled a di
 case ERROR, each after it had started).
 
 The footprint comes from the case's own tensor specs at the shapes and tokens it runs (the same specs the memory check
-sizes, ``harness.case.checkpoints.tensor_bytes``), every training step whole, and is meant to be an upper bound:
+sizes, ``harness.case.checkpoints.tensor_bytes``), every training step it keeps whole (a digest per tensor of the
+others), and is meant to be an upper bound:
 
 - the checkpoints folder: the case's inputs, twice (a negative control's flipped copy of a part), even when they are
   there already (over, not under);
@@ -15,6 +16,8 @@ Both folders on one file system add up.
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 from harness import resources
@@ -22,16 +25,27 @@ from harness.case.checkpoints import tensor_bytes
 from harness.case.registry import Case
 from harness.levels import level_of
 
-REPORT_BYTES = 64 << 20  # reports, pictures, logs and meta of one case: at most a few MB measured, with room
+REPORT_BYTES = 64 << 20  # reports, pictures, logs and meta of one case: 17 MB measured at most (a training case)
+DIGEST_BYTES = 256  # a digest-only training step's entry per tensor: its digest and layout (about 100 B)
+STEP = re.compile(r"step(\d+)\.")
 
 
 def footprint(case: Case, repeat: int = 1, truth: bool = True) -> dict[str, int]:
     """Bytes the case writes at most, by folder: ``{"checkpoints": ..., "reports": ...}``."""
-    outputs = tensor_bytes(case, case.output_specs())
+    kept = set(case.train.steps_kept) if case.train else None
     ranks = 2 if level_of(case).ranks(case) > 1 or (case.train and case.train.dp * case.train.ep > 1) else 1
-    sides = 2 * repeat * outputs * ranks
-    oracle = tensor_bytes(case, case.output_specs(), "float64") if truth and case.truth else 0
+    sides = 2 * repeat * ranks * _outputs(case, kept)
+    # the float64 truth of a training case keeps each kept step and the one before it (harness.levels.train)
+    oracle = _outputs(case, kept and kept | {step - 1 for step in kept}, "float64") if truth and case.truth else 0
     return {"checkpoints": 2 * tensor_bytes(case, case.input_specs()), "reports": sides + oracle + REPORT_BYTES}
+
+
+def _outputs(case: Case, kept: set[int] | None, dtype: str | None = None) -> int:
+    """One side's outputs: whole, but a training step that is not kept holds a digest per tensor (harness.run.steps)."""
+    specs = case.output_specs()
+    whole = [spec for spec in specs if kept is None or (step := STEP.match(spec.name)) is None or
+             int(step.group(1)) in kept or math.prod(spec.shape) == 1]
+    return tensor_bytes(case, whole, dtype) + DIGEST_BYTES * (len(specs) - len(whole))
 
 
 def check(case: Case, reports_dir: Path, checkpoints_dir: Path, repeat: int = 1, truth: bool = True) -> dict:
