@@ -49,6 +49,7 @@ def test_a_night_keeps_the_tensors_of_the_cases_it_fails_and_says_how_to_get_the
     assert "## Files the night kept" in report and "`python -m harness compare agrees --device cpu`" in report
     assert by_case(night)["known_diff"]["kept"]["tensors"] == "kept"
     assert "known_diff: FAIL [baseline: no baseline] (verdict DIFF, own expectation fail," in out
+    assert "Tensor files: kept of the failed cases (1: " in (run_dir / "report.md").read_text()
 
     assert bench.update(capsys)[0] == 0  # the baseline records the difference: the night then passes it
     code, night, run_dir, out = bench.night(capsys)
