@@ -5,13 +5,15 @@ Every phase that writes (the reports folder, a checkpoint, a runner's folder, th
 ``boundary(what, folder)``; an OSError there becomes a ``StorageError`` saying what could not be written, where,
 and why (no space left, read-only, a file where a folder should be, permission denied), even when the OSError
 itself names no file (a ``write`` that hits a full disk). Tensors are sized before they are made
-(``check_memory``), so a token count that cannot fit is refused with the size it would need.
+(``check_memory``), so a token count that cannot fit is refused with the size it would need; so is the disk a case
+will write (``harness.pipeline.disk_budget``, from ``free_disk``).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,6 +85,15 @@ def available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def free_disk(folder: Path) -> tuple[int, int]:
+    """(bytes free to this user, device id) of the file system that holds `folder`, or that will: its nearest
+    existing parent."""
+    place = Path(folder).absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return shutil.disk_usage(place).free, place.stat().st_dev
 
 
 def check_memory(need: int, what: str) -> None:

@@ -464,11 +464,14 @@ def test_read_only_checkpoints_folder_still_gives_a_report(world):
 
 
 def test_full_disk_under_the_checkpoints(world):
+    """A case whose checkpoint cannot fit the disk is refused before anything is written or started (issue 47)."""
     got, err = run_cli(world, world.args("--no-oracle", "--tokens", "1024",
                                          *world.python(megatron="good", paddle="good")),
                        wrap=lambda c: storage.private_mounts({str(world.ck): "full"}, c))
-    assert_ends(world, got, err, 2, "ERROR", "cannot write checkpoint", "no space left on device")
-    assert not world.ck.exists() or not list(world.ck.rglob(".*"))  # no half-written staging folder
+    assert_ends(world, got, err, 2, "ERROR", "not started: case 'tiny' at tokens=1024 needs up to 96.2 KiB of disk "
+                f"(checkpoints folder {world.ck}: 96.2 KiB), and its disk has 8.0 KiB free")
+    assert not world.ck.exists() or not list(world.ck.rglob("*"))  # nothing written, no staging folder
+    assert world.started() == []  # no runner started (each double writes its pid there)
 
 
 def test_full_disk_under_the_reports(world):

@@ -303,12 +303,15 @@ def check_memory(case: Case) -> None:
     case's outputs count one step: each side writes, and the comparator reads, one step at a time."""
     outputs = [spec for spec in case.output_specs() if not spec.name.startswith("step") or
                spec.name.startswith("step1.")]
-    specs = [*case.input_specs(), *outputs]
-    # a data-dependent dim (-1: a routed expert's tokens) counts as the case's token count, its upper bound
-    need = sum(math.prod(case.tokens if d == -1 else d for d in spec.shape) * _itemsize(resolve_dtype(spec.dtype,
-                                                                                                     case.dtype))
-               for spec in specs)
+    need = tensor_bytes(case, [*case.input_specs(), *outputs])
     resources.check_memory(need, f"case {case.name!r} at tokens={case.tokens}: its input and output tensors")
+
+
+def tensor_bytes(case: Case, specs, dtype: str | None = None) -> int:
+    """The bytes of the tensors `specs` name at the case's shapes (in `dtype` when given, else each spec's own), an
+    upper bound: a data-dependent dim (-1: a routed expert's tokens) counts as the case's token count."""
+    return sum(math.prod(case.tokens if d == -1 else d for d in spec.shape) *
+               _itemsize(dtype or resolve_dtype(spec.dtype, case.dtype)) for spec in specs)
 
 
 def _itemsize(dtype: str) -> int:

@@ -30,7 +30,7 @@ from harness.baselines import records, store, trend
 from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.registry import RUNNERS, Case, Registry
 from harness.case.select import SELECT_HELP, select
-from harness.commands import doctor, nightly_shards
+from harness.commands import doctor, nightly_keep, nightly_shards
 from harness.compare.result import ERROR, UNSUPPORTED, CaseResult
 from harness.levels import level_of
 from harness.pipeline import failsafe, run_folder
@@ -74,6 +74,8 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINTS_DIR)
     parser.add_argument("--fresh-process", action="store_true", help=pipeline.FRESH_PROCESS_HELP)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep every case's tensor files (default: only those of the cases the night fails)")
     nightly_shards.add_arguments(parser)
 
 
@@ -97,7 +99,7 @@ def run_from_args(args, pythons: dict[str, str], baselines_dir: Path | None) -> 
                                       timeout=args.timeout, weights_file=args.weights,
                                       fresh_process=args.fresh_process)
     return run(options, previous=args.previous, workers=args.workers, shard=args.shard, baselines_dir=baselines_dir,
-               expression=getattr(args, "select", None), cells_per_gpu=args.cells_per_gpu)
+               expression=getattr(args, "select", None), cells_per_gpu=args.cells_per_gpu, keep=args.keep)
 
 
 def print_summary(night: dict, run_dir: Path) -> None:
@@ -123,11 +125,12 @@ def runners_used(cases: list[Case], options: pipeline.CompareOptions) -> list[st
 
 def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 1,
         shard: tuple[int, int] | None = None, baselines_dir: Path | None = None,
-        expression: str | None = None, cells_per_gpu: int = 1) -> tuple[dict, Path]:
+        expression: str | None = None, cells_per_gpu: int = 1, keep: bool = False) -> tuple[dict, Path]:
     """Every case of `options.device` (at `options.tokens` when given), each in its own folder under the night's;
     or shard i of n of them (``shard=(i, n)``: every n-th case from the i-th); `workers` cells at a time, up to
     `cells_per_gpu` of them on one GPU; judged against the platform's baseline in `baselines_dir` when there is one
-    (harness.baselines.records); only the cases `expression` picks when given (``-k``, as ``list -k``)."""
+    (harness.baselines.records); only the cases `expression` picks when given (``-k``, as ``list -k``). Each case is
+    judged as soon as it ends, and its tensor files go unless the night fails it or `keep` (nightly_keep)."""
     device, tokens, cases_dir, reports_dir = options.device, options.tokens, options.cases_dir, options.reports_dir
     try:
         cases = select(Registry.load(Path(cases_dir)).for_device(device), expression)
@@ -152,6 +155,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
                                                                runners=runners_used(cases, options)),
                                                     indent=2, default=str) + "\n")
     night["doctor"] = "doctor.json"
+    by_platform = None if baselines_dir is None else {records.platform_id(b["platform"]): b for b in known}
     with _Reporter(len(cases)) as progress:
         def one(case: Case) -> dict:
             progress.start(case.name)
@@ -159,7 +163,10 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
             entry["position"] = positions[case.name]  # in the registry's order: shards merge back into it
             entry["platform"] = records.platform(night["harness"]["host"], device,
                                                   (entry["result"] or {}).get("sides", []))
-            progress.done(entry)
+            judged = judge_now(entry, by_platform)
+            if entry["run_dir"] and not keep:
+                entry["kept"] = _prune(entry, judged["outcome"] == "fail", run_dir, options)
+            progress.done(entry, judged)
             return entry
 
         with runner_workers.fresh_processes(options.fresh_process), runner_workers.serving(run_dir / "workers"):
@@ -253,6 +260,22 @@ def _run_case(case: Case, run_dir: Path, options: pipeline.CompareOptions) -> di
             "report": str((case_dir / "report.md").relative_to(run_dir)), "result": result.to_dict()}
 
 
+def judge_now(entry: dict, by_platform: dict[str, dict] | None) -> dict:
+    """The case as the night will judge it (``finish`` applies the same baseline to the whole night; a shard's
+    merge, to the shards): its outcome and baseline status, the moment it ends."""
+    if by_platform is None:
+        return {"outcome": entry["outcome"], "status": None}
+    return records.judge_case(entry, by_platform.get(records.platform_id(entry["platform"])))
+
+
+def _prune(entry: dict, failed: bool, run_dir: Path, options: pipeline.CompareOptions) -> dict:
+    case_dir = run_dir / entry["run_dir"]
+    kept = nightly_keep.prune(case_dir, failed, (entry["result"] or {}).get("first_divergence"))
+    kept["rerun"] = nightly_keep.rerun_command(entry["case"], options.device, options.tokens, options.weights_file)
+    nightly_keep.note(case_dir / "report.md", kept, kept["rerun"])
+    return kept
+
+
 def _placement_failure(case: Case, error: Exception, positions: dict[str, int]) -> dict:
     return {"case": case.name, "family": case.family, "expected": case.expect.verdict, "verdict": ERROR,
             "exit_code": None, "problems": [], "wall_seconds": 0.0, "run_dir": None, "report": None, "result": None,
@@ -292,10 +315,13 @@ class _Reporter:
         else:
             print(f"[nightly {self.count}/{self.total}] {name}: running", flush=True)
 
-    def done(self, entry: dict) -> None:
+    def done(self, entry: dict, judged: dict) -> None:
+        """The night's judgment first (the baseline's status beside it), then the raw verdict and its own outcome."""
         self.finished += 1
-        line = (f"[nightly {self.finished}/{self.total}] {entry['case']}: {entry['outcome'].upper()} "
-                f"{entry['verdict'] or ''} ({entry['wall_seconds']:.1f} s) {entry['message']}")
+        status = f" [baseline: {judged['status']}]" if judged["status"] else ""
+        raw = f"verdict {entry['verdict']}, own expectation {entry['outcome']}, " if entry["verdict"] else ""
+        line = (f"[nightly {self.finished}/{self.total}] {entry['case']}: {judged['outcome'].upper()}{status} "
+                f"({raw}{entry['wall_seconds']:.1f} s) {entry['message']}")
         if self.bar:
             self.bar.console.print(line, highlight=False, markup=False)
             self.bar.advance(self.task)

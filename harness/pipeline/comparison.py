@@ -25,7 +25,7 @@ from harness.compare import determinism, tolerance
 from harness.compare.expectation import check_expectation
 from harness.compare.result import ORACLE_LABEL, CaseResult, decide, first_divergence, rank_departures
 from harness.levels import Run, Versus, level_of
-from harness.pipeline import failsafe
+from harness.pipeline import disk_budget, failsafe
 from harness.pipeline.run_folder import REPORTS_DIR, new_run_dir, now
 from harness.report import case_report as report
 from harness.run import orchestrate, workers
@@ -125,6 +125,9 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         if o.versus is not None:
             case, result.comparison = level.versus(case, o.versus)
         result.case = describe_case(case)
+        checkpoints.check_memory(case)  # first: a case that cannot fit in memory is refused for that
+        result.harness["disk"] = disk_budget.check(case, Path(o.reports_dir), Path(o.checkpoints_dir), o.repeat,
+                                                   o.oracle)
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         started.clock.lap("checkpoint")
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],

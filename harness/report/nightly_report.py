@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness import resources
 from harness.baselines import records, trend
 from harness.report import baseline_section
 from harness.report import blocks as doc
@@ -27,6 +28,7 @@ def blocks(night: dict) -> list[tuple]:
     if night.get("shard"):
         out.append(("p", f"Shard {night['shard']['index']} of {night['shard']['count']}: not judged alone (exit code "
                          "0); `python -m harness nightly-merge` judges it with the other shards."))
+    out += _kept(night["cases"])
     out += trend.blocks(night["trend"])
     out += baseline_section.blocks(night.get("baseline"))
     out += [("h", 2, "Cases"),
@@ -55,6 +57,19 @@ def blocks(night: dict) -> list[tuple]:
         out += [("h", 2, "Provenance"),
                 ("table", ["runner and field", "value"], [[f"`{k}`", f"`{v}`"] for k, v in prov.items()])]
     return out
+
+
+def _kept(cases: list[dict]) -> list[tuple]:
+    """What the night deleted of its cases' tensor files (harness.commands.nightly_keep), or nothing (``--keep``)."""
+    pruned = [c["kept"] for c in cases if c.get("kept")]
+    if not pruned:
+        return []
+    deleted = sum(k["deleted_bytes"] for k in pruned)
+    kept = [k for k in pruned if k["kept_files"]]
+    return [("p", f"Tensor files: kept of the failed cases ({len(kept)}: "
+                  f"{resources.human_bytes(sum(k['kept_bytes'] for k in kept))}), deleted of the others once "
+                  f"judged ({resources.human_bytes(deleted)}); each case's report names the command that makes "
+                  "them again (`--keep` keeps them all).")]
 
 
 def failed_by(night: dict) -> str:

@@ -267,6 +267,7 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
     elif side.returncode != 0 or "unsupported_on_some_ranks" in side.meta:
         blamed = launch.failed_rank(side.stderr_tail) if ranks > 1 else ""
         side.reason = "; ".join(filter(None, [out_of_memory(side.stderr_tail) if side.returncode else "",
+                                              disk_full(side.stderr_tail) if side.returncode else "",
                                               f"exited with code {side.returncode}", blamed,
                                               side.meta.get("unsupported_on_some_ranks")]))
     else:
@@ -319,6 +320,19 @@ def out_of_memory(stderr_tail: str) -> str:
     if re.search(r"^MemoryError\b", stderr_tail, re.MULTILINE):
         return "ran out of host memory (MemoryError)"
     return ""
+
+
+# What Python (OSError), C stdio (perror, strerror) and the frameworks print when a write meets a full disk or quota
+DISK_FULL = re.compile(r"(?:\[Errno (?:28|122)\] )?(No space left on device|Disk quota exceeded)(?:: '([^']*)')?")
+
+
+def disk_full(stderr_tail: str) -> str:
+    """A runner that died writing to a full disk, named (with the file it was writing when its error says), or ''."""
+    match = DISK_FULL.search(stderr_tail)
+    if not match:
+        return ""
+    reason, path = match.groups()
+    return f"disk full: {reason.lower()}" + (f" writing {path}" if path else "")
 
 
 def _gather(side: SideResult, case: Case, ranks: int, per_step: bool) -> str:

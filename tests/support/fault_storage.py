@@ -6,7 +6,8 @@ in a user namespace) with a small tmpfs on each folder: ``"full"`` (a few KiB: t
 ``"ro"`` (read-only). Nothing outside that process sees the mounts, and they vanish with it.
 Where no mount namespace can be made (or ``FAULT_NO_MOUNTS=1``), ``double_command`` runs the command with
 ``FullDiskDouble`` or ``ReadOnlyDouble`` patched in at the harness's write boundary instead (every write under
-the folder raises ENOSPC or EROFS, as the kernel would).
+the folder raises ENOSPC or EROFS, as the kernel would; the disk budget's free-space probe says what the full tmpfs
+has free).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 
 OPTIONS = {"full": "size=8k,nr_inodes=64", "ro": "ro,size=64k"}
+FULL_FREE = 8 << 10  # what the "full" tmpfs has free when mounted, and what its double's free-space probe says
 
 
 @functools.cache
@@ -114,8 +116,17 @@ def install(mounts: dict[str, str]) -> None:
         guard(filename)
         return real_save(tensors, filename, *args, **kwargs)
 
+    from harness import resources
+
+    real_free_disk = resources.free_disk
+
+    def fake_free_disk(folder):  # the disk budget's probe (harness.pipeline.disk_budget): the tmpfs's free space
+        full = [double for double in doubles if isinstance(double, FullDiskDouble) and double.covers(folder)]
+        return (FULL_FREE, hash(full[0].folder)) if full else real_free_disk(folder)
+
     builtins.open = io.open = fake_open
     os.mkdir, os.open, safetensors.numpy.save_file = fake_mkdir, fake_os_open, fake_save
+    resources.free_disk = fake_free_disk
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""The disk a case will write, checked before it starts: a case that cannot fit ends ERROR naming the space it needs
+and the space there is, before anything runs (issue 47: a night that filled a disk at its 119th case ended every later
+case ERROR, each after it had started).
+
+The footprint comes from the case's own tensor specs at the shapes and tokens it runs (the same specs the memory check
+sizes, ``harness.case.checkpoints.tensor_bytes``), every training step it keeps whole (a digest per tensor of the
+others), and is meant to be an upper bound:
+
+- the checkpoints folder: the case's inputs, twice (a negative control's flipped copy of a part), even when they are
+  there already (over, not under);
+- the reports folder: each framework side's outputs (times `repeat`; twice on several ranks: the rank files and the
+  gathered ones), the truth's in float64, and ``REPORT_BYTES`` for reports, pictures and logs.
+
+Both folders on one file system add up.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from harness import resources
+from harness.case.checkpoints import tensor_bytes
+from harness.case.registry import Case
+from harness.levels import level_of
+
+REPORT_BYTES = 64 << 20  # reports, pictures, logs and meta of one case: 17 MB measured at most (a training case)
+DIGEST_BYTES = 256  # a digest-only training step's entry per tensor: its digest and layout (about 100 B)
+STEP = re.compile(r"step(\d+)\.")
+
+
+def footprint(case: Case, repeat: int = 1, truth: bool = True) -> dict[str, int]:
+    """Bytes the case writes at most, by folder: ``{"checkpoints": ..., "reports": ...}``."""
+    kept = set(case.train.steps_kept) if case.train else None
+    ranks = 2 if level_of(case).ranks(case) > 1 or (case.train and case.train.dp * case.train.ep > 1) else 1
+    sides = 2 * repeat * ranks * _outputs(case, kept)
+    # the float64 truth of a training case keeps each kept step and the one before it (harness.levels.train)
+    oracle = _outputs(case, kept and kept | {step - 1 for step in kept}, "float64") if truth and case.truth else 0
+    return {"checkpoints": 2 * tensor_bytes(case, case.input_specs()), "reports": sides + oracle + REPORT_BYTES}
+
+
+def _outputs(case: Case, kept: set[int] | None, dtype: str | None = None) -> int:
+    """One side's outputs: whole, but a training step that is not kept holds a digest per tensor (harness.run.steps)."""
+    specs = case.output_specs()
+    whole = [spec for spec in specs if kept is None or (step := STEP.match(spec.name)) is None or
+             int(step.group(1)) in kept or math.prod(spec.shape) == 1]
+    return tensor_bytes(case, whole, dtype) + DIGEST_BYTES * (len(specs) - len(whole))
+
+
+def check(case: Case, reports_dir: Path, checkpoints_dir: Path, repeat: int = 1, truth: bool = True) -> dict:
+    """The footprint and the free space it was checked against; a StorageError naming both when it cannot fit."""
+    need = footprint(case, repeat, truth)
+    folders = {"reports": Path(reports_dir), "checkpoints": Path(checkpoints_dir)}
+    disks: dict[int, dict] = {}
+    for what, folder in folders.items():
+        free, device = resources.free_disk(folder)
+        disk = disks.setdefault(device, {"free": free, "need": 0, "folders": []})
+        disk["need"] += need[what]
+        disk["folders"].append(f"{what} folder {folder}: {resources.human_bytes(need[what])}")
+    for disk in disks.values():
+        if disk["need"] > disk["free"]:
+            raise resources.StorageError(
+                f"not started: case {case.name!r} at tokens={case.tokens} needs up to "
+                f"{resources.human_bytes(disk['need'])} of disk ({'; '.join(disk['folders'])}), and its disk has "
+                f"{resources.human_bytes(disk['free'])} free; free some space, or run fewer tokens")
+    return {"need": need, "free": {what: resources.free_disk(folder)[0] for what, folder in folders.items()}}
+
