@@ -45,7 +45,7 @@ def test_the_registry_has_each_kind_of_family():
 # --- the contract: PaddleFormers' model, every parameter named ------------------------------------------------------
 
 CONTRACT = """
-    import json, sys
+    import json, re, sys
     import numpy as np
     from harness.runners.paddle import paddlefleet_ops_shim
     paddlefleet_ops_shim.install()
@@ -73,8 +73,34 @@ CONTRACT = """
         value = apply_rule(rule, [np.zeros(canonical[s], "float32") for s in rule.sources])
         if list(value.shape) != list(target.shape):
             unfit[name] = f"{rule.kind} gives {list(value.shape)}, the model holds {list(target.shape)}"
+    # PaddleFormers' own conversion map of this class (_gen_aoa_config: "sources -> target, options"), at TP=1
+    aoa = {}
+    for statement in type(model)._gen_aoa_config(model.config)["aoa_statements"]:
+        left, right = statement.split("->")
+        target, *options = [part.strip() for part in right.split(",")]
+        sources = [part.strip() for part in left.split(",")]
+        pattern = re.escape(target).replace(re.escape("$LAYER_ID"), "(?P<L>[0-9]+)")
+        pattern = pattern.replace(re.escape("$EXPERT_ID"), "(?P<E>[0-9]+)")
+        for name in targets:
+            found = re.fullmatch(pattern, name)
+            if found:
+                filled = [src.replace("$LAYER_ID", found.groupdict().get("L") or "")
+                          .replace("$EXPERT_ID", found.groupdict().get("E") or "") for src in sources]
+                flipped = {src.endswith("^T") for src in filled}
+                op = next((o for o in options if o in ("fused_qkv", "fused_ffn")), "")
+                kind = {("", False): "same", ("", True): "transpose", ("fused_qkv", True): "transpose_interleave",
+                        ("fused_qkv", False): "interleave", ("fused_ffn", True): "cat0_transpose"}[
+                    (op, flipped == {True})]
+                aoa[name] = (kind, [src.removesuffix("^T") for src in filled])
+    differ = {}
+    for name in targets:
+        rule = name_map.rule("checkpoint", name)
+        ours, theirs = (rule.kind, list(rule.sources)), aoa.get(name, ("same", [name]))
+        if ours != theirs:
+            differ[name] = {"ours": ours, "paddleformers": theirs}
     print(json.dumps({"parameters": len(targets), "unfit": unfit, "unread": sorted(set(canonical) - read),
-                      "class": type(model).__module__ + "." + type(model).__name__}))
+                      "class": type(model).__module__ + "." + type(model).__name__, "aoa": len(aoa),
+                      "differ": differ}))
 """
 
 
@@ -83,11 +109,14 @@ CONTRACT = """
 def test_every_parameter_of_the_paddle_model_is_named_and_every_canonical_one_read(family):
     """PaddleFormers' model of the family, built at its 2-layer case: each parameter (and routing-bias buffer) comes
     from canonical checkpoint tensors by a [paddle.checkpoint] rule (or by its own name) in the model's shape, and
-    every canonical parameter feeds one: nothing of the family is left out."""
+    every canonical parameter feeds one: nothing of the family is left out. The rules are, name by name, the ones
+    PaddleFormers' own conversion map of the class (``_gen_aoa_config``) states at TP=1 (docs/model-contract.md)."""
     m = tiny(family)
     result = python_json(CONTRACT, CASE.get(family, f"{family}_2layer"))
     assert result["unfit"] == {} and result["unread"] == [], result
     assert result["parameters"] > 0
+    # the [paddle.checkpoint] rules are PaddleFormers' own conversion map (_gen_aoa_config) at TP=1, name by name
+    assert result["aoa"] > 0 and result["differ"] == {}, result["differ"]
     assert result["class"] == paddle_spec(family)["model_class"].replace(".deepseek_v3.", ".deepseek_v3.modeling.")
     assert room.model_name(m) == paddle_spec(family)["model_class"]
 
