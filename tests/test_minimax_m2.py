@@ -342,25 +342,6 @@ def test_hf_config_gets_the_partial_rotary_factor_transformers_5_3_ignores():
         assert hf.MiniMaxM2RotaryEmbedding(ignored).inv_freq.shape == (64,)  # all 128 dims of each head
 
 
-# --- Paddle: no dygraph MiniMax-M2 -----------------------------------------------------------------------------
-
-@pytest.mark.skipif(absent("paddleformers"), reason="reads PaddleFormers' installed source")
-def test_paddle_is_unsupported_naming_the_missing_dygraph_model():
-    """PaddleFormers 1.2.0 exports only PaddleFleet builders for MiniMax-M2, read from its source (the module does
-    not import without PaddleFleet), and the message says so with the version."""
-    from importlib.metadata import version
-
-    from harness.families.minimax_m2 import paddle
-
-    found, builders, others = paddle.dygraph_classes()
-    assert found == version("paddleformers")
-    if found == "1.2.0":
-        assert (builders, others) == (["MiniMaxM2ForCausalLMPipe", "MiniMaxM2ForCausalLM"], [])
-    with pytest.raises(Unsupported, match=f"MiniMax-M2 has no dygraph model in PaddleFormers {found}: .*PaddleFleet "
-                                          "builders"):
-        paddle.classes()
-
-
 # --- the module in a whole Megatron model ------------------------------------------------------------------------
 
 ABLATION = textwrap.dedent("""

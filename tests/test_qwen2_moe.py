@@ -308,23 +308,15 @@ def test_megatrons_gated_shared_expert_is_hfs_in_float64():
     assert result["rel"] < 1e-14, result
 
 
-def test_paddle_routing_follows_qwen2moesparsemoeblocks_own_lines():
-    """record_routing makes the routing by the calls Qwen2MoeSparseMoeBlock.forward makes (PaddleFormers 1.2.0):
-    each line it follows is in the installed source, in that order; so is the dense rule it expresses (every layer
-    MoE when num_experts > 0: no mlp_only_layers)."""
+def test_paddles_decoder_layer_reads_no_dense_layers():
+    """The dense rule the Paddle room's moe_in_every_layer quirk expresses (every layer MoE when num_experts > 0: no
+    mlp_only_layers) is in PaddleFormers 1.2.0's source (the routing lines: tests/test_paddle_families.py)."""
     import importlib.util
-
-    from harness.families.qwen2_moe.paddle import ROUTING
 
     spec = importlib.util.find_spec("paddleformers")
     if spec is None:
         pytest.skip("PaddleFormers (requirements-models.txt) is not installed")
     source = (Path(spec.origin).parent / "transformers" / "qwen2_moe" / "modeling.py").read_text()
-    block = source[source.index("class Qwen2MoeSparseMoeBlock"):source.index("class Qwen2MoeDecoderLayer")]
-    lines = [" ".join(line.split("#")[0].split()) for line in block.splitlines()]
-    positions = [next((i for i, line in enumerate(lines) if line == want), None) for want in ROUTING]
-    assert None not in positions, dict(zip(ROUTING, positions, strict=True))
-    assert positions == sorted(positions)
     layer = source[source.index("class Qwen2MoeDecoderLayer"):source.index("class Qwen2MoeRotaryEmbedding")]
     assert "if config.num_experts > 0:" in layer and "mlp_only_layers" not in layer
 
@@ -332,8 +324,8 @@ def test_paddle_routing_follows_qwen2moesparsemoeblocks_own_lines():
 def test_paddle_builds_every_layer_dense_or_none():
     """PaddleFormers reads no mlp_only_layers: every layer dense is num_experts 0 there (the same model); a mix is
     UNSUPPORTED naming the feature and the version."""
-    from harness.families.qwen2_moe.paddle import config_kwargs
     from harness.run.protocol import Unsupported
+    from harness.runners.paddle.families import config_kwargs
 
     assert config_kwargs(Qwen2MoeConfig.resolve(TINY))["num_experts"] == 8
     dense = config_kwargs(Qwen2MoeConfig.resolve({**TINY, "mlp_only_layers": [0, 1]}))
@@ -341,28 +333,6 @@ def test_paddle_builds_every_layer_dense_or_none():
     with pytest.raises(Unsupported, match=r"PaddleFormers 1\.2\.0's Qwen2MoeDecoderLayer cannot mix dense and MoE "
                                           r"layers.*mlp_only_layers"):
         config_kwargs(Qwen2MoeConfig.resolve({**TINY, "mlp_only_layers": [0]}))
-
-
-def test_paddle_routing_record_refuses_a_routing_the_experts_were_not_fed():
-    """The check behind the recorded routing: each expert must have been fed the block's input rows at the tokens
-    the indices send it, in (top-k slot, token) order; an idle expert one zero row. Anything else stops the run."""
-    from harness.families.qwen2_moe.paddle import _check
-
-    hidden = np.arange(4 * 3, dtype=np.float32).reshape(1, 4, 3) + 1
-    indices = np.array([[1, 0], [0, 1], [1, 2], [0, 1]])  # 4 tokens, top-2 of 4 experts (3 idle)
-
-    def seen(changes=None):
-        fed = {0: hidden[0, [1, 3, 0]], 1: hidden[0, [0, 2, 1, 3]], 2: hidden[0, [2]], 3: np.zeros((1, 3), "f4")}
-        fed.update(changes or {})
-        return {"input": hidden, "indices": indices, "weights": np.ones((4, 2), "f4"),
-                **{f"fed {e}": rows for e, rows in fed.items() if rows is not None}}
-
-    good = seen()
-    _check(good, 0, 4, None, None, None)
-    assert set(good) == {"indices", "weights"}  # what the runner reads
-    for bad in ({0: hidden[0, [0, 1, 3]]}, {2: None}, {3: np.ones((1, 3), "f4")}):
-        with pytest.raises(RuntimeError, match="Qwen2MoeSparseMoeBlock fed it.*not the model's routing"):
-            _check(seen(bad), 0, 4, None, None, None)
 
 
 @pytest.mark.skipif(absent("paddle", "paddleformers"), reason="PaddleFormers' model (requirements-models.txt)")
@@ -398,7 +368,7 @@ def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_p
     assert result["calls"] == [] and result["from_stand_in"] == []
     adapters = {a["name"]: a for a in result["adapters"]}
     assert "paddlefleet stand-in (harness.runners.paddle.paddlefleet_shim)" in adapters
-    assert "routing record (harness/families/qwen2_moe/paddle.py record_routing)" in adapters
+    assert "routing record (harness/runners/paddle/families.py record_routing)" in adapters
     assert all(a["changes_computation"] is False for a in result["adapters"])
     for layer in ("0", "1"):
         routing = result["routing"][layer]

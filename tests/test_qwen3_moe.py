@@ -9,7 +9,6 @@ tests/test_model_e2e.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -300,47 +299,6 @@ def test_megatron_routing_record_changes_no_computation_and_widens_bf16_probs_ex
     assert result["parameters"] == ["weight"]
 
 
-def test_paddle_routing_follows_qwen3moesparsemoeblocks_own_lines():
-    """record_routing makes the routing by the calls Qwen3MoeSparseMoeBlock.forward makes (PaddleFormers 1.2.0):
-    each line it follows is in the installed source, in that order."""
-    import importlib.util
-
-    from harness.families.qwen3_moe.paddle import ROUTING
-
-    spec = importlib.util.find_spec("paddleformers")
-    if spec is None:
-        pytest.skip("PaddleFormers (requirements-models.txt) is not installed")
-    source = (Path(spec.origin).parent / "transformers" / "qwen3_moe" / "modeling.py").read_text()
-    block = source[source.index("class Qwen3MoeSparseMoeBlock"):source.index("class Qwen3MoeDecoderLayer")]
-    lines = [" ".join(line.split("#")[0].split()) for line in block.splitlines()]
-    positions = [next((i for i, line in enumerate(lines) if line == want), None) for want in ROUTING]
-    assert None not in positions, dict(zip(ROUTING, positions, strict=True))
-    assert positions == sorted(positions)
-
-
-def test_paddle_routing_record_refuses_a_routing_the_experts_were_not_fed():
-    """The check behind the recorded routing: each expert must have been fed the block's input rows at the tokens
-    the indices send it, in (top-k slot, token) order; an idle expert one zero row. Anything else stops the run."""
-    from harness.families.qwen3_moe.paddle import _check
-
-    hidden = np.arange(4 * 3, dtype=np.float32).reshape(1, 4, 3) + 1
-    indices = np.array([[1, 0], [0, 1], [1, 2], [0, 1]])  # 4 tokens, top-2 of 4 experts (3 idle)
-
-    def seen(changes=None):
-        fed = {0: hidden[0, [1, 3, 0]], 1: hidden[0, [0, 2, 1, 3]], 2: hidden[0, [2]], 3: np.zeros((1, 3), "f4")}
-        fed.update(changes or {})
-        return {"input": hidden, "indices": indices, "weights": np.ones((4, 2), "f4"),
-                **{f"fed {e}": rows for e, rows in fed.items() if rows is not None}}
-
-    good = seen()
-    _check(good, 0, 4, None, None, None)
-    assert set(good) == {"indices", "weights"}  # what the runner reads
-    _check(seen({3: None}), 0, 4, None, None, None)  # an idle expert not called (eval mode)
-    for bad in ({0: hidden[0, [0, 1, 3]]}, {1: hidden[0, [0, 1, 2, 3]]}, {2: None}, {3: np.ones((1, 3), "f4")}):
-        with pytest.raises(RuntimeError, match="not the model's routing"):
-            _check(seen(bad), 0, 4, None, None, None)
-
-
 @pytest.mark.skipif(absent("paddle", "paddleformers"), reason="PaddleFormers' model (requirements-models.txt)")
 def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_path):
     """PaddleFormers' Qwen3MoeForCausalLMDeprecated forward and backward (tiny, float32, 8 tokens): the routing of
@@ -373,7 +331,7 @@ def test_a_whole_paddle_run_records_its_routing_and_calls_no_stand_in_name(tmp_p
     assert result["calls"] == [] and result["from_stand_in"] == []
     names = [a["name"] for a in result["adapters"]]
     assert "paddlefleet stand-in (harness.runners.paddle.paddlefleet_shim)" in names
-    assert "routing record (harness/families/qwen3_moe/paddle.py record_routing)" in names
+    assert "routing record (harness/runners/paddle/families.py record_routing)" in names
     assert all(a["changes_computation"] is False for a in result["adapters"])
     for layer in ("0", "1"):
         routing = result["routing"][layer]

@@ -1,5 +1,5 @@
 """``python -m harness.runners.paddle_model``: a whole model, PaddleFleet's GPTModel (GPU) or PaddleFormers' model of
-a family (CPU; harness/families/<family>/paddle.py): one forward and backward (op ``causal_lm``, ``paddle/model.py``)
+a family (CPU; harness/runners/paddle/families.py): one forward and backward (op ``causal_lm``, ``paddle/model.py``)
 or N optimizer steps with Paddle's AdamW or Momentum (op ``causal_lm_train``, ``paddle/train.py``)."""
 
 from harness.run.protocol import Phases, Unsupported, import_answer, import_failure, model_op_table, serve
@@ -35,23 +35,23 @@ def probe(device: str) -> dict:
             "causal_lm": "paddlefleet GPTModel", "causal_lm_train": {
                 "would_run": None, "reason": "training on a GPU: PaddleFleet's loop is not written"}})}
     from harness.families import FAMILIES
-    from harness.runners.paddle import paddlefleet_ops_shim
+    from harness.runners.paddle import families, paddlefleet_ops_shim
 
-    builders, missing = [], []  # a family PaddleFormers has no dygraph model of is UNSUPPORTED, not a broken runner
+    models, missing = [], []  # a family PaddleFormers has no dygraph model of is UNSUPPORTED, not a broken runner
     try:
         paddlefleet_ops_shim.install()
         import paddleformers
         for name, family in FAMILIES.items():
-            builder = family.builder("paddle")
+            m = family.config()  # the family's real config: which classes its runs import
             try:
-                builder.classes()
-                builders.append(builder)
+                families.classes(m)
+                models.append(families.model_name(m))
             except Unsupported as why:
                 missing.append(f"{name}: UNSUPPORTED, {why}")
     except Exception as error:  # noqa: BLE001
         return {**answer, **import_answer("paddleformers", error)}
     answer["versions"]["paddleformers"] = getattr(paddleformers, "__version__", "unknown")
-    formers = ", ".join(builder.MODEL for builder in builders) + " (Paddle dygraph, CPU)"
+    formers = ", ".join(models) + " (Paddle dygraph, CPU)"
     if missing:
         answer["families_unsupported"] = missing
     try:

@@ -25,7 +25,6 @@ import numpy as np
 import paddle
 
 from harness.case import ops
-from harness.families.deepseek_v3 import paddle as deepseek_v3
 from harness.run.protocol import rank_and_world
 from harness.runners.paddle.common import as_tensor, set_param, sync, transposed
 
@@ -295,14 +294,22 @@ def attention_scores(request, tensors, gate, phases, guard):
                   "(causal, softmax in fp32)", request, gate))
 
 
+def router_fields(hidden: int, experts: int, topk: int, scaling: float) -> dict:
+    """PaddleFleet's ``TransformerConfig`` keywords for its ``moe_router.TopKRouter`` as DeepSeek-V3 routes
+    (noaux_tc, sigmoid, expert bias, normalised top-k, the case's scaling; no aux or z loss)."""
+    return {"hidden_size": hidden, "n_routed_experts": experts, "num_experts_per_tok": topk,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1,
+            "topk_group": 1, "routed_scaling_factor": scaling, "router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}
+
+
 def moe_router(request, tensors, gate, phases, guard):
-    """moe_router.TopKRouter as DeepSeek-V3 routes (deepseek_v3.op_fleet_router_fields: sigmoid, expert bias, no aux
+    """moe_router.TopKRouter as DeepSeek-V3 routes (``router_fields``: sigmoid, expert bias, no aux
     or z loss)."""
     from paddlefleet.transformer.moe.moe_router import TopKRouter
 
     h, e, k = (request["shapes"][n] for n in ("hidden_size", "num_experts", "topk"))
     config = _config(request, gate, init_method=lambda t: t,
-                     **deepseek_v3.op_fleet_router_fields(h, e, k, request["config"]["topk_scaling_factor"]))
+                     **router_fields(h, e, k, request["config"]["topk_scaling_factor"]))
     router = TopKRouter(config)
     set_param(router.weight, tensors["weight"])  # [experts, hidden]: params dtype under the gate, fp32 otherwise
     router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))

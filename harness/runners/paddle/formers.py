@@ -32,7 +32,6 @@ import numpy as np
 import paddle
 
 from harness.case import ops
-from harness.families.deepseek_v3 import paddle as deepseek_v3
 from harness.runners.paddle import kernels as paddle_kernels
 from harness.runners.paddle import paddlefleet_ops_shim
 from harness.runners.paddle.common import as_tensor, run_phases, set_param, transposed
@@ -40,6 +39,21 @@ from harness.runners.paddle.common import as_tensor, run_phases, set_param, tran
 LABEL = "PaddleFormers"
 SOURCE = "paddleformers 1.2.0: transformers/deepseek_v3/modeling.py, nn/{norm,mlp,linear,embedding}.py, " \
          "nn/attention/eager_attention.py"
+
+
+def router_fields(hidden: int, experts: int, topk: int, scaling: float) -> dict:
+    """PaddleFormers' ``DeepseekV3Config`` keywords for one router op (Kimi-K2's op cases, run through
+    ``DeepseekV3TopkRouter``): one group, normalised top-k, the case's scaling."""
+    return {"hidden_size": hidden, "n_routed_experts": experts, "num_experts_per_tok": topk, "n_group": 1,
+            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": scaling}
+
+
+def experts_fields(hidden: int, ffn: int, experts: int) -> dict:
+    """PaddleFormers' ``DeepseekV3Config`` keywords for the routed-experts op (``DeepseekV3MoE`` over its own
+    experts; the op passes top-1 routing)."""
+    return {"hidden_size": hidden, "moe_intermediate_size": ffn, "intermediate_size": ffn, "n_routed_experts": experts,
+            "num_experts_per_tok": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "hidden_act": "silu"}
+
 
 # Kernels each op needs in the case's dtype at this level (dygraph; casts aside, and the fp32 parts aside: the
 # RMSNorm's variance and rsqrt, the router, the attention softmax run in fp32): where one is missing on the device,
@@ -191,13 +205,13 @@ def embedding(request, tensors, gate, phases, guard):
 
 def moe_router(request, tensors, gate, phases, guard):
     """``DeepseekV3TopkRouter``: F.linear in fp32 on its fp32 weight ``[hidden, experts]``, sigmoid, top-k of
-    scores + expert bias (one group: deepseek_v3.op_router_fields), gather, normalise (+1e-20), x the scaling.
+    scores + expert bias (one group: ``router_fields``), gather, normalise (+1e-20), x the scaling.
     It returns (indices, weights [tokens, k]); the harness scatters the weights into the canonical dense
     ``probs`` (put_along_axis: exact) and sorts the indices. The bf16 weight is copied into the fp32 parameter
     (exact); its fp32 grad is cast back to the case's dtype once."""
     _, modeling = _modules()
     h, e, k = (request["shapes"][n] for n in ("hidden_size", "num_experts", "topk"))
-    config = _config(request, **deepseek_v3.op_router_fields(h, e, k, request["config"]["topk_scaling_factor"]))
+    config = _config(request, **router_fields(h, e, k, request["config"]["topk_scaling_factor"]))
     router = modeling.DeepseekV3TopkRouter(config)
     set_param(router.weight, transposed(paddle.to_tensor(tensors["weight"]).astype("float32").numpy()))  # exact
     router.e_score_correction_bias.set_value(paddle.to_tensor(tensors["expert_bias"]))
@@ -309,7 +323,7 @@ def routed_experts(request, tensors, gate, phases, guard):
     (``ops.uneven_split``); they are passed as top-1 routing (topk_indices = each token's expert, weights = probs)."""
     _, modeling = _modules()
     h, f, e = (request["shapes"][n] for n in ("hidden_size", "ffn_hidden_size", "num_local_experts"))
-    config = _config(request, **deepseek_v3.op_experts_fields(h, f, e))
+    config = _config(request, **experts_fields(h, f, e))
     with _default_dtype(request["dtype"]):
         moe = modeling.DeepseekV3MoE(config)
     for i, expert in enumerate(moe.experts):

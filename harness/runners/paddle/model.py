@@ -1,18 +1,19 @@
 """Paddle whole-model runner (op ``causal_lm``, docs/model-contract.md): a model family's forward, LM loss and backward,
-with module outputs and every parameter gradient in canonical names. What is family-specific comes from the family's
-Paddle builder (``harness/families/<family>/paddle.py``): the model classes, their config and knobs, the contract's
-names in write order, the routing it records, its own adapters, what it cannot run.
+with module outputs and every parameter gradient in canonical names. What is family-specific comes from the Paddle
+room's builder of every family (``harness.runners.paddle.families``, reading the family's architecture and
+``paddle.toml``): the model classes, their config and knobs, the contract's names in write order, the routing it
+records, its own adapters, what it cannot run.
 
 Which implementation runs (written to ``meta.json`` ``implementation``):
-- GPU: PaddleFleet's ``GPTModel`` with ``use_accuracy_compatible`` from the case config (the builder's
+- GPU: PaddleFleet's ``GPTModel`` with ``use_accuracy_compatible`` from the case config (the room's
   ``fleet_model``). It needs paddlefleet (and a CUDA build of paddle); where paddlefleet does not import the request is
   UNSUPPORTED (exit 3) and says so, because a GPU verdict is meant to be about PaddleFleet's model.
-- CPU: PaddleFormers' model (the builder's ``MODEL``, Paddle dygraph) on its non-fused paths; every knob set is in
-  ``meta.json`` ``knobs`` with why (the builder's ``KNOBS``). PaddleFormers imports the GPU-only ``paddlefleet_ops``
+- CPU: PaddleFormers' model (the family's ``model_class``, Paddle dygraph) on its non-fused paths; every knob set is
+  in ``meta.json`` ``knobs`` with why (the room's ``knobs``). PaddleFormers imports the GPU-only ``paddlefleet_ops``
   at import time: a stand-in that only answers "DeepEP not available" is installed when the real package is missing
   (``harness.runners.paddle.paddlefleet_ops_shim``; ``meta.json`` ``adapters``). A family whose dygraph model module
   imports PaddleFleet names at module level (GLM-4.5: ``gpt_provider``) gets them from a names-only ``paddlefleet``
-  stand-in during that import (``harness.runners.paddle.paddlefleet_shim``, the builder's ``adapters``; named in
+  stand-in during that import (``harness.runners.paddle.paddlefleet_shim``, the room's ``adapters``; named in
   ``implementation`` too). bf16: Paddle's dygraph has no CPU bf16 matmul kernel, so the request is UNSUPPORTED naming
   it.
 
@@ -27,13 +28,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 
-from harness.families import family_of, model_config
+from harness.families import model_config
 from harness.families.names import NameMap
 from harness.run.protocol import OUTPUTS, Phases, Unsupported, import_failure
+from harness.runners.paddle import families
 
 try:
     import paddle
@@ -42,11 +43,6 @@ except Exception as error:  # noqa: BLE001 - not installed: UNSUPPORTED; install
     PADDLE_IMPORT_ERROR = error
 
 DTYPES = ("float32", "float64", "bfloat16")
-
-
-def builder(model) -> ModuleType:
-    """The Paddle builder of `model`'s family (`model`: the request's config.model, or typed)."""
-    return family_of(model_config(model).family).builder("paddle")
 
 
 def admit(request: dict) -> dict:
@@ -73,7 +69,7 @@ def admit(request: dict) -> dict:
 def run(request: dict, phases: Phases) -> dict:
     provenance = admit(request)
     if request["device"] == "gpu":
-        return {**provenance, **builder(request["config"]["model"]).fleet_model(request, phases)}
+        return {**provenance, **families.fleet_model(request, phases, model_config(request["config"]["model"]))}
     return {**provenance, **_paddleformers_model(request, phases)}
 
 
@@ -84,11 +80,10 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
     from harness.runners.paddle import paddlefleet_ops_shim
 
     m = model_config(request["config"]["model"])
-    paddle_family = builder(m)
     with phases("import"):
         adapter = paddlefleet_ops_shim.install()
         import paddleformers
-        paddle_family.classes()  # the model's module, imported (and timed) here
+        families.classes(m)  # the model's module, imported (and timed) here
 
         from harness.capture.paddle import capture, write
     dtype = request["dtype"]
@@ -96,8 +91,8 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         model, checkpoint, name_map, loaded = build_model(m, dtype, request["checkpoint"])
         input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(1, -1))
         labels = paddle.to_tensor(checkpoint["labels"].reshape(1, -1))
-        routers = paddle_family.record_routing(model, m)
-    modules, grads = paddle_family.canonical_modules(m), paddle_family.canonical_grads(m)
+        routers = families.record_routing(model, m)
+    modules, grads = families.canonical_modules(m), families.canonical_grads(m)
     hooked = [name for name in modules if not name.endswith((".gate.topk_indices", ".gate.probs"))]  # recorded
     refeed_request = request["config"].get("refeed")
     with capture(model, None, name_map=name_map, modules=hooked, grads=grads) as cap:
@@ -111,14 +106,14 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
             refeed = Refeed(model, units, refeed_request["mode"], refeed_request.get("from"), batch_dim=0)
         with phases("forward"):
             out = _kernel_guard(lambda: model(input_ids=input_ids, labels=labels, return_dict=True),
-                                f"{model.__class__.__name__} forward", request)
+                                f"{model.__class__.__name__} forward", request, m)
         with phases("backward"):
-            _kernel_guard(lambda: out.loss.backward(), f"{model.__class__.__name__} backward", request)
+            _kernel_guard(lambda: out.loss.backward(), f"{model.__class__.__name__} backward", request, m)
         cap.record("logits", out.logits[0])
         cap.record("loss", out.loss.reshape([]))  # a scalar, as the contract writes it
         refeed_tensors = refeed.finish() if refeed else {}
     with phases("write"):
-        tensors, routed = _routing(cap.tensors, routers, family_of(m.family).routed_experts(m) if routers else 0)
+        tensors, routed = _routing(cap.tensors, routers, m.record.routed_experts(m) if routers else 0)
         upcast = {}
         tensors = {name: _to_case_dtype(name, array, dtype, upcast) for name, array in tensors.items()}
         order = ["module." + x for x in modules] + ["logits", "loss"] + ["grad." + g for g in grads]
@@ -129,18 +124,18 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
             write(refeed_tensors, os.path.join(request["output_dir"], REFEED_FILE))
     refeed_meta = {"refeed": {**refeed.meta(), "units": list(units),
                               "not_refed": {**_fold_experts(not_refed), **refeed.not_refed}}} if refeed else {}
-    family_adapters = paddle_family.adapters()
+    family_adapters = families.adapters(m)
     stand_ins = "".join(f"; imported with the {a['name']}" for a in family_adapters)
     return {**refeed_meta,
-        "implementation": f"{paddle_family.MODEL} (Paddle dygraph, CPU, non-fused paths; PaddleFormers' own "
+        "implementation": f"{families.model_name(m)} (Paddle dygraph, CPU, non-fused paths; PaddleFormers' own "
                           f"CriterionLayer sft loss{stand_ins})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
         "adapters": ([adapter] if adapter else []) + family_adapters,
         "paddlefleet_ops": "stand-in (harness)" if adapter else "real package",
-        "knobs": {knob: {"value": value, "why": why} for knob, (value, why) in paddle_family.KNOBS.items()},
+        "knobs": {knob: {"value": value, "why": why} for knob, (value, why) in families.knobs(m).items()},
         "name_map": f"{name_map.__class__.__module__}.{name_map.__class__.__name__} [paddle] of "
-                    f"{family_of(m.family).names.relative_to(Path(__file__).resolve().parents[3])}",
+                    f"{m.record.names.relative_to(Path(__file__).resolve().parents[3])}",
         "weights_loaded": loaded,
         "not_captured": cap.not_captured,
         "zero_grads": cap.zero_grads,
@@ -151,7 +146,7 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
 
 
 def build_model(m, dtype: str, checkpoint_files: list[str]):
-    """The family's PaddleFormers model with its KNOBS, every weight from the checkpoint, in train mode; (model,
+    """The family's PaddleFormers model with its knobs, every weight from the checkpoint, in train mode; (model,
     checkpoint arrays, name map, number of tensors loaded). Also the training runner's (harness.runners.paddle.train).
     `m`: the request's config.model, or typed."""
     from harness.runners.paddle.common import load_checkpoint
@@ -160,17 +155,16 @@ def build_model(m, dtype: str, checkpoint_files: list[str]):
     checkpoint = load_checkpoint(checkpoint_files)
     model = fresh_model(m, dtype)  # its initial weights are all overwritten from the checkpoint
     name_map = NameMap.load(m.family, "paddle", model=m)
-    buffers = {name for name, _ in family_of(m.family).buffers(m)}
+    buffers = {name for name, _ in m.record.buffers(m)}
     return model, checkpoint, name_map, _load_weights(model, checkpoint, name_map, buffers)
 
 
 def fresh_model(m, dtype: str):
-    """The family's PaddleFormers model with its KNOBS, in train mode (dropout is 0: what a training step computes),
+    """The family's PaddleFormers model with its knobs, in train mode (dropout is 0: what a training step computes),
     its weights as construction draws them after ``paddle.seed(0)``. `m`: typed config.model."""
-    paddle_family = builder(m)
-    config_class, model_class = paddle_family.classes()
-    config = config_class(**paddle_family.config_kwargs(m))
-    for knob, (value, _) in paddle_family.KNOBS.items():
+    config_class, model_class = families.classes(m)
+    config = config_class(**families.config_kwargs(m))
+    for knob, (value, _) in families.knobs(m).items():
         setattr(config, knob, value)
     paddle.set_default_dtype(dtype)
     paddle.seed(0)
@@ -182,18 +176,6 @@ def fresh_model(m, dtype: str):
 def _fold_experts(names: dict[str, str]) -> dict[str, str]:
     import re
     return {re.sub(r"\.experts\.\d+$", ".experts.{E}", name): why for name, why in names.items()}
-
-
-def record_output(gate) -> dict:
-    """A router sublayer's own (indices [T, k], weights [T, k]) output (its first two), copied to the host as it
-    leaves forward: what a family's ``record_routing`` hands the runner."""
-    seen = {}
-
-    def hook(_layer, _inputs, output):
-        seen["indices"], seen["weights"] = (np.array(t.detach().cpu().numpy(), copy=True) for t in output[:2])
-
-    gate.register_forward_post_hook(hook)
-    return seen
 
 
 def _routing(tensors: dict, routers: dict, experts: int) -> tuple[dict, dict]:
@@ -269,8 +251,8 @@ def _probe_cpu_bf16_matmul() -> None:
                           f"which every linear of the model needs ({first})") from None
 
 
-def _kernel_guard(call, what: str, request):
-    """A kernel Paddle lacks here becomes UNSUPPORTED naming it; so does what the family's builder explains (e.g.
+def _kernel_guard(call, what: str, request, m):
+    """A kernel Paddle lacks here becomes UNSUPPORTED naming it; so does what the room explains for the family `m` (e.g.
     PaddleFormers' DeepSeek-V3 MoE in float64); anything else is a crash."""
     try:
         return call()
@@ -278,7 +260,7 @@ def _kernel_guard(call, what: str, request):
         if "not registered" in str(error):
             first = next(line.strip() for line in str(error).splitlines() if "not registered" in line)
             raise Unsupported(f"{what} on {request['device']} in {request['dtype']}: {first}") from error
-        unsupported = builder(request["config"]["model"]).explain(error, request)
+        unsupported = families.explain(error, request, m)
         if unsupported is not None:
             raise unsupported from error
         raise

@@ -1,8 +1,8 @@
 """paddle_model's training runner (op ``causal_lm_train``, docs/training.md): N optimizer steps of the case's model
-family in PaddleFormers (the model of ``harness.runners.paddle.model``, its family's Paddle builder's ``MODEL``, CPU,
-float32) with Paddle's own training pieces, every per-step quantity written in canonical names through the family's
-``[paddle.grads]`` rules (read and, for the re-feed and the negative control, written back: a fused tensor's part,
-q, k or v of ``qkv_proj``, is its columns there).
+family in PaddleFormers (the model of ``harness.runners.paddle.model``, the class ``harness.runners.paddle.families``
+names, CPU, float32) with Paddle's own training pieces, every per-step quantity written in canonical names through
+the family's ``[paddle.grads]`` rules (read and, for the re-feed and the negative control, written back: a fused
+tensor's part, q, k or v of ``qkv_proj``, is its columns there).
 
 - the optimizer the case names, built by its record (``harness.optimizers``): ``paddle.optimizer.AdamW`` or
   ``paddle.optimizer.Momentum`` (``multi_precision`` off: float32 parameters have no masters), weight decay on every
@@ -20,8 +20,8 @@ On several data-parallel ranks (``train.dp``, docs/training-ranks.md; ``paddle.d
 CPU): ``paddle.distributed.init_parallel_env()`` and ``paddle.DataParallel(model)`` with its defaults (gradients
 averaged over the ranks in its fused buckets), each rank its own micro-batches (``no_sync()`` but for the last); every
 rank then steps the same optimizer on the same gradients and digests its own copy of the whole state (only the step's
-losses are gathered). Expert parallel (``train.ep > 1``) is the family's PaddleFormers flex-token MoE layer (its
-builder's ``EXPERT_PARALLEL_LAYER``), whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
+losses are gathered). Expert parallel (``train.ep > 1``) is the family's PaddleFormers flex-token MoE layer (the
+room's ``expert_parallel_layer``), whose token dispatch is DeepEP's fused all-to-all only (``fused_a2a``:
 ``paddlefleet_ops.deep_ep``, PaddleFleet's CUDA package): UNSUPPORTED naming it where it is not installed.
 
 A parameter the backward never reached has no gradient (a routed expert no token has been routed to so far, in a
@@ -48,8 +48,10 @@ from safetensors import safe_open
 from harness.capture.paddle import apply_rule, to_host
 from harness.case.ops import carried_quantities, step_quantities, train_buffer_names, train_state_names
 from harness.case.train_settings import TrainSettings, rank_micro_batches
+from harness.families import model_config
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flip_bit, flips_here, state_locations, step_file
+from harness.runners.paddle import families
 from harness.runners.paddle import model as paddle_model
 from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
 
@@ -95,20 +97,20 @@ def run(request: dict, phases: Phases) -> dict:
     with phases("import"):
         adapter = paddlefleet_ops_shim.install()
         import paddleformers
-        paddle_family = paddle_model.builder(request["config"]["model"])
-        paddle_family.classes()
+        m = model_config(request["config"]["model"])
+        families.classes(m)
     train, dtype = TrainSettings.from_dict(request["config"]["train"]), request["dtype"]
     rank, world = rank_and_world()
     if world != train.dp:
         raise RuntimeError(f"paddle_model was started on {world} ranks; the request trains on dp = {train.dp}")
     if train.ep > 1:
-        expert_parallel_dispatch(paddle_family)
+        expert_parallel_dispatch(m)
     with phases("setup"):
         if world > 1:
             paddle.distributed.init_parallel_env()
-        model, checkpoint, name_map, loaded = paddle_model.build_model(request["config"]["model"], dtype,
+        model, checkpoint, name_map, loaded = paddle_model.build_model(m, dtype,
                                                                        request["checkpoint"])
-        trainer = Trainer(model, train, request["config"]["model"], name_map, rank)
+        trainer = Trainer(model, train, m, name_map, rank)
     writer = StepWriter(request["output_dir"], train.steps_kept, _save,
                         lambda a: np.ascontiguousarray(a).view(np.uint8), rank)
     refeed = request["config"].get("train_refeed")
@@ -117,7 +119,7 @@ def run(request: dict, phases: Phases) -> dict:
             if refeed:
                 trainer.load_state(refeed, step)
             scalars, states = paddle_model._kernel_guard(
-                lambda step=step: trainer.step(step, checkpoint, refeed), f"training step {step}", request)
+                lambda step=step: trainer.step(step, checkpoint, refeed), f"training step {step}", request, m)
             if scalars:
                 writer.write(step, scalars, states)
             flip = train.flip
@@ -125,17 +127,17 @@ def run(request: dict, phases: Phases) -> dict:
                 value = flip_bit(trainer.one(flip.state, flip.tensor), flip.index, flip.bit)
                 trainer.put(flip.state, flip.tensor, value)
     return {**provenance,
-        "implementation": f"{paddle_family.MODEL} (Paddle dygraph, CPU) "
+        "implementation": f"{families.model_name(m)} (Paddle dygraph, CPU) "
                           f"trained with paddle.optimizer.{type(trainer.optimizer).__name__}, "
                           "paddle.nn.ClipGradByGlobalNorm and "
                           f"paddle.optimizer.lr ({type(trainer.scheduler).__name__})",
         "versions": {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit,
                      "paddleformers": getattr(paddleformers, "__version__", "unknown")},
-        "adapters": ([adapter] if adapter else []) + paddle_family.adapters() + [
+        "adapters": ([adapter] if adapter else []) + families.adapters(m) + [
             {"name": "clip_norm_and_factor", "why": "observer: " + clip_norm_and_factor.__doc__.strip(),
              "changes_computation": False}],
-        "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in paddle_family.KNOBS.items()}, **trainer.knobs},
-        "state_locations": state_locations(request["config"]["model"]["family"], "paddle", train.record,
+        "knobs": {**{k: {"value": v, "why": why} for k, (v, why) in families.knobs(m).items()}, **trainer.knobs},
+        "state_locations": state_locations(m.family, "paddle", train.record,
                                            step_quantities(train.record)),
         "weights_loaded": loaded, "steps_kept": list(train.steps_kept), "refeed": refeed or {},
         "zero_grads": {f"step {step}": names for step, names in trainer.zero_grads.items() if names},
@@ -143,13 +145,13 @@ def run(request: dict, phases: Phases) -> dict:
     }
 
 
-def expert_parallel_dispatch(paddle_family) -> None:
-    """On an expert-parallel group PaddleFormers builds the family's flex-token MoE layer (its Paddle builder's
-    ``EXPERT_PARALLEL_LAYER``); its tokens travel only through DeepEP (paddleformers/transformers/fused_a2a.py,
+def expert_parallel_dispatch(m) -> None:
+    """On an expert-parallel group PaddleFormers builds the family's flex-token MoE layer (the room's
+    ``expert_parallel_layer``); its tokens travel only through DeepEP (paddleformers/transformers/fused_a2a.py,
     HAVE_DEEP_EP from paddlefleet_ops)."""
     from paddleformers.transformers import fused_a2a
 
-    layer = getattr(paddle_family, "EXPERT_PARALLEL_LAYER", "flex-token MoE layer (MoEFlexTokenLayer)")
+    layer = families.expert_parallel_layer(m)
     if not fused_a2a.HAVE_DEEP_EP:
         raise paddle_model.Unsupported(
             f"expert parallel: PaddleFormers' {layer} dispatches tokens only through DeepEP's fused "
@@ -167,7 +169,7 @@ def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict) -> None:
 
 
 class Trainer:
-    def __init__(self, model, train: TrainSettings, m: dict, name_map, rank: int = 0):
+    def __init__(self, model, train: TrainSettings, m, name_map, rank: int = 0):
         self.model, self.train = model, train
         self.mine, self.dp = rank_micro_batches(train.micro_batches, train.dp, rank), train.dp
         self.n = len(self.mine)
