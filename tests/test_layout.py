@@ -3,10 +3,10 @@
 case (registry, op records, checkpoints), families (model family records), optimizers (optimizer records) -> run
 (orchestration, launchers) -> runners (subprocess side), capture, attach (the recorder in a user's loop) -> compare,
 baselines -> report -> levels (op, model, train: one record each) -> pipeline (one comparison at any level) ->
-commands -> cli. `bits` is a shared utility every stage may use. A family's per-stack builders
-(harness/families/<family>/megatron.py, hf.py, paddle.py) import their framework: they sit with the runners, and only
-runners and capture import them. An optimizer's per-stack builders import their framework inside the function (only
-runners call them).
+commands -> cli. `bits` is a shared utility every stage may use. A family's per-stack builders still in its folder
+(harness/families/<family>/hf.py, paddle.py) import their framework: they sit with the runners, and only runners and
+capture import them; Megatron-Core's one builder for every family is a runner (harness/runners/megatron/families.py).
+An optimizer's per-stack builders import their framework inside the function (only runners call them).
 """
 
 import ast
@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "harness"
 STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "families": 1, "optimizers": 1, "run": 2, "runners": 3,
           "capture": 3, "attach": 3, "compare": 4, "baselines": 4, "report": 5, "levels": 6, "pipeline": 7,
           "commands": 8, "cli": 9, "__main__": 9, "__init__": 0}
-BUILDER = re.compile(r"harness\.families\.\w+\.(megatron|hf|paddle)$")  # a family's builder for one stack
+BUILDER = re.compile(r"harness\.families\.\w+\.(hf|paddle)$")  # a family's builder for one stack
 BUILDER_USERS = ("runners", "capture")
 
 
@@ -73,8 +73,9 @@ def test_only_runners_and_capture_import_a_family_builder():
 
 def test_the_builder_check_sees_one():
     """Negative control: a builder's module name is one (a runner's stage); the record and its other modules are not."""
-    assert BUILDER.match("harness.families.deepseek_v3.megatron") and stage_of("harness.families.deepseek_v3.hf") \
+    assert BUILDER.match("harness.families.deepseek_v3.paddle") and stage_of("harness.families.deepseek_v3.hf") \
         == "runners"
+    assert not BUILDER.match("harness.families.deepseek_v3.megatron")  # no such module: the runners' room builds it
     assert not BUILDER.match("harness.families.deepseek_v3") and not BUILDER.match("harness.families.names")
     assert stage_of("harness.families.deepseek_v3.layout") == "families"
 

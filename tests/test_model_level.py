@@ -81,6 +81,8 @@ def test_every_family_has_a_builder_per_stack_with_what_runners_ask():
 
     for family in FAMILIES.values():
         for stack, names in BUILDER_API.items():
+            if stack == "megatron":  # one builder for every family: tests/test_megatron_families.py
+                continue
             tree = ast.parse((family.folder / f"{stack}.py").read_text())
             defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
             defined |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
