@@ -10,10 +10,10 @@
   GEMM, a CUDA kernel), the allgather dispatcher (Bridge: alltoall), no fusions (CUDA kernels), HF's
   ``head_dim ** -0.5`` softmax scale. A family's megatron.toml holds its implementation text, the knob texts that
   cite its own Bridge provider, its Bridge citations (file @ commit), and its switches (``router_dtype``,
-  ``bias_update_rate``, ``routing_record``).
+  ``bias_update_rate``, ``routing_record``, ``group_limited_routing``).
 - Quirks, each named where it is handled: MLA (attention kind "mla": ``MLATransformerConfig``, YaRN, its core
-  attention and ``HAVE_TE``), the all-heads q/k norm (qk_norm "all_heads": MiniMax-M2), the sigmoid router's top-1
-  (Megatron leaves a single score unnormalised).
+  attention and ``HAVE_TE``), DeepSeek-V3's group-limited routing, the all-heads q/k norm (qk_norm "all_heads":
+  MiniMax-M2), the sigmoid router's top-1 (Megatron leaves a single score unnormalised).
 
 ``harness.runners.megatron.model`` builds, loads and runs the ``GPTModel``; the modules the local spec lacks are in
 ``harness.runners.megatron.blocks``.
@@ -122,11 +122,11 @@ def layer_spec(model: FamilyConfig, spec, skip=()) -> None:
     """The family's modules in one layer's spec (in place): MLA's core attention, the all-heads q/k norm, the router
     with its routing record; each skipped when named in `skip` (the local spec's own module stays)."""
     wanted = [name for name in adapters(model) if name not in skip]
-    attention = spec.submodules.self_attention.submodules
     if model.record.architecture(model).attention.kind == "mla":
-        attention.core_attention = (blocks.MLADotProductAttention if MLA_CORE_ATTENTION in wanted
-                                    else blocks.DotProductAttention)
+        spec.submodules.self_attention.submodules.core_attention = (
+            blocks.MLADotProductAttention if MLA_CORE_ATTENTION in wanted else blocks.DotProductAttention)
     if FULL_DIM_QK_NORM in wanted:
+        attention = spec.submodules.self_attention.submodules
         attention.q_layernorm, attention.k_layernorm = blocks.FullDimQNorm, blocks.FullDimKNorm
     submodules = blocks.moe_submodules(getattr(spec.submodules, "mlp", None))
     if ROUTING_RECORD in wanted and submodules is not None:
@@ -178,6 +178,8 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, sequence_parallel=False)
     if "bias_update_rate" in own:
         common["moe_router_bias_update_rate"] = float(own["bias_update_rate"])
+    if own.get("group_limited_routing"):
+        common.update(_group_limited_routing(model, moe))
     if attention.kind == "mla":
         config = MLATransformerConfig(**common, **_mla(model, attention))
         knobs = dict(MLA_KNOBS)
@@ -188,6 +190,7 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
             softmax_scale=attention.head_dim ** -0.5)
         knobs = dict(GQA_KNOBS)
     context = _context(model, arch, dtype, expert_parallel, router_dtype, freq, pre_softmax)
+    context.update(router_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk)
     knobs.update(KNOBS)
     knobs["params_dtype"] = PARAMS_DTYPE + (EXPERT_BIAS_DTYPE if moe.expert_bias else "")
     knobs.update(own.get("knobs", {}))
@@ -205,6 +208,18 @@ def _refuse_unmapped_routing(moe) -> None:
         raise Unsupported("megatron_model: Megatron's sigmoid router leaves a single top-1 score unnormalised "
                           "(moe_utils.topk_routing_with_score_function: probs = scores when topk == 1); HF divides "
                           "it by itself (num_experts_per_tok 1)")
+
+
+def _group_limited_routing(model: FamilyConfig, moe) -> dict:
+    """Quirk (megatron.toml ``group_limited_routing``, DeepSeek-V3): the experts in ``n_group`` groups, the top
+    ``topk_group`` groups chosen first. HF picks groups by the sum of each group's top-2 scores; Megatron by the sum of
+    its top (topk // group_topk): the same only where that is 2."""
+    n_group, topk_group = model.n_group or 1, model.topk_group or 1
+    if n_group > 1 and moe.topk // topk_group != 2:
+        raise Unsupported(f"megatron_model: group-limited routing with topk {moe.topk} / topk_group {topk_group} != 2 "
+                          "(HF sums each group's top-2)")
+    return dict(moe_router_num_groups=n_group if n_group > 1 else None,
+                moe_router_group_topk=topk_group if n_group > 1 else None)
 
 
 def _mla(model: FamilyConfig, attention) -> dict:
