@@ -17,6 +17,13 @@ FOLDER = Path(__file__).resolve().parents[1] / "harness" / "families"
 EVERY = pytest.mark.parametrize("family", list(FAMILIES.values()), ids=list(FAMILIES))
 
 
+def test_a_family_folder_is_data_only():
+    """No Python in a family's folder: each framework builds every family in its runner's room."""
+    code = sorted(str(p.relative_to(FOLDER)) for p in FOLDER.glob("*/**/*") if p.suffix not in (".toml",)
+                  and "__pycache__" not in p.parts and p.is_file())
+    assert code == []
+
+
 def test_every_family_folder_is_registered_default_first_then_by_name():
     folders = sorted(p.name for p in FOLDER.iterdir() if (p / "family.toml").is_file())
     assert list(FAMILIES) == [DEFAULT, *sorted(set(folders) - {DEFAULT})]

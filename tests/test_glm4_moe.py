@@ -166,25 +166,6 @@ def test_megatron_map_has_exactly_the_layouts_tensors(qk_norm):
     assert names["buffers"] == {bias: ("decoder.layers.1.mlp.router.expert_bias", [bias])}
 
 
-@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
-def test_megatron_builder_takes_megatron_bridges_glm45_settings():
-    import torch
-
-    from harness.families.glm4_moe import megatron
-
-    m = Glm4MoeConfig.resolve({**TINY, "use_qk_norm": True, "routed_scaling_factor": 2.5})
-    config, knobs = megatron.translate_config(m, torch.float32, torch.device("cpu"))
-    assert (config.num_query_groups, config.kv_channels, config.add_qkv_bias, config.add_bias_linear,
-            config.qk_layernorm) == (2, 32, True, False, True)
-    assert (config.moe_layer_freq, config.moe_router_score_function, config.moe_router_enable_expert_bias,
-            config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor, config.moe_router_dtype) == (
-        [0, 1], "sigmoid", True, False, 2.5, "fp32")
-    assert (config.moe_router_bias_update_rate, config.moe_aux_loss_coeff, config.moe_router_load_balancing_type,
-            config.moe_shared_expert_intermediate_size) == (0.0, 0.0, "none", 32)
-    assert config.softmax_scale == 32 ** -0.5 and "Bridge" in knobs["moe_router_score_function"]
-    assert megatron.gpt_model_kwargs(m) == {"rotary_percent": 0.5, "rotary_base": 1e6}
-
-
 # --- the paddlefleet stand-in ----------------------------------------------------------------------------------
 
 def python(code: str) -> dict:

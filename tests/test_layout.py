@@ -3,14 +3,14 @@
 case (registry, op records, checkpoints), families (model family records), optimizers (optimizer records) -> run
 (orchestration, launchers) -> runners (subprocess side), capture, attach (the recorder in a user's loop) -> compare,
 baselines -> report -> levels (op, model, train: one record each) -> pipeline (one comparison at any level) ->
-commands -> cli. `bits` is a shared utility every stage may use. A family's per-stack builders
-(harness/families/<family>/megatron.py, hf.py, paddle.py) import their framework: they sit with the runners, and only
-runners and capture import them. An optimizer's per-stack builders import their framework inside the function (only
+commands -> cli. `bits` is a shared utility every stage may use. A model family is data (harness/families/<family>/:
+no Python); each framework builds every family in its runner's room (harness/runners/megatron/families.py,
+harness/runners/torch/hf_families.py, harness/runners/paddle/families.py), so no module of the families' stage imports
+a framework or a later stage. An optimizer's per-stack builders import their framework inside the function (only
 runners call them).
 """
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -19,20 +19,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "harness"
 STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "families": 1, "optimizers": 1, "run": 2, "runners": 3,
           "capture": 3, "attach": 3, "compare": 4, "baselines": 4, "report": 5, "levels": 6, "pipeline": 7,
           "commands": 8, "cli": 9, "__main__": 9, "__init__": 0}
-BUILDER = re.compile(r"harness\.families\.\w+\.(megatron|hf|paddle)$")  # a family's builder for one stack
-BUILDER_USERS = ("runners", "capture")
 
 
 def stage_of(module: str) -> str:
-    """`harness.compare.tensors` -> "compare"; `harness` -> "__init__"; a family's builder -> "runners"."""
-    if BUILDER.match(module):
-        return "runners"
+    """`harness.compare.tensors` -> "compare"; `harness` -> "__init__"."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
 
 def module_of(path: Path) -> str:
-    """harness/families/deepseek_v3/hf.py -> harness.families.deepseek_v3.hf."""
+    """harness/runners/torch/hf_model.py -> harness.runners.torch.hf_model."""
     return ".".join(("harness", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
 
 
@@ -61,22 +57,6 @@ def test_no_module_imports_a_later_stage(path):
     own = stage_of(module_of(path))
     later = {m for m in imported_modules(path) if STAGES[stage_of(m)] > STAGES[own]}
     assert not later, f"{path.relative_to(PACKAGE)} ({own}) imports later stages: {sorted(later)}"
-
-
-def test_only_runners_and_capture_import_a_family_builder():
-    """A builder imports a framework: the harness side (case, run, compare, report, commands) never loads one, nor
-    does a family's record (it names its builders by ``Family.builder``, imported when a runner asks)."""
-    offenders = {module: sorted(m for m in imported if BUILDER.match(m)) for module, imported in module_graph().items()
-                 if stage_of(module) not in BUILDER_USERS}
-    assert not {module: found for module, found in offenders.items() if found}
-
-
-def test_the_builder_check_sees_one():
-    """Negative control: a builder's module name is one (a runner's stage); the record and its other modules are not."""
-    assert BUILDER.match("harness.families.deepseek_v3.megatron") and stage_of("harness.families.deepseek_v3.hf") \
-        == "runners"
-    assert not BUILDER.match("harness.families.deepseek_v3") and not BUILDER.match("harness.families.names")
-    assert stage_of("harness.families.deepseek_v3.layout") == "families"
 
 
 def test_the_check_sees_a_backward_import(tmp_path):

@@ -123,7 +123,7 @@ def test_mla_attention_adapter_computes_mla_attention(megatron_in_process):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from harness.families.deepseek_v3.megatron import MLADotProductAttention
+    from harness.runners.megatron.blocks import MLADotProductAttention
 
     mm = megatron_in_process
     mm.install_adapters(torch.device("cpu"), TINY)

@@ -218,33 +218,6 @@ def test_megatron_map_has_exactly_the_layouts_tensors():
     assert set(names["not_captured"]) == {f"model.layers.{L}.mlp.experts.{E}" for L in (0, 1) for E in range(4)}
 
 
-@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
-def test_megatron_builder_takes_megatron_bridges_minimax_m2_settings():
-    import torch
-
-    from harness.families.minimax_m2 import megatron
-
-    m = MiniMaxM2Config.resolve(TINY)
-    config, knobs = megatron.translate_config(m, torch.bfloat16, torch.device("cpu"))
-    assert (config.num_query_groups, config.kv_channels, config.add_qkv_bias, config.add_bias_linear,
-            config.qk_layernorm, config.moe_ffn_hidden_size) == (2, 32, False, False, True, 32)
-    assert (config.moe_layer_freq, config.moe_router_score_function, config.moe_router_enable_expert_bias,
-            config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor, config.moe_router_dtype) == (
-        1, "sigmoid", True, False, None, None)  # Bridge sets no router dtype and no scaling
-    assert (config.moe_router_bias_update_rate, config.moe_aux_loss_coeff,
-            config.moe_router_load_balancing_type, config.moe_shared_expert_intermediate_size) == (0.0, 0.0, "none",
-                                                                                                    None)
-    assert config.softmax_scale == 32 ** -0.5 and "Bridge" in knobs["qk_layernorm"]
-    assert megatron.translate_config(m, torch.float64, torch.device("cpu"))[0].moe_router_dtype == "fp64"
-    assert megatron.gpt_model_kwargs(m) == {"rotary_percent": 0.5, "rotary_base": 5e6}
-    assert megatron.install_adapters() == ["FullDimQKNorm"] and megatron.install_adapters({"FullDimQKNorm"}) == []
-    assert megatron.ADAPTERS["FullDimQKNorm"].startswith(
-        "a module the family needs that Megatron-Core's local spec lacks; Megatron Bridge provides it in its TE spec")
-    with pytest.raises(Unsupported, match="single top-1 score unnormalised"):
-        megatron.translate_config(MiniMaxM2Config.resolve({**TINY, "num_experts_per_tok": 1}), torch.float32,
-                                  torch.device("cpu"))
-
-
 # --- the full-dimension q/k norm on the local spec -------------------------------------------------------------
 
 class _Config:  # what SelfAttention's config gives the spec entry
@@ -264,7 +237,7 @@ def test_the_full_dim_norm_gives_hfs_q_norm_and_k_norm_bits(dtype, heads, groups
     import torch
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
 
-    from harness.families.minimax_m2.megatron import FullDimKNorm, FullDimQNorm
+    from harness.runners.megatron.blocks import FullDimKNorm, FullDimQNorm
 
     dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(heads)
@@ -293,7 +266,7 @@ def test_the_full_dim_norm_gives_hfs_q_norm_and_k_norm_bits(dtype, heads, groups
 def test_the_full_dim_norm_stays_float64_in_a_float64_run_and_refuses_tp():
     import torch
 
-    from harness.families.minimax_m2.megatron import FullDimQNorm
+    from harness.runners.megatron.blocks import FullDimQNorm
 
     x = torch.randn(4, 1, 3, 8, dtype=torch.float64)
     norm = FullDimQNorm(hidden_size=8, config=_Config(3, 1, torch.float64), eps=1e-6)
@@ -311,7 +284,7 @@ def test_megatrons_build_module_builds_the_spec_entry():
     import torch
     from megatron.core.transformer.spec_utils import build_module
 
-    from harness.families.minimax_m2.megatron import FullDimKNorm, FullDimNorm, FullDimQNorm
+    from harness.runners.megatron.blocks import FullDimKNorm, FullDimNorm, FullDimQNorm
 
     config = _Config(12, 2, torch.float32)
     q = build_module(FullDimQNorm, hidden_size=32, config=config, eps=1e-6)

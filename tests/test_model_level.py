@@ -73,25 +73,6 @@ def test_the_typed_config_is_what_code_reads_and_gives_the_wire_dict_back(case):
         family_of("glm")
 
 
-def test_every_family_has_a_builder_per_stack_with_what_runners_ask():
-    """Read from the builders' source (importing one loads its framework)."""
-    import ast
-
-    from harness.families.record import BUILDER_API
-
-    for family in FAMILIES.values():
-        for stack, names in BUILDER_API.items():
-            if stack == "hf":  # no builder per family: the hf room builds every one (tests/test_hf_families.py)
-                assert not (family.folder / "hf.py").exists() and family.stack("hf"), family.name
-            if stack in ("hf", "paddle"):  # one builder for every family: tests/test_<stack>_families.py
-                continue
-            tree = ast.parse((family.folder / f"{stack}.py").read_text())
-            defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-            defined |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
-                        if isinstance(target, ast.Name)}
-            assert set(names) <= defined, (family.name, stack, sorted(set(names) - defined))
-
-
 def test_variants_have_their_dtypes():
     registry = Registry.load()
     assert [registry.get(f"kimi_k2_2layer{s}").dtype for s in ("", "_fp32", "_float64", "_control_hf")] == [

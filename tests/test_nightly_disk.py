@@ -2,8 +2,8 @@
 a full disk is named as such, and a night keeps the tensor files of the cases it fails only, saying how to get the
 rest back; its progress lines give the night's judgment beside the raw verdict.
 
-The runners here are test doubles, named as such (``tests/test_baselines.py``'s fake Megatron and Paddle runners, a
-runner that writes to ``/dev/full``): they test the harness's own handling and never give a reported verdict. The
+The runners here are test doubles, named as such (``tests/support/baseline_bench.py``'s fake Megatron and Paddle
+runners, a runner that writes to ``/dev/full``): they test the harness's own handling and never give a reported verdict. The
 free-space probe is replaced by a test double where a disk must look full: no tiny file system can be mounted here.
 """
 
@@ -15,9 +15,9 @@ from harness import CompareOptions, compare_case, resources
 from harness.case.registry import Registry
 from harness.commands import nightly_keep
 from harness.pipeline import disk_budget
+from tests.support.baseline_bench import Bench, by_case
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import fake_interpreter
-from tests.test_baselines import Bench, by_case
 
 
 @pytest.fixture

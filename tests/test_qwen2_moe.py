@@ -208,30 +208,6 @@ def test_megatron_map_has_exactly_the_layouts_tensors():
     assert names["modules"]["model.layers.1.mlp.gate"] == "decoder.layers.1.mlp.router.routing_record"
 
 
-@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
-def test_megatron_builder_takes_the_qwen2_moe_settings():
-    import torch
-
-    from harness.families.qwen2_moe import megatron
-
-    m = Qwen2MoeConfig.resolve(TINY)
-    config, knobs = megatron.translate_config(m, torch.bfloat16, torch.device("cpu"))
-    assert (config.num_query_groups, config.kv_channels, config.add_qkv_bias, config.add_bias_linear,
-            config.qk_layernorm, config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
-        2, 8, True, False, False, 8, 2, 32)
-    assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate,
-            config.moe_shared_expert_overlap) == (64, True, False)
-    assert (config.moe_layer_freq, config.moe_router_score_function, config.moe_router_pre_softmax,
-            config.moe_router_dtype, config.moe_router_enable_expert_bias, config.moe_router_topk_scaling_factor) == (
-        [1, 1], "softmax", True, None, False, None)
-    assert (config.moe_aux_loss_coeff, config.moe_router_load_balancing_type) == (0.0, "none")
-    assert config.softmax_scale == 8 ** -0.5 and "not norm_topk_prob" in knobs["moe_router_pre_softmax"]
-    assert megatron.gpt_model_kwargs(m) == {"rotary_percent": 1.0, "rotary_base": 1e6}
-    renormalised = Qwen2MoeConfig.resolve({**TINY, "norm_topk_prob": True, "mlp_only_layers": [0]})
-    config, _ = megatron.translate_config(renormalised, torch.float32, torch.device("cpu"))
-    assert config.moe_router_pre_softmax is False and config.moe_layer_freq == [0, 1]
-
-
 # --- the routing and the shared expert's gate ------------------------------------------------------------------
 
 @pytest.mark.skipif(absent("torch", "megatron.core", "transformers"), reason="both routers")
@@ -259,7 +235,8 @@ def test_hf_and_megatron_routers_are_bit_equal_without_the_renormalisation():
 
 SHARED = """
     import json, torch
-        from harness.families.qwen2_moe.megatron import translate_config
+    from harness.families import model_config
+    from harness.runners.megatron.families import translate_config
     from harness.runners.megatron import model as mm
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -269,7 +246,7 @@ SHARED = """
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     tiny = json.loads(__import__("sys").argv[1])
     mm.init_process_group(torch.device("cpu"))
-    m = Qwen2MoeConfig.resolve(tiny)
+    m = model_config(tiny)
     config, _ = translate_config(m, torch.float64, torch.device("cpu"))
     shared = SharedExpertMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                              gate=config.moe_shared_expert_gate, pg_collection=get_default_pg_collection()).double()

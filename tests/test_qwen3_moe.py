@@ -192,28 +192,6 @@ def test_megatron_map_has_exactly_the_layouts_tensors():
     assert names["modules"]["model.layers.1.mlp.gate"] == "decoder.layers.1.mlp.router.routing_record"
 
 
-@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
-def test_megatron_builder_takes_megatron_bridges_qwen3_moe_settings():
-    import torch
-
-    from harness.families.qwen3_moe import megatron
-
-    m = Qwen3MoeConfig.resolve(TINY)
-    config, knobs = megatron.translate_config(m, torch.bfloat16, torch.device("cpu"))
-    assert (config.num_query_groups, config.kv_channels, config.add_qkv_bias, config.add_bias_linear,
-            config.qk_layernorm, config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
-        2, 16, False, False, True, 8, 2, 32)
-    assert (config.moe_layer_freq, config.moe_router_score_function, config.moe_router_pre_softmax,
-            config.moe_router_dtype, config.moe_router_enable_expert_bias, config.moe_router_topk_scaling_factor,
-            config.moe_shared_expert_intermediate_size) == ([1, 1], "softmax", False, None, False, None, None)
-    assert (config.moe_aux_loss_coeff, config.moe_router_load_balancing_type) == (0.0, "none")
-    assert config.softmax_scale == 16 ** -0.5 and "Bridge" in knobs["moe_router_pre_softmax"]
-    assert megatron.gpt_model_kwargs(m) == {"rotary_percent": 1.0, "rotary_base": 1e6}
-    unnormalised = Qwen3MoeConfig.resolve({**TINY, "norm_topk_prob": False, "mlp_only_layers": [0]})
-    config, _ = megatron.translate_config(unnormalised, torch.float32, torch.device("cpu"))
-    assert config.moe_router_pre_softmax is True and config.moe_layer_freq == [0, 1]  # Bridge: not norm_topk_prob
-
-
 # --- the routing -----------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(absent("torch", "megatron.core", "transformers"), reason="both routers")
@@ -253,14 +231,16 @@ def test_hf_and_megatron_routers_choose_the_same_experts_and_round_the_probabili
 
 ROUTER = """
     import json, torch
-        from harness.families.qwen3_moe.megatron import routing_record_router, translate_config
+    from harness.families import model_config
+    from harness.runners.megatron.blocks import routing_record_router
+    from harness.runners.megatron.families import translate_config
     from harness.runners.megatron import model as mm
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter
     tiny = json.loads(__import__("sys").argv[1])
     mm.init_process_group(torch.device("cpu"))
     mm.install_adapters(torch.device("cpu"), tiny)
-    config, _ = translate_config(Qwen3MoeConfig.resolve(tiny), torch.bfloat16, torch.device("cpu"))
+    config, _ = translate_config(model_config(tiny), torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(8, 64, generator=g).to(torch.bfloat16)
     x = torch.randn(16, 1, 64, generator=g).to(torch.bfloat16)
@@ -346,13 +326,15 @@ SPEC_FORMS = """
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-    from harness.families.qwen3_moe.megatron import layer_spec, routing_record_router
+    from harness.families import family_of
+    from harness.runners.megatron.blocks import routing_record_router
+    from harness.runners.megatron.families import layer_spec
     forms = {"module_spec": ModuleSpec(module=MoELayer, submodules=MoESubmodules()),
              "partial": partial(MoELayer, submodules=MoESubmodules()), "dense": ModuleSpec(module=object)}
     routers = {}
     for name, mlp in forms.items():
         spec = ModuleSpec(module=object, submodules=TransformerLayerSubmodules(mlp=mlp))
-        layer_spec(spec)
+        layer_spec(family_of("qwen3_moe").config(), spec)
         mlp = spec.submodules.mlp
         held = getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules")
         routers[name] = getattr(held, "router", None) is routing_record_router()

@@ -5,10 +5,8 @@ needs to know of it). Nothing family-specific is written here, and nothing impor
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from types import ModuleType
 
 import tomllib
 
@@ -18,16 +16,7 @@ from harness.families.architecture import ATTENTION_KINDS, QK_NORMS, SCORINGS, A
 from harness.families.config import ConfigRules, FamilyConfig, ModelConfigError, make_config
 from harness.families.expressions import ExpressionError, evaluate
 
-STACKS = ("megatron", "hf", "paddle")  # one builder per stack, in its runner's room
-# What the runners ask of a family's builder for each stack (harness/families/deepseek_v3/<stack>.py and
-# glm4_moe/<stack>.py say what each is).
-BUILDER_API = {
-    "megatron": ("IMPLEMENTATION", "ADAPTERS", "install_adapters", "layer_spec", "gpt_model_kwargs",
-                 "translate_config"),
-    "hf": ("MODEL", "KNOBS", "modeling", "build", "rotary", "record_routing", "float64_mode"),
-    "paddle": ("MODEL", "KNOBS", "adapters", "classes", "config_kwargs", "record_routing",
-               "canonical_modules", "canonical_grads", "explain", "fleet_model"),
-}
+STACKS = ("megatron", "hf", "paddle")  # one builder per stack, in its runner's room; a <stack>.toml per family
 CHOICES = {"attention.kind": ATTENTION_KINDS, "attention.qk_norm": QK_NORMS, "moe.scoring": SCORINGS}
 
 
@@ -138,11 +127,6 @@ class Family:
         """(name, shape) of the buffers: in the checkpoint and the state a training step may change, never trained."""
         return [(name, shape) for name, shape, kind in self.parameters(config) if kind == "buffer"]
 
-    def builder(self, stack: str) -> ModuleType:
-        """The module that builds this family in one stack (it imports that stack's framework: runners only)."""
-        if stack not in STACKS:
-            raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
-        return importlib.import_module(f"harness.families.{self.name}.{stack}")
 
 
 @functools.cache
@@ -158,4 +142,4 @@ def _read(path: Path) -> dict:
         raise FamilyFileError(f"{path}: not TOML ({error})") from None
 
 
-__all__ = ["BUILDER_API", "STACKS", "Family", "FamilyFileError", "ModelConfigError"]
+__all__ = ["STACKS", "Family", "FamilyFileError", "ModelConfigError"]

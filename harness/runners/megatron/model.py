@@ -1,15 +1,17 @@
 """Megatron-Core model runner (op ``causal_lm``): ``GPTModel`` with the local spec (no Transformer Engine), for a
 model family's config given in its HF key names (``docs/model-contract.md``).
 
-The family's Megatron builder (``harness/families/<family>/megatron.py``) translates the HF config to Megatron's
-(``translate_config``) and names the core attention the layers get; the HF-named checkpoint is loaded through the
-``[megatron]`` section of the family's ``names.toml`` (``name_map``); the forward runs with labels so that Megatron's
-own LM-loss path computes the per-token cross entropy, and the loss is its mean over the positions whose label is not
--100 (Megatron's ``loss_mask`` convention). Module outputs come from forward hooks (``capture``), parameter gradients
-from ``param.grad``, all written in canonical names with the batch dim dropped.
+The room's one builder for every family (``harness.runners.megatron.families``) translates the HF config to
+Megatron's (``translate_config``) and gives the layers the modules the family's architecture needs; the HF-named
+checkpoint is loaded through the ``[megatron]`` section of the family's ``names.toml`` (``name_map``); the forward
+runs with labels so that Megatron's own LM-loss path computes the per-token cross entropy, and the loss is its mean
+over the positions whose label is not -100 (Megatron's ``loss_mask`` convention). Module outputs come from forward
+hooks (``capture``), parameter gradients from ``param.grad``, all written in canonical names with the batch dim
+dropped.
 
 Adapters (each listed in meta.json, none changes a computation; ``tests/test_megatron_model.py`` tests each): the
-family's own first (DeepSeek-V3: ``MLADotProductAttention``, ``mla_have_te_false``), then
+family's own first (``harness.runners.megatron.families``: DeepSeek-V3's ``MLADotProductAttention``,
+``mla_have_te_false``), then
 - CPU only: ``torch.cuda.current_device`` returns ``"cpu"`` (YaRN RoPE, router buffers and the global memory buffer
   ask for the "current GPU"); the RNG tracker is initialised without CUDA (``DotProductAttention`` forks it
   around a dropout of p=0); 0.16.1's ``moe_utils.te_general_gemm`` is defined as None without TE.
@@ -21,7 +23,6 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import replace
-from types import ModuleType
 
 import tomllib
 
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from harness.families import family_of, model_config  # noqa: E402
+from harness.families import model_config  # noqa: E402
 from harness.run.cell_state import patch  # noqa: E402
 from harness.run.protocol import (  # noqa: E402
     OUTPUTS,
@@ -40,6 +41,7 @@ from harness.run.protocol import (  # noqa: E402
     import_failure,
     rank_and_world,
 )
+from harness.runners.megatron import families  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 try:
@@ -52,11 +54,6 @@ else:
 
 DTYPES = {**torch_env.DTYPES, "float64": torch.float64}
 IGNORE_INDEX = -100
-
-
-def builder(model) -> ModuleType:
-    """The Megatron builder of `model`'s family (`model`: the request's config.model, or typed)."""
-    return family_of(model_config(model).family).builder("megatron")
 
 
 ADAPTER_DOCS = {
@@ -75,9 +72,8 @@ def install_adapters(device: torch.device, model, skip=()) -> list[dict]:
     (``harness.run.cell_state.patch``)."""
     from megatron.core.transformer.moe import moe_utils
 
-    family = builder(model)
-    docs = {**family.ADAPTERS, **ADAPTER_DOCS}
-    names = family.install_adapters(skip, te_importable())
+    docs = {**families.ADAPTERS, **ADAPTER_DOCS}
+    names = families.install_adapters(model_config(model), skip, te_importable())
     if not hasattr(moe_utils, "te_general_gemm") and "te_general_gemm_none" not in skip:
         patch(moe_utils, "te_general_gemm", None)
         names.append("te_general_gemm_none")
@@ -104,8 +100,7 @@ def te_importable() -> bool:
 def translate_config(model, dtype: torch.dtype, device: torch.device, expert_parallel: int = 1):
     """The family's Megatron config for `model` (the request's config.model): (config, knobs: every setting chosen
     and why); `expert_parallel`: the experts split over that many ranks (a training run's train.ep)."""
-    typed = model_config(model)
-    return builder(typed).translate_config(typed, dtype, device, expert_parallel)
+    return families.translate_config(model_config(model), dtype, device, expert_parallel)
 
 
 def build_model(config, model, device: torch.device, skip_adapters=()):
@@ -116,16 +111,15 @@ def build_model(config, model, device: torch.device, skip_adapters=()):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     model = model_config(model)
-    family = builder(model)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]
     for layer_spec in spec.layer_specs:
-        family.layer_spec(layer_spec, skip_adapters)
+        families.layer_spec(model, layer_spec, skip_adapters)
     spec.layer_norm = WrappedTorchNorm
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model.vocab_size,
                      max_sequence_length=int(model.max_position_embeddings), pre_process=True,
                      post_process=True, parallel_output=True, share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope", **family.gpt_model_kwargs(model))
+                     position_embedding_type="rope", **families.gpt_model_kwargs(model))
     # Every parameter in the case dtype, as Megatron's Float16Module does for bf16 (module.bfloat16()): the local
     # WrappedTorchNorm creates fp32 norm weights. Buffers loaded from the checkpoint keep its dtype (load_weights).
     return model.to(device=device, dtype=config.params_dtype)
@@ -145,7 +139,7 @@ def name_map(model, section: str = "megatron") -> dict:
     from harness.families.names import Rule, grouping
 
     model = model_config(model)
-    family = family_of(model.family)
+    family = model.record
     dense_layers, moe_layers = family.dense_layers(model), family.moe_layers(model)
     experts = family.routed_experts(model)
     data = tomllib.loads(family.names.read_text())[section]
@@ -356,7 +350,7 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
 
 def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_adapters=()):
     """Set up (process group already initialised), run, and return (outputs, meta additions, device)."""
-    model_cfg = request["config"]["model"]
+    model_cfg = model_config(request["config"]["model"])  # resolved once, passed typed
     dtype = DTYPES[request["dtype"]]
     with phases("setup"):
         device = torch_env.select_device(request["device"], int(os.environ.get("LOCAL_RANK", 0)))
@@ -372,7 +366,7 @@ def compute(request: dict, phases: Phases, loss_path: str = "megatron", skip_ada
     outputs = forward_backward(model, names, tensors, device, phases, loss_path, refeed)
     # Megatron's cross entropy is float32 whatever the model dtype; a float64 case gets it exactly upcast.
     outputs["loss"] = outputs["loss"].to(torch.float64 if dtype == torch.float64 else torch.float32)
-    meta = {"implementation": builder(model_cfg).IMPLEMENTATION,
+    meta = {"implementation": families.implementation(model_cfg),
             "adapters": adapters, "knobs": knobs, "not_captured": names["not_captured"],
             "determinism": determinism, "parameter_gradients": len(names["parameters"])}
     if refeed:

@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from harness.case.ops import carried_quantities, step_quantities, train_state_names
 from harness.case.train_settings import TrainSettings, rank_micro_batches
-from harness.families import routed_experts
+from harness.families import model_config, routed_experts
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
@@ -129,7 +129,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     megatron_model.admit(request)
-    m, train = request["config"]["model"], TrainSettings.from_dict(request["config"]["train"])
+    m, train = model_config(request["config"]["model"]), TrainSettings.from_dict(request["config"]["train"])
     dtype = megatron_model.DTYPES[request["dtype"]]
     rank, world = rank_and_world()
     if world != train.dp:
@@ -204,7 +204,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
                               + "), OptimizerParamScheduler, forward_backward_no_pipelining",
             "adapters": adapters,
             "knobs": {**knobs, **training_knobs(train, optimizer, config.moe_router_bias_update_rate)},
-            "state_locations": state_locations(m["family"], "megatron", train.record,
+            "state_locations": state_locations(m.family, "megatron", train.record,
                                                step_quantities(train.record)),
             "steps_kept": list(train.steps_kept), "step_digests": digests_used(device), "refeed": refeed or {},
             "determinism": determinism,
