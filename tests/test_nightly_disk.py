@@ -3,8 +3,9 @@ a full disk is named as such, and a night keeps the tensor files of the cases it
 rest back; its progress lines give the night's judgment beside the raw verdict.
 
 The runners here are test doubles, named as such (``tests/support/baseline_bench.py``'s fake Megatron and Paddle
-runners, a runner that writes to ``/dev/full``): they test the harness's own handling and never give a reported verdict. The
-free-space probe is replaced by a test double where a disk must look full: no tiny file system can be mounted here.
+runners, a runner that writes to ``/dev/full``): they test the harness's own handling and never give a reported
+verdict. The free-space probe is replaced by a test double where a disk must look full: no tiny file system can be
+mounted here.
 """
 
 import json
