@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.case.registry import Registry
 from harness.families import FAMILIES, ModelConfigError
 from harness.families.names import NameMap, expand_stack
 from tests.support.installed import absent
@@ -73,6 +74,24 @@ def test_the_indexer_adds_its_parameters_and_outputs_but_no_gradient():
     order = [name.removeprefix("module.model.layers.0.self_attn.") for name in specs]
     assert order.index("kv_b_proj") < order.index("indexer.wq_b") < order.index("indexer.selected") < order.index(
         "core_attention")
+
+
+def test_the_2layer_cases_have_90_gradients_and_say_their_pairs():
+    registry = Registry.load()
+    case = registry.get("glm_moe_dsa_2layer")
+    grads = [s.name for s in case.output_specs() if s.name.startswith("grad.")]
+    assert len(grads) == len(set(grads)) == 90 == 1 + 11 + 12 + 32 * 2 + 2
+    assert sum(s.name.endswith(".indexer.selected") for s in case.output_specs()) == 2
+    cases = {name: c for name, c in registry.cases.items() if name.startswith("glm_moe_dsa_")}
+    assert {name: (c.dtype, c.runners, c.expect.verdict) for name, c in cases.items()} == {
+        "glm_moe_dsa_2layer": ("bfloat16", ("hf_model", "hf_model"), "BITWISE_PASS"),
+        "glm_moe_dsa_2layer_fp32": ("float32", ("hf_model", "hf_model"), "BITWISE_PASS"),
+        "glm_moe_dsa_2layer_fp32_dense_index": ("float32", ("hf_model", "hf_model"), "BITWISE_PASS"),
+        "glm_moe_dsa_2layer_float64": ("float64", ("hf_model", "hf_model"), "WITHIN_TOLERANCE"),
+        "glm_moe_dsa_2layer_control_hf": ("float32", ("hf_model", "hf_model"), "DIFF"),
+        "glm_moe_dsa_2layer_fp32_megatron": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
+        "glm_moe_dsa_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), "UNSUPPORTED")}
+    assert cases["glm_moe_dsa_2layer_fp32_dense_index"].model.index_topk >= case.tokens > case.model.index_topk
 
 
 def _hf_model(m, device: str):
