@@ -1,9 +1,8 @@
 """The small expressions a ``family.toml`` writes over its config keys (``hidden_size // num_attention_heads``,
 ``'per_head' if use_qk_norm else 'none'``): Python's own syntax, read by ``ast`` and evaluated over names, numbers,
 strings, arithmetic, comparisons, ``and``/``or``/``not``, ``x if c else y``, a comprehension over one loop, an item
-(``mlp_layer_types[i]``, ``rope_parameters['rope_theta']``: no slices), and ``int``, ``len``, ``range``, ``set``,
-``all``, ``min``, ``max`` only: a family file states relations between keys
-and never runs code."""
+(``mlp_layer_types[i]``; no slices), and ``int``, ``len``, ``range``, ``set``, ``all``, ``min``, ``max`` only: a
+family file states relations between keys and never runs code."""
 
 from __future__ import annotations
 
