@@ -72,8 +72,10 @@ def test_expressions_compute_relations_and_refuse_code():
     assert evaluate("h // n", names) == 8 and evaluate("'a' if h > n else 'b'", names) == "a"
     assert evaluate("[x for x in range(layers) if x not in skip]", names) == [0, 2, 3]
     assert evaluate("0 <= n <= h and all(x < layers for x in skip)", names) is True
+    assert evaluate("[i for i in range(2) if kinds[i] == 'dense']", {"kinds": ["dense", "sparse"]}) == [0]
+    assert evaluate("rope['theta'] * 2", {"rope": {"theta": 1.5}}) == 3.0
     for code in ("__import__('os')", "h.__class__", "open('f')", "lambda: 1",
-                 "[x for x in range(2) for y in range(2)]"):
+                 "[x for x in range(2) for y in range(2)]", "skip[0:1]"):
         with pytest.raises(ExpressionError, match="is not allowed"):
             evaluate(code, names)
     with pytest.raises(ExpressionError, match="names 'width', which the config has not"):
@@ -139,8 +141,10 @@ def test_the_layout_is_derived_from_the_architecture(family):
     assert [n for n, _ in family.buffers(m)] == [
         f"model.layers.{layer}.{a.moe.expert_bias}.e_score_correction_bias" for layer in moe] if a.moe and \
         a.moe.expert_bias else family.buffers(m) == []
-    trained = [n for n, _, kind in params if kind != "buffer" and not n.endswith("up_proj.weight")
-               or n.endswith("gate_up_proj.weight")]
+    detached = set(family.detached(m))  # a DSA indexer's: the LM loss does not reach them
+    assert detached == ({n for n in names if ".self_attn.indexer." in n} if a.attention.indexer else set())
+    trained = [n for n, _, kind in params if n not in detached and (kind != "buffer" and not n.endswith(
+        "up_proj.weight") or n.endswith("gate_up_proj.weight"))]
     grads = {n.removeprefix("grad.") for n, _ in family.gradients(m)}
     assert grads == {n.replace("gate_proj", "gate_up_proj") for n in trained}
     modules = [s.name for s in family.modules(m, 3)]
@@ -153,6 +157,8 @@ def _small(family: Family) -> dict:
     """A small config of `family`: its real model at 2 layers, narrow where the family's keys allow."""
     real = family.config().to_dict()
     small = {"num_hidden_layers": 2, "vocab_size": 64}
+    if "mlp_layer_types" in real:  # one entry per layer
+        small["mlp_layer_types"] = ["dense", "sparse"]
     for key, width in (("n_routed_experts", 4), ("num_experts", 4), ("num_local_experts", 4),
                        ("num_experts_per_tok", 2)):
         if key in real:

@@ -17,9 +17,22 @@ SCORINGS = ("softmax", "sigmoid")  # the router's scores
 
 
 @dataclass(frozen=True)
+class Indexer:
+    """DeepSeek Sparse Attention's lightning indexer (GLM-5, DeepSeek-V3.2), one per layer: it scores every earlier
+    key for each query (``heads`` heads of ``head_dim``: wq_b from MLA's q latent, wk from the hidden state, k_norm a
+    LayerNorm with a bias, weights_proj weighting the heads) and the attention sees each query's ``topk`` best keys
+    only. Its inputs are detached from the LM loss (HF runs it under no_grad, Megatron detaches its inputs)."""
+
+    heads: int
+    head_dim: int  # its RoPE part is the attention's rotary_dim
+    topk: int
+
+
+@dataclass(frozen=True)
 class Attention:
     """One layer's self-attention. ``kind`` "gqa": q_proj, k_proj, v_proj, o_proj (biases on q, k, v when
-    ``qkv_bias``); "mla": q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
+    ``qkv_bias``); "mla": q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    (and an ``indexer`` with DSA)."""
 
     kind: str
     heads: int
@@ -32,6 +45,7 @@ class Attention:
     qk_norm: str = "none"
     q_lora_rank: int = 0  # MLA only
     kv_lora_rank: int = 0  # MLA only
+    indexer: Indexer | None = None  # DSA (MLA only); None: dense attention over every earlier key
 
     @property
     def q_width(self) -> int:

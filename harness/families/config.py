@@ -119,8 +119,9 @@ def _typed(key: str, value, default):
             _typed(f"{key}.{inner}", inner_value, default[inner])
         return {**default, **value}
     if isinstance(default, list):
-        if not isinstance(value, (list, tuple)) or not all(type(v) is int for v in value):
-            raise ModelConfigError(f"{key} must be a list of int (got {value!r})")
+        item = type(default[0]) if default else int
+        if not isinstance(value, (list, tuple)) or not all(type(v) is item for v in value):
+            raise ModelConfigError(f"{key} must be a list of {item.__name__} (got {value!r})")
         return list(value)
     if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
         raise ModelConfigError(f"{key} must be {type(default).__name__} (got {value!r})")

@@ -1,8 +1,8 @@
 """The small expressions a ``family.toml`` writes over its config keys (``hidden_size // num_attention_heads``,
 ``'per_head' if use_qk_norm else 'none'``): Python's own syntax, read by ``ast`` and evaluated over names, numbers,
-strings, arithmetic, comparisons, ``and``/``or``/``not``, ``x if c else y``, a comprehension over one loop, and
-``int``, ``len``, ``range``, ``set``, ``all``, ``min``, ``max`` only: a family file states relations between keys
-and never runs code."""
+strings, arithmetic, comparisons, ``and``/``or``/``not``, ``x if c else y``, a comprehension over one loop, an item
+(``mlp_layer_types[i]``; no slices), and ``int``, ``len``, ``range``, ``set``, ``all``, ``min``, ``max`` only: a
+family file states relations between keys and never runs code."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def _value(node, names, text):
         scopes = ({**names, loop.target.id: item} for item in value(loop.iter))
         return [_value(node.elt, scope, text) for scope in scopes
                 if all(_value(test, scope, text) for test in loop.ifs)]
+    if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
+        return value(node.value)[value(node.slice)]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in CALLS and not node.keywords:
         return CALLS[node.func.id](*(value(a) for a in node.args))
     raise ExpressionError(f"{text!r}: {ast.unparse(node)!r} is not allowed in a family expression")

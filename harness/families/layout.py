@@ -13,7 +13,8 @@ Parameter = tuple[str, tuple[int, ...], str]
 
 def parameters(a: Architecture) -> list[Parameter]:
     """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | bias | norm | embedding |
-    router | buffer (the routing bias)."""
+    router | buffer (the routing bias). An indexer's parameters come after MLA's, in HF's order (wq_b, wk, k_norm's
+    weight and bias, weights_proj), as the attention calls them."""
     h = a.hidden
     params: list[Parameter] = [("model.embed_tokens.weight", (a.vocab, h), "embedding")]
     for layer in range(a.layers):
@@ -49,7 +50,7 @@ def _attention(at: Attention, h: int, p: str) -> list[Parameter]:
                 (p + "kv_a_proj_with_mqa.weight", (at.kv_lora_rank + rope, h), "linear"),
                 (p + "kv_a_layernorm.weight", (at.kv_lora_rank,), "norm"),
                 (p + "kv_b_proj.weight", (at.heads * (at.head_dim - rope + at.v_head_dim), at.kv_lora_rank),
-                 "linear")]
+                 "linear"), *_indexer(at, h, p)]
     params: list[Parameter] = []
     for name, width in (("q_proj", at.q_width), ("k_proj", at.kv_width), ("v_proj", at.kv_width)):
         params.append((p + f"{name}.weight", (width, h), "linear"))
@@ -62,26 +63,50 @@ def _attention(at: Attention, h: int, p: str) -> list[Parameter]:
     return params
 
 
+def _indexer(at: Attention, h: int, p: str) -> list[Parameter]:
+    """DSA's indexer (none without one): wq_b reads MLA's q latent (q_lora_rank), wk and weights_proj the hidden state;
+    k_norm is a LayerNorm (weight and bias)."""
+    ix = at.indexer
+    if ix is None:
+        return []
+    p += "indexer."
+    return [(p + "wq_b.weight", (ix.heads * ix.head_dim, at.q_lora_rank), "linear"),
+            (p + "wk.weight", (ix.head_dim, h), "linear"),
+            (p + "k_norm.weight", (ix.head_dim,), "norm"), (p + "k_norm.bias", (ix.head_dim,), "bias"),
+            (p + "weights_proj.weight", (ix.heads, h), "linear")]
+
+
+def detached(a: Architecture) -> list[str]:
+    """The parameters the LM loss does not reach, so without a canonical gradient: the indexer's (HF computes it under
+    no_grad, Megatron's DSAttention detaches its inputs; only Megatron's own indexer loss would train it)."""
+    return [name for layer in range(a.layers) for name, _, _ in _indexer(a.attention, a.hidden,
+                                                                          f"model.layers.{layer}.self_attn.")]
+
+
 def _mlp(p: str, ffn: int, h: int) -> list[Parameter]:
     return [(p + "gate_proj.weight", (ffn, h), "linear"), (p + "up_proj.weight", (ffn, h), "linear"),
             (p + "down_proj.weight", (h, ffn), "linear")]
 
 
 def gradients(a: Architecture) -> list[tuple[str, tuple[int, ...]]]:
-    """Canonical gradient names and shapes, in backward order (harness.families.tensors)."""
-    return tensors.gradients(parameters(a))
+    """Canonical gradient names and shapes, in backward order (harness.families.tensors); none for `detached` ones."""
+    untrained = set(detached(a))
+    return tensors.gradients([p for p in parameters(a) if p[0] not in untrained])
 
 
 def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
     """Module outputs in forward order (canonical HF module paths). Per-head q/k norms keep their heads apart
     ([T, heads, head_dim]); norms over all heads are [T, heads x head_dim]. A MoE layer: the routing (top-k indices,
-    probabilities), each routed expert's output, the shared expert's (and its gate's logit, [T, 1]), the MoE output."""
+    probabilities), each routed expert's output, the shared expert's (and its gate's logit, [T, 1]), the MoE output.
+    A DSA indexer: its projections' outputs and the keys it selects, as ``indexer.selected`` (`_attention_outputs`)."""
     h, t, at = a.hidden, tokens, a.attention
     specs = [TensorSpec("module.model.embed_tokens", (t, h), "output")]
     for layer in range(a.layers):
         p = f"module.model.layers.{layer}."
         specs.append(TensorSpec(p + "input_layernorm", (t, h), "output"))
         specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output") for name, shape in _attention_outputs(at)]
+        if at.indexer:
+            specs.append(TensorSpec(p + "self_attn.indexer.selected", (t, t), "output", "int64"))
         specs += [TensorSpec(p + "self_attn.core_attention", (t, at.out_width), "output"),
                   TensorSpec(p + "self_attn.o_proj", (t, h), "output"),
                   TensorSpec(p + "post_attention_layernorm", (t, h), "output")]
@@ -109,13 +134,26 @@ def _attention_outputs(at: Attention) -> list[tuple[str, tuple[int, ...]]]:
         rope = at.rotary_dim
         return [("q_a_proj", (at.q_lora_rank,)), ("q_a_layernorm", (at.q_lora_rank,)), ("q_b_proj", (at.q_width,)),
                 ("kv_a_proj_with_mqa", (at.kv_lora_rank + rope,)), ("kv_a_layernorm", (at.kv_lora_rank,)),
-                ("kv_b_proj", (at.heads * (at.head_dim - rope + at.v_head_dim),))]
+                ("kv_b_proj", (at.heads * (at.head_dim - rope + at.v_head_dim),)), *_indexer_outputs(at)]
     outputs = [("q_proj", (at.q_width,)), ("k_proj", (at.kv_width,)), ("v_proj", (at.kv_width,))]
     if at.qk_norm == "per_head":
         outputs += [("q_norm", (at.heads, at.head_dim)), ("k_norm", (at.kv_heads, at.head_dim))]
     elif at.qk_norm == "all_heads":
         outputs += [("q_norm", (at.q_width,)), ("k_norm", (at.kv_width,))]
     return outputs
+
+
+def _indexer_outputs(at: Attention) -> list[tuple[str, tuple[int, ...]]]:
+    """The indexer's projections, each as its module returns it (wq_b before RoPE). What it selects is captured apart
+    (`modules`): ``indexer.selected`` [T, T] int64, 1 where query i attends key j (chosen and causal), not its top-k
+    indices: among keys the causal mask removes, every score is -inf and which of them top-k lists is arbitrary
+    (measured: [0, 6, 5] for query 0 with top-3 of 8), and the order of equal scores is no result either; the set of
+    attended keys is what reaches the attention."""
+    ix = at.indexer
+    if ix is None:
+        return []
+    return [("indexer.wq_b", (ix.heads * ix.head_dim,)), ("indexer.wk", (ix.head_dim,)),
+            ("indexer.k_norm", (ix.head_dim,)), ("indexer.weights_proj", (ix.heads,))]
 
 
 def interleave(a: Architecture) -> tuple[int, tuple[int, ...]] | None:

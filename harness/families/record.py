@@ -12,7 +12,7 @@ import tomllib
 
 from harness.case.specs import TensorSpec
 from harness.families import layout
-from harness.families.architecture import ATTENTION_KINDS, QK_NORMS, SCORINGS, Architecture, Attention, Moe
+from harness.families.architecture import ATTENTION_KINDS, QK_NORMS, SCORINGS, Architecture, Attention, Indexer, Moe
 from harness.families.config import ConfigRules, FamilyConfig, ModelConfigError, make_config
 from harness.families.expressions import ExpressionError, evaluate
 
@@ -88,7 +88,9 @@ class Family:
                 given[f.name] = tuple(value) if isinstance(value, (list, range)) else value
             return given
 
-        attention = Attention(**read(blueprint["attention"], Attention, "attention"))
+        table = blueprint["attention"]
+        indexer = Indexer(**read(table["indexer"], Indexer, "attention.indexer")) if "indexer" in table else None
+        attention = Attention(**{**read(table, Attention, "attention"), "indexer": indexer})
         moe = Moe(**read(blueprint["moe"], Moe, "moe")) if "moe" in blueprint else None
         top = {k: v for k, v in blueprint.items() if k not in ("attention", "moe")}
         return Architecture(attention=attention, moe=moe, **read(top, Architecture, "architecture"))
@@ -101,6 +103,10 @@ class Family:
     def gradients(self, config) -> list[tuple[str, tuple[int, ...]]]:
         """("grad.<name>", shape), in backward order."""
         return layout.gradients(self.architecture(config))
+
+    def detached(self, config) -> list[str]:
+        """Parameters the LM loss does not reach (a DSA indexer's): no canonical gradient."""
+        return layout.detached(self.architecture(config))
 
     def modules(self, config, tokens: int) -> list[TensorSpec]:
         """Module outputs at a token count, in forward order."""

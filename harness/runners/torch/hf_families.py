@@ -152,6 +152,28 @@ def _router_recorder(layer: int, gates: dict):
     return hook
 
 
+def record_selection(model, m: FamilyConfig) -> dict:
+    """{layer: which keys each query attends, [T, T] int64} for a family with a DSA indexer ({} without one), filled
+    in by the forward from the indexer's output (its top-k key indices [1, T, k]) by a forward hook, unchanged: 1
+    where key j is among query i's top-k and j <= i. The causal cut matters: where k exceeds the keys a query may
+    see, the masked keys tie at -inf and top-k picks an arbitrary few of them, which attend nothing."""
+    if m.record.architecture(m).attention.indexer is None:
+        return {}
+    selected = {}
+    for layer, block in enumerate(model.model.layers):
+        block.self_attn.indexer.register_forward_hook(_selection_recorder(layer, selected))
+    return selected
+
+
+def _selection_recorder(layer: int, selected: dict):
+    def hook(_module, _args, indices):
+        tokens = indices.shape[1]
+        chosen = torch.zeros(tokens, tokens, dtype=torch.int64, device=indices.device)
+        chosen.scatter_(1, indices[0].to(torch.int64), 1)
+        selected[layer] = torch.tril(chosen)
+    return hook
+
+
 @contextmanager
 def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
     """Inside: HF's RMSNorm, router and eager attention in float64 (when `on`); yields {what: how} for meta.json

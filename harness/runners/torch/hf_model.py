@@ -41,7 +41,8 @@ from harness.run.protocol import OUTPUTS, Phases, Unsupported  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 from harness.runners.torch import hf_families  # noqa: E402
 
-RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs")  # taken from route_tokens_to_experts' return value
+# taken from route_tokens_to_experts' return value, and from a DSA indexer's (hf_families.record_selection)
+RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs", ".self_attn.indexer.selected")
 KNOBS = {
     "attn_implementation": ("eager", "HF's reference attention: matmul, additive causal mask, float32 softmax; "
                                      "sdpa would choose a CPU/GPU kernel by shape"),
@@ -81,6 +82,7 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
         ids = checkpoint["input_ids"].view(1, -1)
         labels = checkpoint["labels"].view(1, -1)
         gates = hf_families.record_routing(model, m)
+        selected = hf_families.record_selection(model, m)
     modules = [s.name[len("module."):] for s in outputs if s.name.startswith("module.")
                and not s.name.endswith(RECORDED)]
     grads = [s.name[len("grad."):] for s in outputs if s.name.startswith("grad.")]
@@ -110,6 +112,8 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
             topk, probs = canonical_routing(indices, weights, m.record.routed_experts(m))
             cap.record(f"module.model.layers.{layer}.mlp.gate.topk_indices", topk)
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
+        for layer, keys in selected.items():
+            cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys)
     with phases("write"):
         save_file(cap.tensors, os.path.join(request["output_dir"], OUTPUTS))
         if refeed:
