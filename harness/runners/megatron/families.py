@@ -118,6 +118,12 @@ def install_adapters(model: FamilyConfig, skip=(), te_installed: bool = False) -
     return names
 
 
+def _megatron_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
 def layer_spec(model: FamilyConfig, spec, skip=()) -> None:
     """The family's modules in one layer's spec (in place): MLA's core attention, the all-heads q/k norm, the router
     with its routing record; each skipped when named in `skip` (the local spec's own module stays)."""
@@ -152,6 +158,13 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     attention, moe, own = arch.attention, arch.moe, settings(model)
     if moe is None:
         raise Unsupported("megatron_model: a family without MoE layers is not mapped")
+    if attention.indexer is not None:  # GLM-5, DeepSeek-V3.2 (docs/model.md, "GLM-5 (glm_moe_dsa)")
+        raise Unsupported(
+            "megatron_model: DeepSeek Sparse Attention's indexer needs Transformer Engine and fast_hadamard_transform "
+            f"(neither installed): megatron-core {_megatron_version()}'s DSA builds only on the TE spec "
+            "(experimental_attention_variant_module_specs asserts transformer_impl == 'transformer_engine'; the local "
+            "spec provider has no linear()), and its indexer's Hadamard rotation (rotate_activation) needs "
+            "fast_hadamard_transform and bf16")
     _refuse_unmapped_routing(moe)
     router_dtype = own.get("router_dtype") or None
     if dtype == torch.float64 and own.get("router_fp64_in_float64", True):
