@@ -11,16 +11,13 @@ from harness.case.registry import Registry
 from harness.families import FAMILIES
 from harness.families.names import NameMap, expand_stack
 from tests.support.installed import absent
+from tests.support.tiny_models import TINY as TINY_MODELS
 from tests.support.zoo import assert_config_refused
 
 FAMILY = FAMILIES["glm_moe_dsa"]
 GlmMoeDsaConfig = FAMILY.config
 INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
-TINY = {"num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"], "vocab_size": 64, "hidden_size": 32,
-        "intermediate_size": 48, "moe_intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "q_lora_rank": 24, "kv_lora_rank": 16,
-        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "index_n_heads": 2, "index_head_dim": 16,
-        "index_topk": 3}
+TINY = {k: v for k, v in TINY_MODELS["glm_moe_dsa"].items() if k != "family"}
 
 
 def test_defaults_are_glm_5s_values():

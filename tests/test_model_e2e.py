@@ -147,6 +147,8 @@ def test_zoo_cases_give_their_stated_verdict(case, tmp_path, checkpoints_dir):
     stated = Registry.load().get(case)
     assert result.verdict == stated.expect.verdict and result.expectation["met"] and result.exit_code == 0, (
         result.message, result.expectation, tails)
+    if result.verdict == "UNSUPPORTED":  # a pair the case says cannot run here (GLM-5 on Megatron-Core, Paddle)
+        return
     sides = [load_tensors(run_dir / f"{s['label']}-{s['runner']}" / "outputs.safetensors") for s in report["sides"]
              if s["label"] in ("a", "b")]
     assert_counts_match_outputs(report, *sides)

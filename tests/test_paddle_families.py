@@ -246,16 +246,18 @@ def test_deepseek_v3_explains_only_its_dtype_mismatch():
 @pytest.mark.skipif(absent("paddleformers"), reason="reads PaddleFormers' installed source")
 @pytest.mark.parametrize("family", NO_DYGRAPH)
 def test_paddle_is_unsupported_naming_the_missing_dygraph_model(family):
-    """PaddleFormers 1.2.0 exports only PaddleFleet builders for MiniMax-M2, read from its source (the module does
-    not import without PaddleFleet), and the message says so with the version."""
+    """PaddleFormers 1.2.0 exports only PaddleFleet builders for MiniMax-M2 and GLM-5 (its ForCausalLM and
+    ForCausalLMPipe), read from its source (the module does not import without PaddleFleet), and the message says so
+    with the version."""
     from importlib.metadata import version
 
     found, builders, others = room.dygraph_classes(paddle_spec(family)["no_dygraph_model"])
     assert found == version("paddleformers")
+    fleet = paddle_spec(family)["fleet"]
     if found == "1.2.0":
-        assert (builders, others) == (["MiniMaxM2ForCausalLMPipe", "MiniMaxM2ForCausalLM"], [])
-    with pytest.raises(Unsupported, match=f"MiniMax-M2 has no dygraph model in PaddleFormers {found}: .*PaddleFleet "
-                                          "builders"):
+        assert (sorted(builders), others) == (sorted([fleet["model"], fleet["model"] + "Pipe"]), [])
+    with pytest.raises(Unsupported, match=f"{fleet['title']} has no dygraph model in PaddleFormers {found}: "
+                                          ".*PaddleFleet builders"):
         room.classes(tiny(family))
 
 

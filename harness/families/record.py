@@ -5,7 +5,7 @@ needs to know of it). Nothing family-specific is written here, and nothing impor
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
@@ -38,6 +38,7 @@ class Family:
     blueprint: dict
     # Checkpoint name suffixes whose first dim counts the routed experts: sliced when a real checkpoint has more
     sliced_by_expert: tuple[str, ...] = ()
+    stacks: dict = field(default_factory=dict, repr=False)  # <stack>.toml as read, once per record
 
     @classmethod
     def load(cls, folder: Path) -> Family:
@@ -66,7 +67,10 @@ class Family:
         """What `stack`'s builder reads of this family (``<stack>.toml``; empty where the family has none)."""
         if stack not in STACKS:
             raise ValueError(f"no stack {stack!r} (stacks: {', '.join(STACKS)})")
-        return _read_once(self.folder / f"{stack}.toml")
+        if stack not in self.stacks:
+            path = self.folder / f"{stack}.toml"
+            self.stacks[stack] = _read(path) if path.exists() else {}
+        return self.stacks[stack]
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - records live as long as the process; configs are frozen
     def architecture(self, config) -> Architecture:
@@ -133,12 +137,6 @@ class Family:
         """(name, shape) of the buffers: in the checkpoint and the state a training step may change, never trained."""
         return [(name, shape) for name, shape, kind in self.parameters(config) if kind == "buffer"]
 
-
-
-@functools.cache
-def _read_once(path: Path) -> dict:
-    """A stack's file of a family, read once per process (empty where there is none)."""
-    return _read(path) if path.exists() else {}
 
 
 def _read(path: Path) -> dict:
