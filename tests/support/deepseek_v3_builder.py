@@ -21,7 +21,7 @@ import numpy as np
 from tests.support.hf_reference import hf_model
 
 # The default case size: Kimi-K2's shape family at 2 layers (layer 0 dense), 384 experts top-8, 1 shared expert,
-# Kimi-K2's YaRN and positions (harness/families/deepseek_v3/config.py).
+# Kimi-K2's YaRN and positions (harness/families/deepseek_v3/family.toml).
 DEFAULT = {
     "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 32,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 384,

@@ -26,6 +26,8 @@ import paddle  # noqa: E402
 from paddleformers.trainer import Trainer, TrainingArguments  # noqa: E402
 
 from harness.attach.paddleformers import attach  # noqa: E402
+from harness.families import model_config  # noqa: E402
+from harness.runners.paddle import families  # noqa: E402
 from harness.runners.paddle import model as paddle_model  # noqa: E402
 
 
@@ -38,7 +40,7 @@ def main() -> None:
     m, train = request["config"]["model"], request["config"]["train"]
 
     paddle.set_device("cpu")
-    paddle_model.builder(m).classes()
+    families.classes(model_config(m))  # PaddleFormers' classes, imported with the stand-ins the family needs
     model, checkpoint, _, _ = paddle_model.build_model(m, "float32", request["checkpoint"])
     data = [{"input_ids": checkpoint[f"step{step}.mb{mb}.input_ids"],
              "labels": checkpoint[f"step{step}.mb{mb}.labels"]}
