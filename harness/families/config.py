@@ -10,7 +10,7 @@ refuses unknown keys, nothing else (a request was checked when its case loaded).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any, ClassVar
 
 from harness.families.expressions import evaluate
@@ -70,16 +70,13 @@ class FamilyConfig:
         for key, value in wire.items():
             if key == "family":
                 continue
-            kind = _TABLES.get(known[key].type)
-            values[key] = kind(**value) if kind and isinstance(value, dict) else \
+            table = known[key].type if is_dataclass(known[key].type) else None  # a nested table (rope_scaling)
+            values[key] = table(**value) if table and isinstance(value, dict) else \
                 tuple(value) if isinstance(value, list) else value
         return cls(**values)
 
     def to_dict(self) -> dict:
         return {**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}, "family": self.family}
-
-
-_TABLES: dict[str, type] = {}  # a nested table's type name -> its dataclass (rope_scaling)
 
 
 def make_config(family: str, class_name: str, defaults: dict, rules: ConfigRules, doc: str) -> type[FamilyConfig]:
@@ -89,7 +86,6 @@ def make_config(family: str, class_name: str, defaults: dict, rules: ConfigRules
     for key, value in defaults.items():
         if isinstance(value, dict):
             table = make_dataclass(f"{class_name}_{key}", [(k, type(v), v) for k, v in value.items()], frozen=True)
-            _TABLES[table.__name__] = _TABLES[table] = table
             specs.append((key, table, field(default_factory=table)))
         elif isinstance(value, list):
             specs.append((key, tuple, field(default=tuple(value))))
