@@ -17,7 +17,17 @@ from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.case.select import SELECT_HELP, SelectError, select
-from harness.commands import baseline, compare_runs, doctor, gate_matrix, nightly, nightly_merge, publish, sweep
+from harness.commands import (
+    baseline,
+    batch_sweep,
+    compare_runs,
+    doctor,
+    gate_matrix,
+    nightly,
+    nightly_merge,
+    publish,
+    sweep,
+)
 from harness.compare.result import EXIT_CODES
 from harness.levels import AXES
 from harness.pipeline import failsafe, run_folder
@@ -75,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one runner against itself: side a as the case says, side b at another tp=N (tensor "
                               "parallel), impl=LEVEL (the Paddle runner's implementation level: "
                               + ", ".join(KNOBS["paddle_impl"].choices) + "), dp=N or ep=N (training cases: data- "
-                              "or expert-parallel ranks on the same global batch)")
+                              "or expert-parallel ranks on the same global batch), batch=M (op cases: the case's rows "
+                              "alone vs inside a batch of M other rows; a list 1,2,4 or a range 1..64 of powers of "
+                              "two: one run per M and a table of which M keep each tensor's bits)")
     compare.add_argument("--runner", help="the runner on both sides of --versus (default: the case's first)")
     compare.add_argument("--dp", type=int, help="training cases: data-parallel ranks, each training its own "
                                                 "micro-batches of the same global batch (1, 2, 4, 8; default: the "
@@ -152,12 +164,16 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device=args.device, tokens=args.tokens[0] if args.tokens else None, cases_dir=args.cases,
         checkpoints_dir=args.checkpoints, reports_dir=args.reports, pythons=pythons, timeout=args.timeout,
         weights_file=args.weights, tp=args.tp, oracle=args.oracle, dp=args.dp, ep=args.ep,
-        versus=pipeline.Versus(args.versus[0], args.versus[1], args.runner) if args.versus else None,
+        versus=pipeline.Versus(*args.versus, args.runner) if args.versus and args.versus[0] != "batch" else None,
         repeat=args.repeat, refeed_ops=args.refeed, fresh_process=args.fresh_process, steps_kept=args.steps_kept,
         config_overrides={"paddle_impl": args.paddle_impl} if args.paddle_impl else {})
     if args.gate_matrix:
         return gate_matrix.run(args.case, replace(options, oracle=True, repeat=1, refeed_ops=False, versus=None,
                                                   tp=None, runners=(args.runners or [None])[0]))
+    if args.versus and args.versus[0] == "batch":
+        swept, batch_dir = batch_sweep.run(args.case, args.versus[1], args.runner, options)
+        batch_sweep.console(swept, batch_dir)
+        return swept["exit_code"]
     pairs = args.runners or [None]
     if len(args.tokens or ()) > 1 or len(pairs) > 1:
         swept, sweep_dir = sweep.run_sweep(args.case, args.tokens or [None], pairs, options)
@@ -179,11 +195,14 @@ def token_counts(text: str) -> list[int]:
     return counts
 
 
-def versus(text: str) -> tuple[str, int | str]:
-    """`--versus tp=2`, `--versus impl=recipe`, `--versus dp=2`: (axis, side b's value; a number but for impl)."""
+def versus(text: str) -> tuple[str, int | str | list[int]]:
+    """`--versus tp=2`, `--versus impl=recipe`, `--versus dp=2`, `--versus batch=1..64`: (axis, side b's value; a
+    number but for impl; a list of other-row counts for batch)."""
     axis, _, value = text.partition("=")
     if axis not in AXES or not value:
         raise argparse.ArgumentTypeError(f"expects AXIS=VALUE with AXIS one of {', '.join(AXES)} (got {text!r})")
+    if axis == "batch":
+        return axis, batch_sizes(value)
     if axis == "impl":
         if value not in KNOBS["paddle_impl"].choices:
             raise argparse.ArgumentTypeError(f"--versus impl expects one of {', '.join(KNOBS['paddle_impl'].choices)} "
@@ -193,6 +212,23 @@ def versus(text: str) -> tuple[str, int | str]:
         return axis, int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--versus {axis} expects a whole number (got {value!r})") from None
+
+
+def batch_sizes(text: str) -> list[int]:
+    """`64`, `1,2,4` or `1..64` (the powers of two from 1 to 64): counts of other rows, each at least 1."""
+    low, dots, high = text.partition("..")
+    try:
+        if dots:
+            low_n, high_n = int(low), int(high)
+            sizes = [1 << k for k in range(high_n.bit_length()) if low_n <= 1 << k <= high_n]
+        else:
+            sizes = [int(item) for item in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"--versus batch expects counts of other rows of at least 1: M, M1,M2,... "
+                                         f"or LOW..HIGH (powers of two) (got {text!r})")
+    return sizes
 
 
 def runner_pair(text: str) -> tuple[str, str]:

@@ -118,6 +118,9 @@ class Op:
     reduced: tuple[str, ...] = ()
     level: str = "op"  # the level that runs and compares it (harness.levels): op, model or train
     tables: tuple[str, ...] = ()  # case tables it reads beyond the common fields ("train": harness.case.train_settings)
+    # Why a row's outputs depend on the other rows by definition ("" where each row's outputs depend on that row and
+    # the weights alone): ``--versus batch`` (harness.case.batch) refuses such an op, saying why.
+    batch_mixed: str = ""
 
     def resolve(self, config: Mapping[str, object]) -> dict[str, object]:
         """The case's knobs completed with this op's defaults (knobs the op does not read are kept as given)."""
@@ -409,7 +412,8 @@ MOE_ROUTER = Op("moe_router", "router", ("hidden_size", "num_experts", "topk"), 
 ATTENTION_SCORES = Op("attention_scores", "attention", ("num_heads", "head_dim"), _attention_inputs,
                       _attention_outputs, "num_heads", ("use_accuracy_compatible",))
 ROUTED_EXPERTS = Op("routed_experts", "experts", ("hidden_size", "ffn_hidden_size", "num_local_experts"),
-                    _experts_inputs, _experts_outputs, "ffn_hidden_size", ("use_accuracy_compatible",))
+                    _experts_inputs, _experts_outputs, "ffn_hidden_size", ("use_accuracy_compatible",),
+                    batch_mixed="each expert's rows are a fixed split of the token count (uneven_split)")
 SHARED_EXPERT_MLP = Op("shared_expert_mlp", "mlp_block", ("hidden_size", "ffn_hidden_size"), _mlp_inputs,
                        _mlp_outputs, "ffn_hidden_size", ("swiglu_impl", "use_accuracy_compatible"),
                        stages=_mlp_stages)
@@ -429,11 +433,13 @@ CORE_ATTENTION = Op("core_attention", "core_attention", ("num_heads", "head_dim"
                     ("softmax_scale", "use_accuracy_compatible"), _core_attention_partition)
 # MoE combine: unpermute (sum of each token's k routed outputs) plus the shared expert's output.
 MOE_COMBINE = Op("moe_combine", "moe_combine", ("hidden_size", "num_experts", "topk"), _combine_inputs,
-                 _combine_outputs, "hidden_size", ("use_accuracy_compatible",), oracle="moe_combine")
+                 _combine_outputs, "hidden_size", ("use_accuracy_compatible",), oracle="moe_combine",
+                 batch_mixed="its expert outputs are in expert-major order over all the rows")
 # Output layer (vocab-parallel logits) and the language-model loss (mean cross entropy). The oracle covers the
 # logits only (the loss is not a sum of products).
 LM_HEAD_LOSS = Op("lm_head_loss", "lm_head", ("hidden_size", "vocab_size"), _lm_head_inputs, _lm_head_outputs,
-                  "vocab_size", ("use_accuracy_compatible",), oracle="lm_head")
+                  "vocab_size", ("use_accuracy_compatible",), oracle="lm_head",
+                  batch_mixed="the loss is a mean over the rows")
 
 OPS: dict[str, Op] = {op.name: op for op in (
     COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, RMS_NORM, SWIGLU, EMBEDDING, MOE_ROUTER, ATTENTION_SCORES,

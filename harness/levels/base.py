@@ -16,7 +16,7 @@ from harness.case.registry import Case, CaseError
 from harness.compare.result import CaseResult
 from harness.run.orchestrate import SideResult, SideSpec
 
-AXES = ("tp", "impl", "dp", "ep")  # what --versus can set on side b; each level names those it takes
+AXES = ("tp", "impl", "dp", "ep", "batch")  # what --versus can set on side b; each level names those it takes
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class SideSpec(NamedTuple):
     dp: int = 1  # data-parallel ranks: the side runs on tp x dp processes
     per_step: bool = False  # it writes one file per training step (harness.run.steps), checked rank against rank
     truth: bool = False  # the truth side: its own interpreter (truth_python), never a side's
+    tokens: int | None = None  # run at another token count than the case's (a batch around its rows: --versus batch)
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
@@ -149,6 +150,7 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
             folder = paths.child(run_dir, side.folder, "runner folder")
             side_case = replace(case, dtype=side.dtype) if side.dtype else case  # the float64 truth of a model
             side_case = replace(side_case, config={**case.config, **side.config}) if side.config else side_case
+            side_case = side_case.with_tokens(side.tokens) if side.tokens else side_case
             with resources.boundary("runner folder", folder):
                 folder.mkdir(parents=True)
                 request = _request(side_case, side.inputs, device, folder, side.tp)

@@ -1,0 +1,82 @@
+"""A case's rows inside a bigger batch (``--versus batch=M``): the inputs side b reads and the rows it is judged on.
+
+Side a runs the case's T rows alone; side b runs the same rows first in a batch of T + M, the M other rows drawn as
+the case at T + M tokens draws them (random), their upstream gradients zero as a padded token's are. Every row's
+outputs, and the weight gradients (the other rows add exact zeros to them), are then the same sums as side a's: a
+bit that moves is the batch's doing. A tensor's rows are the dims whose size is the token count; an op whose record
+says its rows mix by definition (``Op.batch_mixed``: a mean loss, a fixed split of the tokens among experts) is
+refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from harness.case import generate
+from harness.case.checkpoints import Checkpoint, load_tensors, write_tensors
+from harness.case.registry import Case, CaseError
+
+BATCH_INPUTS = "batch-inputs.safetensors"  # side b's token-dependent inputs, in the run's own folder
+
+
+def batched(case: Case, others: int) -> Case:
+    """The case side b runs: its rows and `others` more; refused where a row's outputs depend on other rows by
+    definition."""
+    where = f"{case.source}: case {case.name!r}"
+    if case.op_spec.batch_mixed:
+        raise CaseError(f"{where}: --versus batch: op {case.op!r} mixes its rows by definition "
+                        f"({case.op_spec.batch_mixed})")
+    if case.tp != 1:
+        raise CaseError(f"{where}: --versus batch runs at TP=1 (field 'tp' is {case.tp})")
+    if not isinstance(others, int) or isinstance(others, bool) or others < 1:
+        raise CaseError(f"{where}: --versus batch expects a count of other rows of at least 1 (got {others!r})")
+    big = case.with_tokens(case.tokens + others)
+    row_dims(case, big)  # every token-dependent dim must be a row dim
+    return big
+
+
+def row_dims(case: Case, big: Case) -> dict[str, tuple[int, ...]]:
+    """Per tensor (inputs and outputs), the dims that hold one entry per row: their size is the token count."""
+    found = {}
+    small_specs = [*case.input_specs(), *case.output_specs()]
+    big_specs = {spec.name: spec for spec in [*big.input_specs(), *big.output_specs()]}
+    for spec in small_specs:
+        shape = big_specs[spec.name].shape
+        dims = tuple(d for d, (n, m) in enumerate(zip(spec.shape, shape, strict=True)) if n != m)
+        if any(spec.shape[d] != case.tokens or shape[d] != big.tokens for d in dims):
+            raise CaseError(f"{case.source}: case {case.name!r}: --versus batch: tensor {spec.name!r} of op "
+                            f"{case.op!r} grows from {list(spec.shape)} to {list(shape)} with the token count, not "
+                            "one entry per row")
+        found[spec.name] = dims
+    return found
+
+
+def write_inputs(case: Case, big: Case, checkpoint: Checkpoint, folder: Path) -> Path:
+    """Side b's token-dependent inputs, written in `folder` (the run's own): the case's rows first, then the other
+    rows as the big case draws them, upstream gradients zero there."""
+    dims, drawn = row_dims(case, big), generate.plans(big)
+    roles = {spec.name: spec.role for spec in case.input_specs()}
+    plans = []
+    for name, rows in load_tensors(checkpoint.path).items():
+        array = rows
+        if dims[name]:
+            array = np.zeros_like(rows, shape=drawn[name].shape) if roles[name] == "grad" else \
+                np.array(generate.draw(drawn[name]))
+            array[rows_slice(dims[name], case.tokens, array.ndim)] = rows
+        plans.append(generate.Plan(name, array.shape, array.dtype, case.seed, array=array))
+    path = folder / BATCH_INPUTS
+    write_tensors(path, plans)
+    return path
+
+
+def rows_of(case: Case, big: Case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Side b's outputs cut to the case's rows (a tensor without a row dim whole)."""
+    dims = row_dims(case, big)
+    return {name: np.ascontiguousarray(array[rows_slice(dims.get(name, ()), case.tokens, array.ndim)])
+            for name, array in outputs.items()}
+
+
+def rows_slice(dims: tuple[int, ...], tokens: int, ndim: int) -> tuple[slice, ...]:
+    return tuple(slice(0, tokens) if d in dims else slice(None) for d in range(ndim))

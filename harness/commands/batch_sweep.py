@@ -1,0 +1,122 @@
+"""``compare CASE --versus batch=1..64``: one runner's rows alone against the same rows inside batches of M other
+rows, one ordinary run per M (``harness.levels.op``, ``harness.case.batch``), and a table of M by tensors.
+
+Each cell is a full comparison with its own report in its own folder inside this one; this folder's ``report.json``
+and ``report.md`` say, per tensor, the batch sizes over which the rows' bits hold, and the first M and first tensor
+whose bits depend on the batch, with the cell's ULP figures and each side's distance from the truth. A row whose bits
+change with M is that cell's DIFF: the summary is DIFF (exit 1) naming the M, never a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+
+from harness import pipeline
+from harness.commands.sweep import exit_code
+from harness.compare.result import CaseResult
+from harness.pipeline import run_folder
+from harness.report import blocks as doc
+from harness.report.blocks import h, table, ul
+from harness.report.sweep_report import matrix_cell
+from harness.run import supervisor, workers
+
+BATCH_SCHEMA = 1
+
+
+def run(name: str, others: Sequence[int], runner: str | None,
+        options: pipeline.CompareOptions = pipeline.DEFAULT_OPTIONS) -> tuple[dict, Path]:
+    """One run per count of other rows; the summary report and its folder."""
+    batch_id, batch_dir = run_folder.new_run_dir(Path(options.reports_dir), f"batch-{name}")
+    started, cells = run_folder.now(), []
+    with workers.fresh_processes(options.fresh_process), workers.serving(batch_dir / "workers"):
+        for count in others:
+            if supervisor.interrupted():
+                break
+            versus = pipeline.Versus("batch", count, runner)
+            result, run_dir = pipeline.compare_case(name, replace(options, versus=versus, reports_dir=batch_dir))
+            cells.append(cell(result, run_dir, count))
+            print(f"[{len(cells)}/{len(others)}] {name} M={count}: {result.verdict}", file=sys.stderr, flush=True)
+    report = {"schema": BATCH_SCHEMA, "kind": "batch", "batch_id": batch_id, "case": name, "device": options.device,
+              "runner": next((c["runner"] for c in cells if c["runner"]), runner), "others": list(others),
+              "tensors": list(dict.fromkeys(t for c in cells for t in c["tensors"])),
+              "verdicts": dict(Counter(c["verdict"] for c in cells)), "exit_code": exit_code(cells),
+              "argv": sys.argv, "started_at": started, "finished_at": run_folder.now(), "cells": cells}
+    report["summary"] = summary(report)
+    (batch_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (batch_dir / "report.md").write_text(doc.markdown(blocks(report)))
+    return report, batch_dir
+
+
+def cell(result: CaseResult, run_dir: Path, others: int) -> dict:
+    """What the summary keeps of one M's run: verdict, tensors, the first divergence, distances from the truth."""
+    truth = {side["runner"] + f" ({label})": {t["name"]: t["mismatches"] for t in side["tensors"]}
+             for label, side in (result.versus_oracle or {}).get("sides", {}).items()}
+    return {"others": others, "runner": (result.comparison or {}).get("runner"), "verdict": result.verdict,
+            "exit_code": result.exit_code, "message": result.message, "run_dir": run_dir.name,
+            "first_divergence": result.first_divergence, "truth_mismatches": truth,
+            "tensors": {t.name: t.to_dict() for t in result.tensors}}
+
+
+def summary(report: dict) -> dict:
+    """Per tensor, the M over which its bits hold and the first M where they do not; the first M whose run differs
+    and its first diverging tensor."""
+    compared = [c for c in report["cells"] if c["tensors"]]
+    holds = {name: [c["others"] for c in compared if c["tensors"].get(name, {}).get("status") == "EQUAL"]
+             for name in report["tensors"]}
+    first_diff = next((c for c in compared if c["verdict"] not in ("BITWISE_PASS",)), None)
+    return {"holds": holds,
+            "first_differs": {name: next((c["others"] for c in compared
+                                          if c["tensors"].get(name, {}).get("status") != "EQUAL"), None)
+                              for name in report["tensors"]},
+            "first_m": first_diff["others"] if first_diff else None,
+            "first_tensor": first_diff["first_divergence"] if first_diff else None,
+            "invariant": bool(compared) and first_diff is None and len(compared) == len(report["cells"])}
+
+
+def headline(report: dict) -> str:
+    s, runner = report["summary"], report["runner"]
+    if s["invariant"]:
+        return (f"{runner} on {report['case']}: the rows' bits hold inside every batch tried "
+                f"(M = {', '.join(map(str, report['others']))})")
+    if s["first_m"] is None:
+        return f"{runner} on {report['case']}: no comparison ({', '.join(report['verdicts'])}); see each run"
+    first = next(c for c in report["cells"] if c["others"] == s["first_m"])
+    tensor = first["tensors"].get(s["first_tensor"] or "", {})
+    figures = f" ({tensor['mismatches']} elements, max {tensor['max_ulp']} ULP)" if tensor.get("mismatches") else ""
+    return (f"{runner} on {report['case']}: the rows' bits depend on the batch from M={s['first_m']}: first "
+            f"{s['first_tensor']}{figures}")
+
+
+def blocks(report: dict) -> list[tuple]:
+    counts = ", ".join(f"{verdict} {n}" for verdict, n in sorted(report["verdicts"].items()))
+    rows = [[c["others"], c["verdict"], *(matrix_cell(c["tensors"].get(t)) for t in report["tensors"]),
+             f"`{c['run_dir']}`"] for c in report["cells"]]
+    holds = [f"`{name}`: bits hold at M = {', '.join(map(str, ms)) or 'none'}"
+             + (f"; first differs at M = {report['summary']['first_differs'][name]}"
+                if report["summary"]["first_differs"][name] is not None else "")
+             for name, ms in report["summary"]["holds"].items()]
+    notes = [f"M={c['others']}: {c['verdict']}: {c['message']}" for c in report["cells"]
+             if c["verdict"] in ("ERROR", "UNSUPPORTED")]
+    return [h(1, f"Batch invariance: {report['case']} on {report['device']}"),
+            ul([headline(report), f"command: `{' '.join(report['argv'])}`",
+                f"runs: {len(report['cells'])} ({counts}); exit code {report['exit_code']}",
+                "side a: the case's rows alone; side b: the same rows first in a batch with M other random rows, "
+                "their upstream gradients zero (a padded token's); each run's full report, with the truth, is "
+                "`<run>/report.md`"]),
+            table(["M", "verdict", *report["tensors"], "run"], rows, "rl" + "r" * len(report["tensors"]) + "l"),
+            ul(holds + notes)]
+
+
+def console(report: dict, batch_dir: Path, out: Console | None = None) -> None:
+    out = out or Console(width=None if Console().is_terminal else 160)
+    out.print(headline(report))
+    for name, ms in report["summary"]["holds"].items():
+        out.print(f"  {name}: bits hold at M = {', '.join(map(str, ms)) or 'none'}")
+    out.print(f"batch report: {batch_dir / 'report.md'}  (exit code {report['exit_code']})")

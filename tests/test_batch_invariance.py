@@ -1,0 +1,125 @@
+"""``--versus batch``: a case's rows alone against the same rows inside batches of M other rows.
+
+The harness's own logic (which dims are rows, side b's inputs, cutting its outputs back, the summary, the command
+line) on tiny cases; and one planted batch-dependent op in the real Megatron-Core SwiGLU (a test double named as
+such, ``planted_batch_silu``) that the command must find at that op and that M. What a real stack gives across M
+depends on the CPU: docs/batch-invariance.md, not pinned here.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from harness import CompareOptions, cli
+from harness.case import batch
+from harness.case.checkpoints import load_tensors, prepare
+from harness.case.registry import CaseError, Registry
+from harness.commands import batch_sweep
+from tests.support.cases import tiny_case, write_cases
+from tests.support.doubles import python_with_startup
+
+ROWS = 8
+SWIGLU = tiny_case("tiny_swiglu", family="activation", op="swiglu", tokens=ROWS, shapes={"ffn_hidden_size": 16},
+                   config={"swiglu_impl": "eager"}, runners=["megatron", "megatron"])
+ATTENTION = tiny_case("tiny_scores", family="attention", op="attention_scores", tokens=4,
+                      shapes={"num_heads": 2, "head_dim": 4}, runners=["megatron", "megatron"])
+
+
+def planted_batch_silu(folder):
+    """Test double: this interpreter with torch's silu planted to move row 0's first element by 0.5 once the batch
+    holds more than one row besides the case's ROWS (M > 1): a batch-dependent op, in the forward only."""
+    return python_with_startup(folder, "planted_batch_silu", f"""
+        import torch
+        original = torch.nn.functional.silu
+        def silu(x, *args, **kwargs):
+            out = original(x, *args, **kwargs)
+            if x.shape[0] > {ROWS} + 1:
+                bump = torch.zeros_like(out)
+                bump[0, 0] = 0.5
+                out = out + bump
+            return out
+        torch.nn.functional.silu = silu
+    """)
+
+
+def test_batch_sizes_take_a_count_a_list_or_a_range_of_powers_of_two():
+    assert cli.batch_sizes("64") == [64]
+    assert cli.batch_sizes("3,5") == [3, 5]
+    assert cli.batch_sizes("1..64") == [1, 2, 4, 8, 16, 32, 64]
+    assert cli.batch_sizes("4..20") == [4, 8, 16]
+    for bad in ("", "0", "1,,2", "a..b", "8..4", "-1"):
+        with pytest.raises(Exception, match="counts of other rows of at least 1"):
+            cli.batch_sizes(bad)
+    assert cli.versus("batch=1..4") == ("batch", [1, 2, 4])
+
+
+@pytest.mark.parametrize("case, why", [("kimi_routed_experts", "fixed split of the token count"),
+                                       ("kimi_lm_head", "mean over the rows")])
+def test_an_op_whose_rows_mix_by_definition_is_refused_naming_why(case, why):
+    with pytest.raises(CaseError, match=f"--versus batch: op .* mixes its rows by definition .*{why}"):
+        batch.batched(Registry.load().get(case), 4)
+
+
+def test_rows_are_the_dims_sized_by_the_token_count(tmp_path):
+    registry = Registry.load(write_cases(tmp_path, ATTENTION))
+    case = registry.get("tiny_scores")
+    dims = batch.row_dims(case, case.with_tokens(7))
+    assert dims == {"query": (0,), "key": (0,), "grad_output": (1, 2), "intermediate.scores": (1, 2),
+                    "out": (1, 2), "grad.query": (0,), "grad.key": (0,)}
+    with pytest.raises(CaseError, match="at least 1"):
+        batch.batched(case, 0)
+
+
+def test_side_b_reads_the_rows_first_then_other_rows_with_zero_upstream_gradients(tmp_path):
+    registry = Registry.load(write_cases(tmp_path, ATTENTION))
+    case = registry.get("tiny_scores")
+    big = batch.batched(case, 3)
+    checkpoint = prepare(case, tmp_path / "ck")
+    path = batch.write_inputs(case, big, checkpoint, tmp_path)
+    alone, batched = load_tensors(checkpoint.path), load_tensors(path)
+    assert batched["query"].shape == (7, 2, 4) and batched["grad_output"].shape == (2, 7, 7)
+    assert np.array_equal(batched["query"][:4], alone["query"]) and np.any(batched["query"][4:] != 0)
+    assert np.array_equal(batched["grad_output"][:, :4, :4], alone["grad_output"])
+    assert not np.any(batched["grad_output"][:, 4:, :]) and not np.any(batched["grad_output"][:, :, 4:])
+    cut = batch.rows_of(case, big, {"out": np.arange(98.0).reshape(2, 7, 7), "grad.key": np.ones((7, 2, 4))})
+    assert cut["out"].shape == (2, 4, 4) and cut["out"][1, 3, 3] == 49 + 21 + 3
+    assert cut["grad.key"].shape == (4, 2, 4)
+
+
+def test_summary_names_the_first_m_and_tensor_and_where_each_tensor_holds():
+    def cell(m, statuses, first=None, verdict="DIFF"):
+        return {"others": m, "verdict": verdict, "first_divergence": first, "runner": "megatron",
+                "tensors": {name: {"status": s, "mismatches": 0 if s == "EQUAL" else 3, "max_ulp": 2}
+                            for name, s in zip(("out", "grad.input"), statuses, strict=True)}}
+    report = {"case": "c", "runner": "megatron", "others": [1, 2, 4], "tensors": ["out", "grad.input"],
+              "verdicts": {}, "cells": [cell(1, ("EQUAL", "EQUAL"), verdict="BITWISE_PASS"),
+                                        cell(2, ("EQUAL", "DIFF"), "grad.input"),
+                                        cell(4, ("DIFF", "DIFF"), "out")]}
+    report["summary"] = batch_sweep.summary(report)
+    assert report["summary"]["holds"] == {"out": [1, 2], "grad.input": [1]}
+    assert report["summary"]["first_differs"] == {"out": 4, "grad.input": 2}
+    assert (report["summary"]["first_m"], report["summary"]["first_tensor"]) == (2, "grad.input")
+    assert not report["summary"]["invariant"]
+    assert batch_sweep.headline(report) == ("megatron on c: the rows' bits depend on the batch from M=2: first "
+                                            "grad.input (3 elements, max 2 ULP)")
+
+
+@pytest.mark.e2e
+def test_a_planted_batch_dependent_op_is_found_at_that_op_and_that_m(tmp_path):
+    """Real Megatron-Core SwiGLU (fp32, eager) with torch's silu planted to depend on the batch from M=2."""
+    cases = write_cases(tmp_path, SWIGLU)
+    options = CompareOptions(reports_dir=tmp_path / "reports", cases_dir=cases, checkpoints_dir=tmp_path / "ck",
+                             oracle=False, pythons={"megatron": planted_batch_silu(tmp_path)})
+    report, folder = batch_sweep.run("tiny_swiglu", [1, 2], None, options)
+
+    assert [(c["others"], c["verdict"]) for c in report["cells"]] == [(1, "BITWISE_PASS"), (2, "DIFF")]
+    assert report["exit_code"] == 1 and not report["summary"]["invariant"]
+    assert (report["summary"]["first_m"], report["summary"]["first_tensor"]) == (2, "out")
+    differing = report["cells"][1]["tensors"]
+    assert differing["out"]["mismatches"] == 1 and differing["out"]["first_mismatch"]["index"] == [0, 0]
+    # up's gradient is silu(gate) + 0.5 at row 0 (its first column, 16); gate's is untouched (a constant's is 0)
+    assert differing["grad.input"]["mismatches"] == 1 and differing["grad.input"]["first_mismatch"]["index"] == [0, 16]
+    assert report["summary"]["holds"] == {"out": [1], "grad.input": [1]}
+    assert json.loads((folder / "report.json").read_text())["summary"]["first_m"] == 2
+    assert "depend on the batch from M=2: first out (1 elements" in (folder / "report.md").read_text()
