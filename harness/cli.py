@@ -26,6 +26,7 @@ from harness.commands import (
     nightly,
     nightly_merge,
     publish,
+    reductions,
     sweep,
 )
 from harness.compare.result import EXIT_CODES
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_parser(commands)
     doctor.add_parser(commands)
     compare_runs.add_parser(commands)
+    reductions.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -145,6 +147,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return nightly_merge.main(args)
     if args.command == "compare-runs":
         return compare_runs.main(args)
+    if args.command == "reductions":
+        return reductions.main(args)
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")

@@ -10,12 +10,15 @@ import json
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from harness import CompareOptions, cli
 from harness.case import batch
 from harness.case.checkpoints import load_tensors, prepare
+from harness.case.collectives import message
 from harness.case.registry import CaseError, Registry
-from harness.commands import batch_sweep
+from harness.commands import batch_sweep, reductions
+from harness.compare.collectives import check, correctly_rounded_sum
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import python_with_startup
 
@@ -123,3 +126,46 @@ def test_a_planted_batch_dependent_op_is_found_at_that_op_and_that_m(tmp_path):
     assert report["summary"]["holds"] == {"out": [1], "grad.input": [1]}
     assert json.loads((folder / "report.json").read_text())["summary"]["first_m"] == 2
     assert "depend on the batch from M=2: first out (1 elements" in (folder / "report.md").read_text()
+
+
+def test_the_truth_of_a_sum_is_the_exact_sum_rounded_once():
+    """float32 messages whose sums a left-to-right float32 sum gets wrong: the truth is exact, then rounded once."""
+    messages = [np.array([1.0, 2.0**30], np.float32), np.array([2.0**-25 + 2.0**-48, 1.0], np.float32),
+                np.array([-1.0, -(2.0**30)], np.float32)]
+    # left to right in float32 both give 0 (1 + 2**-25 + 2**-48 rounds to 1; 2**30 + 1 rounds to 2**30); exactly they
+    # are 2**-25 + 2**-48 (itself a float32) and 1
+    assert correctly_rounded_sum(messages, "float32").tolist() == [2.0**-25 + 2.0**-48, 1.0]
+
+
+def test_one_element_off_the_truth_on_one_rank_is_counted_there(tmp_path):
+    """Ranks' files made here (harness logic only): the truth's own sums, with one element of rank 1's all-reduce
+    moved by one ULP."""
+    messages = [message(reductions.SEED, rank, 12, "float32") for rank in range(2)]
+    total = correctly_rounded_sum(messages, "float32")
+    for rank in range(2):
+        reduced = total.copy()
+        if rank == 1:
+            reduced[5] = np.nextafter(reduced[5], np.float32(np.inf))
+        results = {"all_reduce.float32.12": reduced, "reduce_scatter.float32.12": total[rank * 6:(rank + 1) * 6],
+                   "all_gather.float32.12": np.concatenate(messages)}
+        save_file(results, str(tmp_path / f"outputs.rank{rank}.safetensors"))
+    rows = {r["collective"]: r for r in check(tmp_path, reductions.SEED, 2, ["float32"], [12])}
+    assert (rows["all_reduce"]["mismatches"], rows["all_reduce"]["max_ulp"]) == (1, 1)
+    assert not rows["all_reduce"]["ranks_agree"] and rows["all_reduce"]["status"] == "DIFF"
+    assert rows["reduce_scatter"]["status"] == rows["all_gather"]["status"] == "EQUAL"
+
+
+@pytest.mark.e2e
+@pytest.mark.ranks
+def test_two_gloo_ranks_sum_correctly_rounded_and_gather_every_bit(tmp_path):
+    """One addition per element is correctly rounded in IEEE float32 on every CPU; a gather moves bits, never changes
+    them. (How far 3 to 8 ranks, and bf16, are from the truth is this CPU's: docs/batch-invariance.md.)"""
+    report, folder = reductions.run([2], [840], ["float32", "bfloat16"], "cpu", 120.0, tmp_path)
+    by = {(r["collective"], r["dtype"]): r for r in report["rows"]}
+    assert not report["errors"], report["errors"]
+    for name in ("all_reduce", "reduce_scatter"):
+        assert by[(name, "float32")]["status"] == "EQUAL" and by[(name, "float32")]["mismatches"] == 0
+    assert by[("all_gather", "float32")]["status"] == by[("all_gather", "bfloat16")]["status"] == "EQUAL"
+    assert by[("all_reduce", "float32")]["elements"] == 2 * 840
+    assert by[("all_gather", "float32")]["elements"] == 2 * 2 * 840
+    assert (folder / "report.md").exists() and json.loads((folder / "report.json").read_text())["backend"] == "gloo"
