@@ -108,6 +108,17 @@ def test_summary_names_the_first_m_and_tensor_and_where_each_tensor_holds():
                                             "grad.input (3 elements, max 2 ULP)")
 
 
+def test_an_error_at_some_m_is_neither_invariant_nor_batch_dependent():
+    report = {"case": "c", "runner": "megatron", "others": [1, 2], "tensors": ["out"], "verdicts": {"ERROR": 1},
+              "cells": [{"others": 1, "verdict": "BITWISE_PASS", "first_divergence": None,
+                         "tensors": {"out": {"status": "EQUAL"}}},
+                        {"others": 2, "verdict": "ERROR", "first_divergence": None, "tensors": {}}]}
+    report["summary"] = batch_sweep.summary(report)
+    assert report["summary"]["first_m"] is None and not report["summary"]["invariant"]
+    assert batch_sweep.headline(report) == ("megatron on c: no M moved a row's bits, but not every run compared "
+                                            "(ERROR 1); see each run")
+
+
 @pytest.mark.e2e
 def test_a_planted_batch_dependent_op_is_found_at_that_op_and_that_m(tmp_path):
     """Real Megatron-Core SwiGLU (fp32, eager) with torch's silu planted to depend on the batch from M=2."""

@@ -70,14 +70,14 @@ def summary(report: dict) -> dict:
     compared = [c for c in report["cells"] if c["tensors"]]
     holds = {name: [c["others"] for c in compared if c["tensors"].get(name, {}).get("status") == "EQUAL"]
              for name in report["tensors"]}
-    first_diff = next((c for c in compared if c["verdict"] not in ("BITWISE_PASS",)), None)
+    first_diff = next((c for c in compared if any(t["status"] != "EQUAL" for t in c["tensors"].values())), None)
     return {"holds": holds,
             "first_differs": {name: next((c["others"] for c in compared
                                           if c["tensors"].get(name, {}).get("status") != "EQUAL"), None)
                               for name in report["tensors"]},
             "first_m": first_diff["others"] if first_diff else None,
             "first_tensor": first_diff["first_divergence"] if first_diff else None,
-            "invariant": bool(compared) and first_diff is None and len(compared) == len(report["cells"])}
+            "invariant": all(c["verdict"] == "BITWISE_PASS" for c in report["cells"]) and bool(report["cells"])}
 
 
 def headline(report: dict) -> str:
@@ -86,7 +86,8 @@ def headline(report: dict) -> str:
         return (f"{runner} on {report['case']}: the rows' bits hold inside every batch tried "
                 f"(M = {', '.join(map(str, report['others']))})")
     if s["first_m"] is None:
-        return f"{runner} on {report['case']}: no comparison ({', '.join(report['verdicts'])}); see each run"
+        return (f"{runner} on {report['case']}: no M moved a row's bits, but not every run compared "
+                f"({', '.join(f'{v} {n}' for v, n in report['verdicts'].items())}); see each run")
     first = next(c for c in report["cells"] if c["others"] == s["first_m"])
     tensor = first["tensors"].get(s["first_tensor"] or "", {})
     figures = f" ({tensor['mismatches']} elements, max {tensor['max_ulp']} ULP)" if tensor.get("mismatches") else ""

@@ -108,27 +108,31 @@ def _launch(world: int, folder: Path, device: str, timeout: float) -> str:
 
 
 def lines(report: dict) -> list[str]:
-    """Per collective and dtype: the world sizes and message sizes where some element is not correctly rounded."""
+    """Per collective and dtype: in how many (world size, message size) pairs every element is correctly rounded,
+    and the worst of the others."""
     out = []
     for name in COLLECTIVES:
         for dtype in report["dtypes"]:
             rows = [r for r in report["rows"] if r["collective"] == name and r["dtype"] == dtype]
-            off = [f"{r['world']} ranks x {r['size']} ({r['mismatches']} elements, max {r['max_ulp']} ULP)"
-                   for r in rows if r["status"] == "DIFF"]
-            out.append(f"{name} {dtype}: correctly rounded in {len(rows) - len(off)} of {len(rows)}"
-                       + (f"; not: {', '.join(off)}" if off else ""))
+            off = [r for r in rows if r["status"] == "DIFF"]
+            worst = max(off, key=lambda r: r["mismatches"] / r["elements"], default=None)
+            out.append(f"{name} {dtype}: correctly rounded in {len(rows) - len(off)} of {len(rows)} (ranks x size)"
+                       + (f"; worst {worst['world']} ranks x {worst['size']}: {worst['mismatches']} of "
+                          f"{worst['elements']} elements off, max {worst['max_ulp']} ULP, "
+                          f"{worst['max_error_in_scale_ulps']:.3g} at scale" if worst else ""))
     return out + [f"ERROR {e}" for e in report["errors"]]
 
 
 def blocks(report: dict) -> list[tuple]:
     rows = [[r["collective"], r["dtype"], r["world"], r["size"], r["mismatches"],
-             f"{r['mismatches'] / r['elements']:.4%}", r["max_ulp"], "yes" if r["ranks_agree"] else "no"]
+             f"{r['mismatches'] / r['elements']:.4%}", r["max_ulp"], f"{r['max_error_in_scale_ulps']:.3g}",
+             "yes" if r["ranks_agree"] else "no"]
             for r in report["rows"]]
     return [h(1, f"Collectives against the correctly rounded sum: {report['backend']} on {report['device']}"),
             ul([f"command: `{' '.join(report['argv'])}`", f"finished {report['finished_at']}; exit code "
                 f"{report['exit_code']}", f"CPU: {report['host'].get('cpu', '')}", *lines(report)]),
-            table(["collective", "dtype", "ranks", "elements per rank", "elements off", "share", "max ULP",
-                   "ranks agree"], rows, "llrrrrrl")]
+            table(["collective", "dtype", "ranks", "elements per rank", "elements off (all ranks)", "share",
+                   "max ULP", "max err in ULPs at scale", "ranks agree"], rows, "llrrrrrrl")]
 
 
 def _counts(text: str) -> list[int]:
