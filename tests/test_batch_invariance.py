@@ -150,13 +150,13 @@ def test_the_truth_of_a_sum_is_the_exact_sum_rounded_once():
 
 def test_one_element_off_the_truth_on_one_rank_is_counted_there(tmp_path):
     """Ranks' files made here (harness logic only): the truth's own sums, with one element of rank 1's all-reduce
-    moved by one ULP."""
+    moved by one ULP, in the part that is rank 1's reduce-scatter shard."""
     messages = [message(reductions.SEED, rank, 12, "float32") for rank in range(2)]
     total = correctly_rounded_sum(messages, "float32")
     for rank in range(2):
         reduced = total.copy()
         if rank == 1:
-            reduced[5] = np.nextafter(reduced[5], np.float32(np.inf))
+            reduced[8] = np.nextafter(reduced[8], np.float32(np.inf))
         results = {"all_reduce.float32.12": reduced, "reduce_scatter.float32.12": total[rank * 6:(rank + 1) * 6],
                    "all_gather.float32.12": np.concatenate(messages)}
         save_file(results, str(tmp_path / f"outputs.rank{rank}.safetensors"))
@@ -164,6 +164,7 @@ def test_one_element_off_the_truth_on_one_rank_is_counted_there(tmp_path):
     assert (rows["all_reduce"]["mismatches"], rows["all_reduce"]["max_ulp"]) == (1, 1)
     assert not rows["all_reduce"]["ranks_agree"] and rows["all_reduce"]["status"] == "DIFF"
     assert rows["reduce_scatter"]["status"] == rows["all_gather"]["status"] == "EQUAL"
+    assert not rows["reduce_scatter"]["ranks_agree"]  # rank 1's shard holds the element its all-reduce moved
 
 
 @pytest.mark.e2e

@@ -132,7 +132,8 @@ def blocks(report: dict) -> list[tuple]:
             ul([f"command: `{' '.join(report['argv'])}`", f"finished {report['finished_at']}; exit code "
                 f"{report['exit_code']}", f"CPU: {report['host'].get('cpu', '')}", *lines(report)]),
             table(["collective", "dtype", "ranks", "elements per rank", "elements off (all ranks)", "share",
-                   "max ULP", "max err in ULPs at scale", "ranks agree"], rows, "llrrrrrrl")]
+                   "max ULP", "max err in ULPs at scale", "ranks agree (a shard: = the all-reduce's)"], rows,
+                  "llrrrrrrl")]
 
 
 def _counts(text: str) -> list[int]:

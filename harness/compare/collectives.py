@@ -24,8 +24,8 @@ def correctly_rounded_sum(messages: list[np.ndarray], dtype: str) -> np.ndarray:
 
 def check(folder: Path, seed: int, world: int, dtypes: list[str], sizes: list[int]) -> list[dict]:
     """One row per (collective, dtype, size): elements, how many on any rank differ from the truth, their max ULP
-    (raw, and at the result's own scale: a cancelling sum's raw ULPs explode near zero), and whether every rank holds
-    the same bits."""
+    (raw, and at the result's own scale: a cancelling sum's raw ULPs explode near zero), and whether the ranks agree:
+    every rank the same bits, or for reduce-scatter each rank's shard the all-reduce's bits there."""
     ranks = [load_tensors(folder / f"outputs.rank{rank}.safetensors") for rank in range(world)]
     rows = []
     for dtype in dtypes:
@@ -39,9 +39,10 @@ def check(folder: Path, seed: int, world: int, dtypes: list[str], sizes: list[in
             for name, truth in truths.items():
                 key = f"{name}.{dtype}.{size}"
                 found = [compare_tensor(key, ranks[r][key], truth[r]) for r in range(world)]
-                agree = name == "reduce_scatter" or all(np.array_equal(ranks[0][key].view(np.uint8),
-                                                                       ranks[r][key].view(np.uint8))
-                                                        for r in range(world))
+                agree = all(_same_bits(ranks[0][key], ranks[r][key]) for r in range(world)) \
+                    if name != "reduce_scatter" else all(  # a shard: the all-reduce's bits there?
+                        _same_bits(ranks[r][key], ranks[r][f"all_reduce.{dtype}.{size}"][r * shard:(r + 1) * shard])
+                        for r in range(world))
                 rows.append({"collective": name, "dtype": dtype, "size": size, "world": world,
                              "elements": sum(c.elements for c in found),
                              "mismatches": sum(c.mismatches for c in found),
@@ -50,3 +51,8 @@ def check(folder: Path, seed: int, world: int, dtypes: list[str], sizes: list[in
                              "ranks_agree": agree,
                              "status": "DIFF" if any(c.status != "EQUAL" for c in found) else "EQUAL"})
     return rows
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                                                 np.ascontiguousarray(b).view(np.uint8))
