@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from harness import CompareOptions, cli
+from harness import CompareOptions, Versus, cli, compare_case
 from harness.case import batch
 from harness.case.checkpoints import load_tensors, prepare
 from harness.case.collectives import message
@@ -62,6 +62,15 @@ def test_batch_sizes_take_a_count_a_list_or_a_range_of_powers_of_two():
 def test_an_op_whose_rows_mix_by_definition_is_refused_naming_why(case, why):
     with pytest.raises(CaseError, match=f"--versus batch: op .* mixes its rows by definition .*{why}"):
         batch.batched(Registry.load().get(case), 4)
+
+
+def test_refeed_with_batch_is_refused_before_any_runner_starts(tmp_path):
+    cases = write_cases(tmp_path, SWIGLU)
+    result, _ = compare_case("tiny_swiglu", CompareOptions(
+        reports_dir=tmp_path / "reports", cases_dir=cases, checkpoints_dir=tmp_path / "ck", refeed_ops=True,
+        versus=Versus("batch", 2)))
+    assert result.verdict == "ERROR" and not result.sides
+    assert "--refeed re-runs side b's ops from side a's tensors; with --versus batch" in result.message
 
 
 def test_rows_are_the_dims_sized_by_the_token_count(tmp_path):

@@ -57,6 +57,11 @@ class OpLevel(Level):
             return pair, {"kind": "batch", "runner": pair.runners[0], "rows": case.tokens, "others": versus.b}
         return super().versus(case, versus)
 
+    def check(self, case: Case, repeat: int, refeed: bool, versus: Versus | None) -> None:
+        if refeed and versus and versus.axis == "batch":
+            raise CaseError(f"{case.source}: case {case.name!r}: --refeed re-runs side b's ops from side a's tensors; "
+                            "with --versus batch the sides hold different rows: leave one out")
+
     def sides(self, run: Run) -> list[SideSpec]:
         case, versus = run.case, run.versus
         if versus and versus.axis == "batch":
