@@ -8,7 +8,8 @@
 #   DEVICE=cpu RUNNERS="megatron torch paddle" docs/examples/batch/gpu.sh       # the CPU table in the docs
 #
 # Environment (all optional):
-#   PYTHON   interpreter with torch, megatron-core, numpy, safetensors, ml_dtypes, rich            [python3]
+#   PYTHON   interpreter with torch, numpy, safetensors, ml_dtypes, rich (and megatron-core for its column)
+#                                                                                                    [python3]
 #   DEVICE   gpu or cpu                                                                                [gpu]
 #   RUNNERS  the stacks                                                                    [megatron torch]
 #   BATCH    the M of --versus batch                                                                 [1..64]
@@ -38,6 +39,14 @@ LOG=$DEST/log.txt
 read -r -a cases <<< "$CASES"
 read -r -a runners <<< "$RUNNERS"
 
+if ! "$PYTHON" -c "import numpy, safetensors, ml_dtypes, rich, torch" 2>/dev/null; then
+    echo "error: $PYTHON cannot import numpy, safetensors, ml_dtypes, rich and torch (the harness needs them):" >&2
+    "$PYTHON" -c "import numpy, safetensors, ml_dtypes, rich, torch" >&2
+    exit 2
+fi
+if [[ " ${runners[*]} " == *" megatron "* ]] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
+    echo "warning: $PYTHON cannot import megatron.core: the megatron column will say UNSUPPORTED" >&2
+fi
 {
     date -u +"%Y-%m-%dT%H:%M:%SZ"
     "$PYTHON" -W ignore -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| device', \
