@@ -9,7 +9,8 @@ Canonical layout is Megatron's: a linear weight is ``[out, in]``; activations ar
 (a runner may reshape to its framework's own convention and must reshape back).
 
 Adding an op:
-1. a record here (``Op(...)``, added to ``OPS``), with the knobs it reads;
+1. a record here (``Op(...)``, added to ``OPS``), with the knobs it reads (and ``batch_mixed`` saying why, where a
+   row's outputs depend on the other rows by definition: ``--versus batch`` refuses it);
 2. one function per runner, in the runner's table keyed by the record (``harness/runners/megatron/ops.py``
    ``IMPLEMENTATIONS``, ``harness/runners/paddle/recipe.py`` ``IMPLEMENTATIONS``); a runner without one answers
    UNSUPPORTED. The Paddle side has three levels (``harness/runners/paddle/levels.py``): PaddleFleet (``fleet.py``),
