@@ -13,7 +13,9 @@ step produced and change nothing.
 
 from __future__ import annotations
 
-from harness.capture import EXPERT_WHY, GRAD, micro_batch_key, refeed_units
+import json
+
+from harness.capture import EXPERT_WHY, GRAD, MODULE_ORDER, micro_batch_key, refeed_units
 from harness.capture.torch import Capture, Refeed
 from harness.families import family_of
 from harness.families.names import NameMap
@@ -21,16 +23,22 @@ from harness.families.names import NameMap
 
 class ModuleSteps:
     """The hooks of ``modules_at``: `current_step()` says which step the loop is in (the recorder's count + 1; None
-    once its recording stopped)."""
+    once its recording stopped); `own`: a model without a family record's names (``OwnNames``), else None."""
 
-    def __init__(self, model, m, steps, current_step):
-        self.model, self.steps, self.current_step = model, set(steps), current_step
-        self.name_map = NameMap.load(m.family, "hf", model=m)
-        self.names = [spec.name.removeprefix("module.") for spec in family_of(m.family).modules(m, 1)]
+    def __init__(self, model, m, steps, current_step, own=None):
+        self.model, self.steps, self.current_step, self.own = model, set(steps), current_step, own
+        if own is None:
+            self.name_map = NameMap.load(m.family, "hf", model=m)
+            self.names = [spec.name.removeprefix("module.") for spec in family_of(m.family).modules(m, 1)]
+            extra = {"lm_head": ["lm_head"]}
+        else:
+            self.name_map = own.name_map()
+            self.names, extra = own.modules([name for name, _ in model.named_modules() if name]), {}
         self.units, why_not = refeed_units(self.names, lambda n: self.name_map.rule("modules", n, m),
-                                           extra={"lm_head": ["lm_head"]}, skip={r"\.experts\.\d+$": EXPERT_WHY})
+                                           extra=extra, skip={r"\.experts\.\d+$": EXPERT_WHY})
         self.not_captured = {GRAD + name: why for name, why in why_not.items()}
         self.captures: list[dict] = []  # this step's tensors, one dict per micro-batch
+        self.order: list[str] = []  # the canonical modules in the order the first micro-batch's forward reached them
         self.open: tuple[Capture, Refeed] | None = None
         self.handle = model.register_forward_pre_hook(self._start)
 
@@ -51,6 +59,11 @@ class ModuleSteps:
         capture.finish()
         grads = {name: tensor for name, tensor in refeed.finish().items() if name.startswith(GRAD)}
         self.not_captured.update(capture.not_captured)
+        if not self.order:
+            ran = {path: i for i, path in enumerate(capture.ran)}
+            reached = {name: min(ran.get(s, len(ran)) for s in self.name_map.rule("modules", name).sources or [""])
+                       for name in self.names}
+            self.order = sorted(reached, key=reached.get)
         self.captures.append({**capture.tensors, **grads})
         self.open = None
 
@@ -61,6 +74,11 @@ class ModuleSteps:
                    for i, held in enumerate(self.captures) for name, tensor in held.items()}
         self.captures = []
         return tensors
+
+    def metadata(self) -> dict:
+        """The module file's metadata: the forward's order of a model of its own's modules (a family's is its
+        record's)."""
+        return {MODULE_ORDER: json.dumps(self.order)} if self.own is not None else {}
 
     def close(self) -> None:
         self._finish_last()

@@ -24,7 +24,6 @@ from harness.attach import paddle_optimizer
 from harness.attach.torch import AttachError, StepRecorder
 from harness.capture.paddle import to_host
 from harness.case.ops import carried_quantities, train_buffer_names, train_state_names
-from harness.families.names import NameMap
 from harness.runners.paddle.model import paddle
 from harness.runners.paddle.train import Trainer as RunnerTrainer
 from harness.runners.paddle.train import _at, _save, global_losses
@@ -39,7 +38,7 @@ class PaddleStates:
     canonical = RunnerTrainer.canonical
     without_gradient = RunnerTrainer.without_gradient
 
-    def __init__(self, model, optimizer, m, name_map, record):
+    def __init__(self, model, optimizer, m, name_map, record, described: str = "the family's [paddle.grads] name map"):
         self.params, self.optimizer = dict(model.named_parameters()), optimizer
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
         read = {source for rule in self.rules.values() for source in rule.sources}
@@ -50,8 +49,8 @@ class PaddleStates:
         names = {id(param): name for name, param in self.params.items()}
         unread = [names.get(id(p), p.name) for p in _trained(optimizer) if names.get(id(p)) not in read]
         if unread:
-            raise AttachError(f"trained parameter {unread[0]} ({len(unread)} such) is read by no rule of the family's "
-                              "[paddle.grads] name map: its state would never be recorded or compared")
+            raise AttachError(f"trained parameter {unread[0]} ({len(unread)} such) is read by no rule of {described}: "
+                              "its state would never be recorded or compared")
         self.accumulators = record.paddle_accumulators
         wanted = {name for name, _ in train_buffer_names(m)}  # as the runner: Paddle buffer -> canonical by checkpoint
         self.buffers = {name_map.rule("checkpoint", paddle_name).sources[0]: buffer
@@ -84,8 +83,7 @@ class PaddleStepRecorder(StepRecorder):
         if refused:
             raise AttachError(f"{'; '.join(refused)}: the {self.record_of.name} record (harness.optimizers) does not "
                               "describe it, so the recorded run would be compared as if it had not been")
-        self.states = PaddleStates(model, optimizer, self.m, NameMap.load(self.family, "paddle", model=self.m),
-                                   self.record_of)
+        self.states = PaddleStates(model, optimizer, self.m, self.name_map, self.record_of, self.map_described())
         self.carried = tuple(q for q in carried_quantities(self.record_of) if q != "master")
         low = paddle_optimizer.low_precision(trained)
         self.no_masters = (f"{len(low)} {paddle_optimizer.dtype_of(low[0])} parameters updated in place, without "
@@ -97,6 +95,9 @@ class PaddleStepRecorder(StepRecorder):
         if paddle.distributed.is_initialized():
             return paddle.distributed.get_rank(), paddle.distributed.get_world_size()
         return 0, 1
+
+    def _module_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_sublayers()]
 
     def _writes(self):
         return _save, lambda a: np.ascontiguousarray(a).view(np.uint8)
