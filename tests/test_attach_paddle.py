@@ -114,6 +114,8 @@ def refusals(tmp_path_factory):
     ("bf16 with masters", "AdamW.multi_precision = True for bfloat16 parameters"),
     ("an unmapped trained parameter", "trained parameter extra_head.weight (2 such) is read by no rule"),
     ("a wrapped model", "reads lm_head.weight, which the model has not"),
+    ("a model marked is_fleet", "name map ([paddlefleet] section) reads model.embedding.embed_tokens.weight, which "
+                                "the model has not (2 such)"),
 ])
 def test_what_the_record_does_not_describe_is_refused_naming_it(refusals, case, named):
     assert refusals[case] is not None and refusals[case].startswith("AttachError: "), refusals[case]

@@ -28,6 +28,8 @@ from harness.runners.paddle.model import paddle
 from harness.runners.paddle.train import Trainer as RunnerTrainer
 from harness.runners.paddle.train import _at, _save, global_losses
 
+FLEET = "paddlefleet"  # the name-map section of PaddleFleet's GPTModel (harness/families/glm4_moe/names.toml)
+
 
 class PaddleStates:
     """paddle_model's runner's reading methods, bound to a user's model and optimizer."""
@@ -38,12 +40,12 @@ class PaddleStates:
     canonical = RunnerTrainer.canonical
     without_gradient = RunnerTrainer.without_gradient
 
-    def __init__(self, model, optimizer, m, name_map, record, described: str = "the family's [paddle.grads] name map"):
-        self.params, self.optimizer = dict(model.named_parameters()), optimizer
+    def __init__(self, model, optimizer, m, name_map, record, described: str):
+        self.params, self.optimizer = single_names(model.named_parameters(), model), optimizer
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
         read = {source for rule in self.rules.values() for source in rule.sources}
         if read - set(self.params):
-            raise AttachError(f"the family's [paddle.grads] name map reads {sorted(read - set(self.params))[0]}, "
+            raise AttachError(f"{described} reads {sorted(read - set(self.params))[0]}, "
                               f"which the model has not ({len(read - set(self.params))} such): is it the family's "
                               "PaddleFormers model (not wrapped, e.g. in paddle.DataParallel)?")
         names = {id(param): name for name, param in self.params.items()}
@@ -54,7 +56,7 @@ class PaddleStates:
         self.accumulators = record.paddle_accumulators
         wanted = {name for name, _ in train_buffer_names(m)}  # as the runner: Paddle buffer -> canonical by checkpoint
         self.buffers = {name_map.rule("checkpoint", paddle_name).sources[0]: buffer
-                        for paddle_name, buffer in model.named_buffers()
+                        for paddle_name, buffer in single_names(model.named_buffers(), model).items()
                         if name_map.rule("checkpoint", paddle_name).sources[0] in wanted}
         if set(self.buffers) != wanted:
             raise AttachError(f"routing biases not found in the Paddle model: {sorted(wanted - set(self.buffers))}")
@@ -98,6 +100,11 @@ class PaddleStepRecorder(StepRecorder):
 
     def _module_names(self) -> list[str]:
         return [name for name, _ in self.model.named_sublayers()]
+
+    def _name_section(self) -> str:
+        """PaddleFleet's GPTModel (what PaddleFormers' fleet builders return, marked ``is_fleet``) has its own section
+        (``[paddlefleet]``); every other model the dygraph one."""
+        return FLEET if getattr(self.model, "is_fleet", False) is True else self.stack
 
     def _writes(self):
         return _save, lambda a: np.ascontiguousarray(a).view(np.uint8)
@@ -166,6 +173,17 @@ class PaddleStepRecorder(StepRecorder):
 
     def _has_masters(self) -> bool:
         return False
+
+
+def single_names(named, model) -> dict:
+    """{name: tensor} of `named` (a model's named_parameters() or named_buffers()): a PaddleFleet GPTModel's (a
+    pipeline layer, whose own names are "{index}.<sublayer>") under the single-model names its state_dict() gives
+    (``GPTModel._set_pipeline_name_mapping``, gpt_model.py @ 509f514; it fills ``_pp_to_single_mapping``); any other
+    model's as they are. Reads names only: the tensors are the model's own."""
+    if getattr(model, "_pp_to_single_mapping", None) is None and hasattr(model, "_set_pipeline_name_mapping"):
+        model._set_pipeline_name_mapping()
+    mapping = getattr(model, "_pp_to_single_mapping", None) or {}
+    return {mapping.get(name, name): tensor for name, tensor in named}
 
 
 def _trained(optimizer) -> list:

@@ -120,7 +120,8 @@ class StepRecorder:
         self.folder, self.runner = Path(folder), runner
         self.m, self.own = self._model_and_names(model_config)
         self.family = self.m.family
-        self.name_map = self.own.name_map() if self.own else NameMap.load(self.family, self.stack, model=self.m)
+        self.name_map = self.own.name_map() if self.own else NameMap.load(self.family, self._name_section(),
+                                                                          model=self.m)
         name = TORCH_OPTIMIZERS.get(optimizer_class.__name__)
         if name is None:
             raise AttachError(f"optimizer {optimizer_class.__module__}.{optimizer_class.__name__}: the recorder "
@@ -165,6 +166,10 @@ class StepRecorder:
         return names.canonical(parameters), names
 
     # --- what differs by framework (torch here; harness.attach.paddle overrides) --------------------------------
+    def _name_section(self) -> str:
+        """The family's name-map section the model's names are read through."""
+        return self.stack
+
     def _module_names(self) -> list[str]:
         return [name for name, _ in self.model.named_modules() if name]
 
@@ -207,7 +212,7 @@ class StepRecorder:
     def map_described(self) -> str:
         """The name map the state is read through, for a message: the family's section, or the user's file."""
         if self.own is None:
-            return f"the {self.family} name map ([{self.stack}] section)"
+            return f"the {self.family} name map ([{self._name_section()}] section)"
         if self.own.path is None:
             return "the model's own names (no name map given)"
         return f"the name map {self.own.path} ([{SECTIONS[self.stack]}.grads])"

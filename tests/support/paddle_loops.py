@@ -137,6 +137,8 @@ def refusals(out: Path) -> dict:
     for p in frozen_head.extra_head.parameters():
         p.stop_gradient = True
     bf16 = fresh_model(m, "float32").to(dtype="bfloat16")
+    marked_fleet = fresh_model(m, "float32")
+    marked_fleet.is_fleet = True  # read through [paddlefleet]: GPTModel's names, which the dygraph model has not
     groups = [{"params": [p for p in model.parameters() if len(p.shape) > 1]},
               {"params": one_d, "weight_decay": 0.0}]
     momentum = paddle.optimizer.Momentum
@@ -158,6 +160,7 @@ def refusals(out: Path) -> dict:
         "an unmapped trained parameter": (with_head, lambda: adamw(with_head), {}),
         "an unmapped frozen parameter": (frozen_head, lambda: adamw(frozen_head), {}),
         "a wrapped model": (Wrapped(model), lambda: adamw(model), {}),
+        "a model marked is_fleet": (marked_fleet, lambda: adamw(marked_fleet), {}),
         "bf16 with masters": (bf16, lambda: adamw(bf16, multi_precision=True), {}),
     }
     found = {}
