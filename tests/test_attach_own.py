@@ -7,7 +7,9 @@ model"): tests/support/hook_dump_loops.py's tiny embedding-MLP-norm-head model o
   planted in ``mlp.up.weight``'s gradient at step 2 is the first divergence, ``step2.grad.mlp.up.weight``.
 - The Paddle model under other names, recorded through a map file, equals the plain Paddle model recorded in its own
   names; through a map that also transposes Paddle's [in, out] weights it holds the torch run's tensors, names and
-  shapes, so the two stacks are compared tensor by tensor.
+  shapes, and its module outputs, so the two stacks are compared tensor by tensor and module by module.
+- The Paddle recorder's ``modules_at`` (issue 42, item 2): one ULP planted in ``mlp.act``'s output at step 2,
+  micro-batch 1 is named there.
 - Fail closed: a map without the stack's section, a rule of another kind, a name the model lacks, a trained
   parameter the map leaves unnamed (torch and Paddle) are each an AttachError naming the file, field and value.
 """
@@ -30,18 +32,24 @@ RENAMED = {"embed.weight": "embedding.weight", "mlp.up.weight": "ffn.fc_in.weigh
            "mlp.down.weight": "ffn.fc_out.weight", "mlp.down.bias": "ffn.fc_out.bias",
            "norm.weight": "final_norm.weight", "norm.bias": "final_norm.bias", "head.weight": "lm_head.weight"}
 TRANSPOSED = ("mlp.up.weight", "mlp.down.weight", "head.weight")  # Paddle's Linear weights are [in, out]
+MODULES = {"embed": "embedding", "mlp.up": "ffn.fc_in", "mlp.act": "ffn.tanh", "mlp.down": "ffn.fc_out",
+           "norm": "final_norm", "head": "lm_head"}  # the renamed model's modules (modules_at)
 RUNS = {"torch": ["torch", "--modules-at", "2"], "torch-again": ["torch", "--modules-at", "2"],
         "torch-planted": ["torch", "--modules-at", "2", "--plant", "mlp.down", "3"],
         "torch-planted-grad": ["torch", "--plant-grad", "mlp.up.weight", "2"],
         "torch-plain": ["torch"], "paddle": ["paddle"],
         "paddle-renamed": ["paddle", "--renamed", "--name-map", "{root}/renamed.toml"],
-        "paddle-as-torch": ["paddle", "--renamed", "--name-map", "{root}/as-torch.toml"]}
+        "paddle-as-torch": ["paddle", "--renamed", "--name-map", "{root}/as-torch.toml", "--modules-at", "2"],
+        "paddle-modules": ["paddle", "--modules-at", "2"],
+        "paddle-modules-planted": ["paddle", "--modules-at", "2", "--plant", "mlp.act", "4"]}
 
 
-def map_file(path, section: str, transposed=()) -> None:
+def map_file(path, section: str, transposed=(), modules=False) -> None:
     lines = [f"[{section}.grads]"]
     lines += [f'"{name}" = {{ transpose = "{theirs}" }}' if name in transposed else f'"{name}" = "{theirs}"'
               for name, theirs in RENAMED.items()]
+    if modules:
+        lines += [f"[{section}.modules]", *(f'"{name}" = "{theirs}"' for name, theirs in MODULES.items())]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -49,7 +57,7 @@ def map_file(path, section: str, transposed=()) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("own")
     map_file(root / "renamed.toml", "paddle")
-    map_file(root / "as-torch.toml", "paddle", TRANSPOSED)
+    map_file(root / "as-torch.toml", "paddle", TRANSPOSED, modules=True)
     for name, args in RUNS.items():
         args = [arg.format(root=root) for arg in args]
         done = subprocess.run([sys.executable, str(LOOPS), args[0], str(root / name), "--unhooked", "--record",
@@ -100,10 +108,21 @@ def test_paddle_under_other_names_through_a_map_equals_paddle_in_its_own_names(r
 
 
 def test_a_map_that_transposes_paddles_weights_gives_the_torch_runs_tensors(runs, tmp_path):
-    result, report = compare(tmp_path, runs, "torch-plain", "paddle-as-torch")
+    result, report = compare(tmp_path, runs, "torch", "paddle-as-torch")
     assert result.exit_code in (0, 1), result.message  # compared, not refused: the verdict is the CPU's
     rows = {t["name"]: t["status"] for t in report["tensors"]}
-    assert len(rows) == 2 * (2 + 4 * 8) and set(rows.values()) <= {"EQUAL", "DIFF"}  # lr, loss; 4 per parameter
+    steps = [name for name in rows if not name.startswith("step2.module.")]
+    assert len(steps) == 2 * (2 + 4 * 8) and len(rows) - len(steps) == 2 * (6 + 6)  # lr, loss, 4 per parameter
+    assert set(rows.values()) <= {"EQUAL", "DIFF"}  # every tensor and module output held by both, same shape
+
+
+def test_the_paddle_recorder_names_a_planted_bit_in_a_modules_output(runs, tmp_path):
+    result, report = compare(tmp_path, runs, "paddle-modules", "paddle-modules-planted")
+    assert result.verdict == "DIFF" and result.exit_code == 1, result.message
+    first = report["train"]["modules"]["first_divergence"]
+    assert (first["module"], first["quantity"], first["step"], first["micro_batch"]) == ("mlp.act", "output", 2, 1)
+    before = {"step2.module.mb1.module.embed", "step2.module.mb1.module.mlp.up"}
+    assert {t["name"]: t["status"] for t in report["tensors"] if t["name"] in before} == dict.fromkeys(before, "EQUAL")
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from harness.attach import paddle_optimizer
+from harness.attach.modules import ModuleSteps
 from harness.attach.torch import AttachError, StepRecorder
+from harness.capture import module_file
 from harness.capture.paddle import to_host
 from harness.case.ops import carried_quantities, train_buffer_names, train_state_names
 from harness.runners.paddle.model import paddle
@@ -68,9 +70,9 @@ class PaddleStepRecorder(StepRecorder):
 
     stack = "paddle"
 
-    def __init__(self, folder, model, optimizer, model_config: dict, *, steps_kept="all", stated: dict | None = None,
-                 runner: str = "paddle_loop", implementation: str = "", knobs: dict | None = None,
-                 adapters: list | None = None, versions: dict | None = None):
+    def __init__(self, folder, model, optimizer, model_config: dict, *, steps_kept="all", modules_at=(),
+                 stated: dict | None = None, runner: str = "paddle_loop", implementation: str = "",
+                 knobs: dict | None = None, adapters: list | None = None, versions: dict | None = None):
         rank, world = self._rank_and_world()
         if world > 1:
             raise AttachError(f"PaddleStepRecorder on {world} ranks (this is rank {rank}): it records a one-rank "
@@ -90,6 +92,8 @@ class PaddleStepRecorder(StepRecorder):
         low = paddle_optimizer.low_precision(trained)
         self.no_masters = (f"{len(low)} {paddle_optimizer.dtype_of(low[0])} parameters updated in place, without "
                            "fp32 masters (multi_precision off)") if low else None
+        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now, self.own, self.stack,
+                                   self._module_names()) if modules_at else None
         self.zero_grads: dict[str, list[str]] = {}  # "step k" -> canonical names without a gradient at step k
         self.without: list[str] = []  # this step's parameters without a gradient, read by grads()
 
@@ -147,6 +151,9 @@ class PaddleStepRecorder(StepRecorder):
             states.update({f"{quantity}.{name}": value for name, value in self.states.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.states.buffers.items()})
         self.writer.write(step, scalars, {name: np.require(v, requirements="C") for name, v in states.items()})
+        if self.modules is not None and step in self.modules.steps:
+            module_file(self.folder, step).parent.mkdir(exist_ok=True)
+            _save(self.modules.take(), str(module_file(self.folder, step)), self.modules.metadata())
         if self.without:
             self.zero_grads[f"step {step}"], self.without = self.without, []
         self.steps.append({"step": step, "lr": float(lr)})

@@ -111,8 +111,8 @@ class StepRecorder:
                                      carried_quantities(self.record_of), self.masters, fill_absent_grads=False)
         self.group = ranks.gather_group()  # every rank's losses, in global micro-batch order
         self._refuse_what_it_cannot_describe()
-        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now, self.own) \
-            if modules_at and self.rank == 0 else None
+        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now, self.own, self.stack,
+                                   self._module_names()) if modules_at and self.rank == 0 else None
 
     def _common(self, folder, model_config, optimizer_class, dtype: str, steps_kept, stated, runner,
                 implementation, knobs, adapters, versions) -> None:

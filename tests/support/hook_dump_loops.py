@@ -13,7 +13,7 @@ a forward hook registered before the dump's. ``--unhooked`` trains without the d
 the dump, OUT/state.npz the parameters after training.
 
 ``--record FOLDER`` records the loop with harness.attach's recorder as a model without a family record (issue 42,
-item 3: tests/test_attach_own.py), in its own names or ``--name-map FILE``'s, with ``--modules-at K ...`` (torch);
+item 3: tests/test_attach_own.py), in its own names or ``--name-map FILE``'s, with ``--modules-at K ...``;
 ``--plant-grad PARAMETER STEP`` adds one ULP to the first element of that parameter's gradient at that step (torch).
 """
 
@@ -152,7 +152,7 @@ def recorder_of(stack_name: str, stack, folder: Path, name_map: Path | None, mod
         from harness.attach.torch import StepRecorder
         return StepRecorder(folder, stack.model, stack.optimizer, config, modules_at=modules_at)
     from harness.attach.paddle import PaddleStepRecorder
-    return PaddleStepRecorder(folder, stack.model, stack.optimizer, config)
+    return PaddleStepRecorder(folder, stack.model, stack.optimizer, config, modules_at=modules_at)
 
 
 def plant_in_grad(stack, parameter: str) -> None:
