@@ -10,6 +10,7 @@ model"): tests/support/hook_dump_loops.py's tiny embedding-MLP-norm-head model o
   shapes, and its module outputs, so the two stacks are compared tensor by tensor and module by module.
 - The Paddle recorder's ``modules_at`` (issue 42, item 2): one ULP planted in ``mlp.act``'s output at step 2,
   micro-batch 1 is named there.
+- A map's {L} patterns are filled from the model's names, in natural order (layers.10 after layers.2).
 - Fail closed: a map without the stack's section, a rule of another kind, a name the model lacks, a trained
   parameter the map leaves unnamed (torch and Paddle) are each an AttachError naming the file, field and value.
 """
@@ -160,3 +161,19 @@ def test_a_paddle_parameter_the_map_leaves_unnamed_is_refused(tmp_path):
     with pytest.raises(AttachError) as raised:
         PaddleStepRecorder(tmp_path / "run", model, optimizer, {"family": "own", "name_map": str(path)})
     assert "is read by no rule of the name map" in str(raised.value) and str(path) in str(raised.value)
+
+
+def test_a_maps_layer_patterns_are_filled_from_the_models_names(tmp_path):
+    import torch
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 3) for _ in range(11)])
+    path = tmp_path / "map.toml"
+    path.write_text("[torch.grads]\n'layers.{L}.weight' = { transpose = 'blocks.{L}.weight' }\n"
+                    "'layers.{L}.bias' = 'blocks.{L}.bias'\n")
+    recorder = StepRecorder(tmp_path / "run", model, torch.optim.AdamW(model.parameters()),
+                            {"family": "own", "name_map": str(path)})
+    parameters = recorder.m.parameters
+    assert len(parameters) == 22 and parameters[:2] == (("layers.0.bias", (3,)), ("layers.0.weight", (2, 3)))
+    assert [name for name, _ in parameters][-2:] == ["layers.10.bias", "layers.10.weight"]  # natural order
+    assert recorder.states.rules["layers.10.weight"].sources == ("blocks.10.weight",)
