@@ -5,6 +5,8 @@ micro-batches; most of its routed experts get no token, hence no gradient), each
 - A recorded dygraph loop and a recorded PaddleFormers ``Trainer`` end with the unrecorded run's bits: every parameter
   and optimizer accumulator, the experts without a gradient included (the recorder writes their zeros and leaves
   ``param.grad`` None; meta.json names them per step).
+- ``modules_at`` (issue 42, item 2): at step 2 every module of the family's list, each micro-batch's output and
+  output gradient, in canonical names through ``[paddle.modules]``; the training ends with the unrecorded bits.
 - A recording that fails (its folder gone after step 1) stops with a note in meta.json and one warning; the training
   goes on to the unrecorded run's bits.
 - What the recorder cannot describe is refused when it is built, naming it: optimizer settings beyond the record, a
@@ -70,6 +72,24 @@ def test_a_recorded_paddle_loop_ends_with_the_unrecorded_loops_bits(plain_loop, 
     assert result["warnings"] == [] and "stopped" not in meta(tmp_path)["capture"]
 
 
+def test_modules_at_writes_the_family_modules_in_canonical_names_and_changes_nothing(plain_loop, tmp_path):
+    from safetensors.numpy import load_file
+
+    plain, _ = plain_loop
+    result = run_mode("loop-modules", tmp_path)
+    before, after = state(plain), state(tmp_path)
+    assert [name for name in before if after[name] != before[name]] == [] and result["warnings"] == []
+    held = load_file(str(tmp_path / "run" / "modules" / "step00002.safetensors"))
+    for mb in (0, 1):
+        for name in ("module.model.embed_tokens", "module.model.layers.0.self_attn.q_proj",
+                     "module.model.layers.0.mlp.gate_up_proj", "module.model.layers.1.mlp.shared_experts",
+                     "module.model.norm", "refeed.grad_output.lm_head",
+                     "refeed.grad_output.model.layers.0.self_attn.o_proj"):
+            assert f"mb{mb}.{name}" in held, name
+    assert held["mb0.module.model.layers.0.self_attn.q_proj"].shape == (8, 4 * 32)  # tokens x heads x head_dim
+    assert meta(tmp_path)["capture"]["modules_at"] == [2]
+
+
 def test_a_recording_that_fails_stops_with_a_note_and_the_training_goes_on(plain_loop, tmp_path):
     plain, _ = plain_loop
     result = run_mode("loop-broken", tmp_path)
@@ -114,6 +134,8 @@ def refusals(tmp_path_factory):
     ("bf16 with masters", "AdamW.multi_precision = True for bfloat16 parameters"),
     ("an unmapped trained parameter", "trained parameter extra_head.weight (2 such) is read by no rule"),
     ("a wrapped model", "reads lm_head.weight, which the model has not"),
+    ("a model marked is_fleet", "name map ([paddlefleet] section) reads model.embedding.embed_tokens.weight, which "
+                                "the model has not (2 such)"),
 ])
 def test_what_the_record_does_not_describe_is_refused_naming_it(refusals, case, named):
     assert refusals[case] is not None and refusals[case].startswith("AttachError: "), refusals[case]

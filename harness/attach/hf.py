@@ -58,7 +58,8 @@ class Backpropagated(TorchFunctionMode):
 
 def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
     """A ``StepRecorderCallback`` added to `trainer`; returns it. `model_config`: the model's config in the harness's
-    form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``)."""
+    form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``), or a model of its
+    own's (``{"family": "own"}``, optionally ``"name_map": FILE``: ``harness.families.own``)."""
     callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
                                     modules_at=modules_at)
     trainer.add_callback(callback)

@@ -21,13 +21,16 @@ from __future__ import annotations
 import numpy as np
 
 from harness.attach import paddle_optimizer
+from harness.attach.modules import ModuleSteps
 from harness.attach.torch import AttachError, StepRecorder
+from harness.capture import module_file
 from harness.capture.paddle import to_host
 from harness.case.ops import carried_quantities, train_buffer_names, train_state_names
-from harness.families.names import NameMap
 from harness.runners.paddle.model import paddle
 from harness.runners.paddle.train import Trainer as RunnerTrainer
 from harness.runners.paddle.train import _at, _save, global_losses
+
+FLEET = "paddlefleet"  # the name-map section of PaddleFleet's GPTModel (harness/families/glm4_moe/names.toml)
 
 
 class PaddleStates:
@@ -39,23 +42,23 @@ class PaddleStates:
     canonical = RunnerTrainer.canonical
     without_gradient = RunnerTrainer.without_gradient
 
-    def __init__(self, model, optimizer, m, name_map, record):
-        self.params, self.optimizer = dict(model.named_parameters()), optimizer
+    def __init__(self, model, optimizer, m, name_map, record, described: str):
+        self.params, self.optimizer = single_names(model.named_parameters(), model), optimizer
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
         read = {source for rule in self.rules.values() for source in rule.sources}
         if read - set(self.params):
-            raise AttachError(f"the family's [paddle.grads] name map reads {sorted(read - set(self.params))[0]}, "
+            raise AttachError(f"{described} reads {sorted(read - set(self.params))[0]}, "
                               f"which the model has not ({len(read - set(self.params))} such): is it the family's "
                               "PaddleFormers model (not wrapped, e.g. in paddle.DataParallel)?")
         names = {id(param): name for name, param in self.params.items()}
         unread = [names.get(id(p), p.name) for p in _trained(optimizer) if names.get(id(p)) not in read]
         if unread:
-            raise AttachError(f"trained parameter {unread[0]} ({len(unread)} such) is read by no rule of the family's "
-                              "[paddle.grads] name map: its state would never be recorded or compared")
+            raise AttachError(f"trained parameter {unread[0]} ({len(unread)} such) is read by no rule of {described}: "
+                              "its state would never be recorded or compared")
         self.accumulators = record.paddle_accumulators
         wanted = {name for name, _ in train_buffer_names(m)}  # as the runner: Paddle buffer -> canonical by checkpoint
         self.buffers = {name_map.rule("checkpoint", paddle_name).sources[0]: buffer
-                        for paddle_name, buffer in model.named_buffers()
+                        for paddle_name, buffer in single_names(model.named_buffers(), model).items()
                         if name_map.rule("checkpoint", paddle_name).sources[0] in wanted}
         if set(self.buffers) != wanted:
             raise AttachError(f"routing biases not found in the Paddle model: {sorted(wanted - set(self.buffers))}")
@@ -67,9 +70,9 @@ class PaddleStepRecorder(StepRecorder):
 
     stack = "paddle"
 
-    def __init__(self, folder, model, optimizer, model_config: dict, *, steps_kept="all", stated: dict | None = None,
-                 runner: str = "paddle_loop", implementation: str = "", knobs: dict | None = None,
-                 adapters: list | None = None, versions: dict | None = None):
+    def __init__(self, folder, model, optimizer, model_config: dict, *, steps_kept="all", modules_at=(),
+                 stated: dict | None = None, runner: str = "paddle_loop", implementation: str = "",
+                 knobs: dict | None = None, adapters: list | None = None, versions: dict | None = None):
         rank, world = self._rank_and_world()
         if world > 1:
             raise AttachError(f"PaddleStepRecorder on {world} ranks (this is rank {rank}): it records a one-rank "
@@ -84,12 +87,13 @@ class PaddleStepRecorder(StepRecorder):
         if refused:
             raise AttachError(f"{'; '.join(refused)}: the {self.record_of.name} record (harness.optimizers) does not "
                               "describe it, so the recorded run would be compared as if it had not been")
-        self.states = PaddleStates(model, optimizer, self.m, NameMap.load(self.family, "paddle", model=self.m),
-                                   self.record_of)
+        self.states = PaddleStates(model, optimizer, self.m, self.name_map, self.record_of, self.map_described())
         self.carried = tuple(q for q in carried_quantities(self.record_of) if q != "master")
         low = paddle_optimizer.low_precision(trained)
         self.no_masters = (f"{len(low)} {paddle_optimizer.dtype_of(low[0])} parameters updated in place, without "
                            "fp32 masters (multi_precision off)") if low else None
+        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now, self.own, self.stack,
+                                   self._module_names()) if modules_at else None
         self.zero_grads: dict[str, list[str]] = {}  # "step k" -> canonical names without a gradient at step k
         self.without: list[str] = []  # this step's parameters without a gradient, read by grads()
 
@@ -97,6 +101,14 @@ class PaddleStepRecorder(StepRecorder):
         if paddle.distributed.is_initialized():
             return paddle.distributed.get_rank(), paddle.distributed.get_world_size()
         return 0, 1
+
+    def _module_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_sublayers()]
+
+    def _name_section(self) -> str:
+        """PaddleFleet's GPTModel (what PaddleFormers' fleet builders return, marked ``is_fleet``) has its own section
+        (``[paddlefleet]``); every other model the dygraph one."""
+        return FLEET if getattr(self.model, "is_fleet", False) is True else self.stack
 
     def _writes(self):
         return _save, lambda a: np.ascontiguousarray(a).view(np.uint8)
@@ -139,6 +151,9 @@ class PaddleStepRecorder(StepRecorder):
             states.update({f"{quantity}.{name}": value for name, value in self.states.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": to_host(buffer) for name, buffer in self.states.buffers.items()})
         self.writer.write(step, scalars, {name: np.require(v, requirements="C") for name, v in states.items()})
+        if self.modules is not None and step in self.modules.steps:
+            module_file(self.folder, step).parent.mkdir(exist_ok=True)
+            _save(self.modules.take(), str(module_file(self.folder, step)), self.modules.metadata())
         if self.without:
             self.zero_grads[f"step {step}"], self.without = self.without, []
         self.steps.append({"step": step, "lr": float(lr)})
@@ -165,6 +180,17 @@ class PaddleStepRecorder(StepRecorder):
 
     def _has_masters(self) -> bool:
         return False
+
+
+def single_names(named, model) -> dict:
+    """{name: tensor} of `named` (a model's named_parameters() or named_buffers()): a PaddleFleet GPTModel's (a
+    pipeline layer, whose own names are "{index}.<sublayer>") under the single-model names its state_dict() gives
+    (``GPTModel._set_pipeline_name_mapping``, gpt_model.py @ 509f514; it fills ``_pp_to_single_mapping``); any other
+    model's as they are. Reads names only: the tensors are the model's own."""
+    if getattr(model, "_pp_to_single_mapping", None) is None and hasattr(model, "_set_pipeline_name_mapping"):
+        model._set_pipeline_name_mapping()
+    mapping = getattr(model, "_pp_to_single_mapping", None) or {}
+    return {mapping.get(name, name): tensor for name, tensor in named}
 
 
 def _trained(optimizer) -> list:

@@ -30,16 +30,18 @@ from harness.runners.paddle.train import clip_norm_and_factor
 RUNNER = "paddleformers_trainer"
 
 
-def attach(trainer, folder, *, model_config: dict, steps_kept="all"):
-    """A ``StepRecorderCallback`` added to `trainer`; returns it."""
-    callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept)
+def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
+    """A ``StepRecorderCallback`` added to `trainer`; returns it. `modules_at`: as ``PaddleStepRecorder``'s."""
+    callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
+                                    modules_at=modules_at)
     trainer.add_callback(callback)
     return callback
 
 
 class StepRecorderCallback(TrainerCallback):
-    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all"):
+    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
+        self.modules_at = modules_at
         self.recorder: PaddleStepRecorder | None = None
         self.losses, self.grads, self.lr, self.seen = [], None, None, None
         self.around_step = ExitStack()
@@ -84,6 +86,8 @@ class StepRecorderCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.around_step.close()
         vars(self.trainer).pop("training_step", None)
+        if self.recorder is not None:
+            self.recorder.close()
 
     def _recorder(self, args) -> PaddleStepRecorder:
         import paddleformers
@@ -107,7 +111,8 @@ class StepRecorderCallback(TrainerCallback):
                                                             "paddle_model runner's observer)",
                      "changes_computation": False}]
         return PaddleStepRecorder(self.folder, trainer.model, trainer.optimizer, self.model_config,
-                                  steps_kept=self.steps_kept, stated=stated, runner=RUNNER,
+                                  steps_kept=self.steps_kept, modules_at=self.modules_at, stated=stated,
+                                  runner=RUNNER,
                                   implementation=f"paddleformers.trainer.{type(trainer).__name__} training "
                                                  f"{type(trainer.model).__name__}",
                                   knobs=knobs, adapters=adapters,

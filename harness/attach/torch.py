@@ -30,8 +30,9 @@ from harness.attach.modules import ModuleSteps
 from harness.capture import module_file
 from harness.case.ops import carried_quantities, step_quantities
 from harness.case.train_settings import FIELDS, TrainSettings
-from harness.families import model_config
+from harness.families import DEFAULT, ModelConfigError, model_config
 from harness.families.names import NameMap
+from harness.families.own import OWN, SECTIONS, OwnNames
 from harness.optimizers import OPTIMIZERS
 from harness.run.protocol import META, env_flags, host_provenance
 from harness.run.steps import CAPTURE, StepWriter, state_locations, step_file
@@ -106,19 +107,21 @@ class StepRecorder:
         self.device = first.device
         self._common(folder, model_config, type(optimizer), dtype or str(first.dtype).removeprefix("torch."),
                      steps_kept, stated, runner, implementation, knobs, adapters, versions)
-        self.states = TorchStates.hf(model, self.m, NameMap.load(self.family, "hf"), optimizer,
+        self.states = TorchStates.hf(model, self.m, self.name_map, optimizer,
                                      carried_quantities(self.record_of), self.masters, fill_absent_grads=False)
         self.group = ranks.gather_group()  # every rank's losses, in global micro-batch order
         self._refuse_what_it_cannot_describe()
-        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now) if modules_at and self.rank == 0 \
-            else None
+        self.modules = ModuleSteps(model, self.m, modules_at, self._step_now, self.own, self.stack,
+                                   self._module_names()) if modules_at and self.rank == 0 else None
 
     def _common(self, folder, model_config, optimizer_class, dtype: str, steps_kept, stated, runner,
                 implementation, knobs, adapters, versions) -> None:
         """What every recorder sets up: the model's config, the optimizer's record, the steps kept, the writer."""
         self.folder, self.runner = Path(folder), runner
-        self.m = _model(model_config)
+        self.m, self.own = self._model_and_names(model_config)
         self.family = self.m.family
+        self.name_map = self.own.name_map() if self.own else NameMap.load(self.family, self._name_section(),
+                                                                          model=self.m)
         name = TORCH_OPTIMIZERS.get(optimizer_class.__name__)
         if name is None:
             raise AttachError(f"optimizer {optimizer_class.__module__}.{optimizer_class.__name__}: the recorder "
@@ -143,7 +146,33 @@ class StepRecorder:
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
         self.versions = {**self._versions(), **(versions or {})}
 
+    def _model_and_names(self, config) -> tuple:
+        """(the model's config, None), or for a model without a family record (``{"family": "own"}``, optionally
+        with ``"name_map": FILE``) its canonical parameters and its names (``harness.families.own``)."""
+        if not (isinstance(config, dict) and config.get("family") == OWN):
+            return _model(config), None
+        if self.stack not in SECTIONS:
+            raise AttachError(f"model_config family {OWN!r}: a model of its own is recorded by the torch and Paddle "
+                              f"recorders ({type(self).__name__} reads its family's [{self.stack}] name map)")
+        unknown = sorted(set(config) - {"family", "name_map"})
+        if unknown:
+            raise AttachError(f"model_config: unknown key {unknown[0]!r} of a model of its own (known: family, "
+                              "name_map)")
+        parameters = {name: tuple(int(d) for d in p.shape) for name, p in self.model.named_parameters()}
+        try:
+            names = OwnNames.read(config.get("name_map"), self.stack, parameters, self._module_names())
+        except ModelConfigError as error:
+            raise AttachError(str(error)) from None
+        return names.canonical(parameters), names
+
     # --- what differs by framework (torch here; harness.attach.paddle overrides) --------------------------------
+    def _name_section(self) -> str:
+        """The family's name-map section the model's names are read through."""
+        return self.stack
+
+    def _module_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_modules() if name]
+
     def _rank_and_world(self) -> tuple[int, int]:
         if torch.distributed.is_initialized():
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -176,9 +205,17 @@ class StepRecorder:
         unread = self._unread_parameters()
         if unread:
             raise AttachError(f"trained parameters {', '.join(unread[:5])}{' ...' if len(unread) > 5 else ''} "
-                              f"({len(unread)}): in the optimizer's param groups, read by no rule of the "
-                              f"{self.family} name map ([{self.stack}] section): their training would not be "
-                              "recorded; train them in another optimizer, or record a model the family describes")
+                              f"({len(unread)}): in the optimizer's param groups, read by no rule of "
+                              f"{self.map_described()}: their training would not be recorded; name them in the "
+                              "map, train them in another optimizer, or record a model the map describes")
+
+    def map_described(self) -> str:
+        """The name map the state is read through, for a message: the family's section, or the user's file."""
+        if self.own is None:
+            return f"the {self.family} name map ([{self._name_section()}] section)"
+        if self.own.path is None:
+            return "the model's own names (no name map given)"
+        return f"the name map {self.own.path} ([{SECTIONS[self.stack]}.grads])"
 
     def _check_masters(self) -> None:
         """A bfloat16 loop trains fp32 masters and any other dtype none (what a training case's settings allow)."""
@@ -318,7 +355,7 @@ class StepRecorder:
         self.writer.write(step, scalars, self.states.step_outputs(grads))
         if self.modules is not None and step in self.modules.steps:
             module_file(self.folder, step).parent.mkdir(exist_ok=True)
-            save_on_host(self.modules.take(), str(module_file(self.folder, step)), {})
+            save_on_host(self.modules.take(), str(module_file(self.folder, step)), self.modules.metadata())
         self.steps.append({"step": step, "lr": float(lr), **({"without_grad": without} if without else {})})
         self.write_meta()
 
@@ -381,7 +418,8 @@ class StepRecorder:
                 "python": sys.version.split()[0], "executable": sys.executable, "rank": self.rank,
                 "world_size": self.world, "steps_kept": self.kept_setting if isinstance(self.kept_setting, str)
                 else sorted(self.kept_setting),
-                "state_locations": state_locations(self.family, self.stack, self.record_of,
+                # a model of its own is kept where any model of its stack is: the default family's table says where
+                "state_locations": state_locations(DEFAULT if self.own else self.family, self.stack, self.record_of,
                                                    step_quantities(self.record_of)),
                 **provenance, **self._meta_notes(),
                 CAPTURE: {"dtype": self.dtype, "device": provenance["device"], "tokens": None,
@@ -397,7 +435,8 @@ class StepRecorder:
         stopped the recording."""
         modules = {"modules_at": sorted(self.modules.steps),
                    "modules_not_captured": self.modules.not_captured} if self.modules is not None else {}
-        return {**modules, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
+        own = {"name_map": str(self.own.path) if self.own.path else None} if self.own else {}
+        return {**modules, **own, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
                 **({"stopped": self.stopped} if self.stopped else {})}
 
 

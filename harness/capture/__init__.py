@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 MODULES_DIR = "modules"  # a recorder's modules_at files beside its step files (harness.attach.modules)
+MODULE_ORDER = "order"  # a module file's metadata entry: a model of its own's modules in the order its forward ran
 
 
 def module_file(folder, step: int) -> Path:

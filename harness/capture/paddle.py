@@ -63,6 +63,7 @@ class Capture:
         self.zero_grads: list[str] = []
         self.write_seconds = 0.0
         self._seen: dict[str, dict[str, np.ndarray]] = {}  # framework sublayer path -> {"input"/"output": array}
+        self.ran: list[str] = []  # the framework sublayer paths seen, in the order the forward reached them
         self._hooked: set[tuple[str, bool]] = set()
         self._handles: list = []
         self._module_rules: dict = {}
@@ -107,6 +108,8 @@ class Capture:
                     path, "output", output[0] if isinstance(output, (tuple, list)) else output)))
 
     def _store(self, path: str, what: str, tensor) -> None:
+        if not self._seen[path]:
+            self.ran.append(path)
         if what in self._seen[path]:
             self._seen[path]["_repeated"] = True
         self._seen[path][what] = to_host(tensor)

@@ -52,6 +52,7 @@ class Capture:
         self.not_captured: dict[str, str] = {}
         self.zero_grads: list[str] = []
         self._seen: dict[str, dict[str, torch.Tensor]] = {}  # framework module path -> {"input"/"output": tensor}
+        self.ran: list[str] = []  # the framework module paths seen, in the order the forward reached them
         self._hooked: set[tuple[str, bool]] = set()
         self._handles: list = []
         self._module_rules: dict[str, Rule] = {}
@@ -90,6 +91,8 @@ class Capture:
             self._handles.append(module.register_forward_hook(post))
 
     def _store(self, path: str, what: str, tensor: torch.Tensor) -> None:
+        if not self._seen[path]:
+            self.ran.append(path)
         if what in self._seen[path]:
             self._seen[path]["_repeated"] = True
         self._seen[path][what] = tensor.detach().clone()

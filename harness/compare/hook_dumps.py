@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness.compare.dumps import DumpError, read_name_map
-from harness.compare.loss_logs import ANSI
+from harness.compare.loss_logs import ANSI, step_summary
 from harness.compare.tensors import DIFF, EQUAL, MISSING, SHAPE_MISMATCH, TensorComparison
 
 MARKER = re.compile(r"\[DUMP \w+\]")
@@ -178,7 +178,7 @@ def compare(a: DumpRun, b: DumpRun) -> tuple[list[TensorComparison], dict]:
     names = sorted({*a.records, *b.records}, key=lambda n: (a.records.get(n) or b.records[n]).key)
     rows = [_compare(name, a.records.get(name), b.records.get(name)) for name in names]
     records = {**b.records, **a.records}
-    steps = [_summarise(step, [row for row in rows if row.name.startswith(f"step{step}.")])
+    steps = [step_summary(step, [row for row in rows if row.name.startswith(f"step{step}.")])
              for step in range(1, max(a.steps, b.steps) + 1)]
     first = next((row for row in rows if row.status != EQUAL), None)
     divergence = None
@@ -208,18 +208,3 @@ def _compare(name: str, a: Record | None, b: Record | None) -> TensorComparison:
     return TensorComparison(name, EQUAL if a.md5 == b.md5 else DIFF, shape=list(a.shape),
                             note=f"compared by md5 ({a.md5} vs {b.md5}; {where})")
 
-
-def _summarise(step: int, rows: list[TensorComparison]) -> dict:
-    quantities = {}
-    for row in rows:
-        counts = quantities.setdefault(row.name.split(".")[1], {"equal": 0, "total": 0, "differing": []})
-        counts["total"] += 1
-        if row.status == EQUAL:
-            counts["equal"] += 1
-        elif len(counts["differing"]) < 20:
-            counts["differing"].append(row.name)
-    first = next((row.name for row in rows if row.status != EQUAL), None)
-    verdict = ("BITWISE_PASS" if first is None else "DIFF" if all(row.status in (EQUAL, DIFF) for row in rows)
-               else "ERROR")
-    return {"step": step, "verdict": verdict, "first_divergence": first, "kept": False, "scalars": {},
-            "quantities": quantities}

@@ -302,15 +302,26 @@ def _not_finite(record: Record) -> bool:
 
 
 def _summarise(step: int, rows: list[TensorComparison], a: LossRun, b: LossRun) -> dict:
-    scalars, quantities = {}, {}
+    scalars = {}
     for row in rows:
-        quantity = row.name.split(".")[1]
-        if quantity == "loss":  # loss.json: one scalar a step, shown as the training level shows its loss
+        if row.name.split(".")[1] == "loss":  # loss.json: one scalar a step, shown as the training level shows its loss
             va, vb = a.records.get(row.name), b.records.get(row.name)
             scalars["loss"] = {"a": float(va.value[0]) if va else None, "b": float(vb.value[0]) if vb else None,
                                "equal": row.status == EQUAL if va and vb else None, "unit": "float64 ULP",
                                "ulps": float(row.max_ulp) if row.status in (EQUAL, DIFF) else None,
                                "note": "" if va and vb else f"not written by run {'B' if va else 'A'}"}
+    return step_summary(step, rows, scalars, ORDER)
+
+
+def step_summary(step: int, rows: list[TensorComparison], scalars: dict | None = None, order=None) -> dict:
+    """One step of a run compared record by record (loss logs, hook dumps), as the training level's per-step table
+    reads it: its verdict (ERROR where a record is missing, misshapen or not finite: no verdict of bits), its first
+    differing record, and per quantity (``step{k}.<quantity>...``; those in `scalars` aside, in `order` where given)
+    how many records are equal and the first 20 that differ."""
+    quantities = {}
+    for row in rows:
+        quantity = row.name.split(".")[1]
+        if quantity in (scalars or {}):
             continue
         counts = quantities.setdefault(quantity, {"equal": 0, "total": 0, "differing": []})
         counts["total"] += 1
@@ -320,7 +331,6 @@ def _summarise(step: int, rows: list[TensorComparison], a: LossRun, b: LossRun) 
             counts["differing"].append(row.name)
     first = next((row.name for row in rows if row.status != EQUAL), None)
     verdict = ("BITWISE_PASS" if first is None else "DIFF" if all(row.status in (EQUAL, DIFF) for row in rows)
-               else "ERROR")  # a missing, misshapen or non-finite record: no verdict of bits
-    return {"step": step, "verdict": verdict, "first_divergence": first,
-            "kept": False, "scalars": scalars,
-            "quantities": {q: quantities[q] for q in ORDER if q in quantities}}
+               else "ERROR")
+    return {"step": step, "verdict": verdict, "first_divergence": first, "kept": False, "scalars": scalars or {},
+            "quantities": quantities if order is None else {q: quantities[q] for q in order if q in quantities}}

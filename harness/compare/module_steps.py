@@ -11,16 +11,19 @@ naming the first one; a step captured by one run only is a note.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from harness.capture import GRAD, MODULES_DIR, module_file
+from harness.capture import GRAD, MODULE_ORDER, MODULES_DIR, module_file
 from harness.compare.captured_runs import CapturedRun, RunError
 from harness.compare.tensors import EQUAL, TensorComparison, compare_tensor
 from harness.families import family_of, model_config
+from harness.families.own import OWN
 
 STEP = re.compile(r"step(\d+)\.safetensors")
 
@@ -44,10 +47,10 @@ def compare(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None, count: in
     steps = sorted(s for s in mine & theirs if s <= count)
     if not steps:
         return [], None, notes
-    order = _order(a)
     rows, first = [], None
     for step in steps:
         tensors = [_load(run, step) for run in (a, b)]
+        order = _order(a, step)
         names = sorted(tensors[0], key=order)
         if set(tensors[0]) != set(tensors[1]):
             other = next(n for n in sorted({*tensors[0], *tensors[1]}, key=order)
@@ -67,11 +70,15 @@ def compare(a: CapturedRun, b: CapturedRun, truth: CapturedRun | None, count: in
     return rows, {"steps": steps, "first_divergence": first}, notes
 
 
-def _order(run: CapturedRun):
+def _order(run: CapturedRun, step: int):
     """Sort key of ``mb{i}.module.<name>`` and ``mb{i}.refeed.grad_output.<name>``: the micro-batch, then the outputs
-    in the family's forward order of modules, then the gradients in the backward's (the reverse)."""
+    in the family's forward order of modules (a model of its own: the order its forward reached them, as the module
+    file's metadata says), then the gradients in the backward's (the reverse)."""
     m = model_config(run.model)
-    position = {spec.name.removeprefix("module."): i for i, spec in enumerate(family_of(m.family).modules(m, 1))}
+    if m.family == OWN:
+        position = {name: i for i, name in enumerate(_forward_order(run, step))}
+    else:
+        position = {spec.name.removeprefix("module."): i for i, spec in enumerate(family_of(m.family).modules(m, 1))}
 
     def key(name: str) -> tuple:
         micro_batch, _, held = name.partition(".")
@@ -80,6 +87,20 @@ def _order(run: CapturedRun):
         at = position.get(module, len(position))
         return int(micro_batch[2:]), gradient, -at if gradient else at, module
     return key
+
+
+def _forward_order(run: CapturedRun, step: int) -> list[str]:
+    """A model of its own's modules in the order its forward reached them (``harness.capture.MODULE_ORDER``)."""
+    path = module_file(run.folder, step)
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            order = json.loads((handle.metadata() or {})[MODULE_ORDER])
+    except (OSError, ValueError, KeyError) as error:
+        raise RunError(f"{path}: no readable module order in its metadata ({type(error).__name__}: {error}): a "
+                       "model of its own's modules are compared in the order its forward ran them") from None
+    if not isinstance(order, list) or not all(isinstance(name, str) for name in order):
+        raise RunError(f"{path}: metadata {MODULE_ORDER!r} must be a list of module names (got {order!r})")
+    return order
 
 
 def _load(run: CapturedRun, step: int) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from harness.families.architecture import Architecture
 from harness.families.config import FamilyConfig, ModelConfigError
+from harness.families.own import OWN, OwnModel
 from harness.families.record import Family, FamilyFileError
 
 DEFAULT = "deepseek_v3"  # the family of a config.model that names none
@@ -51,6 +52,8 @@ def model_config(model) -> FamilyConfig:
     ``config.model``) read by its family's ``from_dict``."""
     if not isinstance(model, Mapping):
         return model
+    if model.get("family") == OWN:  # a model the harness has no record of (harness.families.own)
+        return OwnModel.from_dict(model)
     return family_of(model.get("family", DEFAULT)).config.from_dict(model)
 
 

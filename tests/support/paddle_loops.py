@@ -10,6 +10,7 @@ routed experts get none, and Paddle's GLM MoE never calls those: they have no gr
 
 MODE:
 - ``loop`` / ``loop-recorded``: a dygraph loop, bare or with ``PaddleStepRecorder`` (OUT/run);
+- ``loop-modules``: recorded with ``modules_at=[2]`` (every module's output and output gradient at step 2);
 - ``loop-broken``: recorded, with the run's steps folder replaced by a file after step 1 (a disk that goes away):
   recording fails at step 2;
 - ``trainer`` / ``trainer-recorded``: PaddleFormers' ``Trainer``, bare or with ``attach`` (one line);
@@ -58,11 +59,11 @@ def adamw(model, **options):
     return paddle.optimizer.AdamW(**settings)
 
 
-def loop(out: Path, recorded: bool, broken: bool = False) -> dict:
+def loop(out: Path, recorded: bool, broken: bool = False, modules_at=()) -> dict:
     model = fresh_model(model_config(TINY_GLM), "float32")
     optimizer = adamw(model)
-    recorder = PaddleStepRecorder(out / "run", model, optimizer, TINY_GLM, stated={"clip_grad": 1.0}) \
-        if recorded else None
+    recorder = PaddleStepRecorder(out / "run", model, optimizer, TINY_GLM, stated={"clip_grad": 1.0},
+                                  modules_at=modules_at) if recorded else None
     data, without = batches(), {}
     for step in range(1, STEPS + 1):
         losses = []
@@ -86,6 +87,8 @@ def loop(out: Path, recorded: bool, broken: bool = False) -> dict:
                 shutil.rmtree(out / "run" / "steps")
                 (out / "run" / "steps").write_text("not a folder")
         optimizer.clear_grad()
+    if recorder is not None:
+        recorder.close()
     save_state(out, model, optimizer)
     return {"without_gradient": without}
 
@@ -137,6 +140,8 @@ def refusals(out: Path) -> dict:
     for p in frozen_head.extra_head.parameters():
         p.stop_gradient = True
     bf16 = fresh_model(m, "float32").to(dtype="bfloat16")
+    marked_fleet = fresh_model(m, "float32")
+    marked_fleet.is_fleet = True  # read through [paddlefleet]: GPTModel's names, which the dygraph model has not
     groups = [{"params": [p for p in model.parameters() if len(p.shape) > 1]},
               {"params": one_d, "weight_decay": 0.0}]
     momentum = paddle.optimizer.Momentum
@@ -158,6 +163,7 @@ def refusals(out: Path) -> dict:
         "an unmapped trained parameter": (with_head, lambda: adamw(with_head), {}),
         "an unmapped frozen parameter": (frozen_head, lambda: adamw(frozen_head), {}),
         "a wrapped model": (Wrapped(model), lambda: adamw(model), {}),
+        "a model marked is_fleet": (marked_fleet, lambda: adamw(marked_fleet), {}),
         "bf16 with masters": (bf16, lambda: adamw(bf16, multi_precision=True), {}),
     }
     found = {}
@@ -213,7 +219,8 @@ def main() -> None:
     warnings = Warnings()
     logging.getLogger("harness.attach").addHandler(warnings)
     if mode.startswith("loop"):
-        result = loop(out, recorded=mode != "loop", broken=mode == "loop-broken")
+        result = loop(out, recorded=mode != "loop", broken=mode == "loop-broken",
+                      modules_at=[2] if mode == "loop-modules" else ())
     elif mode.startswith("trainer"):
         result = trainer(out, recorded=mode == "trainer-recorded")
     else:
