@@ -13,6 +13,7 @@
 #   DEVICE   gpu or cpu                                                                                [gpu]
 #   RUNNERS  the stacks                                                                    [megatron torch]
 #   BATCH    the M of --versus batch                                                                 [1..64]
+#   JOBS     cases at a time                                                                             [1]
 #   CASES    the cases (table rows; NAME@TOKENS runs NAME at that token count)     [Kimi-K2's ops, below]
 #   OUT      if set: table.json, table.md and log.txt are written there (else in REPORTS)
 #   REPORTS  where the full runs go (runner outputs included)                       [reports/batch-<device>]
@@ -26,6 +27,7 @@ PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-gpu}
 RUNNERS=${RUNNERS:-megatron torch}
 BATCH=${BATCH:-1..64}
+JOBS=${JOBS:-1}  # cases run at a time (each its own processes; on a GPU host with many cores, 8 fit)
 # GEMMs of each projection (MLA q_a, kv_a, q_b, kv_b, attention out; the shared expert's fc1 and fc2; a routed
 # expert's fc1 and fc2 at 16 tokens: without Transformer Engine its grouped GEMM is one GEMM per expert, of these
 # shapes), then the rest of a layer. Routed experts, MoE combine and the LM loss mix rows by definition: refused.
@@ -54,17 +56,22 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
     grep -m1 "model name" /proc/cpuinfo
 } >> "$LOG" 2>&1
 
-for entry in "${cases[@]}"; do
-    case_name=${entry%@*}
-    tokens=()
+one() {  # one case on one stack over every M; its log apart, appended to the whole log when it ends
+    local entry=$1 runner=$2 case_name=${1%@*} tokens=() part="$REPORTS/$1-$2.log"
     [[ $entry == *@* ]] && tokens=(--tokens "${entry#*@}")
+    { echo "== $entry $runner"
+      "$PYTHON" -m harness compare "$case_name" "${tokens[@]}" --versus "batch=$BATCH" --runner "$runner" \
+          --device "$DEVICE" --no-oracle --reports "$REPORTS/$entry-$runner" 2>&1
+      echo "exit $?"; } > "$part"
+    cat "$part" >> "$LOG" && rm "$part"
+}
+for entry in "${cases[@]}"; do
     for runner in "${runners[@]}"; do
-        echo "== $entry $runner" >> "$LOG"
-        "$PYTHON" -m harness compare "$case_name" "${tokens[@]}" --versus "batch=$BATCH" --runner "$runner" \
-            --device "$DEVICE" --no-oracle --reports "$REPORTS/$entry-$runner" >> "$LOG" 2>&1
-        echo "exit $?" >> "$LOG"
+        while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done  # at most JOBS cases at a time
+        one "$entry" "$runner" &
     done
 done
+wait
 
 gpus=0
 [[ $DEVICE == gpu ]] && gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
