@@ -13,6 +13,9 @@ On a CUDA device where Triton imports, the same arithmetic runs fused in one ker
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from harness.run.bits128 import KEYS, MIXERS, finish, signed
@@ -118,19 +121,51 @@ def implementation(device: torch.device) -> str:
     return digest_triton.implementation() if _fused(device) else "bits128v1 in torch elementwise ops"
 
 
+class Digested(NamedTuple):
+    """A tensor digested when it was handed over (a gradient before clipping changes it in place), in place of a copy
+    of it: its dtype and shape (what a step file's ``layouts`` say) and its lane sums, still on its device."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    sums: torch.Tensor  # [S_0, S_1], int64, on the tensor's device
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 @torch.no_grad()
-def digests(tensors) -> list[str]:
-    """``bits128v1`` of each tensor (all on one device: a step's are), computed there; the lane sums of all of them
-    in one tensor, copied to the host once."""
-    tensors = list(tensors)
-    if not tensors:
-        return []
+def lane_sums_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every tensor's ``[S_0, S_1]`` as rows of one int64 tensor on their device (all on one: a step's are), not copied
+    to the host."""
     device = tensors[0].device
     for tensor in tensors:
         if tensor.device != device:
             raise ValueError(f"digests: a tensor on {tensor.device} among tensors on {device}")
-    sums = _fused_sums(tensors) if _fused(device) else torch.stack([lane_sums(t) for t in tensors])
-    return [finish(pair, t.numel() * t.element_size()) for pair, t in zip(sums.cpu().tolist(), tensors, strict=True)]
+    return _fused_sums(tensors) if _fused(device) else torch.stack([lane_sums(t) for t in tensors])
+
+
+def digest_now(tensors: dict[str, torch.Tensor]) -> dict[str, Digested]:
+    """Each tensor digested now, its lane sums left on its device (no synchronisation): what ``digests`` later
+    finishes as the tensor's digest, whatever happened to the tensor in between."""
+    if not tensors:
+        return {}
+    rows = lane_sums_rows(list(tensors.values()))
+    return {name: Digested(t.dtype, t.shape, row) for (name, t), row in zip(tensors.items(), rows, strict=True)}
+
+
+@torch.no_grad()
+def digests(tensors) -> list[str]:
+    """``bits128v1`` of each tensor (all on one device: a step's are), computed there, or finished from a
+    ``Digested``'s lane sums; the lane sums of all of them in one tensor, copied to the host once."""
+    items = list(tensors)
+    fresh = [t for t in items if not isinstance(t, Digested)]
+    rows = iter(lane_sums_rows(fresh)) if fresh else iter(())
+    sums = [item.sums if isinstance(item, Digested) else next(rows) for item in items]
+    if not sums:
+        return []
+    nbytes = [item.nbytes if isinstance(item, Digested) else item.numel() * item.element_size() for item in items]
+    return [finish(pair, size) for pair, size in zip(torch.stack(sums).cpu().tolist(), nbytes, strict=True)]
 
 
 def digest(tensor: torch.Tensor) -> str:

@@ -79,11 +79,11 @@ class TorchStates:
         rule = self.rules[name]
         return apply_rule(rule, [self.source(quantity, s) for s in rule.sources])
 
-    def grads(self) -> dict[str, torch.Tensor]:
+    def grads(self, copied: bool = True) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied (clipping and the step change them in
-        place), keyed ``grad.<p>``."""
+        place; not `copied`: to be digested at once), keyed ``grad.<p>``."""
         self.absent = set()
-        return {f"grad.{name}": tensor.clone() for name, tensor in self.canonical("grad").items()}
+        return {f"grad.{name}": tensor.clone() if copied else tensor for name, tensor in self.canonical("grad").items()}
 
     def step_outputs(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a step writes of the state, in the step's order (``harness.case.ops.step_quantities``): `grads` (from
