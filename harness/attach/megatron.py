@@ -27,7 +27,7 @@ from harness.runners.megatron.train import (
     MegatronStates,
     clip_scale,
     expert_shard,
-    held,
+    held_grads,
     routed_expert_names,
     step_outputs,
 )
@@ -87,28 +87,13 @@ class MegatronStepRecorder(StepRecorder):
         def observed_step(*args, **kwargs):
             # step() clips the gradients in place; a rank whose recording stopped reads nothing (held gathers: on
             # several ranks the others then wait, see docs/attach.md)
-            read = self.guard(lambda: (self._held_grads(), self.states.lr()))
+            read = self.guard(lambda: (held_grads(self.states, self._digests_early()), self.states.lr()))
             with clip_scale() as scales:
                 result = step(*args, **kwargs)
             self.pending = None if read is None else (*read, result, list(scales))
             return result
 
         self.optimizer.step = observed_step
-
-    def _held_grads(self) -> tuple[dict, dict]:
-        """``held``'s gradients (whole, pieces) as the step is handed them: copies, or on a step not kept and digested
-        on the device their digests (``Digested``)."""
-        if not self._digests_early():
-            return held(self.states, "grad", clone=True)
-        from harness.runners.torch.digest import digest_now
-
-        whole, pieces = held(self.states, "grad")
-        spans = [(name, start, end, values) for name, parts in pieces.items() for start, end, values in parts]
-        digested = digest_now({**whole, **{f"{name}[{start}:{end}]": v for name, start, end, v in spans}})
-        pieced: dict[str, list] = {}
-        for name, start, end, _ in spans:
-            pieced.setdefault(name, []).append((start, end, digested[f"{name}[{start}:{end}]"]))
-        return {name: digested[name] for name in whole}, pieced
 
     def close(self) -> None:
         """Remove the observer from the optimizer (its class's ``step`` again)."""

@@ -318,11 +318,7 @@ class StepRecorder:
         return self.guard(self._grads) or {}
 
     def _grads(self) -> dict:
-        if not self._digests_early():
-            return self.states.grads()
-        from harness.runners.torch.digest import digest_now
-
-        return digest_now(self.states.grads(copied=False))
+        return self.states.digest_grads() if self._digests_early() else self.states.grads()
 
     def clip_grad_norm_(self, parameters, max_norm: float):
         """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` as the loop would call it, returning (norm, the
@@ -362,7 +358,7 @@ class StepRecorder:
                 scalars[name] = torch.as_tensor(value).detach().reshape(())
         self.has_clip = self.has_clip or clip_coeff is not None
         without = sorted(self.states.absent)
-        self.writer.write(step, scalars, {**grads, **self.states.step_outputs({})})  # grads may be Digested
+        self.writer.write(step, scalars, self.states.step_outputs(grads))
         if self.modules is not None and step in self.modules.steps:
             module_file(self.folder, step).parent.mkdir(exist_ok=True)
             save_on_host(self.modules.take(), str(module_file(self.folder, step)), {})
