@@ -157,15 +157,22 @@ def digest_now(tensors: dict[str, torch.Tensor]) -> dict[str, Digested]:
 @torch.no_grad()
 def digests(tensors) -> list[str]:
     """``bits128v1`` of each tensor (all on one device: a step's are), computed there, or finished from a
-    ``Digested``'s lane sums; the lane sums of all of them in one tensor, copied to the host once."""
+    ``Digested``'s lane sums; the lane sums of all of them in one tensor, copied to the host once (a step's thousands
+    of tensors: no Python per tensor where none was digested early)."""
     items = list(tensors)
-    fresh = [t for t in items if not isinstance(t, Digested)]
-    rows = iter(lane_sums_rows(fresh)) if fresh else iter(())
-    sums = [item.sums if isinstance(item, Digested) else next(rows) for item in items]
-    if not sums:
+    if not items:
         return []
+    early = [i for i, item in enumerate(items) if isinstance(item, Digested)]
+    if not early:
+        sums = lane_sums_rows(items)
+    else:
+        fresh = [i for i, item in enumerate(items) if not isinstance(item, Digested)]
+        sums = torch.empty((len(items), 2), dtype=torch.int64, device=items[early[0]].sums.device)
+        sums[early] = torch.stack([items[i].sums for i in early])
+        if fresh:
+            sums[fresh] = lane_sums_rows([items[i] for i in fresh])
     nbytes = [item.nbytes if isinstance(item, Digested) else item.numel() * item.element_size() for item in items]
-    return [finish(pair, size) for pair, size in zip(torch.stack(sums).cpu().tolist(), nbytes, strict=True)]
+    return [finish(pair, size) for pair, size in zip(sums.cpu().tolist(), nbytes, strict=True)]
 
 
 def digest(tensor: torch.Tensor) -> str:
