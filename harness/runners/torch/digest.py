@@ -1,6 +1,8 @@
 """``bits128v1`` (harness.run.bits128: the definition) in torch, on the device that holds the tensor: the same code on
 a CPU and a GPU. A GPU tensor is digested on its GPU, in chunks of words (bounded temporaries), and only its two
-64-bit lane sums come to the host, all of a step's tensors in one copy.
+64-bit lane sums come to the host, finished on the device first (``finished``: the host formats only the hex digits),
+all of a step's tensors in one copy. A tensor can be digested when it is handed over and finished later (``Digested``:
+a gradient before clipping scales it in place).
 
 torch has no unsigned 64-bit arithmetic: the words are int64 (the same bits); a product or a sum of int64 wraps
 modulo 2^64 in two's complement, which is the unsigned arithmetic's bits; torch's ``>>`` on int64 is arithmetic, so a
@@ -18,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from harness.run.bits128 import KEYS, MIXERS, finish, signed
+from harness.run.bits128 import ALGORITHM, KEYS, MASK64, MIXERS, signed
 
 try:  # torch's CUDA builds bring Triton; its CPU builds do not
     from harness.runners.torch import digest_triton
@@ -33,6 +35,15 @@ FUSED_BATCH_BYTES = 4 << 30  # the words one Triton launch digests at most (abou
 def _logical_shift(x: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
     torch.bitwise_right_shift(x, shift, out=out)
     return out.bitwise_and_((1 << (64 - shift)) - 1)
+
+
+def _mix_(x: torch.Tensor, lane: int, scratch: torch.Tensor) -> torch.Tensor:
+    """``mix_L`` in place on int64 `x` (`scratch`: a tensor of its size)."""
+    s1, m1, s2, m2, s3 = MIXERS[lane]
+    for shift, multiplier in ((s1, m1), (s2, m2)):
+        x.bitwise_xor_(_logical_shift(x, shift, scratch))
+        x.mul_(signed(multiplier))
+    return x.bitwise_xor_(_logical_shift(x, s3, scratch))
 
 
 def _words(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -73,14 +84,8 @@ def lane_sums(tensor: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
             xs, ts, idx = x[:n], t[:n], index[:n]
             torch.arange(first + start, first + start + n, dtype=torch.int64, device=device, out=idx)
             for lane in (0, 1):
-                s1, m1, s2, m2, s3 = MIXERS[lane]
                 torch.mul(idx, signed(KEYS[lane]), out=xs)
-                xs.bitwise_xor_(part)
-                for shift, multiplier in ((s1, m1), (s2, m2)):
-                    xs.bitwise_xor_(_logical_shift(xs, shift, ts))
-                    xs.mul_(signed(multiplier))
-                xs.bitwise_xor_(_logical_shift(xs, s3, ts))
-                sums[lane] += xs.sum()
+                sums[lane] += _mix_(xs.bitwise_xor_(part), lane, ts).sum()
         first += words.numel()
     return sums
 
@@ -172,7 +177,20 @@ def digests(tensors) -> list[str]:
         if fresh:
             sums[fresh] = lane_sums_rows([items[i] for i in fresh])
     nbytes = [item.nbytes if isinstance(item, Digested) else item.numel() * item.element_size() for item in items]
-    return [finish(pair, size) for pair, size in zip(sums.cpu().tolist(), nbytes, strict=True)]
+    return finished(sums, nbytes)
+
+
+def finished(sums: torch.Tensor, nbytes: list[int]) -> list[str]:
+    """The digests of rows of lane sums (``bits128.finish``), finished where the sums are, all at once: only the
+    hex formatting is Python per tensor (``finish`` per tensor in Python cost 11 to 22 ms for a step's 3,200 tensors
+    on a loaded 2-core host, a tenth of Megatron's per-step overhead at full width)."""
+    x = sums ^ torch.tensor(nbytes, dtype=torch.int64, device=sums.device).unsqueeze(1)
+    x ^= torch.tensor([signed(k) for k in KEYS], dtype=torch.int64, device=sums.device)
+    scratch = torch.empty(len(nbytes), dtype=torch.int64, device=sums.device)
+    for lane in (0, 1):
+        column = x[:, lane].contiguous()
+        x[:, lane] = _mix_(column, lane, scratch)
+    return [f"{ALGORITHM}:{h0 & MASK64:016x}{h1 & MASK64:016x}" for h0, h1 in x.cpu().tolist()]
 
 
 def digest(tensor: torch.Tensor) -> str:
