@@ -6,6 +6,9 @@ training case's checkpoint and data (tests/support/train.py's tiny DeepSeek-V3: 
 
 - The loop's captured run is megatron_model's step files bit for bit (every tensor of every step, the routing bias
   Megatron moves included).
+- With ``--device-digests`` (no step kept, every tensor digested where it is: a GPU run's path on the CPU, the
+  gradients digested before the step clips them) the capture still equals megatron_model's step files bit for bit,
+  each digest checked against the kept tensor's host reference (issue 43).
 - A loop that leaves out Megatron-LM's ``finalize_model_grads_func`` is found at step 1's routing bias, nothing before.
 - The loop with the recorder ends with the loop's bits without it (every parameter, every optimizer state tensor).
 - Two captures, the Megatron loop's and the HF Trainer's (docs/examples/attach/hf_trainer.py), compared with
@@ -64,6 +67,18 @@ def test_a_megatron_loop_with_the_hook_gives_megatron_models_bits(compared, tmp_
     assert meta["runner"] == "megatron_loop" and set(meta["versions"]) == {"torch", "megatron-core"}
     assert meta["state_locations"] == builtin["state_locations"]
     assert meta["capture"]["config"]["train"]["weight_decay_params"] == "not_1d"
+
+
+def test_a_capture_digested_where_the_tensors_are_gives_megatron_models_bits(compared, tmp_path):
+    _, folders = compared
+    captured = run_example("megatron_loop.py", folders["a"], tmp_path / "loop", "--device-digests")
+    result, run_dir = compare_runs(folders["a"], captured, reports_dir=tmp_path)
+    tensors = json.loads((run_dir / "report.json").read_text())["tensors"]
+    assert result.verdict == "BITWISE_PASS" and result.exit_code == 0, result.message
+    assert len(result.tensors) == 344
+    assert sum(t["note"] == "compared by digest (step not kept)" for t in tensors) == 344 - 2 * 3  # lr, loss, norm
+    meta = json.loads((captured / "meta.json").read_text())
+    assert meta["steps_kept"] == "none" and meta["step_digests"] == "bits128v1 in torch elementwise ops"
 
 
 def test_the_recorded_loop_ends_with_the_unrecorded_loops_bits(compared, tmp_path):

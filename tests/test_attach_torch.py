@@ -17,6 +17,11 @@ DeepSeek-V3 of tests/support/train.py in HF transformers, initialised by transfo
   test double of the writer's save) stops the recording, not the loop: the loop trains to the end with the
   unrecorded loop's bits, one warning is logged, meta.json says at which step and why, and compare-runs refuses the
   run (ERROR) rather than passing the steps before (finding 10).
+- Digests where the tensors are (issue 43; ``digest_on_device=True``: a GPU's code path, bits128v1 in torch, with the
+  CPU's tensors, the gradients digested when handed over instead of copied): every digest of a step not kept is the
+  host reference's digest of the tensor a run keeping every step wrote, compare-runs passes the two runs, and one bit
+  flipped in one gradient is found at that gradient, the 41 others equal. ``steps_kept="auto"`` keeps every step of
+  a small model and none above ``KEEP_ALL_BYTES``.
 """
 
 import json
@@ -24,9 +29,13 @@ import logging
 
 import pytest
 import torch
+from safetensors.numpy import load_file
 
+from harness.attach import torch as attach_torch
 from harness.attach.torch import AttachError, StepRecorder
 from harness.commands.compare_runs import compare_runs
+from harness.run import bits128
+from harness.run.steps import read_header, step_file
 from tests.support.installed import absent
 from tests.support.torch_loop import DROPPED, assert_same_bits, disk_full_at_step_2, final_bits, tiny_model, train
 from tests.support.train import TINY_MODEL
@@ -147,3 +156,36 @@ def test_a_trainers_schedule_is_read_from_its_value_and_another_shape_is_refused
                                                           "constant_with_warmup")] == ["cosine"] * 2 + ["constant"] * 2
     with pytest.raises(AttachError, match=r"lr_scheduler_type 'linear': the training settings describe cosine"):
         decay_style(SchedulerType("linear"))
+
+
+FLIPPED = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # its canonical name is its HF name
+
+
+def test_digests_made_where_the_tensors_are_are_the_host_digests_and_find_one_flipped_bit(tmp_path):
+    kept, *_ = train(tmp_path / "kept")
+    device, *_ = train(tmp_path / "device", steps_kept="none", digest_on_device=True)
+    meta = json.loads((device / "meta.json").read_text())
+    assert meta["step_digests"] == "bits128v1 in torch elementwise ops" and meta["steps_kept"] == "none"
+    for step in (1, 2):
+        header, tensors = read_header(step_file(device, step)), load_file(step_file(kept, step))
+        assert not header.kept and set(header.layouts) == {f"step{step}.{s}" for s in ("lr", "loss", "grad_norm",
+                                                                                         "clip_coeff")}
+        assert header.digests == {name: bits128.digest_numpy(value) for name, value in tensors.items()
+                                  if name not in header.layouts}
+    result, _ = compare_runs(kept, device, reports_dir=tmp_path / "same")
+    assert result.verdict == "BITWISE_PASS", result.message
+    flipped, *_ = train(tmp_path / "flipped", steps_kept="none", digest_on_device=True, flip_grad=FLIPPED)
+    result, run_dir = compare_runs(device, flipped, reports_dir=tmp_path / "flip")
+    report = json.loads((run_dir / "report.json").read_text())["train"]
+    assert result.verdict == "DIFF", result.message
+    assert report["first_divergence"] == {"step": 1, "quantity": "grad", "tensor": f"step1.grad.{FLIPPED}"}
+    assert report["steps"][0]["quantities"]["grad"]["equal"] == 41, report["steps"][0]
+
+
+def test_auto_keeps_every_step_of_a_small_model_and_none_of_a_large_one(tmp_path, monkeypatch):
+    model = tiny_model()
+    small = StepRecorder(tmp_path / "small", model, torch.optim.AdamW(model.parameters()), TINY_MODEL)
+    assert small.kept_setting == "all" and small.writer.digests is None  # the CPU: the host's XXH3
+    monkeypatch.setattr(attach_torch, "KEEP_ALL_BYTES", small._state_bytes() - 1)
+    large = StepRecorder(tmp_path / "large", model, torch.optim.AdamW(model.parameters()), TINY_MODEL)
+    assert large.kept_setting == "none" and large.kept == set()

@@ -154,6 +154,26 @@ def test_torch_digests_several_tensors_with_one_host_copy():
         torch_digest.digests([as_torch(arrays[0]), torch.empty(3, device="meta")])
 
 
+def digested_then_zeroed(device: str = "cpu") -> tuple[list, list[str]]:
+    """Three tensors digested when handed over (``digest_now``), then all five zeroed in place (as clipping scales a
+    gradient after the recorder took it): the items a writer gets, and the digests they must give."""
+    arrays = [values(dtype, 33, seed) for seed, dtype in enumerate(DTYPES)]
+    tensors = [as_torch(a).to(device) for a in arrays]
+    early = torch_digest.digest_now({f"t{i}": t for i, t in enumerate(tensors[:3])})
+    for tensor in tensors:
+        tensor.zero_()
+    expected = [bits128.digest_numpy(a) for a in arrays[:3]] + [bits128.digest_numpy(np.zeros_like(a))
+                                                               for a in arrays[3:]]
+    return [*early.values(), *tensors[3:]], expected
+
+
+def test_a_tensor_digested_when_handed_over_keeps_the_digest_of_its_bits_then():
+    items, expected = digested_then_zeroed()
+    assert torch_digest.digests(items) == expected
+    assert steps.layout(items[0]) == ["bfloat16", [33]] and items[0].nbytes == 66
+    assert torch_digest.digest_now({}) == {}
+
+
 # --- in the step files ------------------------------------------------------------------------------------------------
 
 def _numpy_device_digests(tensors):
@@ -278,6 +298,8 @@ def test_on_the_gpu_torch_gives_the_host_references_bits(monkeypatch):
     assert torch_digest.digests([as_torch(a).cuda() for a in arrays]) == expected  # one launch
     monkeypatch.setattr(torch_digest, "FUSED_BATCH_BYTES", 100)  # a launch every few tensors
     assert torch_digest.digests([as_torch(a).cuda() for a in arrays]) == expected
+    items, expected = digested_then_zeroed("cuda")
+    assert torch_digest.digests(items) == expected and items[0].sums.device.type == "cuda"
     base = as_torch(values("bfloat16", (64, 48))).cuda()
     assert torch_digest.digest(base.T) == torch_digest.digest(base.T.contiguous().cpu())
     assert torch_digest.lane_sums(base).device.type == "cuda"

@@ -56,12 +56,14 @@ class Backpropagated(TorchFunctionMode):
         return self.seen[0]
 
 
-def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
+def attach(trainer, folder, *, model_config: dict, steps_kept="auto", modules_at=(),
+           digest_on_device: bool | None = None):
     """A ``StepRecorderCallback`` added to `trainer`; returns it. `model_config`: the model's config in the harness's
     form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``), or a model of its
-    own's (``{"family": "own"}``, optionally ``"name_map": FILE``: ``harness.families.own``)."""
+    own's (``{"family": "own"}``, optionally ``"name_map": FILE``: ``harness.families.own``); the other options are
+    ``StepRecorder``'s."""
     callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
-                                    modules_at=modules_at)
+                                    modules_at=modules_at, digest_on_device=digest_on_device)
     trainer.add_callback(callback)
     return callback
 
@@ -69,9 +71,10 @@ def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=
 class StepRecorderCallback(TrainerCallback):
     """Writes `folder`'s step files and meta.json after every optimizer step of `trainer` (see the module)."""
 
-    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
+    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="auto", modules_at=(),
+                 digest_on_device: bool | None = None):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
-        self.modules_at = modules_at
+        self.modules_at, self.digest_on_device = modules_at, digest_on_device
         self.recorder: StepRecorder | None = None
         self.restore: list = []
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
@@ -174,7 +177,7 @@ class StepRecorderCallback(TrainerCallback):
                                                                 "(ClipFactor, an observer)",
                      "changes_computation": False}]
         return StepRecorder(self.folder, model, optimizer, self.model_config, steps_kept=self.steps_kept,
-                            modules_at=self.modules_at, stated=stated,
+                            modules_at=self.modules_at, stated=stated, digest_on_device=self.digest_on_device,
                             runner=RUNNER, implementation=f"transformers.{type(trainer).__name__} "
                                                           f"({type(trainer).__module__}) training "
                                                           f"{type(model).__name__}",

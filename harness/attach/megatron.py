@@ -11,7 +11,8 @@ What is written and how it is read is megatron_model's training runner's (``harn
 parameter's main param and optimizer state from the chained optimizer that owns it), ``held`` and ``step_outputs`` for
 what a step writes, ``clip_scale`` for the clip factor Megatron applies. Megatron's ``optimizer.step()`` clips the
 gradients in place and returns only the norm, so the recorder puts one observer on the optimizer instance (changing
-nothing; ``close()`` removes it): around each ``step()`` it copies the gradients the step is handed and the lr, and sees
+nothing; ``close()`` removes it): around each ``step()`` it copies the gradients the step is handed (on a step not
+kept and digested on the device: digests them there instead, ``StepRecorder._digests_early``) and the lr, and sees
 the clip scale. `losses` are the step's micro-batch losses as the loop's loss function returned them (Megatron divides
 them in place by the token count and the micro-batches: the losses as backpropagated once the step returns).
 """
@@ -26,7 +27,7 @@ from harness.runners.megatron.train import (
     MegatronStates,
     clip_scale,
     expert_shard,
-    held,
+    held_grads,
     routed_expert_names,
     step_outputs,
 )
@@ -45,9 +46,9 @@ class MegatronStepRecorder(StepRecorder):
 
     stack = "megatron"
 
-    def __init__(self, folder, model_chunks, optimizer, model_config: dict, *, steps_kept="all",
+    def __init__(self, folder, model_chunks, optimizer, model_config: dict, *, steps_kept="auto",
                  stated: dict | None = None, runner: str = RUNNER, implementation: str = "",
-                 knobs: dict | None = None, adapters: list | None = None):
+                 knobs: dict | None = None, adapters: list | None = None, digest_on_device: bool | None = None):
         from megatron.core import __version__ as megatron_version
         from megatron.core import parallel_state
 
@@ -60,7 +61,7 @@ class MegatronStepRecorder(StepRecorder):
         read = {"lr": float(config.lr), "min_lr": float(config.min_lr or 0.0), "clip_grad": float(config.clip_grad)}
         self.optimizer, self.clipped = optimizer, config.clip_grad > 0
         first = next(iter(model.parameters()))
-        self.device = first.device
+        self.device, self.digest_on_device = first.device, digest_on_device
         self._common(folder, model_config, type(inner[0].optimizer), str(first.dtype).removeprefix("torch."),
                      steps_kept, {**read, **(stated or {})}, runner,
                      implementation or f"megatron.core {type(model).__name__} trained by the user's loop with "
@@ -86,7 +87,7 @@ class MegatronStepRecorder(StepRecorder):
         def observed_step(*args, **kwargs):
             # step() clips the gradients in place; a rank whose recording stopped reads nothing (held gathers: on
             # several ranks the others then wait, see docs/attach.md)
-            read = self.guard(lambda: (held(self.states, "grad", clone=True), self.states.lr()))
+            read = self.guard(lambda: (held_grads(self.states, self._digests_early()), self.states.lr()))
             with clip_scale() as scales:
                 result = step(*args, **kwargs)
             self.pending = None if read is None else (*read, result, list(scales))

@@ -113,6 +113,10 @@ class PaddleStepRecorder(StepRecorder):
     def _writes(self):
         return _save, lambda a: np.ascontiguousarray(a).view(np.uint8)
 
+    def _digest_on_device(self) -> bool:
+        """The host's XXH3, on any device (Paddle's bits128v1, harness.runners.paddle.digest, is not wired in here)."""
+        return False
+
     def _versions(self) -> dict:
         return {"paddlepaddle": paddle.__version__, "paddle_commit": paddle.version.commit}
 

@@ -14,6 +14,14 @@ alone knows, its schedule, from the caller).
 A recorder changes nothing in the loop it records, refuses at construction what its record could not describe
 (``_refuse_what_it_cannot_describe``), and never stops the loop: an error while recording stops the recording only,
 with a note in meta.json (``guard``, ``_stop``).
+
+Where it digests (issue 43): a step it does not keep is written as one digest per tensor, made where the tensor lives
+(``_digests``): on a GPU ``bits128v1`` on the GPU, as the built-in runners there (16 bytes a tensor come to the host,
+never the tensor), on the CPU the host's XXH3 as the runners on the CPU (both runs of a comparison digest alike);
+``digest_on_device=True`` takes the GPU's code path on the CPU too. On such a step the gradients are digested when the
+loop hands them over (before clipping changes them in place) instead of copied (``grads``): a full-width step's copy
+of every gradient is as large as the gradients. What it keeps by default (``steps_kept="auto"``): every step where a
+step's state is small (``KEEP_ALL_BYTES``), else none.
 """
 
 from __future__ import annotations
@@ -38,13 +46,16 @@ from harness.run.protocol import META, env_flags, host_provenance
 from harness.run.steps import CAPTURE, StepWriter, state_locations, step_file
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
-from harness.runners.torch.train_state import TorchStates, host_bytes, save_on_host
+from harness.runners.torch.train_state import TorchStates, digests_used, host_bytes, save_on_host
 
 # optimizer class (torch.optim's; paddle.optimizer's) -> the optimizer record (harness.optimizers) whose state it keeps
 TORCH_OPTIMIZERS = {"AdamW": "adamw", "SGD": "sgd", "Momentum": "sgd"}
 # what a caller may state about its loop that the optimizer does not show (TrainSettings' fields)
 STATED = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "clip_grad", "weight_decay_params",
           "expert_bias_update")
+# steps_kept="auto" keeps every step while a step's state (the optimizer's tensors times the quantities a step writes
+# of each) is at most this; above it, none: a full-width Kimi-K2 step is 79 GB, which would fill a disk in a few steps
+KEEP_ALL_BYTES = 4 << 30
 
 
 class _Every:
@@ -90,8 +101,10 @@ class StepRecorder:
     `model`: the HF model (its parameter and buffer names are the family's HF names); `model_config`: its config in
     the harness's form (``{"family": ..., <the family's HF config keys>}``, as a training case's ``config.model``);
     `optimizer`: the torch optimizer whose state is written (AdamW, or SGD with momentum); `masters`: {HF parameter
-    name: fp32 master} where the loop keeps them; `steps_kept`: "all", "none" or a list of steps (the others keep
-    their scalars and one digest per tensor); `modules_at`: steps at which every module's output of each micro-batch
+    name: fp32 master} where the loop keeps them; `steps_kept`: "all", "none", a list of steps (the others keep
+    their scalars and one digest per tensor) or "auto" ("all" where a step's state is at most KEEP_ALL_BYTES, else
+    "none"); `digest_on_device`: digest where the tensors are with bits128v1 (None: on a GPU, as the runners);
+    `modules_at`: steps at which every module's output of each micro-batch
     and its output gradient are written too, in canonical names (``harness.attach.modules``); `stated`: what only the
     loop knows (``STATED``: its schedule, its clipping), for the description; `runner`: who trained (``hf_trainer``,
     ``torch_loop``...); `implementation`, `knobs`, `adapters`, `versions`: into meta.json as a runner's."""
@@ -99,12 +112,12 @@ class StepRecorder:
     stack = "hf"  # the name map's section its state is read through, and meta.json's state locations
 
     def __init__(self, folder, model, optimizer, model_config: dict, *, dtype: str | None = None,
-                 masters: dict | None = None, steps_kept="all", modules_at=(), stated: dict | None = None,
+                 masters: dict | None = None, steps_kept="auto", modules_at=(), stated: dict | None = None,
                  runner: str = "torch_loop", implementation: str = "", knobs: dict | None = None,
-                 adapters: list | None = None, versions: dict | None = None):
+                 adapters: list | None = None, versions: dict | None = None, digest_on_device: bool | None = None):
         self.model, self.optimizer, self.masters = model, optimizer, masters or {}
         first = next(iter(model.parameters()))
-        self.device = first.device
+        self.device, self.digest_on_device = first.device, digest_on_device
         self._common(folder, model_config, type(optimizer), dtype or str(first.dtype).removeprefix("torch."),
                      steps_kept, stated, runner, implementation, knobs, adapters, versions)
         self.states = TorchStates.hf(model, self.m, self.name_map, optimizer,
@@ -134,10 +147,13 @@ class StepRecorder:
         self.stated = dict(stated or {})
         if steps_kept == "last":
             raise AttachError("steps_kept='last': the recorder does not know the last step ahead; give the steps")
+        if steps_kept == "auto":
+            steps_kept = "all" if self._state_bytes() <= KEEP_ALL_BYTES else "none"
         self.kept_setting = steps_kept
         self.kept = EVERY if steps_kept == "all" else set() if steps_kept == "none" else set(steps_kept)
         rank, self.world = self._rank_and_world()
-        self.writer = StepWriter(self.folder, [], *self._writes(), rank)
+        digests, self.digests_used = self._digests()
+        self.writer = StepWriter(self.folder, [], *self._writes(), rank, digests=digests)
         self.writer.kept = self.kept if rank == 0 else set()  # "all" of an unknown number of steps
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
         self.modules: ModuleSteps | None = None  # modules_at's hooks (the torch recorder's)
@@ -181,6 +197,29 @@ class StepRecorder:
     def _writes(self):
         """StepWriter's `save` and `raw_bytes`: the framework's."""
         return save_on_host, host_bytes
+
+    def _digests(self):
+        """StepWriter's `digests` and what meta.json calls them: bits128v1 where the tensors are (on a GPU, or asked
+        for), else None (the host's XXH3 of `raw_bytes`)."""
+        if not self._digest_on_device():
+            return None, digests_used(torch.device("cpu"))
+        from harness.runners.torch.digest import digests, implementation
+
+        digests([torch.zeros(1, dtype=torch.int64, device=self.device)])  # the kernel's build and load: here, once
+        return digests, implementation(self.device)
+
+    def _digest_on_device(self) -> bool:
+        return self.device.type != "cpu" if self.digest_on_device is None else self.digest_on_device
+
+    def _digests_early(self) -> bool:
+        """Whether this step's gradients are digested when handed over, not copied: a step not kept, digested where
+        the tensors are."""
+        return self.writer.digests is not None and self._step_now() not in self.writer.kept
+
+    def _state_bytes(self) -> int:
+        """About a step's state: the optimizer's tensors, each written as every quantity a step holds."""
+        held = sum(p.numel() * p.element_size() for group in self._groups() for p in group["params"])
+        return held * len(step_quantities(self.record_of))
 
     def _versions(self) -> dict:
         return {"torch": torch.__version__}
@@ -309,10 +348,14 @@ class StepRecorder:
             self.modules.close()
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """The gradients the optimizer is about to consume, canonical and copied: call after the last micro-batch's
-        backward, before clipping (it scales them in place). A parameter without a gradient reads as zeros (its
-        ``.grad`` left None) and is named in meta.json (``capture.steps[k].without_grad``)."""
-        return self.guard(self.states.grads) or {}
+        """The gradients the optimizer is about to consume, canonical and copied (on a step not kept and digested on
+        the device: digested, ``Digested``, not copied): call after the last micro-batch's backward, before clipping
+        (it scales them in place), and hand the result to ``record``. A parameter without a gradient reads as zeros
+        (its ``.grad`` left None) and is named in meta.json (``capture.steps[k].without_grad``)."""
+        return self.guard(self._grads) or {}
+
+    def _grads(self) -> dict:
+        return self.states.digest_grads() if self._digests_early() else self.states.grads()
 
     def clip_grad_norm_(self, parameters, max_norm: float):
         """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` as the loop would call it, returning (norm, the
@@ -417,7 +460,7 @@ class StepRecorder:
                 "host": host_provenance(), "env": env_flags(),
                 "python": sys.version.split()[0], "executable": sys.executable, "rank": self.rank,
                 "world_size": self.world, "steps_kept": self.kept_setting if isinstance(self.kept_setting, str)
-                else sorted(self.kept_setting),
+                else sorted(self.kept_setting), "step_digests": self.digests_used,
                 # a model of its own is kept where any model of its stack is: the default family's table says where
                 "state_locations": state_locations(DEFAULT if self.own else self.family, self.stack, self.record_of,
                                                    step_quantities(self.record_of)),

@@ -41,8 +41,8 @@ Why equal digests mean equal bits, and what it costs:
 The name ``bits128v1`` is in every digest, so a digest made another way (``xxh3_128:`` of the host path) never equals
 it. This module holds the definition's constants, the host reference (numpy) and the finish; the torch and Paddle
 implementations (``harness.runners.torch.digest``, ``harness.runners.paddle.digest``) compute ``S_0`` and ``S_1`` on
-the tensor's device with the same arithmetic in signed 64-bit integers (two's complement: the same bits), and finish
-with ``finish`` here.
+the tensor's device with the same arithmetic in signed 64-bit integers (two's complement: the same bits); Paddle's
+finishes with ``finish`` here, torch's a step's tensors at once where their sums are (``digest.finished``).
 """
 
 from __future__ import annotations

@@ -38,13 +38,15 @@ def optimizer_of(model, not_1d=True):
 
 
 def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, steps=2, writer=None, modules_at=(),
-          plant=None, plant_grad=None, float64=False):
+          plant=None, plant_grad=None, float64=False, digest_on_device=None, flip_grad=None):
     """The loop of docs/attach.md, "Any torch loop" (without a recorder where not `recorded`; `drop`: a parameter
     whose gradient a hook sets to None after each accumulation; `writer`: a test double put in place of the step
     writer's save; `modules_at`: the recorder's; `plant`: (module, call, amount or None: one ULP) added to the first
     element of that module's output at its call-th forward (tests/support/hook_dump_loops.py's ``plant``);
     `plant_grad`: (module, call): one ULP added to the gradient reaching that module's output at its call-th forward;
-    `float64`: the model in float64, a truth run). Returns the folder, the model and the optimizer."""
+    `float64`: the model in float64, a truth run; `digest_on_device`: the recorder's; `flip_grad`: a parameter whose
+    accumulated gradient gets its first element's lowest bit flipped at step 1's last backward). Returns the folder,
+    the model and the optimizer."""
     model = tiny_model().double() if float64 else tiny_model()
     if drop:
         model.get_parameter(drop).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -52,9 +54,11 @@ def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, st
         hook_dump_loops.plant(model.get_submodule(plant[0]), plant[1], torch, plant[2])
     if plant_grad:
         plant_gradient(model.get_submodule(plant_grad[0]), plant_grad[1])
+    if flip_grad:
+        flip_at_call(model.get_parameter(flip_grad), 2)
     optimizer = optimizer_of(model, not_1d)
     recorder = (StepRecorder(folder, model, optimizer, TINY_MODEL, steps_kept=steps_kept, stated={"clip_grad": 1.0},
-                             modules_at=modules_at) if recorded else None)
+                             modules_at=modules_at, digest_on_device=digest_on_device) if recorded else None)
     if writer:
         recorder.writer.save = writer(recorder.writer.save)
     data = torch.Generator().manual_seed(1)
@@ -100,6 +104,19 @@ def plant_gradient(module, call: int) -> None:
         if seen["calls"] == call:
             (output[0] if isinstance(output, tuple) else output).register_hook(bump)
     module.register_forward_hook(hook)
+
+
+def flip_at_call(param, call: int) -> None:
+    """After the `call`-th accumulation into `param`'s gradient, the lowest bit of its first element flipped (a
+    planted one-bit difference)."""
+    seen = {"calls": 0}
+
+    def flip(p):
+        seen["calls"] += 1
+        if seen["calls"] == call:
+            with torch.no_grad():
+                p.grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+    param.register_post_accumulate_grad_hook(flip)
 
 
 def final_bits(model, optimizer) -> dict:

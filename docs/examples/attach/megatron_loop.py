@@ -11,7 +11,9 @@ CPU (``CudaOnCpu``, see harness/runners/megatron/train.py); the loop is this fil
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func()`` with pretrain_gpt's loss
 function, ``optimizer.step()``, then the one call ``recorder.record(step, losses)``. ``--unrecorded`` trains without
 the recorder and ``--final-state FILE`` saves every parameter and optimizer state tensor at the end (rank 0's): the
-two show that the recorder changes nothing (tests/test_attach_megatron.py).
+two show that the recorder changes nothing (tests/test_attach_megatron.py). ``--device-digests`` keeps no step's
+tensors and digests them where they are, as a GPU run does (bits128v1 in torch, the gradients digested before the
+step clips them instead of copied), here on the CPU.
 """
 
 import argparse
@@ -43,6 +45,8 @@ def main() -> None:
                         help="leave config.finalize_model_grads_func unset, as a loop that skips Megatron-LM's setup")
     parser.add_argument("--unrecorded", action="store_true", help="train without the recorder")
     parser.add_argument("--final-state", type=Path, help="save the parameters and optimizer state at the end")
+    parser.add_argument("--device-digests", action="store_true",
+                        help="keep no step's tensors; digest them where they are (a GPU run's path)")
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     m, train = request["config"]["model"], request["config"]["train"]
@@ -81,7 +85,9 @@ def main() -> None:
             lr_decay_style=train["decay_style"], start_wd=train["weight_decay"], end_wd=train["weight_decay"],
             wd_incr_steps=train["decay_steps"], wd_incr_style="constant")
     schedule = {key: train[key] for key in ("warmup_steps", "decay_style", "decay_steps")}
-    recorder = None if args.unrecorded else MegatronStepRecorder(args.out, [ddp], optimizer, m, stated=schedule)
+    digests = {"steps_kept": "none", "digest_on_device": True} if args.device_digests else {}
+    recorder = None if args.unrecorded else MegatronStepRecorder(args.out, [ddp], optimizer, m, stated=schedule,
+                                                                 **digests)
     for step in range(1, train["steps"] + 1):
         batches = [(checkpoint[f"step{step}.mb{mb}.input_ids"].view(1, -1),
                     checkpoint[f"step{step}.mb{mb}.labels"].view(1, -1))
@@ -115,8 +121,8 @@ def train_step(model_chunks, optimizer, scheduler, batches):
     def forward_step(data, model):  # pretrain_gpt.py's forward_step and loss_func
         ids, labels = next(data)
         t = ids.shape[1]
-        position_ids = torch.arange(t).view(1, -1)
-        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1).view(1, 1, t, t)
+        position_ids = torch.arange(t, device=ids.device).view(1, -1)
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=ids.device), diagonal=1).view(1, 1, t, t)
         mask = labels != -100
         output = model(ids, position_ids, causal, labels=torch.where(mask, labels, torch.zeros_like(labels)))
 

@@ -184,8 +184,9 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         with phases(f"step {step}"):
             if refeed:
                 load_state(states, refeed, step, states.set_lr)
+            digested = writer.digests is not None and step not in writer.kept  # its gradients: digests, no copy
             scalars, tensors, pieces, doubles = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train,
-                                                           dtype, refeed, rank, mode)
+                                                           dtype, refeed, rank, mode, digested)
             if scalars:
                 writer.write(step, scalars, tensors, pieces, doubles)
             if flips_here(train.flip, step, rank):
@@ -263,11 +264,12 @@ def expert_shard(names: dict, experts: int, expert_parallel: int, ep_rank: int) 
 
 
 def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: TrainSettings, dtype, refeed,
-               rank: int = 0, mode=None):
+               rank: int = 0, mode=None, digest_grads: bool = False):
     """Megatron-LM's train_step: zero the grad buffer, forward/backward over this rank's micro-batches,
     optimizer.step(), scheduler.step(increment=1). `mode` (the CPU adapters' TorchFunctionMode) is entered around
     Megatron's calls only: the harness's reading of the state between them is not Megatron's code and would pay the
-    mode's Python on each of its torch calls (310,000 of the 675,000 a 10-step CPU profile passed through it)."""
+    mode's Python on each of its torch calls (310,000 of the 675,000 a 10-step CPU profile passed through it).
+    `digest_grads`: the gradients digested on the device before the step clips them, not copied (``held_grads``)."""
     mode = mode or _nothing
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -306,7 +308,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
         load_grads(states, refeed, step)
     lr = states.lr()
     bare = train.bare  # bench_speed: Megatron's calls alone, nothing observed or written
-    tensors, pieces = ({}, {}) if bare else held(states, "grad", clone=True)  # optimizer.step() clips them in place
+    tensors, pieces = ({}, {}) if bare else held_grads(states, digest_grads)  # optimizer.step() clips them in place
     with nullcontext([]) if bare else clip_scale() as scales, mode():
         update_successful, grad_norm, _ = optimizer.step()
     if not update_successful:
@@ -324,8 +326,8 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
 def step_outputs(states, losses, lr: float, grads: tuple[dict, dict], grad_norm, scales: list, clipped: bool,
                  dp: int, dtype) -> tuple[dict, dict, dict, dict]:
     """What a step writes, after Megatron's ``optimizer.step()``: (scalars, tensors, pieces, doubles) for
-    ``StepWriter.write``. `losses` the step's micro-batch losses as backpropagated, `grads` ``held(states, "grad",
-    clone=True)`` taken before the step, `grad_norm` the step's return, `scales` what ``clip_scale`` saw. The one
+    ``StepWriter.write``. `losses` the step's micro-batch losses as backpropagated, `grads` ``held_grads`` taken
+    before the step, `grad_norm` the step's return, `scales` what ``clip_scale`` saw. The one
     reader of this runner and of the recorder in a user's Megatron-Core loop (``harness.attach``)."""
     tensors, pieces = dict(grads[0]), dict(grads[1])
     wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -349,6 +351,23 @@ def step_outputs(states, losses, lr: float, grads: tuple[dict, dict], grad_norm,
     # a float64 case gets it upcast, exactly
     tensors.update({f"expert_bias.{name}": buffer.to(wide) for name, buffer in states.buffers.items()})
     return scalars, tensors, pieces, doubles  # on the device: host copies one at a time
+
+
+def held_grads(states, digested: bool) -> tuple[dict, dict]:
+    """``held``'s gradients as ``optimizer.step()`` is handed them (it clips them in place): copies, or where the step
+    is not kept and its digests are made on the device, digests made now (``Digested``), no copy of every gradient
+    (Megatron's fp32 main grads: 17.6 GB at full width)."""
+    if not digested:
+        return held(states, "grad", clone=True)
+    from harness.runners.torch.digest import digest_now
+
+    whole, pieces = held(states, "grad")
+    spans = [(name, start, end, values) for name, parts in pieces.items() for start, end, values in parts]
+    made = digest_now({**whole, **{f"{name}[{start}:{end}]": values for name, start, end, values in spans}})
+    pieced: dict[str, list] = {}
+    for name, start, end, _ in spans:
+        pieced.setdefault(name, []).append((start, end, made[f"{name}[{start}:{end}]"]))
+    return {name: made[name] for name in whole}, pieced
 
 
 def held(states, quantity: str, clone: bool = False) -> tuple[dict, dict]:

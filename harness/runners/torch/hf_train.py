@@ -109,7 +109,8 @@ def _run(request: dict, phases: Phases, typed, hf, transformers, float64_mode: d
         with phases(f"step {step}"):
             if refeed:  # side a's state after the previous step, and its lr for this one
                 load_state(trainer.states, refeed, step, trainer.set_lr)
-            scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed)
+            digested = writer.digests is not None and step not in writer.kept  # its gradients: digests, no copy
+            scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed, digested)
             if scalars:
                 writer.write(step, scalars, states)
             if flips_here(train.flip, step, rank):
@@ -178,7 +179,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, step: int, checkpoint: dict, dtype, vocab: int, refeed: dict | None):
+    def step(self, step: int, checkpoint: dict, dtype, vocab: int, refeed: dict | None, digest_grads: bool = False):
+        """One optimizer step; `digest_grads`: the gradients digested on the device before clipping, not copied."""
         model, n = self.model, len(self.mine)
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -212,7 +214,7 @@ class Trainer:
         if len(lrs) != 1:
             raise RuntimeError(f"param groups disagree on the lr: {sorted(lrs)}")
         bare = self.train.bare  # bench_speed: the stack's calls alone, nothing observed or written
-        grads = {} if bare else self.states.grads()
+        grads = {} if bare else self.states.digest_grads() if digest_grads else self.states.grads()
         optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
         clipping = {}  # without clipping torch computes neither a norm nor a factor: none is written as its own
         if self.train.clip_grad > 0:

@@ -79,24 +79,31 @@ class TorchStates:
         rule = self.rules[name]
         return apply_rule(rule, [self.source(quantity, s) for s in rule.sources])
 
-    def grads(self) -> dict[str, torch.Tensor]:
+    def grads(self, copied: bool = True) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied (clipping and the step change them in
-        place), keyed ``grad.<p>``."""
+        place; not `copied`: to be digested at once), keyed ``grad.<p>``."""
         self.absent = set()
-        return {f"grad.{name}": tensor.clone() for name, tensor in self.canonical("grad").items()}
+        return {f"grad.{name}": tensor.clone() if copied else tensor for name, tensor in self.canonical("grad").items()}
 
-    def step_outputs(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What a step writes of the state, in the step's order (``harness.case.ops.step_quantities``): `grads` (from
-        ``grads()``), then, after the optimizer's step, what it hands to the next (``carried``: the optimizer's state,
-        the masters where there are any, the parameters) and the routing biases. The one reader of hf_model's runner
-        and of the recorder in a user's torch loop (``harness.attach``)."""
-        states = dict(grads)
+    def digest_grads(self) -> dict:
+        """``grads()`` digested where they are instead of copied (``harness.runners.torch.digest.Digested``): what a
+        step that is not kept writes of them, without a copy of every gradient (17.6 GB at full width)."""
+        from harness.runners.torch.digest import digest_now
+
+        return digest_now(self.grads(copied=False))
+
+    def step_outputs(self, grads: dict) -> dict:
+        """What a step writes of the state, in the step's order (``harness.case.ops.step_quantities``): `grads` as
+        ``grads()`` or ``digest_grads()`` gave them, then, after the optimizer's step, what it hands to the next
+        (``carried``: the optimizer's state, the masters where there are any, the parameters) and the routing biases.
+        The one reader of hf_model's runner and of the recorder in a user's torch loop (``harness.attach``)."""
+        states = {}
         for quantity in self.carried:
             if quantity == "master" and not self.masters:
                 continue
             states.update({f"{quantity}.{name}": tensor for name, tensor in self.canonical(quantity).items()})
         states.update({f"expert_bias.{name}": buffer for name, buffer in self.buffers.items()})
-        return {name: tensor.detach() for name, tensor in states.items()}
+        return {**grads, **{name: tensor.detach() for name, tensor in states.items()}}
 
     @torch.no_grad()
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
