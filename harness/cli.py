@@ -17,7 +17,17 @@ from harness.case.checkpoints import CHECKPOINTS_DIR
 from harness.case.ops import KNOBS
 from harness.case.registry import CASES_DIR, RUNNERS, CaseError, Registry
 from harness.case.select import SELECT_HELP, SelectError, select
-from harness.commands import baseline, compare_runs, doctor, gate_matrix, nightly, nightly_merge, publish, sweep
+from harness.commands import (
+    baseline,
+    compare_runs,
+    doctor,
+    gate_matrix,
+    nightly,
+    nightly_merge,
+    publish,
+    state_for,
+    sweep,
+)
 from harness.compare.result import EXIT_CODES
 from harness.levels import AXES
 from harness.pipeline import failsafe, run_folder
@@ -109,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_parser(commands)
     doctor.add_parser(commands)
     compare_runs.add_parser(commands)
+    state_for.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -133,6 +144,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return nightly_merge.main(args)
     if args.command == "compare-runs":
         return compare_runs.main(args)
+    if args.command == "state-for":
+        return state_for.main(args)
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")

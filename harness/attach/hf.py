@@ -25,11 +25,13 @@ records the step with the lr the step used. An error of an observer or of the re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
-from harness.attach.torch import StepRecorder, decay_style
+from harness.attach.torch import AttachError, StepRecorder, decay_style
 from harness.runners.torch.hf_train import ClipFactor
 
 RUNNER = "hf_trainer"
@@ -56,11 +58,13 @@ class Backpropagated(TorchFunctionMode):
         return self.seen[0]
 
 
-def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
+def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=(), state_from=None):
     """A ``StepRecorderCallback`` added to `trainer`; returns it. `model_config`: the model's config in the harness's
-    form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``)."""
+    form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``); `state_from`: a
+    state folder (``python -m harness state-for``) the step after its step starts from (``StepRecorder.
+    load_state``)."""
     callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
-                                    modules_at=modules_at)
+                                    modules_at=modules_at, state_from=state_from)
     trainer.add_callback(callback)
     return callback
 
@@ -68,9 +72,11 @@ def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=
 class StepRecorderCallback(TrainerCallback):
     """Writes `folder`'s step files and meta.json after every optimizer step of `trainer` (see the module)."""
 
-    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
+    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=(), state_from=None):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
         self.modules_at = modules_at
+        self.state_from = state_from  # loaded at the beginning of the step after the one it holds the state of
+        self.state_step = None if state_from is None else _state_step(state_from)
         self.recorder: StepRecorder | None = None
         self.restore: list = []
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
@@ -114,6 +120,8 @@ class StepRecorderCallback(TrainerCallback):
         if self.recorder is None:
             self.recorder = self._recorder(args)
             self._observe()
+        if state.global_step == self.state_step:
+            self.recorder.load_state(self.state_from)  # raises (the Trainer stops) rather than train un-re-fed
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -131,6 +139,8 @@ class StepRecorderCallback(TrainerCallback):
         self.recorder.record(state.global_step + 1, self.losses, self.lr, self.grads, self.norm, self.factor)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.state_step is not None and self.recorder is not None and self.recorder.refed is None:
+            self.recorder.guard(lambda: _never_loaded(self.state_from, state.global_step))
         self._unobserve()
         if self.recorder is not None:
             self.recorder.close()
@@ -178,3 +188,19 @@ class StepRecorderCallback(TrainerCallback):
                                                           f"({type(trainer).__module__}) training "
                                                           f"{type(model).__name__}",
                             knobs=knobs, adapters=adapters, versions={"transformers": transformers.__version__})
+
+
+def _state_step(folder) -> int:
+    """The step a state folder holds the state after (its state.json; checked in full when it is loaded)."""
+    import json
+
+    from harness.commands.state_for import ABOUT
+
+    try:
+        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
+
+
+def _never_loaded(folder, steps: int) -> None:
+    raise AttachError(f"state_from={str(folder)!r}: training ended after {steps} steps, before the step it was for")

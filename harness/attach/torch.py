@@ -139,6 +139,7 @@ class StepRecorder:
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
         self.modules: ModuleSteps | None = None  # modules_at's hooks (the torch recorder's)
         self.stopped: dict | None = None  # {"step", "error"} once an error stopped the recording
+        self.refed: dict | None = None  # {"from", "step", "state"} once another run's state was loaded
         self.listed: dict = {}  # optimizer flags meta.json lists (``_refuse_what_it_cannot_describe``)
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
         self.versions = {**self._versions(), **(versions or {})}
@@ -271,6 +272,33 @@ class StepRecorder:
         if self.modules is not None:
             self.modules.close()
 
+    def load_state(self, folder) -> None:
+        """Start the next step from another run's state (a folder ``python -m harness state-for RUN_A --step k --as
+        THIS_RUN`` wrote): call after step k's ``record`` and the scheduler's step, before step k + 1's forward.
+        Run A's parameters, masters, optimizer state and routing biases go into this loop's own tensors through its
+        name map, and run A's lr of step k + 1 into its param groups: the built-in re-feed in time's ``load_state``.
+        The step counters stay this loop's own (it made k steps too). AttachError, before anything is loaded, for a
+        state of another model, dtype, optimizer or masters setting, or of another step; meta.json then says the run
+        was re-fed (``capture.refed``), which ``compare-runs --refed`` reads."""
+        from harness.commands.state_for import about
+        from harness.runners.torch.train_state import load_state
+
+        try:
+            said = about(folder, self.m.to_dict(), self.record_of.name, self.dtype, self._has_masters())
+        except ValueError as error:
+            raise AttachError(str(error)) from None
+        if self.stopped is not None or self.refed is not None or len(self.steps) != said["step"]:
+            why = ("the recording stopped" if self.stopped is not None else "a state was loaded already"
+                   if self.refed is not None else f"{len(self.steps)} steps were recorded")
+            raise AttachError(f"{folder}: the state after step {said['step']} is loaded after step {said['step']}'s "
+                              f"record, once; {why}")
+        load_state(self.states, {"from": str(folder)}, said["step"] + 1, self._set_lr)
+        self.refed = {"from": said["from"], "step": said["step"], "state": str(Path(folder).resolve())}
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self._groups():
+            group["lr"] = lr
+
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied: call after the last micro-batch's
         backward, before clipping (it scales them in place). A parameter without a gradient reads as zeros (its
@@ -394,11 +422,11 @@ class StepRecorder:
 
     def _notes(self) -> dict:
         """What the description leaves out but the run holds: optimizer flags listed, not refused; where an error
-        stopped the recording."""
+        stopped the recording; whose state a step started from (``load_state``)."""
         modules = {"modules_at": sorted(self.modules.steps),
                    "modules_not_captured": self.modules.not_captured} if self.modules is not None else {}
         return {**modules, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
-                **({"stopped": self.stopped} if self.stopped else {})}
+                **({"stopped": self.stopped} if self.stopped else {}), **({"refed": self.refed} if self.refed else {})}
 
 
 def _model(config):
