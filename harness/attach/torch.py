@@ -374,12 +374,16 @@ class StepRecorder:
         """The optimizer's own settings, its lr and weight decay, and which parameters decay, from its groups."""
         groups = self._groups()
         decays = [g.get("weight_decay", 0.0) for g in groups]
-        exempt = [p for g in groups if g.get("weight_decay", 0.0) == 0 for p in g["params"]]
-        one_d = [p for g in groups for p in g["params"] if p.dim() <= 1]
+        exempt = [p for decay, params in self._decay_groups() if decay == 0 for p in params]
+        one_d = [p for _, params in self._decay_groups() for p in params if p.dim() <= 1]
         shown = ("all" if len(set(decays)) == 1 else
                  "not_1d" if {id(p) for p in exempt} == {id(p) for p in one_d} else "default")
         return {**self._optimizer_settings(groups[0]), "lr": max(g.get("initial_lr", g["lr"]) for g in groups),
                 "weight_decay": float(max(decays)), "weight_decay_params": shown}
+
+    def _decay_groups(self) -> list[tuple[float, list]]:
+        """Each param group's weight decay and the parameters it steps, in the model's shapes."""
+        return [(g.get("weight_decay", 0.0), g["params"]) for g in self._groups()]
 
     def _optimizer_settings(self, group: dict) -> dict:
         name = self.record_of.name

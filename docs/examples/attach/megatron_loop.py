@@ -13,8 +13,7 @@ function, ``optimizer.step()``, then the one call ``recorder.record(step, losses
 the recorder and ``--final-state FILE`` saves every parameter and optimizer state tensor at the end (rank 0's): the
 two show that the recorder changes nothing (tests/test_attach_megatron.py). ``--state-from DIR`` (a folder
 ``python -m harness state-for RUN_A --step k --as RUN_B`` wrote) loads run A's state after step k before step k + 1
-(``recorder.load_state``: the re-feed into this loop); ``--distributed-optimizer`` uses Megatron's distributed
-optimizer whatever the request says (tests/test_attach_refeed.py).
+(``recorder.load_state``: the re-feed into this loop; tests/test_attach_refeed_stacks.py).
 """
 
 import argparse
@@ -48,12 +47,10 @@ def main() -> None:
     parser.add_argument("--final-state", type=Path, help="save the parameters and optimizer state at the end")
     parser.add_argument("--state-from", type=Path, help="a state folder (python -m harness state-for) to load after "
                                                         "the step it holds the state of")
-    parser.add_argument("--distributed-optimizer", action="store_true", help="Megatron's distributed optimizer")
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     m, train = request["config"]["model"], request["config"]["train"]
     device, dtype = torch.device("cpu"), torch.float32
-    distributed = train["distributed_optimizer"] or args.distributed_optimizer
 
     # The user's model and data: here the case's checkpoint, built and loaded as the harness's runner does.
     if "RANK" in os.environ:  # torchrun: TP 1, every rank data parallel, train.ep of them sharing the experts
@@ -73,7 +70,7 @@ def main() -> None:
     # The user's loop, as Megatron-LM's: DDP, Megatron's optimizer and scheduler, forward_backward_func.
     with CudaOnCpu():
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+            grad_reduce_in_fp32=True, use_distributed_optimizer=train["distributed_optimizer"]), model)
         config.no_sync_func = ddp.no_sync
         if not args.without_finalize:  # Megatron-LM's setup; it also moves the routing biases after every step
             config.finalize_model_grads_func = finalize_model_grads
@@ -81,7 +78,7 @@ def main() -> None:
             optimizer="adam", lr=train["lr"], min_lr=train["min_lr"], weight_decay=train["weight_decay"],
             adam_beta1=train["betas"][0], adam_beta2=train["betas"][1], adam_eps=train["eps"],
             clip_grad=train["clip_grad"], bf16=False, params_dtype=dtype,
-            use_distributed_optimizer=distributed), [ddp])
+            use_distributed_optimizer=train["distributed_optimizer"]), [ddp])
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=train["lr"], min_lr=train["min_lr"],
             lr_warmup_steps=train["warmup_steps"], lr_decay_steps=train["decay_steps"],
