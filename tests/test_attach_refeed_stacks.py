@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.case import tensorfile
 from harness.commands import state_for
 from harness.commands.compare_runs import compare_runs
 from harness.run.orchestrate import REPO_ROOT, runner_env
@@ -104,3 +105,44 @@ def assert_builtin_result(a: Path, b: Path, refed: Path, report: dict, tmp_path:
     assert any(counts["made"] for counts in ours.values()) and any(c["carried in"] for c in ours.values())
     for quantity, names in builtin["made"].items():  # the same tensors (the first ten of each quantity)
         assert mine["steps"][0]["made"][quantity] == names, quantity
+
+
+PADDLE_LOOPS = REPO_ROOT / "tests" / "support" / "paddle_loops.py"
+
+
+def paddle_run(mode: str, out: Path, *state) -> Path:
+    """tests/support/paddle_loops.py's `mode` in its own process: its recorded run's folder."""
+    done = subprocess.run([sys.executable, str(PADDLE_LOOPS), mode, str(out), *map(str, state)],
+                          env=runner_env("cpu"), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "run"
+
+
+PLANTED = "step1.exp_avg_sq.model.layers.0.self_attn.k_proj.weight"  # canonical [out, in]; Paddle's is [in, out]
+
+
+@pytest.mark.parametrize("kind", ["loop", "trainer"])
+def test_a_paddle_run_loads_each_bit_of_a_state_where_it_belongs(kind, tmp_path):
+    """A Paddle dygraph loop and PaddleFormers' Trainer (tiny GLM-4.5 MoE, 3 steps; most routed experts get no
+    gradient, so Paddle holds no optimizer state for them), re-fed at step 2 from their own state after step 1 with
+    one bit of one second moment flipped (element [1, 2] of k_proj's, a weight Paddle holds transposed): at step 2
+    only that moment element and the parameter element it updates differ from the plain run (the second moment
+    does not reach the forward), every other tensor of steps 1 and 2 is the plain run's (the load through Paddle's
+    names, transposes and accumulators, and the lr through the loop's optimizer or the Trainer's scheduler, moved no
+    other bit); and compare-runs' own check calls such a re-fed run unfaithful."""
+    if absent("paddle", "paddleformers"):
+        pytest.skip("needs paddle and paddleformers")
+    plain = paddle_run(f"{kind}-recorded", tmp_path / "plain")
+    state_for.write(plain, 1, plain, tmp_path / "state")
+    tensorfile.flip_bit(tmp_path / "state" / "steps" / "step00001.safetensors", PLANTED, (1, 2), 21)
+    refed = paddle_run(f"{kind}-refed", tmp_path / "refed", tmp_path / "state")
+    result, run_dir = compare_runs(plain, refed, reports_dir=tmp_path)
+    differing = {t["name"]: t for t in json.loads((run_dir / "report.json").read_text())["tensors"]
+                 if t["status"] != "EQUAL" and not t["name"].startswith("step3.")}
+    moment, param = PLANTED.replace("step1.", "step2."), PLANTED.replace("step1.exp_avg_sq.", "step2.param.")
+    assert result.verdict == "DIFF" and set(differing) == {moment, param}, (result.message, list(differing))
+    assert [(differing[n]["mismatches"], differing[n]["first_mismatch"]["index"]) for n in (moment, param)] == \
+        [(1, [1, 2])] * 2
+    result, run_dir = compare_runs(plain, plain, refed=refed, reports_dir=tmp_path)
+    said = json.loads((run_dir / "report.json").read_text())["train"]["refed"]
+    assert said["status"] == "unfaithful" and f"2 tensors differ from run B's, first {moment}" in said["reason"], said

@@ -25,13 +25,11 @@ records the step with the lr the step used. An error of an observer or of the re
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
-from harness.attach.torch import AttachError, StepRecorder, decay_style
+from harness.attach.torch import StepRecorder, decay_style, never_loaded, state_step
 from harness.runners.torch.hf_train import ClipFactor
 
 RUNNER = "hf_trainer"
@@ -76,7 +74,7 @@ class StepRecorderCallback(TrainerCallback):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
         self.modules_at = modules_at
         self.state_from = state_from  # loaded at the beginning of the step after the one it holds the state of
-        self.state_step = None if state_from is None else _state_step(state_from)
+        self.state_step = None if state_from is None else state_step(state_from)
         self.recorder: StepRecorder | None = None
         self.restore: list = []
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
@@ -140,7 +138,7 @@ class StepRecorderCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.state_step is not None and self.recorder is not None and self.recorder.refed is None:
-            self.recorder.guard(lambda: _never_loaded(self.state_from, state.global_step))
+            self.recorder.guard(lambda: never_loaded(self.state_from, state.global_step))
         self._unobserve()
         if self.recorder is not None:
             self.recorder.close()
@@ -189,18 +187,3 @@ class StepRecorderCallback(TrainerCallback):
                                                           f"{type(model).__name__}",
                             knobs=knobs, adapters=adapters, versions={"transformers": transformers.__version__})
 
-
-def _state_step(folder) -> int:
-    """The step a state folder holds the state after (its state.json; checked in full when it is loaded)."""
-    import json
-
-    from harness.commands.state_for import ABOUT
-
-    try:
-        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
-
-
-def _never_loaded(folder, steps: int) -> None:
-    raise AttachError(f"state_from={str(folder)!r}: training ended after {steps} steps, before the step it was for")

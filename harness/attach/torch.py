@@ -281,7 +281,6 @@ class StepRecorder:
         state of another model, dtype, optimizer or masters setting, or of another step; meta.json then says the run
         was re-fed (``capture.refed``), which ``compare-runs --refed`` reads."""
         from harness.commands.state_for import about
-        from harness.runners.torch.train_state import load_state
 
         try:
             said = about(folder, self.m.to_dict(), self.record_of.name, self.dtype, self._has_masters())
@@ -292,8 +291,14 @@ class StepRecorder:
                    if self.refed is not None else f"{len(self.steps)} steps were recorded")
             raise AttachError(f"{folder}: the state after step {said['step']} is loaded after step {said['step']}'s "
                               f"record, once; {why}")
-        load_state(self.states, {"from": str(folder)}, said["step"] + 1, self._set_lr)
+        self._load(folder, said["step"] + 1)
         self.refed = {"from": said["from"], "step": said["step"], "state": str(Path(folder).resolve())}
+
+    def _load(self, folder, step: int) -> None:
+        """The built-in runners' re-feed load of the state before `step` and its lr, through this loop's states."""
+        from harness.runners.torch.train_state import load_state
+
+        load_state(self.states, {"from": str(folder)}, step, self._set_lr)
 
     def _set_lr(self, lr: float) -> None:
         for group in self._groups():
@@ -431,6 +436,23 @@ class StepRecorder:
                    "modules_not_captured": self.modules.not_captured} if self.modules is not None else {}
         return {**modules, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
                 **({"stopped": self.stopped} if self.stopped else {}), **({"refed": self.refed} if self.refed else {})}
+
+
+def state_step(folder) -> int:
+    """The step a state folder holds the state after (``python -m harness state-for``'s state.json; checked in full
+    when a recorder loads it): a Trainer callback's ``state_from`` loads it at the beginning of the step after."""
+    from harness.commands.state_for import ABOUT
+
+    try:
+        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
+
+
+def never_loaded(folder, steps: int) -> None:
+    """A Trainer that ended before the step its ``state_from`` was for: the recording stops (``guard``), so that
+    compare-runs refuses the run rather than take it for a re-fed one."""
+    raise AttachError(f"state_from={str(folder)!r}: training ended after {steps} steps, before the step it was for")
 
 
 def _model(config):
