@@ -40,12 +40,9 @@ class PaddleStates:
     without_gradient = RunnerTrainer.without_gradient
     put = RunnerTrainer.put  # and its writing methods (a state loaded before a step: ``load_state``)
     create = RunnerTrainer.create
-    load_state = RunnerTrainer.load_state
 
     def __init__(self, model, optimizer, m, name_map, record):
         self.params, self.optimizer = dict(model.named_parameters()), optimizer
-        self.carried = tuple(q for q in carried_quantities(record) if q != "master")  # Paddle's loops keep none
-        self.scheduler = _LearningRate(optimizer)  # the runner's load sets its last_lr
         self.rules = {name: name_map.rule("grads", name) for name, _ in train_state_names(m)}
         read = {source for rule in self.rules.values() for source in rule.sources}
         if read - set(self.params):
@@ -91,7 +88,7 @@ class PaddleStepRecorder(StepRecorder):
                               "describe it, so the recorded run would be compared as if it had not been")
         self.states = PaddleStates(model, optimizer, self.m, NameMap.load(self.family, "paddle", model=self.m),
                                    self.record_of)
-        self.carried = self.states.carried
+        self.carried = tuple(q for q in carried_quantities(self.record_of) if q != "master")
         low = paddle_optimizer.low_precision(trained)
         self.no_masters = (f"{len(low)} {paddle_optimizer.dtype_of(low[0])} parameters updated in place, without "
                            "fp32 masters (multi_precision off)") if low else None
@@ -151,8 +148,10 @@ class PaddleStepRecorder(StepRecorder):
 
     def _load(self, folder, step: int) -> None:
         """paddle_model's runner's own re-feed load (``Trainer.load_state``: the inverse of each ``[paddle.grads]``
-        rule into the parameters and the optimizer's accumulators), bound to this loop's model and optimizer."""
-        self.states.load_state({"from": str(folder)}, step)
+        rule into the parameters and the optimizer's accumulators), bound to this loop's model and optimizer: what it
+        reads beside them, the carried quantities and where the lr goes, set here."""
+        self.states.carried, self.states.scheduler = self.carried, _LearningRate(self.optimizer)
+        RunnerTrainer.load_state(self.states, {"from": str(folder)}, step)
 
     def _meta_notes(self) -> dict:
         notes = {"zero_grads": self.zero_grads}

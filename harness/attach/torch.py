@@ -83,6 +83,23 @@ def decay_style(scheduler) -> str:
     return SCHEDULES[name]
 
 
+def state_step(folder) -> int:
+    """The step a state folder holds the state after (``python -m harness state-for``'s state.json; checked in full
+    when a recorder loads it): a Trainer callback's ``state_from`` loads it at the beginning of the step after."""
+    from harness.commands.state_for import ABOUT
+
+    try:
+        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
+
+
+def never_loaded(folder, steps: int) -> None:
+    """A Trainer that ended before the step its ``state_from`` was for: the recording stops (``guard``), so that
+    compare-runs refuses the run rather than take it for a re-fed one."""
+    raise AttachError(f"state_from={str(folder)!r}: training ended after {steps} steps, before the step it was for")
+
+
 class StepRecorder:
     """Writes `folder`/steps/step{k:05d}.safetensors and `folder`/meta.json for a torch loop.
 
@@ -435,24 +452,8 @@ class StepRecorder:
         modules = {"modules_at": sorted(self.modules.steps),
                    "modules_not_captured": self.modules.not_captured} if self.modules is not None else {}
         return {**modules, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
-                **({"stopped": self.stopped} if self.stopped else {}), **({"refed": self.refed} if self.refed else {})}
-
-
-def state_step(folder) -> int:
-    """The step a state folder holds the state after (``python -m harness state-for``'s state.json; checked in full
-    when a recorder loads it): a Trainer callback's ``state_from`` loads it at the beginning of the step after."""
-    from harness.commands.state_for import ABOUT
-
-    try:
-        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
-
-
-def never_loaded(folder, steps: int) -> None:
-    """A Trainer that ended before the step its ``state_from`` was for: the recording stops (``guard``), so that
-    compare-runs refuses the run rather than take it for a re-fed one."""
-    raise AttachError(f"state_from={str(folder)!r}: training ended after {steps} steps, before the step it was for")
+                **({"stopped": self.stopped} if self.stopped else {}),
+                **({"refed": self.refed} if self.refed else {})}
 
 
 def _model(config):

@@ -7,7 +7,7 @@ RUN_B_REFED is run B's loop again, its recorder loaded with run A's state after 
 k + 1 both stacks then started from the same bits (and run A's lr), so a tensor that differs between A and the re-fed
 run was made by step k + 1 itself, and one that differs between A and B but not once re-fed was carried in with the
 state. Before step k + 1 the re-fed run must be run B bit for bit (the same loop), and at a step whose inputs A and
-B already shared it must give B's plain step (the re-feed's own check, ``train_refeed.reproduces``'): otherwise its
+B already shared it must give B's plain step (the re-feed's own check, as ``train_refeed.reproduces``): otherwise its
 attribution is no evidence, and the comparison is an ERROR or says "unfaithful".
 """
 
