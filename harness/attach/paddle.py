@@ -176,6 +176,14 @@ class PaddleStepRecorder(StepRecorder):
         return False
 
 
+def _trained(optimizer) -> list:
+    """The parameters `optimizer` updates (its parameter list, or its param groups' ``params``), but frozen ones."""
+    params = []
+    for entry in optimizer._parameter_list or []:
+        params += entry["params"] if isinstance(entry, dict) else [entry]
+    return [p for p in params if not p.stop_gradient]
+
+
 class _LearningRate:
     """Where a loop's optimizer takes its lr from, as the runner's load sets it (``scheduler.last_lr = lr``): the
     loop's ``LRScheduler`` (PaddleFormers' Trainer's), or a fixed lr through ``optimizer.set_lr``."""
@@ -194,11 +202,3 @@ class _LearningRate:
             scheduler.last_lr = lr
         else:
             self.optimizer.set_lr(lr)
-
-
-def _trained(optimizer) -> list:
-    """The parameters `optimizer` updates (its parameter list, or its param groups' ``params``), but frozen ones."""
-    params = []
-    for entry in optimizer._parameter_list or []:
-        params += entry["params"] if isinstance(entry, dict) else [entry]
-    return [p for p in params if not p.stop_gradient]
