@@ -27,6 +27,7 @@ from harness.commands import (
     nightly_merge,
     publish,
     reductions,
+    state_for,
     sweep,
 )
 from harness.compare.result import EXIT_CODES
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(commands)
     compare_runs.add_parser(commands)
     reductions.add_parser(commands)
+    state_for.add_parser(commands)
 
     diff = commands.add_parser("diff", help="compare two dumps (safetensors file or folder, folder of .npy) by name")
     diff.add_argument("a", type=Path)
@@ -149,6 +151,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return compare_runs.main(args)
     if args.command == "reductions":
         return reductions.main(args)
+    if args.command == "state-for":
+        return state_for.main(args)
     pythons = {}
     for item in getattr(args, "python", []):  # `baseline update` runs nothing
         runner, _, path = item.partition("=")

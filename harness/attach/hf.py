@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
-from harness.attach.torch import StepRecorder, decay_style
+from harness.attach.torch import StepRecorder, decay_style, never_loaded, state_step
 from harness.runners.torch.hf_train import ClipFactor
 
 RUNNER = "hf_trainer"
@@ -57,13 +57,14 @@ class Backpropagated(TorchFunctionMode):
 
 
 def attach(trainer, folder, *, model_config: dict, steps_kept="auto", modules_at=(),
-           digest_on_device: bool | None = None):
+           digest_on_device: bool | None = None, state_from=None):
     """A ``StepRecorderCallback`` added to `trainer`; returns it. `model_config`: the model's config in the harness's
     form (``{"family": ..., <the family's HF config keys>}``, a training case's ``config.model``), or a model of its
-    own's (``{"family": "own"}``, optionally ``"name_map": FILE``: ``harness.families.own``); the other options are
-    ``StepRecorder``'s."""
+    own's (``{"family": "own"}``, optionally ``"name_map": FILE``: ``harness.families.own``); `state_from`: a state
+    folder (``python -m harness state-for``) the step after its step starts from (``StepRecorder.load_state``); the
+    other options are ``StepRecorder``'s."""
     callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
-                                    modules_at=modules_at, digest_on_device=digest_on_device)
+                                    modules_at=modules_at, digest_on_device=digest_on_device, state_from=state_from)
     trainer.add_callback(callback)
     return callback
 
@@ -72,9 +73,11 @@ class StepRecorderCallback(TrainerCallback):
     """Writes `folder`'s step files and meta.json after every optimizer step of `trainer` (see the module)."""
 
     def __init__(self, trainer, folder, *, model_config: dict, steps_kept="auto", modules_at=(),
-                 digest_on_device: bool | None = None):
+                 digest_on_device: bool | None = None, state_from=None):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
         self.modules_at, self.digest_on_device = modules_at, digest_on_device
+        self.state_from = state_from  # loaded at the beginning of the step after the one it holds the state of
+        self.state_step = None if state_from is None else state_step(state_from)
         self.recorder: StepRecorder | None = None
         self.restore: list = []
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
@@ -118,6 +121,8 @@ class StepRecorderCallback(TrainerCallback):
         if self.recorder is None:
             self.recorder = self._recorder(args)
             self._observe()
+        if state.global_step == self.state_step:
+            self.recorder.load_state(self.state_from)  # raises (the Trainer stops) rather than train un-re-fed
         self.losses, self.grads, self.norm, self.factor, self.lr = [], None, None, None, None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -135,6 +140,8 @@ class StepRecorderCallback(TrainerCallback):
         self.recorder.record(state.global_step + 1, self.losses, self.lr, self.grads, self.norm, self.factor)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.state_step is not None and self.recorder is not None and self.recorder.refed is None:
+            self.recorder.guard(lambda: never_loaded(self.state_from, state.global_step))
         self._unobserve()
         if self.recorder is not None:
             self.recorder.close()
@@ -182,3 +189,4 @@ class StepRecorderCallback(TrainerCallback):
                                                           f"({type(trainer).__module__}) training "
                                                           f"{type(model).__name__}",
                             knobs=knobs, adapters=adapters, versions={"transformers": transformers.__version__})
+

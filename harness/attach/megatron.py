@@ -126,6 +126,21 @@ class MegatronStepRecorder(StepRecorder):
     def _groups(self) -> list[dict]:
         return [group for inner in self.optimizer.chained_optimizers for group in inner.optimizer.param_groups]
 
+    def _decay_groups(self) -> list[tuple[float, list]]:
+        """Each param group's weight decay and the model parameters it steps: a distributed optimizer's groups hold
+        flat ranges of main params (1-D whatever the parameter: read so, every parameter would look 1-D and
+        ``weight_decay_params`` "not_1d" would be described as "default"), so its own map names the model's."""
+        decays = []
+        for inner in self.optimizer.chained_optimizers:
+            groups = inner.optimizer.param_groups
+            params = [group["params"] for group in groups]
+            if hasattr(inner, "model_param_group_index_map"):  # DistributedOptimizer
+                params = [[] for _ in groups]
+                for param, (index, _) in inner.model_param_group_index_map.items():
+                    params[index].append(param)
+            decays += [(group.get("weight_decay", 0.0), held) for group, held in zip(groups, params, strict=True)]
+        return decays
+
     def _unread_parameters(self) -> list[str]:
         """The model's trained parameters (Megatron's optimizer steps every one that requires a gradient) that no
         rule of the name map reads."""

@@ -41,6 +41,8 @@ class PaddleStates:
     one = RunnerTrainer.one
     canonical = RunnerTrainer.canonical
     without_gradient = RunnerTrainer.without_gradient
+    put = RunnerTrainer.put  # and its writing methods (a state loaded before a step: ``load_state``)
+    create = RunnerTrainer.create
 
     def __init__(self, model, optimizer, m, name_map, record, described: str):
         self.params, self.optimizer = single_names(model.named_parameters(), model), optimizer
@@ -163,6 +165,13 @@ class PaddleStepRecorder(StepRecorder):
         self.steps.append({"step": step, "lr": float(lr)})
         self.write_meta()
 
+    def _load(self, folder, step: int) -> None:
+        """paddle_model's runner's own re-feed load (``Trainer.load_state``: the inverse of each ``[paddle.grads]``
+        rule into the parameters and the optimizer's accumulators), bound to this loop's model and optimizer: what it
+        reads beside them, the carried quantities and where the lr goes, set here."""
+        self.states.carried, self.states.scheduler = self.carried, _LearningRate(self.optimizer)
+        RunnerTrainer.load_state(self.states, {"from": str(folder)}, step)
+
     def _meta_notes(self) -> dict:
         notes = {"zero_grads": self.zero_grads}
         if self.no_masters:
@@ -203,3 +212,23 @@ def _trained(optimizer) -> list:
     for entry in optimizer._parameter_list or []:
         params += entry["params"] if isinstance(entry, dict) else [entry]
     return [p for p in params if not p.stop_gradient]
+
+
+class _LearningRate:
+    """Where a loop's optimizer takes its lr from, as the runner's load sets it (``scheduler.last_lr = lr``): the
+    loop's ``LRScheduler`` (PaddleFormers' Trainer's), or a fixed lr through ``optimizer.set_lr``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def last_lr(self) -> float:
+        return self.optimizer.get_lr()
+
+    @last_lr.setter
+    def last_lr(self, lr: float) -> None:
+        scheduler = self.optimizer._learning_rate
+        if isinstance(scheduler, paddle.optimizer.lr.LRScheduler):
+            scheduler.last_lr = lr
+        else:
+            self.optimizer.set_lr(lr)

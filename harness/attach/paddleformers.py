@@ -24,24 +24,28 @@ from contextlib import ExitStack
 from paddleformers.trainer import TrainerCallback
 
 from harness.attach.paddle import PaddleStepRecorder
-from harness.attach.torch import decay_style
+from harness.attach.torch import decay_style, never_loaded, state_step
 from harness.runners.paddle.train import clip_norm_and_factor
 
 RUNNER = "paddleformers_trainer"
 
 
-def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
-    """A ``StepRecorderCallback`` added to `trainer`; returns it. `modules_at`: as ``PaddleStepRecorder``'s."""
+def attach(trainer, folder, *, model_config: dict, steps_kept="all", modules_at=(), state_from=None):
+    """A ``StepRecorderCallback`` added to `trainer`; returns it. `modules_at`: as ``PaddleStepRecorder``'s;
+    `state_from`: a state folder (``python -m harness state-for``) the step after its step starts from
+    (``StepRecorder.load_state``)."""
     callback = StepRecorderCallback(trainer, folder, model_config=model_config, steps_kept=steps_kept,
-                                    modules_at=modules_at)
+                                    modules_at=modules_at, state_from=state_from)
     trainer.add_callback(callback)
     return callback
 
 
 class StepRecorderCallback(TrainerCallback):
-    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=()):
+    def __init__(self, trainer, folder, *, model_config: dict, steps_kept="all", modules_at=(), state_from=None):
         self.trainer, self.folder, self.steps_kept, self.model_config = trainer, folder, steps_kept, model_config
         self.modules_at = modules_at
+        self.state_from = state_from  # loaded at the beginning of the step after the one it holds the state of
+        self.state_step = None if state_from is None else state_step(state_from)
         self.recorder: PaddleStepRecorder | None = None
         self.losses, self.grads, self.lr, self.seen = [], None, None, None
         self.around_step = ExitStack()
@@ -60,6 +64,8 @@ class StepRecorderCallback(TrainerCallback):
         if self.recorder is None:
             self.recorder = self._recorder(args)
             self._observe()
+        if state.global_step == self.state_step:
+            self.recorder.load_state(self.state_from)  # raises (the Trainer stops) rather than train un-re-fed
         self.losses, self.grads, self.lr, self.seen = [], None, None, None
 
     def on_optimizer_begin(self, args, state, control, **kwargs):
@@ -84,6 +90,8 @@ class StepRecorderCallback(TrainerCallback):
         self.recorder.record(step, self.losses, self.lr, self.grads, norm, factor)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.state_step is not None and self.recorder is not None and self.recorder.refed is None:
+            self.recorder.guard(lambda: never_loaded(self.state_from, state.global_step))
         self.around_step.close()
         vars(self.trainer).pop("training_step", None)
         if self.recorder is not None:

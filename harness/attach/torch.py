@@ -95,6 +95,23 @@ def decay_style(scheduler) -> str:
     return SCHEDULES[name]
 
 
+def state_step(folder) -> int:
+    """The step a state folder holds the state after (``python -m harness state-for``'s state.json; checked in full
+    when a recorder loads it): a Trainer callback's ``state_from`` loads it at the beginning of the step after."""
+    from harness.commands.state_for import ABOUT
+
+    try:
+        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
+
+
+def never_loaded(folder, steps: int) -> None:
+    """A Trainer that ended before the step its ``state_from`` was for: the recording stops (``guard``), so that
+    compare-runs refuses the run rather than take it for a re-fed one."""
+    raise AttachError(f"state_from={str(folder)!r}: training ended after {steps} steps, before the step it was for")
+
+
 class StepRecorder:
     """Writes `folder`/steps/step{k:05d}.safetensors and `folder`/meta.json for a torch loop.
 
@@ -158,6 +175,7 @@ class StepRecorder:
         self.rank, self.steps, self.micro_batches, self.has_clip = rank, [], None, False
         self.modules: ModuleSteps | None = None  # modules_at's hooks (the torch recorder's)
         self.stopped: dict | None = None  # {"step", "error"} once an error stopped the recording
+        self.refed: dict | None = None  # {"from", "step", "state"} once another run's state was loaded
         self.listed: dict = {}  # optimizer flags meta.json lists (``_refuse_what_it_cannot_describe``)
         self.implementation, self.knobs, self.adapters = implementation, knobs or {}, adapters or []
         self.versions = {**self._versions(), **(versions or {})}
@@ -347,6 +365,38 @@ class StepRecorder:
         if self.modules is not None:
             self.modules.close()
 
+    def load_state(self, folder) -> None:
+        """Start the next step from another run's state (a folder ``python -m harness state-for RUN_A --step k --as
+        THIS_RUN`` wrote): call after step k's ``record`` and the scheduler's step, before step k + 1's forward.
+        Run A's parameters, masters, optimizer state and routing biases go into this loop's own tensors through its
+        name map, and run A's lr of step k + 1 into its param groups: the built-in re-feed in time's ``load_state``.
+        The step counters stay this loop's own (it made k steps too). AttachError, before anything is loaded, for a
+        state of another model, dtype, optimizer or masters setting, or of another step; meta.json then says the run
+        was re-fed (``capture.refed``), which ``compare-runs --refed`` reads."""
+        from harness.commands.state_for import about
+
+        try:
+            said = about(folder, self.m.to_dict(), self.record_of.name, self.dtype, self._has_masters())
+        except ValueError as error:
+            raise AttachError(str(error)) from None
+        if self.stopped is not None or self.refed is not None or len(self.steps) != said["step"]:
+            why = ("the recording stopped" if self.stopped is not None else "a state was loaded already"
+                   if self.refed is not None else f"{len(self.steps)} steps were recorded")
+            raise AttachError(f"{folder}: the state after step {said['step']} is loaded after step {said['step']}'s "
+                              f"record, once; {why}")
+        self._load(folder, said["step"] + 1)
+        self.refed = {"from": said["from"], "step": said["step"], "state": str(Path(folder).resolve())}
+
+    def _load(self, folder, step: int) -> None:
+        """The built-in runners' re-feed load of the state before `step` and its lr, through this loop's states."""
+        from harness.runners.torch.train_state import load_state
+
+        load_state(self.states, {"from": str(folder)}, step, self._set_lr)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self._groups():
+            group["lr"] = lr
+
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the optimizer is about to consume, canonical and copied (on a step not kept and digested on
         the device: digested, ``Digested``, not copied): call after the last micro-batch's backward, before clipping
@@ -426,12 +476,16 @@ class StepRecorder:
         """The optimizer's own settings, its lr and weight decay, and which parameters decay, from its groups."""
         groups = self._groups()
         decays = [g.get("weight_decay", 0.0) for g in groups]
-        exempt = [p for g in groups if g.get("weight_decay", 0.0) == 0 for p in g["params"]]
-        one_d = [p for g in groups for p in g["params"] if p.dim() <= 1]
+        exempt = [p for decay, params in self._decay_groups() if decay == 0 for p in params]
+        one_d = [p for _, params in self._decay_groups() for p in params if p.dim() <= 1]
         shown = ("all" if len(set(decays)) == 1 else
                  "not_1d" if {id(p) for p in exempt} == {id(p) for p in one_d} else "default")
         return {**self._optimizer_settings(groups[0]), "lr": max(g.get("initial_lr", g["lr"]) for g in groups),
                 "weight_decay": float(max(decays)), "weight_decay_params": shown}
+
+    def _decay_groups(self) -> list[tuple[float, list]]:
+        """Each param group's weight decay and the parameters it steps, in the model's shapes."""
+        return [(g.get("weight_decay", 0.0), g["params"]) for g in self._groups()]
 
     def _optimizer_settings(self, group: dict) -> dict:
         name = self.record_of.name
@@ -475,12 +529,13 @@ class StepRecorder:
 
     def _notes(self) -> dict:
         """What the description leaves out but the run holds: optimizer flags listed, not refused; where an error
-        stopped the recording."""
+        stopped the recording; whose state a step started from (``load_state``)."""
         modules = {"modules_at": sorted(self.modules.steps),
                    "modules_not_captured": self.modules.not_captured} if self.modules is not None else {}
         own = {"name_map": str(self.own.path) if self.own.path else None} if self.own else {}
         return {**modules, **own, **({"not_described": {"optimizer_flags": self.listed}} if self.listed else {}),
-                **({"stopped": self.stopped} if self.stopped else {})}
+                **({"stopped": self.stopped} if self.stopped else {}),
+                **({"refed": self.refed} if self.refed else {})}
 
 
 def _model(config):

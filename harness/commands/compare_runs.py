@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from harness import __version__
-from harness.compare import captured_runs, hook_dumps, loss_logs, module_steps, train_steps
+from harness.compare import captured_runs, hook_dumps, loss_logs, module_steps, refed_runs, train_steps
 from harness.compare.result import ORACLE_LABEL, CaseResult, decide, first_divergence
 from harness.pipeline import describe_case, failsafe, run_folder
 from harness.report import case_report as report
@@ -47,6 +47,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--name-map", type=Path, metavar="FILE",
                         help="hook dumps: a JSON or TOML table of 'module in A' = 'module in B' (default: the "
                              "same names)")
+    parser.add_argument("--refed", type=Path, metavar="RUN",
+                        help="step folders: run B's loop re-fed from run A's state after step k (python -m harness "
+                             "state-for): which differences step k + 1 made and which it carried in")
     parser.add_argument("--reports", type=Path, default=run_folder.REPORTS_DIR)
 
 
@@ -54,7 +57,8 @@ def main(args) -> int:
     result, run_dir = compare_runs(args.a, args.b, truth=args.truth, steps=args.steps,
                                    micro_batches=args.micro_batches,
                                    losses=(_names(args.losses_a), _names(args.losses_b or args.losses_a)),
-                                   hook_dumps=args.hook_dumps, name_map=args.name_map, reports_dir=args.reports)
+                                   hook_dumps=args.hook_dumps, name_map=args.name_map, refed=args.refed,
+                                   reports_dir=args.reports)
     report.console(result, run_dir)
     return result.exit_code
 
@@ -65,29 +69,32 @@ def _names(text: str) -> tuple[str, ...]:
 
 def compare_runs(a: Path, b: Path, *, truth: Path | None = None, steps: int | None = None, micro_batches: int = 1,
                  losses: tuple[tuple[str, ...], tuple[str, ...]] = (("main",), ("main",)),
-                 hook_dumps: bool = False, name_map: Path | None = None,
+                 hook_dumps: bool = False, name_map: Path | None = None, refed: Path | None = None,
                  reports_dir: Path = run_folder.REPORTS_DIR) -> tuple[CaseResult, Path]:
     """The report of two captured runs, in a new run folder under `reports_dir`."""
     run_id, run_dir = run_folder.new_run_dir(Path(reports_dir), "compare-runs")
     inputs = {"a": str(a), "b": str(b), "truth": str(truth) if truth else None, "steps": steps,
-              "hook_dumps": hook_dumps, "name_map": str(name_map) if name_map else None}
+              "hook_dumps": hook_dumps, "name_map": str(name_map) if name_map else None,
+              "refed": str(refed) if refed else None}
     result = CaseResult(run_id=run_id, case_name=f"compare-runs {Path(a).name} {Path(b).name}", device="files",
                         started_at=run_folder.now(),
                         harness={"version": __version__, "python": sys.version.split()[0], "argv": sys.argv,
                                  "host": host_provenance(), "inputs": inputs})
     try:
-        for label, path in (("run A", a), ("run B", b), ("--truth", truth)):
+        for label, path in (("run A", a), ("run B", b), ("--truth", truth), ("--refed", refed)):
             if path is not None and not Path(path).exists():
                 raise captured_runs.RunError(f"{label}: {path} does not exist")
         if name_map is not None and not hook_dumps:
             raise captured_runs.RunError("--name-map: for --hook-dumps runs")
+        if refed is not None and not all(captured_runs.is_step_run(path) for path in (a, b, refed)):
+            raise captured_runs.RunError("--refed: for step folders (runs A and B and the re-fed run)")
         kinds = [captured_runs.is_step_run(path) for path in (a, b)]
         if hook_dumps:
             if truth or steps is not None:
                 raise captured_runs.RunError("--truth and --steps: for step folders, not --hook-dumps runs")
             _dump_runs(result, Path(a), Path(b), micro_batches, name_map)
         elif all(kinds):
-            _step_runs(result, Path(a), Path(b), Path(truth) if truth else None, steps)
+            _step_runs(result, Path(a), Path(b), Path(truth) if truth else None, steps, Path(refed) if refed else None)
         elif not any(kinds):
             if truth:
                 raise captured_runs.RunError("--truth: loss-only runs have no state to judge against a truth")
@@ -105,7 +112,8 @@ def compare_runs(a: Path, b: Path, *, truth: Path | None = None, steps: int | No
     return result, run_dir
 
 
-def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None, steps: int | None) -> None:
+def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None, steps: int | None,
+               refed: Path | None = None) -> None:
     runs = [captured_runs.read(path) for path in (a, b)]
     reference = captured_runs.read(truth) if truth else None
     for run in runs + ([reference] if reference else []):
@@ -130,6 +138,9 @@ def _step_runs(result: CaseResult, a: Path, b: Path, truth: Path | None, steps: 
     notes += module_notes + _not_computed(result.train)
     result.train["notes"] = notes
     result.message += "".join(f"; {note}" for note in notes)
+    if refed is not None:
+        result.train["refed"] = refed_runs.attribute(*runs, result.tensors, refed)
+        result.message += refed_runs.line(result.train["refed"])
 
 
 def _first_module(modules: dict) -> str:

@@ -14,6 +14,8 @@ MODE:
 - ``loop-broken``: recorded, with the run's steps folder replaced by a file after step 1 (a disk that goes away):
   recording fails at step 2;
 - ``trainer`` / ``trainer-recorded``: PaddleFormers' ``Trainer``, bare or with ``attach`` (one line);
+- ``loop-refed STATE`` / ``trainer-refed STATE``: recorded, and re-fed from the state folder STATE (``python -m harness
+  state-for``) after the step it holds the state of (``load_state``; the callback's ``state_from``);
 - ``refusals``: recorders built over optimizers and models the recorder cannot describe; each one's error;
 - ``ranks``: under ``paddle.distributed.launch --nproc_per_node 2``: a recorder built on each rank; its error.
 
@@ -59,7 +61,7 @@ def adamw(model, **options):
     return paddle.optimizer.AdamW(**settings)
 
 
-def loop(out: Path, recorded: bool, broken: bool = False, modules_at=()) -> dict:
+def loop(out: Path, recorded: bool, broken: bool = False, modules_at=(), state_from: Path | None = None) -> dict:
     model = fresh_model(model_config(TINY_GLM), "float32")
     optimizer = adamw(model)
     recorder = PaddleStepRecorder(out / "run", model, optimizer, TINY_GLM, stated={"clip_grad": 1.0},
@@ -83,6 +85,8 @@ def loop(out: Path, recorded: bool, broken: bool = False, modules_at=()) -> dict
             with clip_norm_and_factor(optimizer._grad_clip) as seen:
                 optimizer.step()
             recorder.record(step, losses, lr, grads, seen["sqrt"][0], seen["divide"][0])
+            if state_from and step == json.loads((state_from / "state.json").read_text())["step"]:
+                recorder.load_state(state_from)
             if broken and step == 1:
                 shutil.rmtree(out / "run" / "steps")
                 (out / "run" / "steps").write_text("not a folder")
@@ -93,7 +97,7 @@ def loop(out: Path, recorded: bool, broken: bool = False, modules_at=()) -> dict
     return {"without_gradient": without}
 
 
-def trainer(out: Path, recorded: bool) -> dict:
+def trainer(out: Path, recorded: bool, state_from: Path | None = None) -> dict:
     from paddleformers.trainer import Trainer, TrainingArguments
 
     from harness.attach.paddleformers import attach
@@ -107,7 +111,7 @@ def trainer(out: Path, recorded: bool) -> dict:
     paddle.device.synchronize = lambda *_, **__: None  # a CPU has nothing to wait for; Paddle raises instead
     run = Trainer(model=model, args=arguments, train_dataset=batches())
     if recorded:
-        attach(run, out / "run", model_config=TINY_GLM)
+        attach(run, out / "run", model_config=TINY_GLM, state_from=state_from)
     run.train()
     save_state(out, run.model, run.optimizer)
     return {"optimizer_class": f"{type(run.optimizer).__module__}.{type(run.optimizer).__name__}"}
@@ -214,15 +218,16 @@ class Warnings(logging.Handler):
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    state_from = Path(sys.argv[3]) if mode.endswith("-refed") else None
     out.mkdir(parents=True, exist_ok=True)
     paddle.set_device("cpu")
     warnings = Warnings()
     logging.getLogger("harness.attach").addHandler(warnings)
     if mode.startswith("loop"):
         result = loop(out, recorded=mode != "loop", broken=mode == "loop-broken",
-                      modules_at=[2] if mode == "loop-modules" else ())
+                      modules_at=[2] if mode == "loop-modules" else (), state_from=state_from)
     elif mode.startswith("trainer"):
-        result = trainer(out, recorded=mode == "trainer-recorded")
+        result = trainer(out, recorded=mode != "trainer", state_from=state_from)
     else:
         result = {"refusals": refusals, "ranks": ranks}[mode](out)
     if mode != "ranks":

@@ -6,6 +6,8 @@ test_attach_hf.py and test_attach_ranks.py."""
 from __future__ import annotations
 
 import errno
+import json
+from pathlib import Path
 
 import torch
 
@@ -38,15 +40,16 @@ def optimizer_of(model, not_1d=True):
 
 
 def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, steps=2, writer=None, modules_at=(),
-          plant=None, plant_grad=None, float64=False, digest_on_device=None, flip_grad=None):
+          plant=None, plant_grad=None, float64=False, digest_on_device=None, flip_grad=None, state_from=None):
     """The loop of docs/attach.md, "Any torch loop" (without a recorder where not `recorded`; `drop`: a parameter
     whose gradient a hook sets to None after each accumulation; `writer`: a test double put in place of the step
     writer's save; `modules_at`: the recorder's; `plant`: (module, call, amount or None: one ULP) added to the first
     element of that module's output at its call-th forward (tests/support/hook_dump_loops.py's ``plant``);
     `plant_grad`: (module, call): one ULP added to the gradient reaching that module's output at its call-th forward;
     `float64`: the model in float64, a truth run; `digest_on_device`: the recorder's; `flip_grad`: a parameter whose
-    accumulated gradient gets its first element's lowest bit flipped at step 1's last backward). Returns the folder,
-    the model and the optimizer."""
+    accumulated gradient gets its first element's lowest bit flipped at step 1's last backward; `state_from`: a state
+    folder (python -m harness state-for) the recorder loads after the step it holds the state of). Returns the
+    folder, the model and the optimizer."""
     model = tiny_model().double() if float64 else tiny_model()
     if drop:
         model.get_parameter(drop).register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -81,6 +84,8 @@ def train(folder, *, steps_kept="all", not_1d=True, recorded=True, drop=None, st
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             recorder.record(step, losses, lr, grads, grad_norm=norm, clip_coeff=factor)
+            if state_from and step == json.loads((Path(state_from) / "state.json").read_text())["step"]:
+                recorder.load_state(state_from)
         optimizer.zero_grad()
     if recorder is not None:
         recorder.close()

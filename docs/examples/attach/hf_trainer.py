@@ -10,7 +10,9 @@ compares with the built-in ``hf_model`` runner's folder (or any other captured r
 
 ``--unrecorded`` trains without the recorder and ``--final-state FILE`` saves every parameter and optimizer state
 tensor at the end: the two show that the recorder changes nothing (tests/test_attach_hf.py); ``--drop-grad NAME``
-sets that parameter's gradient to None after each accumulation (a trained parameter without a gradient).
+sets that parameter's gradient to None after each accumulation (a trained parameter without a gradient);
+``--state-from DIR`` (a folder ``python -m harness state-for RUN_A --step k --as RUN_B`` wrote) starts step k + 1
+from run A's state after step k (the callback's ``state_from``: the re-feed into this Trainer).
 
 What it sets so the Trainer does what hf_model's runner does (docs/attach.md says why each matters):
 ``train_sampling_strategy="sequential"`` (the case's micro-batches in order), the case's labels passed as
@@ -50,6 +52,8 @@ def main() -> None:
     parser.add_argument("--unrecorded", action="store_true", help="train without the recorder")
     parser.add_argument("--final-state", type=Path, help="save the parameters and optimizer state at the end")
     parser.add_argument("--drop-grad", help="a parameter whose gradient is set to None after each accumulation")
+    parser.add_argument("--state-from", type=Path, help="a state folder (python -m harness state-for) to start the "
+                                                        "step after its step from")
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     model_config, train = request["config"]["model"], request["config"]["train"]
@@ -81,7 +85,7 @@ def main() -> None:
         trainer.accelerator.gradient_accumulation_steps = 1  # divides the loss by them again (issue 45305, PR 45349)
 
     if not args.unrecorded:
-        attach(trainer, args.out, model_config=model_config)  # the one line the harness asks for
+        attach(trainer, args.out, model_config=model_config, state_from=args.state_from)  # the one line
     trainer.train()
     if args.final_state:
         save_file(final_state(trainer.model, trainer.optimizer), str(args.final_state))

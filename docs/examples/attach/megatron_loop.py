@@ -13,7 +13,9 @@ function, ``optimizer.step()``, then the one call ``recorder.record(step, losses
 the recorder and ``--final-state FILE`` saves every parameter and optimizer state tensor at the end (rank 0's): the
 two show that the recorder changes nothing (tests/test_attach_megatron.py). ``--device-digests`` keeps no step's
 tensors and digests them where they are, as a GPU run does (bits128v1 in torch, the gradients digested before the
-step clips them instead of copied), here on the CPU.
+step clips them instead of copied), here on the CPU. ``--state-from DIR`` (a folder
+``python -m harness state-for RUN_A --step k --as RUN_B`` wrote) loads run A's state after step k before step k + 1
+(``recorder.load_state``: the re-feed into this loop; tests/test_attach_refeed_stacks.py).
 """
 
 import argparse
@@ -47,6 +49,8 @@ def main() -> None:
     parser.add_argument("--final-state", type=Path, help="save the parameters and optimizer state at the end")
     parser.add_argument("--device-digests", action="store_true",
                         help="keep no step's tensors; digest them where they are (a GPU run's path)")
+    parser.add_argument("--state-from", type=Path, help="a state folder (python -m harness state-for) to load after "
+                                                        "the step it holds the state of")
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     m, train = request["config"]["model"], request["config"]["train"]
@@ -96,6 +100,8 @@ def main() -> None:
             losses = train_step([ddp], optimizer, scheduler, batches)
         if recorder:
             recorder.record(step, losses)  # the one call after optimizer.step()
+        if args.state_from and step == json.loads((args.state_from / "state.json").read_text())["step"]:
+            recorder.load_state(args.state_from)  # step + 1 starts from run A's state after this step
     if recorder:
         recorder.close()
     if args.final_state and rank == 0:

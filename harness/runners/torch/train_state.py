@@ -65,8 +65,8 @@ class TorchStates:
         if quantity == "master":
             return self.masters[name]
         state = self.optimizer.state.get(optimized, {})
-        if not state and not self.fill_absent_grads:  # never stepped (never had a gradient): the state it would make
-            return torch.zeros_like(optimized)
+        if not state and not (self.fill_absent_grads or filled):  # never stepped (never had a gradient): the state
+            return torch.zeros_like(optimized)  # it would make; one to write into is refused below (none to hold it)
         if quantity not in state:
             raise RuntimeError(f"{type(self.optimizer).__name__} keeps no {quantity!r} for {name} (it has "
                                f"{sorted(state)})")
