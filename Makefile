@@ -5,6 +5,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (0: one process). 2 matches CI's 2 cores; see docs/contributing.md ("Tests").
 TEST_WORKERS ?= 2
+# `make test` leaves out the second tier (tests marked `slow`), which `make test-slow` runs; CI runs both.
+TEST_MARKERS ?= not slow
 DEVICE ?= cpu
 TOKENS ?=
 
@@ -15,7 +17,7 @@ else
 ENV_READY :=
 endif
 
-.PHONY: compare list nightly test lint bench clean-reports lock
+.PHONY: compare list nightly test test-slow lint bench clean-reports lock
 
 compare: $(ENV_READY)
 	$(PYTHON) -m harness compare $(CASE) $(ARGS)
@@ -29,7 +31,10 @@ list: $(ENV_READY)
 
 test: $(ENV_READY)
 	$(PYTHON) -m ruff check harness tests conftest.py
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-slow: $(ENV_READY)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) -m slow $(PYTEST_ARGS)
 
 # The comparator's throughput, then end-to-end speed ratios (issue 15); BENCH_ARGS="--repo DIR" measures another tree.
 BENCH_ARGS ?=

@@ -38,7 +38,7 @@ from tests.support.e2e import (
 )
 from tests.support.installed import missing_required, on_ci
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("runner_workers")]
 
 
 def e2e_tokens(case) -> int:

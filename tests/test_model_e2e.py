@@ -31,7 +31,7 @@ from harness.families import family_of
 from tests.support import zoo
 from tests.support.installed import missing_required, on_ci
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("runner_workers")]
 
 # (case, runners, the UNSUPPORTED reason every platform gives or None): every pair of the three implementations;
 # the zoo's: each float64 case's own pair and the others its family's tests add (tests/support/zoo.py)

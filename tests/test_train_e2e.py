@@ -393,6 +393,7 @@ def _glm(name, tmp_path, checkpoints_dir, **options):
 GLM_FIRST = {"glm4_moe_2layer_train": "step1.grad.lm_head.weight", "glm4_moe_2layer_train_paddle": "step1.loss"}
 
 
+@pytest.mark.slow  # GLM-4.5's training cases: a family sweep, as tests/test_train_zoo_e2e.py
 @pytest.mark.parametrize("case, runners", [("glm4_moe_2layer_train", "megatron_model,hf_model"),
                                            ("glm4_moe_2layer_train_paddle", "megatron_model,paddle_model")])
 def test_glm4_moe_training_pairs_part_at_step_1_and_keep_the_routing_bias(case, runners, tmp_path, checkpoints_dir):
@@ -423,6 +424,7 @@ def test_glm4_moe_training_pairs_part_at_step_1_and_keep_the_routing_bias(case, 
         assert report["sides"][1]["meta"]["zero_grads"]["step 1"]
 
 
+@pytest.mark.slow  # GLM-4.5's training cases: a family sweep, as tests/test_train_zoo_e2e.py
 def test_glm4_moe_training_control_is_found_in_its_part_of_the_fused_qkv(tmp_path, checkpoints_dir):
     """One bit of exp_avg[5, 7] of layer 0's k_proj, which Megatron holds as rows of linear_qkv, flipped on side b
     after step 1: step 1 bitwise, and at step 2 exactly that exp_avg (one element, at [5, 7]) and that parameter,
@@ -440,6 +442,7 @@ def test_glm4_moe_training_control_is_found_in_its_part_of_the_fused_qkv(tmp_pat
         "exp_avg": "1 carried in, 281 equal", "param": "1 carried in, 281 equal"}, refeed
 
 
+@pytest.mark.slow  # GLM-4.5's training cases: a family sweep, as tests/test_train_zoo_e2e.py
 def test_glm4_moe_paddle_control_is_found_in_its_columns_of_qkv_proj(glm_cases, tmp_path, checkpoints_dir):
     """The same flip on Paddle, which holds k_proj as columns of its transposed, interleaved qkv_proj: found at step 2
     in exactly that exp_avg element and that parameter."""
@@ -457,6 +460,7 @@ def test_glm4_moe_paddle_control_is_found_in_its_columns_of_qkv_proj(glm_cases, 
                                            ("glm4_moe_2layer_train_float64_dense",
                                             ("megatron_model", "paddle_model")),
                                            ("glm4_moe_2layer_train_float64_dense", ("paddle_model", "hf_model"))])
+@pytest.mark.slow  # GLM-4.5's training cases: a family sweep, as tests/test_train_zoo_e2e.py
 def test_glm4_moe_float64_check_judges_every_step(case, runners, tmp_path, checkpoints_dir):
     """The float64 check of every step on GLM-4.5 (plain run, re-fed, optimizer on side a's gradients): every pair
     within the floors its stacks state, the q/k/v parts of the fused tensors included. PaddleFormers' MoE refuses
@@ -471,6 +475,7 @@ def test_glm4_moe_float64_check_judges_every_step(case, runners, tmp_path, check
     assert f"step3.exp_avg.{GLM_TENSOR}" in checked and "step3.param.model.layers.1.self_attn.q_proj.bias" in checked
 
 
+@pytest.mark.slow  # GLM-4.5's training cases: a family sweep, as tests/test_train_zoo_e2e.py
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_a_glm4_moe_stack_refed_from_its_own_state_reproduces_its_plain_run(glm_cases, tmp_path, checkpoints_dir,
                                                                             runner):

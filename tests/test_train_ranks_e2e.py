@@ -30,7 +30,7 @@ from harness.run.steps import read_header, step_file
 from tests.support.cases import write_cases
 from tests.support.train import TINY_TRAIN, run_train_case, tiny_train_case
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ranks]
+pytestmark = [pytest.mark.e2e, pytest.mark.ranks, pytest.mark.slow]
 
 Q_A = "model.layers.0.self_attn.q_a_proj.weight"
 EXPERT_5 = "model.layers.1.mlp.experts.5.down_proj.weight"  # on expert-parallel rank 1 of 2 (8 experts)

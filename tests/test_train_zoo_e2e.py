@@ -24,7 +24,7 @@ from harness.optimizers import DEFAULT as DEFAULT_OPTIMIZER
 from tests.support import zoo
 from tests.support.e2e import assert_repeats_the_record, committed_record
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("runner_workers")]
 
 CASES = zoo.zoo_cases("causal_lm_train", but=("glm4_moe",))  # GLM-4.5's: tests/test_train_e2e.py
 PAIRS = [case.name for case in CASES if case.train.flip is None and case.dtype != "float64"

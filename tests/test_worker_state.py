@@ -32,7 +32,7 @@ from harness.case.registry import CASES_DIR, Registry
 from harness.run import orchestrate, workers
 from harness.run.orchestrate import SideSpec
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # every runner, cell by cell: docs/contributing.md, "Two tiers"
 
 TOKENS = 8
 # The 2-layer Kimi-K2 (layer 0 dense, layer 1 MoE) at tiny widths (the widths of

@@ -47,3 +47,18 @@ def test_workflow_command_is_the_makefile_target():
     dry = subprocess.run(["make", "-s", "-n", "nightly", "PYTHON=py", "DEVICE=gpu", "TOKENS=16",
                           "ARGS=--previous prev/report.json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.stdout.strip() == "py -m harness nightly --device gpu --tokens 16 --previous prev/report.json", dry
+
+
+def test_ci_runs_both_tiers_and_make_test_leaves_the_second_out():
+    """`make test` (the README's command) deselects the tests marked `slow`, `make test-slow` runs only those, and CI
+    (.ci/run) runs both, so moving a test to the second tier never takes it out of CI."""
+    def dry(target):
+        return subprocess.run(["make", "-s", "-n", target, "PYTHON=py"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60).stdout.strip().splitlines()
+
+    assert dry("test")[-1] == 'py -m pytest -n 2 -m "not slow"', dry("test")
+    assert dry("test-slow") == ["py -m pytest -n 2 -m slow"], dry("test-slow")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'make test PYTEST_ARGS="-v --durations=15" || status=$?' in ci
+    assert 'make test-slow PYTEST_ARGS="-v --durations=15" || status=$?' in ci
+    assert ci.rstrip().endswith('exit "$status"')
