@@ -27,7 +27,8 @@ from tests.support.cases import write_cases
 from tests.support.installed import absent
 from tests.support.train import TINY_TRAIN, run_train_case, tiny_train_case
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]
+# Four real-stack runs of minutes each (505 s together on a shared CPU): the second tier (docs/contributing.md).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("runner_workers")]
 EXAMPLES = REPO_ROOT / "docs" / "examples" / "attach"
 CASE = {**TINY_TRAIN, "weight_decay_params": "not_1d", "clip_grad": 0.0}
 
