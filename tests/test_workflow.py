@@ -4,6 +4,7 @@ actionlint comes from requirements-cpu.txt (its binary lands beside the interpre
 planted here proves the linter really reports problems.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -52,9 +53,11 @@ def test_workflow_command_is_the_makefile_target():
 def test_ci_runs_both_tiers_and_make_test_leaves_the_second_out():
     """`make test` (the README's command) deselects the tests marked `slow`, `make test-slow` runs only those, and CI
     (.ci/run) runs both, so moving a test to the second tier never takes it out of CI."""
-    def dry(target):
+    def dry(target):  # as a fresh shell runs it: not the PYTEST_ARGS a `make test PYTEST_ARGS=...` around us passes
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ARGS",
+                                                               "TEST_MARKERS")}
         return subprocess.run(["make", "-s", "-n", target, "PYTHON=py"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=60).stdout.strip().splitlines()
+                              timeout=60, env=env).stdout.strip().splitlines()
 
     assert dry("test")[-1] == 'py -m pytest -n 2 -m "not slow"', dry("test")
     assert dry("test-slow") == ["py -m pytest -n 2 -m slow"], dry("test-slow")

@@ -43,7 +43,7 @@ from harness.families.names import NameMap
 from harness.families.own import OWN, SECTIONS, OwnNames
 from harness.optimizers import OPTIMIZERS
 from harness.run.protocol import META, env_flags, host_provenance
-from harness.run.steps import CAPTURE, StepWriter, state_locations, step_file
+from harness.run.steps import CAPTURE, STATE_ABOUT, StepWriter, state_about, state_locations, step_file
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
 from harness.runners.torch.train_state import TorchStates, digests_used, host_bytes, save_on_host
@@ -98,12 +98,10 @@ def decay_style(scheduler) -> str:
 def state_step(folder) -> int:
     """The step a state folder holds the state after (``python -m harness state-for``'s state.json; checked in full
     when a recorder loads it): a Trainer callback's ``state_from`` loads it at the beginning of the step after."""
-    from harness.commands.state_for import ABOUT
-
     try:
-        return int(json.loads((Path(folder) / ABOUT).read_text())["step"])
+        return int(json.loads((Path(folder) / STATE_ABOUT).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / ABOUT} unreadable ({error})") from None
+        raise AttachError(f"state_from={str(folder)!r}: {Path(folder) / STATE_ABOUT} unreadable ({error})") from None
 
 
 def never_loaded(folder, steps: int) -> None:
@@ -373,10 +371,8 @@ class StepRecorder:
         The step counters stay this loop's own (it made k steps too). AttachError, before anything is loaded, for a
         state of another model, dtype, optimizer or masters setting, or of another step; meta.json then says the run
         was re-fed (``capture.refed``), which ``compare-runs --refed`` reads."""
-        from harness.commands.state_for import about
-
         try:
-            said = about(folder, self.m.to_dict(), self.record_of.name, self.dtype, self._has_masters())
+            said = state_about(folder, self.m.to_dict(), self.record_of.name, self.dtype, self._has_masters())
         except ValueError as error:
             raise AttachError(str(error)) from None
         if self.stopped is not None or self.refed is not None or len(self.steps) != said["step"]:

@@ -26,9 +26,7 @@ from harness.case import tensorfile
 from harness.case.ops import carried_quantities, train_buffer_names, train_state_names
 from harness.compare.captured_runs import CapturedRun, RunError, check, read
 from harness.families import model_config
-from harness.run.steps import STEPS_DIR, step_file
-
-ABOUT = "state.json"
+from harness.run.steps import STATE_ABOUT, STEPS_DIR, step_file
 
 
 def add_parser(commands) -> None:
@@ -82,7 +80,7 @@ def write(run_a: Path, step: int, run_b: Path, out: Path) -> dict:
     (out / STEPS_DIR).mkdir(parents=True)
     _copy(source, names, step_file(out, step))
     _copy(step_file(a.folder, step + 1), [f"step{step + 1}.lr"], step_file(out, step + 1))
-    (out / ABOUT).write_text(json.dumps(about, indent=2, sort_keys=True))
+    (out / STATE_ABOUT).write_text(json.dumps(about, indent=2, sort_keys=True))
     return about
 
 
@@ -93,24 +91,6 @@ def wanted(run: CapturedRun) -> list[str]:
     quantities = [q for q in carried_quantities(run.train.record) if q != "master" or run.train.master_weights]
     return ([f"{q}.{name}" for q in quantities for name, _ in train_state_names(m)]
             + [f"expert_bias.{name}" for name, _ in train_buffer_names(m)])
-
-
-def about(folder, model: dict, optimizer: str, dtype: str, master_weights: bool) -> dict:
-    """state.json of a state folder, checked against the loop that loads it (its model config, optimizer record,
-    dtype and masters); ValueError naming the file, the field and both values."""
-    path = Path(folder) / ABOUT
-    try:
-        said = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} is missing: not a state folder (python -m harness state-for writes one)") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not readable JSON: {error}") from None
-    mine = {"model": model_config(model).to_dict(), "optimizer": optimizer, "dtype": dtype,
-            "master_weights": master_weights}
-    for field, value in mine.items():
-        if said.get(field) != value:
-            raise ValueError(f"{path}: field {field} is {said.get(field)!r}, the loop loading it has {value!r}")
-    return said
 
 
 def _same_training(a: CapturedRun, b: CapturedRun) -> None:

@@ -36,12 +36,14 @@ from typing import NamedTuple
 import numpy as np
 
 from harness.case.train_settings import Flip
+from harness.families import model_config
 from harness.run import bits128
 
 STEPS_DIR = "steps"
 # A run no request started (a recorder in the user's own loop: harness.attach) describes itself in meta.json under this
 # key, in a request's fields (dtype, tokens, device, config: {model, train}); compare-runs reads it.
 CAPTURE = "capture"
+STATE_ABOUT = "state.json"  # a state folder's record of whose state it holds, after which step, for which run
 
 
 def step_file(folder, step: int, rank: int = 0) -> Path:
@@ -350,3 +352,21 @@ def _rank_entries(path):
     for name, entries in header.pieces.items():
         for start, end, dtype, value in entries:
             yield name, (start, end), (dtype, value)
+
+
+def state_about(folder, model: dict, optimizer: str, dtype: str, master_weights: bool) -> dict:
+    """state.json of a state folder (``python -m harness state-for``), checked against the loop that loads it (its
+    model config, optimizer record, dtype and masters); ValueError naming the file, the field and both values."""
+    path = Path(folder) / STATE_ABOUT
+    try:
+        said = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing: not a state folder (python -m harness state-for writes one)") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not readable JSON: {error}") from None
+    mine = {"model": model_config(model).to_dict(), "optimizer": optimizer, "dtype": dtype,
+            "master_weights": master_weights}
+    for field, value in mine.items():
+        if said.get(field) != value:
+            raise ValueError(f"{path}: field {field} is {said.get(field)!r}, the loop loading it has {value!r}")
+    return said
