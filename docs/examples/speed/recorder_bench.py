@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps a phase (bare, recorded, bare again)")
     parser.add_argument("--loops", default="megatron,hf", help="which loops, in order")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--profile", type=Path, help="profile one more recorded step of the Megatron loop: where its "
+                                                     "time goes, Python (cProfile) and device (torch.profiler), here")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     case = Registry.load().get(TINY if args.tiny else FULL)
@@ -67,7 +69,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "loops"}), flush=True)
     for loop in args.loops.split(","):
         with tempfile.TemporaryDirectory(prefix="recorder_bench_") as folder:
-            result["loops"][loop] = LOOPS[loop](case, model, device, args.steps, Path(folder))
+            result["loops"][loop] = LOOPS[loop](case, model, device, args.steps, Path(folder), args.profile)
         free(device)
         print(summary(loop, result["loops"][loop]), flush=True)
         if args.json:
@@ -147,7 +149,7 @@ def summary(loop: str, measured: dict) -> str:
 
 # --- the Megatron-Core loop -------------------------------------------------------------------------------------------
 
-def megatron(case, model: dict, device: torch.device, steps: int, folder: Path) -> dict:
+def megatron(case, model: dict, device: torch.device, steps: int, folder: Path, profile: Path | None = None) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -195,6 +197,8 @@ def megatron(case, model: dict, device: torch.device, steps: int, folder: Path) 
                                     stated={"warmup_steps": train.warmup_steps, "decay_style": train.decay_style,
                                             "decay_steps": train.decay_steps})
     phases["recorded"] = timed_steps(step, device, steps)
+    if profile is not None:
+        profiled(step, device, profile)
     if recorder.stopped:
         raise RuntimeError(f"the recorder stopped: {recorder.stopped}")
     recorder.close()
@@ -224,7 +228,32 @@ class StepClock(TrainerCallback):
         self.seconds.append(time.perf_counter() - self.start)
 
 
-def hf(case, model: dict, device: torch.device, steps: int, folder: Path) -> dict:
+def profiled(step, device: torch.device, out: Path) -> None:
+    """One recorded step under cProfile (the Python: cumulative seconds per function) and one under torch.profiler
+    (each op's and kernel's own time), written to `out` as text."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    python = cProfile.Profile()
+    python.runcall(timed_steps, step, device, 1)
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("cumulative").print_stats(60)
+    (out / "megatron_recorded_step.cprofile.txt").write_text(text.getvalue())
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as torch_profile:
+        timed_steps(step, device, 1)
+    averages = torch_profile.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=40))
+    (out / "megatron_recorded_step.torch_profile.txt").write_text("\n\n".join(tables))
+
+
+def hf(case, model: dict, device: torch.device, steps: int, folder: Path, profile: Path | None = None) -> dict:
     train = case.train
     data = [{"input_ids": ids[0], "labels": labels[0]} for ids, labels in batches(case, model, device,
                                                                                   train.micro_batches * (1 + steps))]

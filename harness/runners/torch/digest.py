@@ -167,15 +167,12 @@ def digests(tensors) -> list[str]:
     items = list(tensors)
     if not items:
         return []
-    early = [i for i, item in enumerate(items) if isinstance(item, Digested)]
-    if not early:
+    fresh = [item for item in items if not isinstance(item, Digested)]
+    if len(fresh) == len(items):
         sums = lane_sums_rows(items)
-    else:
-        fresh = [i for i, item in enumerate(items) if not isinstance(item, Digested)]
-        sums = torch.empty((len(items), 2), dtype=torch.int64, device=items[early[0]].sums.device)
-        sums[early] = torch.stack([items[i].sums for i in early])
-        if fresh:
-            sums[fresh] = lane_sums_rows([items[i] for i in fresh])
+    else:  # rows put in order by one stack (indexing by a list of rows would copy it to the device and wait there)
+        made = iter(lane_sums_rows(fresh) if fresh else [])
+        sums = torch.stack([item.sums if isinstance(item, Digested) else next(made) for item in items])
     nbytes = [item.nbytes if isinstance(item, Digested) else item.numel() * item.element_size() for item in items]
     return finished(sums, nbytes)
 

@@ -69,10 +69,11 @@ def add_lane_sums(entries: list[tuple[int, int, int, int]], sums: torch.Tensor) 
     starts = [0]
     for count in blocks[:-1]:
         starts.append(starts[-1] + count)
+    # made on the host and copied from pinned memory without waiting (a copy from pageable memory waits for the
+    # device to finish what it was given: at every launch the host stopped queueing the step's work)
     table = torch.tensor([[*entry, start] for entry, start in zip(entries, starts, strict=True)], dtype=torch.int64)
-    table = table.to(device)
-    owner = torch.repeat_interleave(torch.arange(len(entries), dtype=torch.int32, device=device),
-                                    torch.tensor(blocks, device=device), output_size=sum(blocks))
+    owner = torch.repeat_interleave(torch.arange(len(entries), dtype=torch.int32), torch.tensor(blocks))
+    table, owner = (host.pin_memory().to(device, non_blocking=True) for host in (table, owner))
     with torch.cuda.device(device):
         _add_lane_sums[(sum(blocks),)](table, owner, sums, block=BLOCK)
 
