@@ -9,6 +9,7 @@ code (docs/training.md has the measurements).
   (every differing tensor's counts and each side's bits).
 - The negative controls (a flipped bit of an Adam moment) are found at exactly their tensors and step.
 - The float64 check of every step passes for every pair the stacks can run.
+- A stack trained against itself (a family only one stack trains here) is bitwise equal at every step.
 - A pair a stack cannot run (a family PaddleFormers has no dygraph model of) is UNSUPPORTED, as its case states.
 """
 
@@ -30,6 +31,8 @@ CASES = zoo.zoo_cases("causal_lm_train", but=("glm4_moe",))  # GLM-4.5's: tests/
 PAIRS = [case.name for case in CASES if case.train.flip is None and case.dtype != "float64"
          and case.runners[0] != case.runners[1] and case.train.record.name == DEFAULT_OPTIMIZER
          and case.expect.verdict == "DIFF"]
+SELF = [case.name for case in CASES if case.train.flip is None and case.dtype != "float64"
+        and case.runners[0] == case.runners[1]]
 CONTROLS = [case.name for case in CASES if case.train.flip is not None]
 FLOAT64 = zoo.float64_pairs(CASES)
 UNSUPPORTED = [case.name for case in CASES if case.expect.verdict == "UNSUPPORTED"]
@@ -97,11 +100,24 @@ def test_zoo_training_control_is_found_at_its_tensors(case, tmp_path, checkpoint
     zoo.check_run(stated, report, run_dir)
 
 
+@pytest.mark.parametrize("case", SELF)
+def test_zoo_training_stack_against_itself_is_bitwise(case, tmp_path, checkpoints_dir):
+    """A stack trained against itself (GLM-5: only transformers trains it here): every state tensor of every step
+    bitwise equal, as the case states; every trained parameter counted (the family's gradients)."""
+    stated = Registry.load().get(case)
+    parameters = len(family_of(stated.model.family).gradients(stated.model))
+    result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
+    assert result.verdict == "BITWISE_PASS" and result.expectation["met"], (result.message, tails)
+    train = report["train"]
+    assert train["parameters"] == parameters and [s["verdict"] for s in train["steps"]] == ["BITWISE_PASS"] * 3
+    zoo.check_run(stated, report, run_dir)
+
+
 @pytest.mark.parametrize("case, runners, unsupported", FLOAT64, ids=[f"{c}-{'-vs-'.join(p)}" for c, p, _ in FLOAT64])
 def test_zoo_float64_check_judges_every_step(case, runners, unsupported, tmp_path, checkpoints_dir):
     """The float64 check of every step (plain run, re-fed, optimizer on side a's gradients): every pair within the
     floors its stacks state in the family's name map, the q/k/v parts of the fused tensors and the q/k norms
-    included."""
+    included; a stack against itself bitwise equal."""
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False, runners=runners)
     if unsupported:
         assert result.verdict == "UNSUPPORTED" and unsupported in result.message, (result.message, tails)
@@ -109,7 +125,9 @@ def test_zoo_float64_check_judges_every_step(case, runners, unsupported, tmp_pat
     semantic = report["train"].get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
-    assert result.verdict == "WITHIN_TOLERANCE" and report["train"]["refeed"]["status"] == "ok", result.message
+    # a stack against itself (GLM-5: only transformers trains it) runs the same code on both sides: equal bits
+    within = "BITWISE_PASS" if runners[0] == runners[1] else "WITHIN_TOLERANCE"
+    assert result.verdict == within and report["train"]["refeed"]["status"] == "ok", result.message
     assert [part["checked"] > 0 for part in semantic["parts"]] == [True] * 3
     zoo.check_run(Registry.load().get(case), report, run_dir)
 
