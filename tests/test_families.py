@@ -159,6 +159,8 @@ def _small(family: Family) -> dict:
     small = {"num_hidden_layers": 2, "vocab_size": 64}
     if "mlp_layer_types" in real:  # one entry per layer
         small["mlp_layer_types"] = ["dense", "sparse"]
+    if "layer_types" in real:  # one entry per layer (Qwen3.5-MoE: Gated DeltaNet, then attention)
+        small["layer_types"] = ["linear_attention", "full_attention"]
     for key, width in (("n_routed_experts", 4), ("num_experts", 4), ("num_local_experts", 4),
                        ("num_experts_per_tok", 2)):
         if key in real:

@@ -112,7 +112,7 @@ def test_float64_mode_replaces_the_familys_islands_and_puts_hfs_back(models, fam
     with hf_families.float64_mode(hf, m) as replaced:
         assert all(getattr(o, n) is not b for (o, n), b in zip(owners, before, strict=True))
         assert set(replaced) == {f"{spec['prefix']}RMSNorm.forward", f"{spec['router']}.forward",
-                                 "eager_attention_forward", f"{spec['prefix']}RotaryEmbedding", "loss"}
+                                 "eager_attention_forward", hf_families.rotary_class(m), "loss"}
         assert all("float64" in why for why in replaced.values())
     assert [getattr(o, n) for o, n in owners] == before
 
@@ -150,9 +150,10 @@ def test_a_transformers_that_drops_a_key_is_refused(models, family):
     from harness.runners.torch import hf_families
 
     m = models[family]
-    prefix = FAMILIES[family].stack("hf")["prefix"]
-    fake = type("Modeling", (), {f"{prefix}Config": type(f"{prefix}Config", (DroppingConfig,), {"family": family})})
-    with pytest.raises(RuntimeError, match=rf"transformers' {prefix}Config did not keep"):
+    spec = FAMILIES[family].stack("hf")
+    name = spec.get("config_class", f"{spec['prefix']}Config")
+    fake = type("Modeling", (), {name: type(name, (DroppingConfig,), {"family": family})})
+    with pytest.raises(RuntimeError, match=rf"transformers' {name} did not keep"):
         hf_families.hf_config(m, fake)
 
 

@@ -125,9 +125,9 @@ def test_zoo_float64_check_judges_every_step(case, runners, unsupported, tmp_pat
     semantic = report["train"].get("semantic")
     assert semantic, (result.verdict, result.message, tails)
     assert semantic["ok"], f"mapping error: {semantic['first_mismatch']}: {semantic['tensors_beyond'][:3]}"
-    # a stack against itself (GLM-5: only transformers trains it) runs the same code on both sides: equal bits
-    within = "BITWISE_PASS" if runners[0] == runners[1] else "WITHIN_TOLERANCE"
-    assert result.verdict == within and report["train"]["refeed"]["status"] == "ok", result.message
+    # a stack against itself (GLM-5's and Qwen3.5-MoE's HF pairs) gives equal bits; two stacks are within the floors
+    assert result.verdict == ("BITWISE_PASS" if runners[0] == runners[1] else "WITHIN_TOLERANCE"), result.message
+    assert report["train"]["refeed"]["status"] == "ok", result.message
     assert [part["checked"] > 0 for part in semantic["parts"]] == [True] * 3
     zoo.check_run(Registry.load().get(case), report, run_dir)
 

@@ -29,6 +29,29 @@ class Indexer:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet (Qwen3.5, Qwen3-Next), in the layers ``Architecture.linear_layers`` instead of self-attention
+    (HF's ``linear_attn``): in_proj_qkv (q and k ``key_heads`` x ``key_head_dim``, v ``value_heads`` x
+    ``value_head_dim``), in_proj_z (the output gate), in_proj_b (beta) and in_proj_a (the decay's input), one per value
+    head; a depthwise causal conv1d of ``conv_kernel`` taps over q, k and v, then SiLU; the gated delta rule with
+    per-head dt_bias and A_log; a gated RMSNorm over each value head (weight near 1, not zero-centred); out_proj."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_width(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class Attention:
     """One layer's self-attention. ``kind`` "gqa": q_proj, k_proj, v_proj, o_proj (biases on q, k, v when
     ``qkv_bias``); "mla": q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
@@ -46,6 +69,9 @@ class Attention:
     q_lora_rank: int = 0  # MLA only
     kv_lora_rank: int = 0  # MLA only
     indexer: Indexer | None = None  # DSA (MLA only); None: dense attention over every earlier key
+    # GQA only: q_proj is twice as wide, per head its query then its gate; o_proj reads the attention times
+    # sigmoid(gate) (Qwen3.5's gated attention)
+    output_gate: bool = False
 
     @property
     def q_width(self) -> int:
@@ -59,6 +85,11 @@ class Attention:
     def out_width(self) -> int:
         """The width o_proj reads: heads x v_head_dim."""
         return self.heads * self.v_head_dim
+
+    @property
+    def q_proj_width(self) -> int:
+        """q_proj's output: the queries, and as wide again with an output gate."""
+        return self.q_width * (2 if self.output_gate else 1)
 
 
 @dataclass(frozen=True)
@@ -80,8 +111,10 @@ class Moe:
 
 @dataclass(frozen=True)
 class Architecture:
-    """A whole causal LM: embedding, ``layers`` decoder layers (pre-norm attention, pre-norm MLP: dense in
-    ``dense_layers``, MoE in the others), final norm, untied lm_head; every norm an RMSNorm of ``norm_eps``."""
+    """A whole causal LM: embedding, ``layers`` decoder layers (pre-norm attention, or Gated DeltaNet in
+    ``linear_layers``; pre-norm MLP: dense in ``dense_layers``, MoE in the others), final norm, untied lm_head; every
+    norm an RMSNorm of ``norm_eps``. With ``zero_centred_norms`` the layer, final and q/k norms scale by 1 + weight
+    (the checkpoint holds weights near 0: Qwen3.5's ``output * (1.0 + weight)``); a GDN's gated norm does not."""
 
     vocab: int
     hidden: int
@@ -91,6 +124,9 @@ class Architecture:
     dense_layers: tuple[int, ...]
     moe: Moe | None
     norm_eps: float
+    linear_attention: LinearAttention | None = None
+    linear_layers: tuple[int, ...] = ()  # the layers whose token mixer is linear_attention (none without one)
+    zero_centred_norms: bool = False
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -98,3 +134,6 @@ class Architecture:
 
     def is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.dense_layers
+
+    def is_linear(self, layer: int) -> bool:
+        return self.linear_attention is not None and layer in self.linear_layers

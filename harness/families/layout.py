@@ -12,17 +12,21 @@ Parameter = tuple[str, tuple[int, ...], str]
 
 
 def parameters(a: Architecture) -> list[Parameter]:
-    """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | bias | norm | embedding |
-    router | buffer (the routing bias). An indexer's parameters come after MLA's, in HF's order (wq_b, wk, k_norm's
-    weight and bias, weights_proj), as the attention calls them."""
-    h = a.hidden
+    """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | bias | norm (weights near
+    1) | zero_centred_norm (scaled by 1 + weight: near 0) | embedding | router | buffer (the routing bias) | conv |
+    decay (a GDN's A_log). An indexer's parameters come after MLA's, in HF's order (wq_b, wk, k_norm's weight and bias,
+    weights_proj), as the attention calls them; a Gated DeltaNet's in the order its forward uses them."""
+    h, norm = a.hidden, _norm_kind(a)
     params: list[Parameter] = [("model.embed_tokens.weight", (a.vocab, h), "embedding")]
     for layer in range(a.layers):
         p = f"model.layers.{layer}."
-        params.append((p + "input_layernorm.weight", (h,), "norm"))
-        params += _attention(a.attention, h, p + "self_attn.")
-        params += [(p + "self_attn.o_proj.weight", (h, a.attention.out_width), "linear"),
-                   (p + "post_attention_layernorm.weight", (h,), "norm")]
+        params.append((p + "input_layernorm.weight", (h,), norm))
+        if a.is_linear(layer):
+            params += _linear_attention(a, p + "linear_attn.")
+        else:
+            params += _attention(a.attention, h, p + "self_attn.", norm)
+            params.append((p + "self_attn.o_proj.weight", (h, a.attention.out_width), "linear"))
+        params.append((p + "post_attention_layernorm.weight", (h,), norm))
         if not a.is_moe(layer):
             params += _mlp(p + "mlp.", a.dense_ffn, h)
             continue
@@ -36,10 +40,28 @@ def parameters(a: Architecture) -> list[Parameter]:
             params += _mlp(p + f"mlp.{moe.shared_expert}.", moe.shared_ffn, h)
         if moe.shared_gate:
             params.append((p + "mlp.shared_expert_gate.weight", (1, h), "linear"))
-    return params + [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (a.vocab, h), "linear")]
+    return params + [("model.norm.weight", (h,), norm), ("lm_head.weight", (a.vocab, h), "linear")]
 
 
-def _attention(at: Attention, h: int, p: str) -> list[Parameter]:
+def _norm_kind(a: Architecture) -> str:
+    return "zero_centred_norm" if a.zero_centred_norms else "norm"
+
+
+def _linear_attention(a: Architecture, p: str) -> list[Parameter]:
+    """A Gated DeltaNet's parameters (HF's Qwen3_5MoeGatedDeltaNet names): the four input projections, the depthwise
+    conv over q, k and v ([channels, 1, kernel]), dt_bias and A_log per value head, the gated norm over one value head
+    (weight near 1), out_proj."""
+    la, h = a.linear_attention, a.hidden
+    qkv = 2 * la.key_width + la.value_width
+    return [(p + "in_proj_qkv.weight", (qkv, h), "linear"), (p + "in_proj_z.weight", (la.value_width, h), "linear"),
+            (p + "in_proj_b.weight", (la.value_heads, h), "linear"),
+            (p + "in_proj_a.weight", (la.value_heads, h), "linear"),
+            (p + "conv1d.weight", (qkv, 1, la.conv_kernel), "conv"), (p + "dt_bias", (la.value_heads,), "bias"),
+            (p + "A_log", (la.value_heads,), "decay"), (p + "norm.weight", (la.value_head_dim,), "norm"),
+            (p + "out_proj.weight", (h, la.value_width), "linear")]
+
+
+def _attention(at: Attention, h: int, p: str, norm: str = "norm") -> list[Parameter]:
     """q, k and v's parameters (o_proj aside): GQA's projections (with their biases) and q/k norms, or MLA's low-rank
     projections and their norms."""
     if at.kind == "mla":
@@ -52,14 +74,14 @@ def _attention(at: Attention, h: int, p: str) -> list[Parameter]:
                 (p + "kv_b_proj.weight", (at.heads * (at.head_dim - rope + at.v_head_dim), at.kv_lora_rank),
                  "linear"), *_indexer(at, h, p)]
     params: list[Parameter] = []
-    for name, width in (("q_proj", at.q_width), ("k_proj", at.kv_width), ("v_proj", at.kv_width)):
+    for name, width in (("q_proj", at.q_proj_width), ("k_proj", at.kv_width), ("v_proj", at.kv_width)):
         params.append((p + f"{name}.weight", (width, h), "linear"))
         if at.qkv_bias:
             params.append((p + f"{name}.bias", (width,), "bias"))
     if at.qk_norm != "none":
         per_head = at.qk_norm == "per_head"
-        params += [(p + "q_norm.weight", (at.head_dim if per_head else at.q_width,), "norm"),
-                   (p + "k_norm.weight", (at.head_dim if per_head else at.kv_width,), "norm")]
+        params += [(p + "q_norm.weight", (at.head_dim if per_head else at.q_width,), norm),
+                   (p + "k_norm.weight", (at.head_dim if per_head else at.kv_width,), norm)]
     return params
 
 
@@ -98,18 +120,25 @@ def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
     """Module outputs in forward order (canonical HF module paths). Per-head q/k norms keep their heads apart
     ([T, heads, head_dim]); norms over all heads are [T, heads x head_dim]. A MoE layer: the routing (top-k indices,
     probabilities), each routed expert's output, the shared expert's (and its gate's logit, [T, 1]), the MoE output.
-    A DSA indexer: its projections' outputs and the keys it selects, as ``indexer.selected`` (`_attention_outputs`)."""
+    A DSA indexer: its projections' outputs and the keys it selects, as ``indexer.selected`` (`_attention_outputs`).
+    A Gated DeltaNet: its projections, its gated norm's output (``core_attention``, what out_proj reads) and out_proj
+    (`_linear_attention_outputs`)."""
     h, t, at = a.hidden, tokens, a.attention
     specs = [TensorSpec("module.model.embed_tokens", (t, h), "output")]
     for layer in range(a.layers):
         p = f"module.model.layers.{layer}."
         specs.append(TensorSpec(p + "input_layernorm", (t, h), "output"))
-        specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output") for name, shape in _attention_outputs(at)]
-        if at.indexer:
-            specs.append(TensorSpec(p + "self_attn.indexer.selected", (t, t), "output", "int64"))
-        specs += [TensorSpec(p + "self_attn.core_attention", (t, at.out_width), "output"),
-                  TensorSpec(p + "self_attn.o_proj", (t, h), "output"),
-                  TensorSpec(p + "post_attention_layernorm", (t, h), "output")]
+        if a.is_linear(layer):
+            specs += [TensorSpec(p + "linear_attn." + name, (t, *shape), "output")
+                      for name, shape in _linear_attention_outputs(a)]
+        else:
+            specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output")
+                      for name, shape in _attention_outputs(at)]
+            if at.indexer:
+                specs.append(TensorSpec(p + "self_attn.indexer.selected", (t, t), "output", "int64"))
+            specs += [TensorSpec(p + "self_attn.core_attention", (t, at.out_width), "output"),
+                      TensorSpec(p + "self_attn.o_proj", (t, h), "output")]
+        specs.append(TensorSpec(p + "post_attention_layernorm", (t, h), "output"))
         if not a.is_moe(layer):
             f = a.dense_ffn
             specs += [TensorSpec(p + "mlp.gate_up_proj", (t, 2 * f), "output"),
@@ -129,13 +158,23 @@ def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
     return specs
 
 
+def _linear_attention_outputs(a: Architecture) -> list[tuple[str, tuple[int, ...]]]:
+    """A GDN layer's outputs, each [T, width]: its four input projections, ``core_attention`` (the delta rule's output
+    through the gated norm, as out_proj reads it) and out_proj. Its conv (a [channels, T + kernel - 1] output, padded
+    on both sides) and the delta rule (a function, no module) are reached through them."""
+    la = a.linear_attention
+    return [("in_proj_qkv", (2 * la.key_width + la.value_width,)), ("in_proj_z", (la.value_width,)),
+            ("in_proj_b", (la.value_heads,)), ("in_proj_a", (la.value_heads,)), ("core_attention", (la.value_width,)),
+            ("out_proj", (a.hidden,))]
+
+
 def _attention_outputs(at: Attention) -> list[tuple[str, tuple[int, ...]]]:
     if at.kind == "mla":
         rope = at.rotary_dim
         return [("q_a_proj", (at.q_lora_rank,)), ("q_a_layernorm", (at.q_lora_rank,)), ("q_b_proj", (at.q_width,)),
                 ("kv_a_proj_with_mqa", (at.kv_lora_rank + rope,)), ("kv_a_layernorm", (at.kv_lora_rank,)),
                 ("kv_b_proj", (at.heads * (at.head_dim - rope + at.v_head_dim),)), *_indexer_outputs(at)]
-    outputs = [("q_proj", (at.q_width,)), ("k_proj", (at.kv_width,)), ("v_proj", (at.kv_width,))]
+    outputs = [("q_proj", (at.q_proj_width,)), ("k_proj", (at.kv_width,)), ("v_proj", (at.kv_width,))]
     if at.qk_norm == "per_head":
         outputs += [("q_norm", (at.heads, at.head_dim)), ("k_norm", (at.kv_heads, at.head_dim))]
     elif at.qk_norm == "all_heads":
@@ -160,8 +199,8 @@ def interleave(a: Architecture) -> tuple[int, tuple[int, ...]] | None:
     """How a stack that fuses q, k and v per key/value head (Megatron's linear_qkv, Paddle's qkv_proj) orders them:
     per query group, its heads / groups query heads, then its key head, then its value head (Megatron Bridge's
     QKVMapping / merge_qkv_weights, conversion/param_mapping.py @ 0f418defd83bb8b007f00748e822b3e758ec2593). None for
-    MLA, which fuses nothing so."""
+    MLA, which fuses nothing so, and for an output-gated q_proj, which no stack here fuses yet."""
     at = a.attention
-    if at.kind == "mla":
+    if at.kind == "mla" or at.output_gate:
         return None
     return at.kv_heads, (at.heads // at.kv_heads * at.head_dim, at.head_dim, at.head_dim)

@@ -11,6 +11,7 @@ from pathlib import Path
 import tomllib
 
 from harness.case.specs import TensorSpec
+from harness.families import architecture as blocks
 from harness.families import layout
 from harness.families.architecture import ATTENTION_KINDS, QK_NORMS, SCORINGS, Architecture, Attention, Indexer, Moe
 from harness.families.config import ConfigRules, FamilyConfig, ModelConfigError, make_config
@@ -96,8 +97,12 @@ class Family:
         indexer = Indexer(**read(table["indexer"], Indexer, "attention.indexer")) if "indexer" in table else None
         attention = Attention(**{**read(table, Attention, "attention"), "indexer": indexer})
         moe = Moe(**read(blueprint["moe"], Moe, "moe")) if "moe" in blueprint else None
-        top = {k: v for k, v in blueprint.items() if k not in ("attention", "moe")}
-        return Architecture(attention=attention, moe=moe, **read(top, Architecture, "architecture"))
+        linear = blocks.LinearAttention(**read(blueprint["linear_attention"], blocks.LinearAttention,
+                                               "linear_attention")) \
+            if "linear_attention" in blueprint else None
+        top = {k: v for k, v in blueprint.items() if k not in ("attention", "moe", "linear_attention")}
+        return Architecture(attention=attention, moe=moe, linear_attention=linear,
+                            **read(top, Architecture, "architecture"))
 
     def parameters(self, config) -> list[tuple[str, tuple[int, ...], str]]:
         """(HF checkpoint name, shape, kind) of every parameter and buffer, in forward order; kinds "norm" (weights

@@ -165,6 +165,8 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
             "(experimental_attention_variant_module_specs asserts transformer_impl == 'transformer_engine'; the local "
             "spec provider has no linear()), and its indexer's Hadamard rotation (rotate_activation) needs "
             "fast_hadamard_transform and bf16")
+    if arch.linear_attention is not None:  # Qwen3.5-MoE (docs/model.md, "Qwen3.5-MoE (qwen3_5_moe)")
+        _refuse_gated_delta_net()
     _refuse_unmapped_routing(moe)
     router_dtype = own.get("router_dtype") or None
     if dtype == torch.float64 and own.get("router_fp64_in_float64", True):
@@ -208,6 +210,21 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     knobs["params_dtype"] = PARAMS_DTYPE + (EXPERT_BIAS_DTYPE if moe.expert_bias else "")
     knobs.update(own.get("knobs", {}))
     return config, {name: _text(text, context) for name, text in knobs.items()}
+
+
+def _refuse_gated_delta_net() -> None:
+    """Gated DeltaNet layers: Megatron-Core's GatedDeltaNet constructs only with flash-linear-attention (its
+    constructor raises ImportError without ``fla``; its l2norm and chunk kernels are Triton, a GPU). UNSUPPORTED
+    naming the package; with it installed, UNSUPPORTED still: the harness has no local GDN layer spec yet."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        raise Unsupported(
+            f"megatron_model: Gated DeltaNet layers need flash-linear-attention (package flash-linear-attention, "
+            f"module fla: not installed): megatron-core {_megatron_version()}'s GatedDeltaNet raises ImportError "
+            "without it, and its Triton kernels need a GPU")
+    raise Unsupported("megatron_model: the harness has no local spec for Gated DeltaNet layers yet (Megatron's "
+                      "hybrid spec asserts Transformer Engine); see docs/model.md, Qwen3.5-MoE")
 
 
 def _refuse_unmapped_routing(moe) -> None:

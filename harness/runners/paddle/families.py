@@ -272,15 +272,15 @@ def _no_dygraph_model(m) -> None:
     PaddleFleet), so a PaddleFormers that adds a dygraph class is reported as such instead."""
     module = spec(m)["no_dygraph_model"]
     version, builders, others = dygraph_classes(module)
-    title = spec(m)["fleet"]["title"]
+    title, provider = spec(m)["fleet"]["title"], spec(m)["fleet"]["provider"]
     if others:
         raise Unsupported(f"PaddleFormers {version} exports {', '.join(others)} in paddleformers/{module}, a class "
                           f"that may be a dygraph {title}; the harness has no builder for it yet "
                           f"(harness/families/{m.family}/paddle.toml)")
     raise Unsupported(
         f"{title} has no dygraph model in PaddleFormers {version}: paddleformers/{module} exports only "
-        f"{', '.join(builders) or 'nothing'}, PaddleFleet builders (__new__ -> GLMMoEModelProvider.from_config(config)"
-        ".provide(), PaddleFleet's GPTModel), and no *Deprecated dygraph class as GLM-4.5 and Qwen3-MoE have; the "
+        f"{', '.join(builders) or 'nothing'}, PaddleFleet builders (__new__ -> {provider}, PaddleFleet's model), and "
+        "no *Deprecated dygraph class as GLM-4.5 and Qwen3-MoE have; the "
         f"Paddle side of {title} is PaddleFleet's model, on a GPU where paddlefleet imports (not available here)")
 
 

@@ -8,7 +8,8 @@ Each block once: the transformers config (every key given, none left to transfor
 on the meta device, the RoPE module, the routing record, the float64 mode. The family's quirks are switches, named
 where they are read: ``routing`` (where transformers returns the routing), ``[float64]`` (a text of its own:
 MiniMax-M2's all-heads q/k norm), ``partial_rotary_factor`` (GLM-4.5's key, MiniMax-M2's rotary_dim that
-transformers 5.3.0 ignores).
+transformers 5.3.0 ignores), ``config_class`` and ``rotary`` (classes the prefix does not name: Qwen3.5-MoE's text
+model).
 
 Float64 (the truth and the semantic check): HF computes RMSNorm, the router (its GEMM, softmax or sigmoid), the RoPE
 tables, the attention softmax and the loss in float32 whatever the model's dtype. In a float64 request the runner
@@ -83,7 +84,8 @@ def hf_config(m: FamilyConfig, hf):
     s = spec(m)
     given = {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(m, k)) for k in s["keys"])}
     rope = rope_parameters(m)
-    config = getattr(hf, f"{s['prefix']}Config")(**given, **s.get("config", {}), rope_parameters=rope, **COMMON)
+    config_class = s.get("config_class", f"{s['prefix']}Config")
+    config = getattr(hf, config_class)(**given, **s.get("config", {}), rope_parameters=rope, **COMMON)
     got = {k: getattr(config, k) for k in s.get("kept", ())}
     if "partial_rotary_factor" in rope:
         got["partial_rotary_factor"] = config.rope_parameters.get("partial_rotary_factor")
@@ -111,11 +113,17 @@ def rope_parameters(m: FamilyConfig) -> dict:
 def rotary(model, hf, m: FamilyConfig, config, device, dtype: torch.dtype) -> None:
     """The RoPE module made on `device` (its tables are buffers the checkpoint does not hold); in float64 its tables
     in float64."""
-    model.model.rotary_emb = getattr(hf, f"{spec(m)['prefix']}RotaryEmbedding")(config=config, device=device)
+    model.model.rotary_emb = getattr(hf, rotary_class(m))(config=config, device=device)
     if dtype == torch.float64:
         float64_rope = hf_float64.yarn_rope if config.rope_parameters["rope_type"] == "yarn" else \
             hf_float64.default_rope
         float64_rope(model.model.rotary_emb, config)
+
+
+def rotary_class(m: FamilyConfig) -> str:
+    """transformers' RoPE module of the family: ``<prefix>RotaryEmbedding`` unless hf.toml's ``rotary`` names
+    another (Qwen3.5-MoE's text model: Qwen3_5MoeTextRotaryEmbedding)."""
+    return spec(m).get("rotary", f"{spec(m)['prefix']}RotaryEmbedding")
 
 
 def record_routing(model, m: FamilyConfig) -> dict:
@@ -179,10 +187,11 @@ def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
     """Inside: HF's RMSNorm, router and eager attention in float64 (when `on`); yields {what: how} for meta.json
     ({} when off; the RoPE tables: ``rotary``; the loss: the runner). hf.toml's ``[float64]`` may give a text of its
     own (``rms_norm``)."""
-    s, moe = spec(m), m.record.architecture(m).moe
-    prefix, texts = s["prefix"], s.get("float64", {})
+    s, arch = spec(m), m.record.architecture(m)
+    moe, prefix, texts = arch.moe, s["prefix"], s.get("float64", {})
     rms_why = texts.get("rms_norm", "normalises in float64 (HF: float32)")
-    islands = [(getattr(hf, f"{prefix}RMSNorm"), "forward", hf_float64.rms_norm, f"{prefix}RMSNorm.forward", rms_why)]
+    rms = hf_float64.zero_centred_rms_norm if arch.zero_centred_norms else hf_float64.rms_norm
+    islands = [(getattr(hf, f"{prefix}RMSNorm"), "forward", rms, f"{prefix}RMSNorm.forward", rms_why)]
     if moe is not None:  # a dense family has no router
         router, router_why = ROUTERS[(s["routing"], moe.scoring)]
         islands.append((getattr(hf, s["router"]), "forward", router, f"{s['router']}.forward", router_why))
@@ -191,6 +200,6 @@ def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
     with hf_float64.islands(islands, on) as replaced:
         if on:
             yarn = rope_parameters(m)["rope_type"] == "yarn"
-            replaced = {**replaced, f"{prefix}RotaryEmbedding": f"{'YaRN inverse' if yarn else 'inverse'} "
+            replaced = {**replaced, rotary_class(m): f"{'YaRN inverse' if yarn else 'inverse'} "
                         "frequencies and cos/sin tables in float64 (HF: float32)", "loss": LOSS}
         yield replaced

@@ -25,6 +25,13 @@ def rms_norm(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
+def zero_centred_rms_norm(self, x):
+    """HF's zero-centred RMSNorm (Qwen3_5MoeRMSNorm: ``output * (1.0 + weight)``) in float64 (HF: float32)."""
+    output = x.to(torch.float64)
+    output = output * torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (output * (1.0 + self.weight.to(torch.float64))).type_as(x)
+
+
 def router_gemm(self, hidden_states):
     """A sigmoid router's gating GEMM (DeepseekV3TopkRouter, Glm4MoeTopkRouter) in float64 (HF: float32)."""
     hidden_states = hidden_states.view(-1, self.config.hidden_size)
@@ -32,13 +39,14 @@ def router_gemm(self, hidden_states):
 
 
 def softmax_router(self, hidden_states):
-    """A softmax router's forward (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter: transformers 5.3.0) with the softmax in the
-    model's dtype (HF: float32): in a float64 run, float64."""
+    """A softmax router's forward (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter, Qwen3_5MoeTopKRouter: transformers 5.3.0)
+    with the softmax in the model's dtype (HF: float32): in a float64 run, float64. Qwen3.5's router has no
+    norm_topk_prob: it renormalises always, as here."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     router_logits = torch.nn.functional.softmax(router_logits, dtype=hidden_states.dtype, dim=-1)
     router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=-1)
-    if self.norm_topk_prob:
+    if getattr(self, "norm_topk_prob", True):
         router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
     router_top_value = router_top_value.to(router_logits.dtype)
     return router_logits, router_top_value, router_indices
@@ -95,11 +103,23 @@ def yarn_rope(rotary, config) -> None:
 def _float64_tables(rotary):
     """The rotary module's forward (transformers 5.3.0) with its cos/sin tables computed in float64."""
     def forward(x, position_ids):
+        position_ids = text_positions(position_ids)
         inv = rotary.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1)
         freqs = (inv @ position_ids[:, None, :].to(torch.float64)).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
     return forward
+
+
+def text_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, tokens] positions. Qwen3.5's M-RoPE passes three rows ([3, batch, tokens]: text, height, width), equal
+    for text tokens, where its interleaved sections change nothing: one row then; unequal rows are refused (an image's
+    positions, which the harness does not feed)."""
+    if position_ids.dim() == 2:
+        return position_ids
+    if not bool((position_ids == position_ids[0]).all()):
+        raise ValueError("M-RoPE position rows differ (not text tokens): the float64 tables take text positions only")
+    return position_ids[0]
 
 
 def yarn_inv_freq(config, dtype=torch.float64) -> tuple[torch.Tensor, float]:
