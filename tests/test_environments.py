@@ -121,3 +121,15 @@ def test_the_environment_make_created_is_transformers_5_23_over_this_interpreter
     assert Path(torch_file).is_relative_to(sysconfig.get_path("purelib"))
     assert environments.active() is None  # this interpreter is the harness's own
 
+
+
+def test_the_hf_room_in_an_interpreter_without_the_familys_model_says_unsupported_naming_it():
+    """A user's own --python hf_model=... with transformers 5.3.0 for DeepSeek-V3.2: UNSUPPORTED, naming the module
+    this transformers lacks and the environment the family names; never a crash (ERROR)."""
+    from harness.run.protocol import Unsupported
+    from harness.runners.torch import hf_families
+
+    with pytest.raises(Unsupported, match=r"transformers 5\.3\.0 \(.*\) has no transformers\.models\.deepseek_v32\."
+                                          r"modeling_deepseek_v32; the family's hf\.toml names the environment "
+                                          r"'transformers-5\.23\.0' for it"):
+        hf_families.modeling(FAMILIES["deepseek_v32"].config())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +31,7 @@ import torch
 
 from harness.families import FamilyConfig
 from harness.families.expressions import evaluate
+from harness.run.protocol import Unsupported
 from harness.runners.torch import hf_float64
 
 # Given to every family's transformers config: no dropout, no cache, no pad token, eager attention and experts
@@ -79,9 +81,20 @@ def knobs(m: FamilyConfig) -> dict[str, tuple]:
 
 
 def modeling(m: FamilyConfig):
-    """transformers' modeling module of the family (imported when a run asks for it)."""
+    """transformers' modeling module of the family (imported when a run asks for it); UNSUPPORTED where the installed
+    transformers has no such model (DeepSeek-V3.2 in 5.3.0: the family's hf.toml names the environment that has it)."""
     module = spec(m)["module"]
-    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    name = f"transformers.models.{module}.modeling_{module}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name not in (name, f"transformers.models.{module}"):
+            raise
+        import transformers
+
+        environment = m.record.stack("hf").get("environment")
+        raise Unsupported(f"transformers {transformers.__version__} ({sys.executable}) has no {name}" + (
+            f"; the family's hf.toml names the environment {environment!r} for it" if environment else "")) from None
 
 
 def build(hf, m: FamilyConfig):
