@@ -10,6 +10,7 @@ creating interpreter's site-packages after them. ``make`` creates it (``python -
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -82,4 +83,6 @@ def create(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    print(create(sys.argv[1]) if len(sys.argv) == 2 else sys.exit(f"usage: python -m {__spec__.name} NAME"))
+    parser = argparse.ArgumentParser(prog="python -m harness.environments", description=create.__doc__)
+    parser.add_argument("name", choices=ENVIRONMENTS)
+    print(create(parser.parse_args().name))
