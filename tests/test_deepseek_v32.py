@@ -64,7 +64,8 @@ def test_the_2layer_cases_have_90_gradients_and_say_their_pairs():
         "deepseek_v32_2layer_float64": ("float64", ("hf_model", "hf_model"), "WITHIN_TOLERANCE"),
         "deepseek_v32_2layer_control_hf": ("float32", ("hf_model", "hf_model"), "DIFF"),
         "deepseek_v32_2layer_fp32_megatron": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
-        "deepseek_v32_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), "UNSUPPORTED")}
+        "deepseek_v32_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), "UNSUPPORTED"),
+        "deepseek_v32_2layer_train": ("float32", ("hf_model", "hf_model"), "BITWISE_PASS")}
     assert cases["deepseek_v32_2layer_fp32_dense_index"].model.index_topk >= case.tokens > case.model.index_topk
 
 
@@ -89,6 +90,28 @@ def test_hf_gives_the_indexer_no_gradient_and_every_other_parameter_one():
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == sorted(FAMILY.detached(DeepseekV32Config.resolve(TINY)))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_its_hf_training_run_is_a_reference_compare_runs_reads(tmp_path, checkpoints_dir):
+    """No other stack runs DeepSeek-V3.2 here, so its HF run is the reference a user's own captured run is compared
+    against: the training case's side folders are step folders that compare-runs reads, every step BITWISE_PASS
+    against the other HF side (the same code and kernels), the float64 truth following AdamW at every step."""
+    from conftest import E2E_TOKENS
+    from harness import CompareOptions, compare_case
+    from harness.cli import main
+
+    result, run_dir = compare_case("deepseek_v32_2layer_train", CompareOptions(
+        tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports"))
+    assert (result.verdict, result.exit_code) == ("BITWISE_PASS", 0), result.message
+    runs = [run_dir / name for name in ("a-hf_model", "b-hf_model", "oracle-hf_model-float64")]
+    assert main(["compare-runs", str(runs[0]), str(runs[1]), "--truth", str(runs[2]), "--reports",
+                 str(tmp_path / "runs")]) == 0
+    [folder] = (tmp_path / "runs").iterdir()
+    report = json.loads((folder / "report.json").read_text())
+    assert report["verdict"] == "BITWISE_PASS" and [s["verdict"] for s in report["train"]["steps"]] == [
+        "BITWISE_PASS"] * 3
 
 
 # For tests/test_model_e2e.py: a planted float64 difference in the indexer's LayerNorm bias (a tensor the DSA
