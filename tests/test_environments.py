@@ -133,3 +133,54 @@ def test_the_hf_room_in_an_interpreter_without_the_familys_model_says_unsupporte
                                           r"modeling_deepseek_v32; the family's hf\.toml names the environment "
                                           r"'transformers-5\.23\.0' for it"):
         hf_families.modeling(FAMILIES["deepseek_v32"].config())
+
+
+def test_versus_environment_puts_side_b_of_hf_model_in_the_named_environment(no_overrides):
+    """``--versus environment=NAME`` (model cases): hf_model on both sides, side a in the family's own interpreter,
+    side b in NAME; the report's comparison names both."""
+    from harness.case.checkpoints import Checkpoint
+    from harness.levels.base import Run, Versus
+    from harness.levels.model import ModelLevel
+
+    case = Registry.load().get("qwen3_moe_2layer_fp32")  # Megatron-Core against HF as written
+    pair, comparison = ModelLevel().versus(case, Versus("environment", NAME))
+    assert pair.runners == ("hf_model", "hf_model") and comparison == {
+        "kind": "environment", "runner": "hf_model", "environment_a": None, "environment_b": NAME}
+    run = Run(pair, Checkpoint(ROOT / "no-checkpoint", {}), "cpu", ROOT, {}, 60, Versus("environment", NAME))
+    a, b = ModelLevel().sides(run)
+    assert [side_python(pair, side, {})[0] for side in (a, b)] == [sys.executable, environments.python(NAME)]
+
+
+@pytest.mark.parametrize("case, name, problem", [
+    ("qwen3_moe_2layer_fp32", "transformers-9.9",
+     r"qwen3_moe\.toml: case 'qwen3_moe_2layer_fp32': --versus: environment = 'transformers-9\.9': not a known "
+     r"environment \(known: transformers-5\.23\.0\)"),
+    ("deepseek_v32_2layer_fp32", NAME, r"--versus environment=transformers-5\.23\.0 is side a's already"),
+    ("kimi_shared_fc1", NAME, r"--versus environment: op-level cases take --versus tp, impl, batch"),
+])
+def test_versus_environment_refuses_a_bad_name_side_as_own_and_other_levels(case, name, problem):
+    from harness.levels import level_of
+    from harness.levels.base import Versus
+
+    found = Registry.load().get(case)
+    with pytest.raises(CaseError, match=problem):
+        level_of(found).versus(found, Versus("environment", name))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_did_upgrading_transformers_change_qwen3_moes_bits_in_float32(tmp_path, checkpoints_dir):
+    """The two releases on one command: Qwen3-MoE's 2-layer fp32 model on 5.3.0 (side a) and 5.23.0 (side b) give the
+    same bits in every one of its 563 tensors (the bf16 case does not run: 5.23.0's router returns bf16 routing
+    weights, docs/model.md)."""
+    from conftest import E2E_TOKENS
+    from harness import CompareOptions, compare_case
+    from harness.levels.base import Versus
+
+    result, run_dir = compare_case("qwen3_moe_2layer_fp32", CompareOptions(
+        tokens=E2E_TOKENS, checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports", oracle=False,
+        versus=Versus("environment", NAME)))
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (result.verdict, len(result.tensors)) == ("BITWISE_PASS", 563), result.message
+    assert [s["meta"]["versions"]["transformers"] for s in report["sides"]] == ["5.3.0", "5.23.0"]
+    assert "against transformers-5.23.0 (side b: transformers 5.23.0)" in (run_dir / "report.md").read_text()

@@ -100,8 +100,8 @@ def side_python(case: Case, side: SideSpec, overrides: dict[str, str]) -> tuple[
     """(the side's interpreter, why it cannot run: "" when it can). A model case's HF side and its truth run in the
     environment the family's hf.toml names, if any; where that environment is not created, the side is UNSUPPORTED
     naming the package it holds (a user's own --python is taken as it is)."""
-    environment = environments.of_family(case.model.record) if case.model is not None and (
-        side.truth or side.runner in HF_RUNNERS) else None
+    environment = side.environment or (environments.of_family(case.model.record) if case.model is not None and (
+        side.truth or side.runner in HF_RUNNERS) else None)
     python = (truth_python if side.truth else runner_python)(side.runner, overrides, environment)
     named = environment is not None and python == environments.python(environment)
     return python, environments.missing(environment) if named else ""
@@ -140,6 +140,7 @@ class SideSpec(NamedTuple):
     per_step: bool = False  # it writes one file per training step (harness.run.steps), checked rank against rank
     truth: bool = False  # the truth side: its own interpreter (truth_python), never a side's
     tokens: int | None = None  # run at another token count than the case's (a batch around its rows: --versus batch)
+    environment: str | None = None  # its HF side in this environment, not the family's (--versus environment)
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
