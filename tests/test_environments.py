@@ -184,3 +184,16 @@ def test_did_upgrading_transformers_change_qwen3_moes_bits_in_float32(tmp_path, 
     assert (result.verdict, len(result.tensors)) == ("BITWISE_PASS", 563), result.message
     assert [s["meta"]["versions"]["transformers"] for s in report["sides"]] == ["5.3.0", "5.23.0"]
     assert "against transformers-5.23.0 (side b: transformers 5.23.0)" in (run_dir / "report.md").read_text()
+
+
+def test_a_refeed_of_side_b_runs_in_side_bs_environment(monkeypatch, tmp_path):
+    """--versus environment with --refeed: side b's replay starts in side b's environment, not the family's. A test
+    double of run_sides records the side it is given (the harness's own logic; no verdict)."""
+    from harness.compare import model_refeed
+
+    seen = []
+    monkeypatch.setattr(model_refeed.orchestrate, "run_sides", lambda case, sides, *rest: seen.extend(sides) or [0])
+    case = Registry.load().get("qwen3_moe_2layer_fp32")
+    spec = SideSpec("b", "hf_model", (), 1, "b-hf_model", environment=NAME)
+    assert model_refeed._side(case, {}, spec, "refeed", tmp_path, "cpu", {}, 60) == 0
+    assert [side.environment for side in seen] == [NAME]
