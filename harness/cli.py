@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                               + ", ".join(KNOBS["paddle_impl"].choices) + "), dp=N or ep=N (training cases: data- "
                               "or expert-parallel ranks on the same global batch), batch=M (op cases: the case's rows "
                               "alone vs inside a batch of M other rows; a list 1,2,4 or a range 1..64 of powers of "
-                              "two: one run per M and a table of which M keep each tensor's bits)")
+                              "two: one run per M and a table of which M keep each tensor's bits), environment=NAME "
+                              "(model cases: hf_model against itself, side b in the named environment, e.g. "
+                              "transformers-5.23.0)")
     compare.add_argument("--runner", help="the runner on both sides of --versus (default: the case's first)")
     compare.add_argument("--dp", type=int, help="training cases: data-parallel ranks, each training its own "
                                                 "micro-batches of the same global batch (1, 2, 4, 8; default: the "
@@ -211,6 +213,8 @@ def versus(text: str) -> tuple[str, int | str | list[int]]:
         raise argparse.ArgumentTypeError(f"expects AXIS=VALUE with AXIS one of {', '.join(AXES)} (got {text!r})")
     if axis == "batch":
         return axis, batch_sizes(value)
+    if axis == "environment":  # a name (harness.environments), checked by the model level
+        return axis, value
     if axis == "impl":
         if value not in KNOBS["paddle_impl"].choices:
             raise argparse.ArgumentTypeError(f"--versus impl expects one of {', '.join(KNOBS['paddle_impl'].choices)} "

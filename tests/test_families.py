@@ -162,7 +162,7 @@ def _small(family: Family) -> dict:
     if "layer_types" in real:  # one entry per layer (Qwen3.5-MoE: Gated DeltaNet, then attention)
         small["layer_types"] = ["linear_attention", "full_attention"]
     for key, width in (("n_routed_experts", 4), ("num_experts", 4), ("num_local_experts", 4),
-                       ("num_experts_per_tok", 2)):
+                       ("num_experts_per_tok", 2), ("first_k_dense_replace", 1), ("n_group", 1), ("topk_group", 1)):
         if key in real:
             small[key] = width
     return small

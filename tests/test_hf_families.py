@@ -1,6 +1,8 @@
 """The hf room (harness/runners/torch/hf_families.py) over every family: one contract, parametrized over the registry
 of families (``FAMILIES``), instead of a copy per family. A family's own test file holds only what is its own (a
-quirk: MiniMax-M2's partial factor, tests/test_minimax_m2.py)."""
+quirk: MiniMax-M2's partial factor, tests/test_minimax_m2.py). Each family is held to it in the interpreter its HF side
+runs in: the harness's own (transformers 5.3.0), or the environment its hf.toml names (DeepSeek-V3.2: transformers
+5.23.0), where the last test runs this file again."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import environments
 from harness.case.registry import Registry
 from harness.families import FAMILIES, Family
 from harness.families.names import NameMap, expand_stack
@@ -24,6 +27,12 @@ pytestmark = pytest.mark.skipif(absent("torch", "transformers"), reason="the hf 
 
 ROOT = Path(__file__).resolve().parents[1]
 LOADED = ("same", "stack", "stack_cat0")  # the [hf.checkpoint] kinds hf_model's loader reads
+# The families whose HF side runs in this interpreter (the others: in their environment, by the last test)
+HERE = [name for name, family in FAMILIES.items() if environments.of_family(family) == environments.active()]
+# Where each family's transformers returns the routing, in the release its HF side runs on (hf_families.routing)
+ROUTING = {"deepseek_v3": "route_tokens_to_experts", "glm4_moe": "route_tokens_to_experts",
+           "glm_moe_dsa": "route_tokens_to_experts", "qwen2_moe": "router_output", "qwen3_moe": "router_output",
+           "minimax_m2": "router_output", "deepseek_v32": "router_output", "qwen3_5_moe": "router_output"}
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +45,16 @@ def models() -> dict:
         if case.op == "causal_lm":
             found.setdefault(case.model.family, fewer_experts(case.model))
     assert set(found) == set(FAMILIES), f"a family without a model-level case: {set(FAMILIES) - set(found)}"
-    return found
+    return {name: m for name, m in found.items() if name in HERE}
 
 
 def fewer_experts(m, experts: int = 8, topk: int = 2):
-    """`m` with `experts` routed experts, top-`topk`: the keys its family's [architecture.moe] reads them from."""
+    """`m` with `experts` routed experts, top-`topk`: the keys its family's [architecture.moe] reads them from; a
+    group-limited router (n_group > 1: DeepSeek-V3.2) keeps grouping, 4 groups of 2, the best 2."""
     moe = m.record.blueprint["moe"]
     keys = {moe["experts"].removeprefix("="): experts, moe["topk"].removeprefix("="): topk}
+    if getattr(m, "n_group", 1) > 1:
+        keys.update(n_group=4, topk_group=2)
     assert all(key.isidentifier() for key in keys), keys
     return m.record.config.resolve({**m.to_dict(), **keys})
 
@@ -56,7 +68,7 @@ def hf_model_of(m):
     return model, config, hf
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HERE)
 def test_names_cover_every_parameter_of_the_hf_model_and_every_canonical_one(models, family):
     """Each parameter and persistent buffer of transformers' model is named by the family's [hf.checkpoint] with a
     rule the loader reads, from canonical tensors only; and every canonical parameter of the family feeds one."""
@@ -75,7 +87,7 @@ def test_names_cover_every_parameter_of_the_hf_model_and_every_canonical_one(mod
     assert used == canonical, f"{family}: canonical parameters no HF tensor reads: {sorted(canonical - used)[:5]}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HERE)
 def test_the_hf_config_is_every_key_as_given(models, family):
     """transformers' config holds hf.toml's keys as the case gives them (none left to transformers' defaults), eager
     attention and experts, and RoPE settings as rope_parameters (a partial factor where the architecture rotates
@@ -95,7 +107,7 @@ def test_the_hf_config_is_every_key_as_given(models, family):
         assert rope.get("partial_rotary_factor", 1.0) * attention.head_dim == attention.rotary_dim
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HERE)
 def test_float64_mode_replaces_the_familys_islands_and_puts_hfs_back(models, family):
     """Inside: RMSNorm, the router and eager attention replaced, meta.json told each (and the RoPE tables and the
     loss); after: transformers' own back. Off: nothing replaced, nothing told."""
@@ -123,9 +135,9 @@ def test_a_bad_hf_toml_is_refused_naming_the_file_the_field_and_the_value(tmp_pa
     folder = tmp_path / "qwen3_moe"
     shutil.copytree(FAMILIES["qwen3_moe"].folder, folder)
     path = folder / "hf.toml"
-    path.write_text(path.read_text().replace('routing = "router_output"', 'routing = "by_magic"'))
+    path.write_text(re.sub(r'(?m)^router = .*$', "", path.read_text()))
     family = Family.load(folder)
-    with pytest.raises(ValueError, match=re.escape(f"{path}: routing = 'by_magic': must be one of")):
+    with pytest.raises(ValueError, match=re.escape(f"{path}: no 'router'")):
         hf_families.modeling(family.config())
     path.write_text(re.sub(r'(?m)^prefix = .*$', "", path.read_text()))
     family = Family.load(folder)
@@ -144,7 +156,7 @@ class DroppingConfig:
             setattr(self, key, None)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if FAMILIES[f].stack("hf").get("kept")
+@pytest.mark.parametrize("family", [f for f in HERE if FAMILIES[f].stack("hf").get("kept")
                                     or FAMILIES[f].stack("hf").get("partial_rotary_factor")])
 def test_a_transformers_that_drops_a_key_is_refused(models, family):
     from harness.runners.torch import hf_families
@@ -157,7 +169,7 @@ def test_a_transformers_that_drops_a_key_is_refused(models, family):
         hf_families.hf_config(m, fake)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HERE)
 def test_a_float64_run_in_its_own_process_names_the_familys_model_knobs_and_routing(models, family, tmp_path):
     """The runner as the harness starts it: meta.json names transformers' class, the family's knobs from hf.toml, the
     float64 islands; a routing record for each MoE layer, nothing for a dense one."""
@@ -196,7 +208,7 @@ def on_disk(family: str, m):
     return lambda name: disk.rule("checkpoint", name).sources[0]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", HERE)
 def test_transformers_own_loading_gives_the_name_maps_tensors_bit_for_bit(models, family, tmp_path):
     """The ecosystem's name map: transformers' ``from_pretrained`` applies its own conversion mapping
     (transformers/conversion_mapping.py: MiniMax-M2's block_sparse_moe renames, the routed experts fused into
@@ -222,3 +234,24 @@ def test_transformers_own_loading_gives_the_name_maps_tensors_bit_for_bit(models
     assert sorted(ours) == sorted(theirs)
     unequal = [name for name in ours if not torch.equal(ours[name], theirs[name])]
     assert not unequal, f"{family}: transformers loads other bits into {unequal[:5]}"
+
+
+@pytest.mark.parametrize("family", HERE)
+def test_the_routing_is_read_where_the_installed_transformers_returns_it(family, models):
+    """transformers 5.3.0's grouped sigmoid MoE blocks return the routing from their route_tokens_to_experts, its
+    softmax and MiniMax-M2 routers (and every router in 5.23.0) from the router's forward: read from the module."""
+    from harness.runners.torch import hf_families
+
+    assert hf_families.routing(hf_families.modeling(models[family])) == ROUTING[family]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", environments.ENVIRONMENTS)
+def test_the_contract_holds_for_the_families_of_each_environment(name):
+    """This file again in the environment's interpreter, which selects the families whose HF side runs there."""
+    families = [f for f, family in FAMILIES.items() if environments.of_family(family) == name]
+    done = subprocess.run([environments.python(name), "-m", "pytest", __file__, "-n", "0", "-v", "-p",
+                           "no:cacheprovider", "-m", "not slow"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert families and set(re.findall(r"\[(\w+)\] PASSED", done.stdout)) == set(families), done.stdout[-3000:]

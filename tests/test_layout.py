@@ -3,7 +3,8 @@
 case (registry, op records, checkpoints), families (model family records), optimizers (optimizer records) -> run
 (orchestration, launchers) -> runners (subprocess side), capture, attach (the recorder in a user's loop) -> compare,
 baselines -> report -> levels (op, model, train: one record each) -> pipeline (one comparison at any level) ->
-commands -> cli. `bits` is a shared utility every stage may use. A model family is data (harness/families/<family>/:
+commands -> cli. `bits` is a shared utility every stage may use (so are `paths`, `resources`, `environments`: which
+interpreter a family's HF side needs, read by case and run). A model family is data (harness/families/<family>/:
 no Python); each framework builds every family in its runner's room (harness/runners/megatron/families.py,
 harness/runners/torch/hf_families.py, harness/runners/paddle/families.py), so no module of the families' stage imports
 a framework or a later stage. An optimizer's per-stack builders import their framework inside the function (only
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness"
-STAGES = {"bits": 0, "paths": 0, "resources": 0, "case": 1, "families": 1, "optimizers": 1, "run": 2, "runners": 3,
-          "capture": 3, "attach": 3, "compare": 4, "baselines": 4, "report": 5, "levels": 6, "pipeline": 7,
+STAGES = {"bits": 0, "paths": 0, "resources": 0, "environments": 0, "case": 1, "families": 1, "optimizers": 1, "run": 2,
+          "runners": 3, "capture": 3, "attach": 3, "compare": 4, "baselines": 4, "report": 5, "levels": 6,
+          "pipeline": 7,
           "commands": 8, "cli": 9, "__main__": 9, "__init__": 0}
 
 

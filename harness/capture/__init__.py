@@ -82,7 +82,7 @@ def refeed_units(modules: list[str], rule_of, extra: dict[str, list[str]] | None
             why_not[name] = rule.why
         elif reason:
             why_not[name] = reason
-        elif rule.kind in ("same", "output_of", "cat_last"):
+        elif rule.kind in ("same", "output_of", "tokens_of", "cat_last"):
             units[name] = list(rule.sources)
     units.update(extra or {})
     return units, why_not

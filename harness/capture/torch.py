@@ -102,6 +102,8 @@ class Capture:
         if why:
             self.not_captured["module." + name] = why
             return None
+        if rule.kind == "tokens_of":
+            return parts[0].reshape(-1, parts[0].shape[-1])
         parts = [self._drop_batch(part) for part in parts]
         if rule.kind == "deinterleave":  # one part of a fused module's output (q of linear_qkv), on the last dim
             return apply_rule(rule, parts, dim=-1)

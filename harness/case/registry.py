@@ -16,7 +16,7 @@ from typing import Any
 
 import tomllib
 
-from harness import families, paths
+from harness import environments, families, paths
 from harness.case import tolerance as tolerance_policy
 from harness.case import train_settings as train_table
 from harness.case.ops import KNOBS, OPS, Op, train_state_names
@@ -338,6 +338,10 @@ def _build(name: str, path: Path, table: dict) -> Case:
             model = families.family_of(given.get("family", families.DEFAULT)).config.resolve(given)
         except families.ModelConfigError as error:
             raise f.error("config.model", str(error), given) from None
+        try:  # the interpreter its HF side needs: a bad name is refused here, before anything runs
+            environments.of_family(model.record)
+        except ValueError as error:
+            raise f.error("config.model.family", str(error), model.family) from None
         config = {**config, "model": model.to_dict()}  # the wire form; the typed one is Case.model
     if "train" in table and "train" not in spec.tables:
         trainers = [name for name, other in OPS.items() if "train" in other.tables]

@@ -66,7 +66,8 @@ def run(case: Case, pair: list[SideSpec], full: list, device: str, run_dir: Path
 
 def _side(case, request: dict, spec: SideSpec, mode: str, folder: Path, device, pythons, timeout):
     side_case = replace(case, config={**case.config, "refeed": request})
-    side = SideSpec(spec.label, spec.runner, spec.inputs, spec.tp, f"{spec.label}-{mode}-{spec.runner}", spec.dtype)
+    side = SideSpec(spec.label, spec.runner, spec.inputs, spec.tp, f"{spec.label}-{mode}-{spec.runner}", spec.dtype,
+                    environment=spec.environment)  # side b of --versus environment is re-fed in its environment
     return orchestrate.run_sides(side_case, [side], device, folder, pythons, timeout)[0]
 
 

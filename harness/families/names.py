@@ -21,7 +21,7 @@ SECTIONS = ("checkpoint", "grads", "modules", "float64", "float64_update")
 FLOORS = ("float64", "float64_update")  # tables of float64 floors: pattern -> relative error (no rules)
 KINDS = ("same", "cat0", "cat_last", "slice", "stack_cat0", "stack", "transpose", "transpose_cat0", "cat0_transpose",
          "interleave", "transpose_interleave", "deinterleave", "transpose_deinterleave", "input_of", "output_of",
-         "not_captured")
+         "tokens_of", "not_captured")
 GROUPED = ("interleave", "transpose_interleave", "deinterleave", "transpose_deinterleave")  # need Family.interleave
 
 
@@ -34,7 +34,9 @@ class Rule:
     (cat0, then transposed: Paddle's fused up_gate_proj [in, 2F] from gate and up) | interleave (the sources cut
     into `groups` equal chunks each and laid out group by group: Megatron's linear_qkv and Paddle's qkv_proj) |
     deinterleave (part `index` of such a tensor) | transpose_interleave / transpose_deinterleave (the same on
-    Paddle's [in, out] weights) | input_of / output_of (module hooks) | not_captured (why). Parameters and gradients
+    Paddle's [in, out] weights) | input_of / output_of (module hooks) | tokens_of (a module's output with every dim
+    but the last flattened into tokens: transformers 5.23.0's MLA views its latent as one head, [B, 1, S, r]) |
+    not_captured (why). Parameters and gradients
     interleave along dim 0, module outputs along the last dim.
     """
 

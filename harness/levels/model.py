@@ -8,9 +8,13 @@ the semantic check (a mapping error is ERROR); its re-feed replays side b module
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from harness import environments
+from harness.case.registry import Case, CaseError
 from harness.compare import model_outputs, model_refeed
 from harness.compare.result import CaseResult
-from harness.levels.base import Level, Run
+from harness.levels.base import Level, Run, Versus, same_runner
 from harness.levels.float64 import semantic_verdict
 from harness.run.orchestrate import SideSpec, pair_sides
 
@@ -18,9 +22,32 @@ from harness.run.orchestrate import SideSpec, pair_sides
 class ModelLevel(Level):
     name = "model"
     truth_runner = model_outputs.TRUTH_RUNNER
+    versus_axes = ("environment",)
+
+    def versus(self, case: Case, versus: Versus) -> tuple[Case, dict]:
+        """``--versus environment=NAME``: hf_model against itself, side b in environment NAME (transformers 5.23.0)
+        and side a in the family's own (the harness's interpreter for the families already here): did upgrading
+        transformers change the bits?"""
+        if versus.axis not in self.versus_axes:
+            return super().versus(case, versus)
+        where = f"{case.source}: case {case.name!r}"
+        try:
+            environments.check(versus.b, f"{where}: --versus")
+        except ValueError as error:
+            raise CaseError(str(error)) from None
+        own = environments.of_family(case.model.record)
+        if versus.b == own:
+            raise CaseError(f"{where}: --versus environment={versus.b} is side a's already (the family's hf.toml)")
+        pair = same_runner(case, replace(versus, runner=versus.runner or model_outputs.TRUTH_RUNNER),
+                           (model_outputs.TRUTH_RUNNER,))
+        return pair, {"kind": "environment", "runner": pair.runners[0], "environment_a": own,
+                      "environment_b": versus.b}
 
     def sides(self, run: Run) -> list[SideSpec]:
-        return pair_sides(run.case, run.checkpoint)
+        a, b = pair_sides(run.case, run.checkpoint)
+        if run.versus and run.versus.axis == "environment":
+            b = b._replace(environment=run.versus.b)
+        return [a, b]
 
     def truth(self, run: Run) -> SideSpec | None:
         """hf_model in float64 on the shared (unperturbed) checkpoint; None for a float64 case (its own check)."""

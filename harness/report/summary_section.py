@@ -15,7 +15,7 @@ def blocks(data: dict, figures: dict) -> list[tuple]:
     if expectation.get("stated"):
         met = "met" if expectation["met"] else "NOT met: " + "; ".join(expectation["problems"])
         items.append(f"expected: {expectation['verdict']}; {met}")
-    items += tensor_parallel(data) + training_ranks(data) + paddle_levels(data)
+    items += tensor_parallel(data) + training_ranks(data) + paddle_levels(data) + environments(data)
     case = data["case"]
     if case:
         items.append(f"runners: a = `{case['runners'][0]}` vs b = `{case['runners'][1]}`")
@@ -89,3 +89,14 @@ def paddle_levels(data: dict) -> list[str]:
     if "equal" in c:
         items.append(f"bitwise equal: {', '.join(c['equal']) or 'none'}; differ: {', '.join(c['differ']) or 'none'}")
     return items
+
+
+def environments(data: dict) -> list[str]:
+    """For an environment against environment run (``--versus environment=NAME``): which interpreter each side had."""
+    c = data["comparison"]
+    if not c or c.get("kind") != "environment":
+        return []
+    version = {side["label"]: side["meta"].get("versions", {}).get("transformers", "?") for side in data["sides"]}
+    return [f"comparison: {c['runner']} in {c['environment_a'] or 'the harness interpreter'} (side a: transformers "
+            f"{version.get('a', '?')}) against {c['environment_b']} (side b: transformers {version.get('b', '?')}), on "
+            "the same checkpoint; no case expectation applies"]

@@ -1,7 +1,8 @@
 """Start runner subprocesses, watch them, and collect what they wrote.
 
 Each runner runs in its own process group (so a timeout kills it and everything it started), with
-its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, default: this one), and
+its own interpreter (``--python NAME=PATH`` or ``HARNESS_PYTHON_<NAME>``, else the environment its family names for
+its HF side (``harness.environments``), default: this one), and
 the repository on ``PYTHONPATH`` so a user's own environment needs no install of the harness.
 Both sides start at once and run concurrently. A side with tp > 1 runs under its framework's launcher
 (``harness.run.launch``) and its rank files are gathered into the canonical ones (``harness.run.shards``); so does a
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from harness import paths, resources
+from harness import environments, paths, resources
 from harness.case.checkpoints import CHECKPOINTS_DIR, Checkpoint, CheckpointError, tensor_layouts
 from harness.case.registry import Case
 from harness.case.specs import resolve_dtype
@@ -34,6 +35,7 @@ from harness.run.protocol import EXIT_UNSUPPORTED, META, OUTPUTS
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRUTH = "truth"  # the truth side's own name for an interpreter (--python truth=PATH)
 ORACLE_RUNNER = "oracle"  # the op level's framework-free truth: no side runs it, so its own name picks its interpreter
+HF_RUNNERS = ("hf_model",)  # the runners whose interpreter a family's hf.toml environment picks
 STDERR_TAIL_CHARS = 4000
 # Intra-op threads of every runner unless the user sets OMP_NUM_THREADS / MKL_NUM_THREADS: oneDNN and MKL may split a
 # reduction across threads, so the count is part of a result (harness.baselines.records records it). Fixed, so a
@@ -76,16 +78,33 @@ class SideResult:
                 "wall_seconds": round(self.wall_seconds, 3), "stderr_tail": self.stderr_tail, "meta": self.meta}
 
 
-def runner_python(runner: str, overrides: dict[str, str]) -> str:
-    return overrides.get(runner) or os.environ.get(f"HARNESS_PYTHON_{runner.upper()}") or sys.executable
+def runner_python(runner: str, overrides: dict[str, str], environment: str | None = None) -> str:
+    """The side's interpreter: the user's (``--python``, ``HARNESS_PYTHON_<NAME>``), else the named environment's
+    (``harness.environments``: the family's HF side), else this one."""
+    given = overrides.get(runner) or os.environ.get(f"HARNESS_PYTHON_{runner.upper()}")
+    return given or (environments.python(environment) if environment else sys.executable)
 
 
-def truth_python(runner: str, overrides: dict[str, str]) -> str:
+def truth_python(runner: str, overrides: dict[str, str], environment: str | None = None) -> str:
     """The truth's interpreter: its own (``--python truth=PATH``, ``HARNESS_PYTHON_TRUTH``; the op level's oracle also
     ``--python oracle=PATH``, a runner no side runs), never a side's: a model's or a training run's truth runs
-    hf_model's code, and under hf_model's interpreter it inherited whatever that environment does wrong (issue 40)."""
+    hf_model's code, and under hf_model's interpreter it inherited whatever that environment does wrong (issue 40).
+    A family whose HF class needs a named environment gets that environment's interpreter, as its HF side does."""
     own = overrides.get(TRUTH) or os.environ.get(f"HARNESS_PYTHON_{TRUTH.upper()}")
-    return own or (runner_python(runner, overrides) if runner == ORACLE_RUNNER else sys.executable)
+    if own or runner == ORACLE_RUNNER:
+        return own or runner_python(runner, overrides)
+    return environments.python(environment) if environment else sys.executable
+
+
+def side_python(case: Case, side: SideSpec, overrides: dict[str, str]) -> tuple[str, str]:
+    """(the side's interpreter, why it cannot run: "" when it can). A model case's HF side and its truth run in the
+    environment the family's hf.toml names, if any; where that environment is not created, the side is UNSUPPORTED
+    naming the package it holds (a user's own --python is taken as it is)."""
+    environment = side.environment or (environments.of_family(case.model.record) if case.model is not None and (
+        side.truth or side.runner in HF_RUNNERS) else None)
+    python = (truth_python if side.truth else runner_python)(side.runner, overrides, environment)
+    named = environment is not None and python == environments.python(environment)
+    return python, environments.missing(environment) if named else ""
 
 
 def runner_env(device: str) -> dict[str, str]:
@@ -121,6 +140,7 @@ class SideSpec(NamedTuple):
     per_step: bool = False  # it writes one file per training step (harness.run.steps), checked rank against rank
     truth: bool = False  # the truth side: its own interpreter (truth_python), never a side's
     tokens: int | None = None  # run at another token count than the case's (a batch around its rows: --versus batch)
+    environment: str | None = None  # its HF side in this environment, not the family's (--versus environment)
 
 
 def pair_sides(case: Case, checkpoint: Checkpoint, tps: tuple[int, int] | None = None,
@@ -156,7 +176,10 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
                 request = _request(side_case, side.inputs, device, folder, side.tp)
                 (folder / "request.json").write_text(json.dumps(request, indent=2))
             label, runner, tp, dp = side.label, side.runner, side.tp, side.dp
-            python = (truth_python if side.truth else runner_python)(runner, pythons)
+            python, unmet = side_python(case, side, pythons)
+            if unmet:  # not started: its environment is not there
+                started.append(SideResult(label, runner, "unsupported", folder, python, reason=unmet))
+                continue
             started.append((label, runner, folder, python, tp * dp, _start(runner, python, folder, device, tp, dp),
                             side_case, side.per_step))
         deadline = time.monotonic() + timeout
@@ -164,13 +187,14 @@ def run_sides(case: Case, sides: list[SideSpec], device: str, run_dir: Path,
         # descendants are watched from the start (a rank re-parented while we waited on another side is missed).
         with ThreadPoolExecutor(max_workers=max(1, len(started))) as waiters:
             try:
-                waiting = [waiters.submit(_finish, *s[:6], deadline, timeout, *s[6:]) for s in started]
+                waiting = [s if isinstance(s, SideResult) else waiters.submit(_finish, *s[:6], deadline, timeout,
+                                                                                   *s[6:]) for s in started]
                 # Woken twice a second: a Ctrl-C that the kernel gave to another thread of this process is then
                 # raised here at once. Blocked on the results alone, this thread raised it only when the sides ended
                 # (a library caller's Ctrl-C waited out a 120 s timeout: tests/test_faults.py, once in a full run).
-                while wait(waiting, timeout=0.5).not_done:
+                while wait([w for w in waiting if not isinstance(w, SideResult)], timeout=0.5).not_done:
                     pass
-                return [future.result() for future in waiting]
+                return [w if isinstance(w, SideResult) else w.result() for w in waiting]
             except BaseException:  # Ctrl-C, even without the CLI's handlers: stop the runners, do not wait on them
                 supervisor.stop_all()
                 raise

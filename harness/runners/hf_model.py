@@ -22,17 +22,22 @@ def probe(device: str) -> dict:
               "cuda_available": torch.cuda.is_available()}
     if device == "gpu" and not torch.cuda.is_available():
         answer["device_problem"] = f"torch {torch.__version__} sees no GPU"
+    from harness import environments
     from harness.families import FAMILIES
 
+    # the families whose HF side runs in this interpreter; the others' run in the environment their hf.toml names
+    here = {name: f for name, f in FAMILIES.items() if environments.of_family(f) == environments.active()}
     try:
         import transformers
 
         from harness.runners.torch import hf_families
-        defaults = [family.config() for family in FAMILIES.values()]
+        defaults = [family.config() for family in here.values()]
         model = ", ".join(f"{hf_families.modeling(m).__name__}.{hf_families.model_class(m)}" for m in defaults)
     except Exception as error:  # noqa: BLE001
         return {**answer, **import_answer("transformers", error)}
     answer["versions"]["transformers"] = transformers.__version__
+    answer["families_elsewhere"] = [f"{name}: in the environment {environments.of_family(f)!r}"
+                                    for name, f in FAMILIES.items() if name not in here]
     return {**answer, "importable": True, "ops": model_op_table("hf_model", {
         "causal_lm": model, "causal_lm_train": f"{model} + torch.optim.AdamW or SGD + clip_grad_norm_ + "
                                                "transformers' LambdaLR schedule"})}

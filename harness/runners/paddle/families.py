@@ -286,7 +286,8 @@ def _no_dygraph_model(m) -> None:
 
 def dygraph_classes(module: str) -> tuple[str, list[str], list[str]]:
     """(PaddleFormers' version, the exported classes of its `module` (a path inside the package) that are PaddleFleet
-    builders (they define ``__new__``), the exported classes that are not), read from the installed source."""
+    builders (they define ``__new__``), the exported classes that are not, but the *PreTrainedModel base class that
+    both derive from), read from the installed source."""
     found = importlib.util.find_spec("paddleformers")
     if found is None or not found.submodule_search_locations:
         raise import_failure("paddleformers", ModuleNotFoundError("No module named 'paddleformers'"))
@@ -302,7 +303,7 @@ def dygraph_classes(module: str) -> tuple[str, list[str], list[str]]:
     builders, others = [], []
     for name in exported:
         body = defined.get(name)
-        if body is None:
+        if body is None or name.endswith("PreTrainedModel"):
             continue
         is_builder = any(isinstance(n, ast.FunctionDef) and n.name == "__new__" for n in body.body)
         (builders if is_builder else others).append(name)

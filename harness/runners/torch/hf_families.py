@@ -6,10 +6,13 @@ switches). ``harness.runners.torch.hf_model`` builds, loads and runs what this g
 Each block once: the transformers config (every key given, none left to transformers' defaults; RoPE settings as
 ``rope_parameters``, YaRN from the config's ``rope_scaling``, a partial factor where ``hf.toml`` gives one), the model
 on the meta device, the RoPE module, the routing record, the float64 mode. The family's quirks are switches, named
-where they are read: ``routing`` (where transformers returns the routing), ``[float64]`` (a text of its own:
-MiniMax-M2's all-heads q/k norm), ``partial_rotary_factor`` (GLM-4.5's key, MiniMax-M2's rotary_dim that
-transformers 5.3.0 ignores), ``config_class`` and ``rotary`` (classes the prefix does not name: Qwen3.5-MoE's text
-model).
+where they are read: ``[float64]`` (a text of its own: MiniMax-M2's all-heads q/k norm), ``partial_rotary_factor``
+(GLM-4.5's key, MiniMax-M2's rotary_dim that transformers 5.3.0 ignores), ``config_class`` and ``rotary`` (classes
+the prefix does not name: Qwen3.5-MoE's text model).
+
+Two transformers releases run here (5.3.0, the harness's own; 5.23.0, the environment a family's hf.toml may name:
+``harness.environments``). Where they differ, the room reads what the installed modeling module offers, not its
+version: where the routing is returned (``routing``) and whether the RoPE module takes a device (``rotary``).
 
 Float64 (the truth and the semantic check): HF computes RMSNorm, the router (its GEMM, softmax or sigmoid), the RoPE
 tables, the attention softmax and the loss in float32 whatever the model's dtype. In a float64 request the runner
@@ -20,6 +23,8 @@ under ``float64_mode``); nothing changes for bfloat16 and float32, and HF's own 
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,18 +32,22 @@ import torch
 
 from harness.families import FamilyConfig
 from harness.families.expressions import evaluate
+from harness.run.protocol import Unsupported
 from harness.runners.torch import hf_float64
 
-ROUTINGS = ("route_tokens_to_experts", "router_output")
 # Given to every family's transformers config: no dropout, no cache, no pad token, eager attention and experts
 COMMON = {"attention_dropout": 0.0, "use_cache": False, "pad_token_id": None, "attn_implementation": "eager",
           "experts_implementation": "eager"}
-# The router's float64 forward: by where the routing is read and the router's scoring (hf_float64)
-ROUTERS = {("route_tokens_to_experts", "sigmoid"): (hf_float64.router_gemm, "router GEMM in float64 (HF: float32)"),
-           ("router_output", "softmax"): (hf_float64.softmax_router,
-                                          "softmax over the experts in float64 (HF: float32)"),
-           ("router_output", "sigmoid"): (hf_float64.sigmoid_router,
-                                          "sigmoid of the router logits in float64 (HF: float32)")}
+# The router's float64 forward: by where the routing is read (``routing``), the router's scoring and the module holding
+# its routing bias (the architecture's ``expert_bias``: the router, a grouped router; the MoE block; none)
+ROUTERS = {("route_tokens_to_experts", "sigmoid", "mlp.gate"): (hf_float64.router_gemm,
+                                                                "router GEMM in float64 (HF: float32)"),
+           ("router_output", "sigmoid", "mlp.gate"): (hf_float64.grouped_sigmoid_router,
+                                                      "router GEMM and sigmoid in float64 (HF: float32)"),
+           ("router_output", "softmax", ""): (hf_float64.softmax_router,
+                                              "softmax over the experts in float64 (HF: float32)"),
+           ("router_output", "sigmoid", "mlp"): (hf_float64.sigmoid_router,
+                                                 "sigmoid of the router logits in float64 (HF: float32)")}
 LOSS = "fixed_cross_entropy on the float64 logits (HF's ForCausalLMLoss upcasts to float32 first)"
 
 
@@ -46,12 +55,20 @@ def spec(m: FamilyConfig) -> dict:
     """The family's ``hf.toml``; an error names the file, the field and the value where a switch is not known."""
     data = m.record.stack("hf")
     path = m.record.folder / "hf.toml"
-    for key in ("module", "prefix", "router", "routing", "keys"):
+    for key in ("module", "prefix", "router", "keys"):
         if key not in data:
             raise ValueError(f"{path}: no {key!r} (the hf room needs it)")
-    if data["routing"] not in ROUTINGS:
-        raise ValueError(f"{path}: routing = {data['routing']!r}: must be one of {ROUTINGS}")
     return data
+
+
+def routing(hf) -> str:
+    """Where the installed transformers returns the routing, read from the family's modeling module:
+    "route_tokens_to_experts" where a MoE block of the module has that method (5.3.0's grouped sigmoid routers:
+    DeepSeek-V3, GLM-4.5, GLM-5; the block's method returns (indices, scaled weights), the router only the logits),
+    else "router_output" (the router returns (logits, weights, indices): Qwen2/3-MoE and MiniMax-M2, and every
+    router in 5.23.0)."""
+    own = [c for c in vars(hf).values() if isinstance(c, type) and c.__module__ == hf.__name__]
+    return "route_tokens_to_experts" if any("route_tokens_to_experts" in vars(c) for c in own) else "router_output"
 
 
 def model_class(m: FamilyConfig) -> str:
@@ -65,9 +82,20 @@ def knobs(m: FamilyConfig) -> dict[str, tuple]:
 
 
 def modeling(m: FamilyConfig):
-    """transformers' modeling module of the family (imported when a run asks for it)."""
+    """transformers' modeling module of the family (imported when a run asks for it); UNSUPPORTED where the installed
+    transformers has no such model (DeepSeek-V3.2 in 5.3.0: the family's hf.toml names the environment that has it)."""
     module = spec(m)["module"]
-    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    name = f"transformers.models.{module}.modeling_{module}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name not in (name, f"transformers.models.{module}"):
+            raise
+        import transformers
+
+        environment = m.record.stack("hf").get("environment")
+        raise Unsupported(f"transformers {transformers.__version__} ({sys.executable}) has no {name}" + (
+            f"; the family's hf.toml names the environment {environment!r} for it" if environment else "")) from None
 
 
 def build(hf, m: FamilyConfig):
@@ -113,7 +141,12 @@ def rope_parameters(m: FamilyConfig) -> dict:
 def rotary(model, hf, m: FamilyConfig, config, device, dtype: torch.dtype) -> None:
     """The RoPE module made on `device` (its tables are buffers the checkpoint does not hold); in float64 its tables
     in float64."""
-    model.model.rotary_emb = getattr(hf, rotary_class(m))(config=config, device=device)
+    make = getattr(hf, rotary_class(m))
+    if "device" in inspect.signature(make).parameters:  # transformers 5.3.0 computes the tables on `device`
+        model.model.rotary_emb = make(config=config, device=device)
+    else:  # 5.23.0 computes them on the default device: the same place
+        with torch.device(device):
+            model.model.rotary_emb = make(config=config)
     if dtype == torch.float64:
         float64_rope = hf_float64.yarn_rope if config.rope_parameters["rope_type"] == "yarn" else \
             hf_float64.default_rope
@@ -126,13 +159,11 @@ def rotary_class(m: FamilyConfig) -> str:
     return spec(m).get("rotary", f"{spec(m)['prefix']}RotaryEmbedding")
 
 
-def record_routing(model, m: FamilyConfig) -> dict:
+def record_routing(model, hf, m: FamilyConfig) -> dict:
     """{MoE layer: (top-k indices, routing weights)} as transformers returns them, filled in by the forward,
-    unchanged. hf.toml's ``routing``: "route_tokens_to_experts" (DeepSeek-V3, GLM-4.5: the MoE block's method returns
-    (indices, scaled weights)) or "router_output" (Qwen2/3-MoE, MiniMax-M2: the router returns (logits, weights,
-    indices); a forward hook keeps them)."""
+    unchanged: from the MoE block's method or, a forward hook, from the router's output (``routing``)."""
     gates = {}
-    by_method = spec(m)["routing"] == "route_tokens_to_experts"
+    by_method = routing(hf) == "route_tokens_to_experts"
     for layer in m.record.moe_layers(m):
         moe = model.model.layers[layer].mlp
         if by_method:
@@ -193,7 +224,7 @@ def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
     rms = hf_float64.zero_centred_rms_norm if arch.zero_centred_norms else hf_float64.rms_norm
     islands = [(getattr(hf, f"{prefix}RMSNorm"), "forward", rms, f"{prefix}RMSNorm.forward", rms_why)]
     if moe is not None:  # a dense family has no router
-        router, router_why = ROUTERS[(s["routing"], moe.scoring)]
+        router, router_why = ROUTERS[(routing(hf), moe.scoring, moe.expert_bias)]
         islands.append((getattr(hf, s["router"]), "forward", router, f"{s['router']}.forward", router_why))
     islands.append((hf, "eager_attention_forward", hf_float64.eager_attention(hf), "eager_attention_forward",
                     "softmax in float64 (HF: float32)"))

@@ -38,6 +38,34 @@ def router_gemm(self, hidden_states):
     return F.linear(hidden_states.type(torch.float64), self.weight.type(torch.float64))
 
 
+def grouped_sigmoid_router(self, hidden_states):
+    """A grouped sigmoid router's forward in transformers 5.23.0 (DeepseekV32TopkRouter; DeepSeek-V3's, GLM-4.5's and
+    GLM-5's there too) with its GEMM and sigmoid in float64 (HF: float32); the routing after them is ``grouped_topk``.
+    (5.3.0's routers compute the logits only: ``router_gemm``.)"""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float64), self.weight.type(torch.float64))
+    topk_weights, topk_indices = grouped_topk(self, router_logits.sigmoid())
+    return router_logits, topk_weights, topk_indices
+
+
+def grouped_topk(router, scores):
+    """(scaled top-k weights, indices) from a grouped sigmoid router's scores, HF 5.23.0's steps: the routing bias
+    added for the choice only, the best ``topk_group`` groups by their two best scores, top-k among them (the others
+    at -inf), the chosen scores normalised (+1e-20) and scaled."""
+    choice = scores + router.e_score_correction_bias
+    experts, groups = router.num_experts, router.num_group
+    group_scores = choice.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if router.norm_topk_prob:
+        topk_weights /= topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+    return topk_weights * router.routed_scaling_factor, topk_indices
+
+
 def softmax_router(self, hidden_states):
     """A softmax router's forward (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter, Qwen3_5MoeTopKRouter: transformers 5.3.0)
     with the softmax in the model's dtype (HF: float32): in a float64 run, float64. Qwen3.5's router has no

@@ -81,7 +81,7 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
         model = build_model(hf, m, dtype, device, checkpoint, name_map)
         ids = checkpoint["input_ids"].view(1, -1)
         labels = checkpoint["labels"].view(1, -1)
-        gates = hf_families.record_routing(model, m)
+        gates = hf_families.record_routing(model, hf, m)
         selected = hf_families.record_selection(model, m)
     modules = [s.name[len("module."):] for s in outputs if s.name.startswith("module.")
                and not s.name.endswith(RECORDED)]
