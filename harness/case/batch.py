@@ -80,3 +80,38 @@ def rows_of(case: Case, big: Case, outputs: dict[str, np.ndarray]) -> dict[str, 
 
 def rows_slice(dims: tuple[int, ...], tokens: int, ndim: int) -> tuple[slice, ...]:
     return tuple(slice(0, tokens) if d in dims else slice(None) for d in range(ndim))
+
+
+# --- the model level: the case's sequence alone against the same sequence first in a batch of 1 + M sequences ---
+
+MODEL_RUNNERS = ("hf_model", "megatron_model")  # the model runners that take a batch of sequences
+IGNORE = -100  # a label the loss leaves out (HF's and Megatron's ignore index)
+
+
+def check_model(case: Case, others: int) -> None:
+    """Refuse what the model level cannot batch: a count below 1, a sequence of one token (its rows would be
+    ambiguous with the batch's)."""
+    where = f"{case.source}: case {case.name!r}"
+    if not isinstance(others, int) or isinstance(others, bool) or others < 1:
+        raise CaseError(f"{where}: --versus batch expects a count of other sequences of at least 1 (got {others!r})")
+    if case.tokens < 2:
+        raise CaseError(f"{where}: --versus batch on a model needs at least 2 tokens (field 'tokens' is "
+                        f"{case.tokens})")
+
+
+def write_sequences(case: Case, others: int, checkpoint: Checkpoint, folder: Path) -> Path:
+    """Side b's ``input_ids`` and ``labels``, ``[1 + others, T]``, written in `folder` (the run's own): row 0 the
+    case's sequence, the other rows' ids drawn as the case at ``(1 + others) * T`` tokens draws its ids, their labels
+    all ignored (-100): their loss weight is zero, so the loss is the case's sequence's mean and every parameter
+    gradient is the same sum as side a's, the other sequences adding exact zeros."""
+    check_model(case, others)
+    tokens, rows = case.tokens, 1 + others
+    drawn = generate.draw(generate.plans(case.with_tokens(rows * tokens))["input_ids"]).reshape(rows, tokens)
+    alone = load_tensors(checkpoint.path)
+    ids, labels = drawn.copy(), np.full((rows, tokens), IGNORE, dtype=np.int64)
+    ids[0], labels[0] = alone["input_ids"], alone["labels"]
+    plans = [generate.Plan(name, array.shape, array.dtype, case.seed, array=array)
+             for name, array in (("input_ids", ids), ("labels", labels))]
+    path = folder / BATCH_INPUTS
+    write_tensors(path, plans)
+    return path

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from harness.capture import EXPERT_WHY, REFEED_FILE, refeed_units  # noqa: E402
+from harness.capture.rows import first_sequence_only  # noqa: E402
 from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
 from harness.families import model_config  # noqa: E402
@@ -79,8 +80,7 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
         determinism = torch_env.apply_determinism(device)
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = build_model(hf, m, dtype, device, checkpoint, name_map)
-        ids = checkpoint["input_ids"].view(1, -1)
-        labels = checkpoint["labels"].view(1, -1)
+        ids, labels = torch_env.sequences(checkpoint["input_ids"]), torch_env.sequences(checkpoint["labels"])
         gates = hf_families.record_routing(model, m)
         selected = hf_families.record_selection(model, m)
     modules = [s.name[len("module."):] for s in outputs if s.name.startswith("module.")
@@ -106,7 +106,7 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
             loss.backward()
             torch_env.synchronize(device)
         cap.record("loss", loss)
-        cap.record("logits", logits[0])
+        cap.record("logits", logits[0])  # the first sequence's (the only one but under --versus batch)
         refeed_tensors = refeed.finish() if refeed else {}
         for layer, (indices, weights) in gates.items():
             topk, probs = canonical_routing(indices, weights, m.record.routed_experts(m))
@@ -114,6 +114,7 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
         for layer, keys in selected.items():
             cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys)
+    batch_blind = first_sequence_only(cap.tensors, ids.shape[0], ids.shape[1], sequence_first=False)
     with phases("write"):
         save_file(cap.tensors, os.path.join(request["output_dir"], OUTPUTS))
         if refeed:
@@ -127,7 +128,8 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
         "adapters": [],
         "knobs": {k: {"value": v, "why": why} for k, (v, why) in {**KNOBS, **hf_families.knobs(m)}.items()},
         "float64_mode": float64_replaced,
-        "not_captured": group_by_expert(cap.not_captured),
+        "not_captured": group_by_expert({**cap.not_captured, **batch_blind}),
+        "sequences": int(ids.shape[0]),
         "zero_grads": cap.zero_grads,
         "routing": {f"layer {layer}": {"experts_with_tokens": int(torch.unique(idx).numel())}
                     for layer, (idx, _) in gates.items()},
