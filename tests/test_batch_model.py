@@ -1,9 +1,12 @@
-"""``--versus batch`` on a model case: its sequence alone against the same sequence first in batches of M others.
+"""``--versus batch``, ``pad`` and ``cache`` on a model case: its sequence alone against the same sequence first in
+batches of M others, right-padded beside another, or computed chunk by chunk through HF's KV cache.
 
-The harness's own logic (side b's sequences and labels, cutting the first sequence out of a batch in each stack's
-layout, the refusals) on a tiny DeepSeek-V3 model; and one planted batch-dependent module in real HF transformers (a
-test double named as such, ``planted_batch_embedding``) that the command must find at that module and that M. What a
-real stack gives across M depends on the CPU (docs/batch-invariance.md): only the gather's exactness is pinned.
+The harness's own logic (side b's sequences, labels and mask, cutting the first sequence out of a batch in each
+stack's layout, the refusals) on a tiny DeepSeek-V3 model; one planted batch-dependent module in real HF transformers
+(a test double named as such, ``planted_batch_embedding``) that the command must find at that module and that M; and
+one planted cache fault (``planted_cache_fault``) that the cache comparison must find from the second chunk on. What
+a real stack gives across M, padding or chunks depends on the CPU (docs/batch-invariance.md): only the gather's
+exactness is pinned.
 """
 
 import numpy as np
@@ -47,6 +50,23 @@ def planted_batch_embedding(folder):
     """)
 
 
+def planted_cache_fault(folder):
+    """Test double: this interpreter with HF's DynamicCache planted to hand back layer 0's keys off by 100 at their
+    first element once it holds an earlier pass's: a fault only a pass through the cache reads."""
+    return python_with_startup(folder, "planted_cache_fault", """
+        import transformers
+        original = transformers.DynamicCache.update
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            held = self.get_seq_length(layer_idx)
+            keys, values = original(self, key_states, value_states, layer_idx, *args, **kwargs)
+            if layer_idx == 0 and held:
+                keys = keys.clone()
+                keys[..., 0, 0] += 100.0
+            return keys, values
+        transformers.DynamicCache.update = update
+    """)
+
+
 @pytest.fixture
 def case(tmp_path):
     return Registry.load(write_cases(tmp_path, MODEL)).get("tiny_lm")
@@ -86,7 +106,7 @@ def test_side_b_holds_the_sequence_first_then_others_whose_labels_are_all_ignore
 @pytest.mark.parametrize("versus, refeed, problem", [
     (Versus("batch", 2, "paddle_model"), False, "--runner must be one of hf_model, megatron_model"),
     (Versus("batch", 2), True, "--refeed re-runs side b's modules from side a's tensors; with --versus batch"),
-    (Versus("tp", 2), False, "--versus tp: model-level cases take --versus batch"),
+    (Versus("tp", 2), False, "--versus tp: model-level cases take --versus batch, pad, cache"),
 ])
 def test_what_the_model_level_cannot_batch_is_refused_before_any_runner_starts(tmp_path, versus, refeed, problem):
     result, _ = compare_case("tiny_lm", CompareOptions(
@@ -98,6 +118,31 @@ def test_what_the_model_level_cannot_batch_is_refused_before_any_runner_starts(t
 def test_a_one_token_sequence_is_refused(case):
     with pytest.raises(CaseError, match="needs at least 2 tokens"):
         batch.check_model(case.with_tokens(1), 1)
+
+
+def test_padded_side_b_masks_and_ignores_the_pads_beside_one_other_sequence(case, tmp_path):
+    checkpoint = prepare(case, tmp_path / "ck")
+    alone, padded = load_tensors(checkpoint.path), load_tensors(batch.write_padded(case, 3, checkpoint, tmp_path))
+    assert padded["input_ids"].shape == padded["labels"].shape == padded["attention_mask"].shape == (2, TOKENS + 3)
+    assert np.array_equal(padded["input_ids"][0], [*alone["input_ids"], 0, 0, 0])
+    assert np.array_equal(padded["labels"][0], [*alone["labels"], -100, -100, -100])
+    assert padded["attention_mask"].tolist() == [[1] * TOKENS + [0] * 3, [1] * (TOKENS + 3)]
+    assert (padded["labels"][1] == batch.IGNORE).all()
+    with pytest.raises(CaseError, match="--versus pad expects a count of padding tokens of at least 1"):
+        batch.write_padded(case, 0, checkpoint, tmp_path)
+
+
+@pytest.mark.parametrize("chunk", [0, TOKENS])
+def test_a_cache_chunk_must_split_the_sequence(case, chunk):
+    with pytest.raises(CaseError, match=f"--versus cache expects a chunk of 1 to {TOKENS - 1} tokens"):
+        batch.check_chunk(case, chunk)
+
+
+def test_only_hf_runs_through_a_kv_cache(tmp_path):
+    result, _ = compare_case("tiny_lm", CompareOptions(
+        reports_dir=tmp_path / "reports", cases_dir=write_cases(tmp_path, MODEL), checkpoints_dir=tmp_path / "ck",
+        oracle=False, versus=Versus("cache", 2, "megatron_model")))
+    assert result.verdict == "ERROR" and "--runner must be one of hf_model (got 'megatron_model')" in result.message
 
 
 @pytest.mark.e2e
@@ -119,3 +164,19 @@ def test_a_planted_batch_dependent_module_is_found_at_that_module_and_that_m(tmp
     assert report["summary"]["first_differs"]["module.model.embed_tokens"] == 2
     assert "module.model.layers.1.mlp.experts.0" not in second["tensors"]  # a routed expert's: not one sequence's
     assert "module.model.embed_tokens" in (folder / "report.md").read_text()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # 20 s on the shared 2-core machine: two HF runs
+def test_a_planted_cache_fault_is_found_in_the_logits_from_the_second_pass_on(tmp_path):
+    """Real HF transformers DeepSeek-V3 (fp32), two tokens a pass, with the cache planted to return a key off."""
+    result, run_dir = compare_case("tiny_lm", CompareOptions(
+        reports_dir=tmp_path / "reports", cases_dir=write_cases(tmp_path, MODEL), checkpoints_dir=tmp_path / "ck",
+        oracle=False, versus=Versus("cache", 2), pythons={"hf_model": planted_cache_fault(tmp_path)}))
+
+    assert result.verdict == "DIFF" and [t.name for t in result.tensors] == ["logits", "loss"], result.message
+    b = next(side for side in result.sides if side.label == "b")
+    assert b.meta["kv_cache"] == {"chunk": 2, "passes": 2}
+    alone, cached = (load_tensors(side.outputs)["logits"] for side in result.sides[:2])
+    off = np.abs(alone - cached).max(axis=1)  # per token: rounding moves these logits by about 1e-8, the fault by more
+    assert (off[:2] < 1e-6).all() and (off[2:] > 1e-4).all(), off

@@ -26,11 +26,13 @@ def first_sequence(tensor, sequences: int, tokens: int, sequence_first: bool):
                      f"tokens ({'sequence' if sequence_first else 'batch'} first)")
 
 
-def first_sequence_only(tensors: dict, count: int, tokens: int, sequence_first: bool) -> dict[str, str]:
-    """Under ``--versus batch`` (`count` > 1 sequences): every module output (``module.<canonical>``) cut, in place,
-    to the first sequence's; a routed expert's output, which mixes the sequences' tokens, dropped. {canonical: why}
-    of those dropped, for the runner's ``not_captured``."""
-    if count == 1:
+def first_sequence_only(tensors: dict, count: int, tokens: int, sequence_first: bool,
+                        keep: int | None = None) -> dict[str, str]:
+    """Under ``--versus batch`` or ``pad`` (`count` > 1 sequences of `tokens`): every module output
+    (``module.<canonical>``) cut, in place, to the first sequence's first `keep` tokens (the sequence without its
+    padding; default all); a routed expert's output, which mixes the sequences' tokens, dropped. {canonical: why} of
+    those dropped, for the runner's ``not_captured``."""
+    if count == 1 and keep in (None, tokens):
         return {}
     dropped = {name: EXPERT_BATCH_WHY for name in tensors if name.startswith("module.")
                and re.search(r"\.experts\.\d+$", name)}
@@ -38,6 +40,6 @@ def first_sequence_only(tensors: dict, count: int, tokens: int, sequence_first: 
         if name in dropped:
             del tensors[name]
         elif name.startswith("module."):
-            cut = first_sequence(tensors[name], count, tokens, sequence_first)
+            cut = first_sequence(tensors[name], count, tokens, sequence_first)[:keep]
             tensors[name] = cut.contiguous() if hasattr(cut, "contiguous") else np.ascontiguousarray(cut)
     return {name.removeprefix("module."): why for name, why in dropped.items()}

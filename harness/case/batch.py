@@ -84,7 +84,9 @@ def rows_slice(dims: tuple[int, ...], tokens: int, ndim: int) -> tuple[slice, ..
 
 # --- the model level: the case's sequence alone against the same sequence first in a batch of 1 + M sequences ---
 
-MODEL_RUNNERS = ("hf_model", "megatron_model")  # the model runners that take a batch of sequences
+MODEL_RUNNERS = ("hf_model", "megatron_model")  # the model runners that take a batch of sequences (and a mask)
+CACHE_RUNNERS = ("hf_model",)  # the model runners with a KV cache (--versus cache)
+CACHE_OUTPUTS = ("logits", "loss")  # what a forward through the cache gives: no backward, every module runs per chunk
 IGNORE = -100  # a label the loss leaves out (HF's and Megatron's ignore index)
 
 
@@ -115,3 +117,31 @@ def write_sequences(case: Case, others: int, checkpoint: Checkpoint, folder: Pat
     path = folder / BATCH_INPUTS
     write_tensors(path, plans)
     return path
+
+
+def write_padded(case: Case, pad: int, checkpoint: Checkpoint, folder: Path) -> Path:
+    """Side b's inputs under ``--versus pad=P``: a batch of two sequences of ``T + P`` tokens, the case's sequence
+    first, right-padded with P tokens of id 0 that its ``attention_mask`` masks and its labels ignore, then one other
+    sequence drawn as for ``--versus batch=1`` (at ``T + P`` tokens), its labels all ignored."""
+    where = f"{case.source}: case {case.name!r}"
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 1:
+        raise CaseError(f"{where}: --versus pad expects a count of padding tokens of at least 1 (got {pad!r})")
+    tokens = case.tokens + pad
+    drawn = generate.draw(generate.plans(case.with_tokens(2 * tokens))["input_ids"]).reshape(2, tokens)
+    alone = load_tensors(checkpoint.path)
+    ids, labels = drawn.copy(), np.full((2, tokens), IGNORE, dtype=np.int64)
+    mask = np.ones((2, tokens), dtype=np.int64)
+    ids[0, case.tokens:], mask[0, case.tokens:] = 0, 0
+    ids[0, :case.tokens], labels[0, :case.tokens] = alone["input_ids"], alone["labels"]
+    plans = [generate.Plan(name, array.shape, array.dtype, case.seed, array=array)
+             for name, array in (("input_ids", ids), ("labels", labels), ("attention_mask", mask))]
+    path = folder / BATCH_INPUTS
+    write_tensors(path, plans)
+    return path
+
+
+def check_chunk(case: Case, chunk: int) -> None:
+    """``--versus cache=C``: C tokens a pass, at least 1 and fewer than the sequence's (one pass is no cache)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk < case.tokens:
+        raise CaseError(f"{case.source}: case {case.name!r}: --versus cache expects a chunk of 1 to "
+                        f"{case.tokens - 1} tokens (field 'tokens' is {case.tokens}; got {chunk!r})")

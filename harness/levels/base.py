@@ -16,7 +16,8 @@ from harness.case.registry import Case, CaseError
 from harness.compare.result import CaseResult
 from harness.run.orchestrate import SideResult, SideSpec
 
-AXES = ("tp", "impl", "dp", "ep", "batch")  # what --versus can set on side b; each level names those it takes
+# what --versus can set on side b; each level names those it takes
+AXES = ("tp", "impl", "dp", "ep", "batch", "pad", "cache")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Its truth is ``hf_model`` in float64 (none for a float64 case: the case is its o
 the semantic check (a mapping error is ERROR); its re-feed replays side b module by module with side a's inputs
 (``harness.compare.model_refeed``). ``--versus batch=M`` runs one model runner on the case's sequence alone (side a)
 and on it first in a batch of 1 + M sequences whose others carry no loss (side b, ``harness.case.batch``), and
-compares the first sequence's module outputs, logits, loss and every parameter gradient.
+compares the first sequence's module outputs, logits, loss and every parameter gradient; ``--versus pad=P`` the same
+with the sequence right-padded by P masked tokens beside one other sequence; ``--versus cache=C`` (HF) its logits and
+loss computed C tokens at a time through the model's KV cache.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from harness.case import batch
 from harness.case.registry import Case, CaseError
 from harness.compare import model_outputs, model_refeed
+from harness.compare.dumps import Dump, compare_dumps
 from harness.compare.result import CaseResult
 from harness.levels.base import Level, Run, Versus, same_runner
 from harness.levels.float64 import semantic_verdict
@@ -22,29 +25,41 @@ from harness.run.orchestrate import SideSpec, pair_sides
 class ModelLevel(Level):
     name = "model"
     truth_runner = model_outputs.TRUTH_RUNNER
-    versus_axes = ("batch",)
+    versus_axes = ("batch", "pad", "cache")
 
     def versus(self, case: Case, versus: Versus) -> tuple[Case, dict]:
-        if versus.axis != "batch":
+        if versus.axis not in self.versus_axes:
             return super().versus(case, versus)
-        pair = same_runner(case, versus, batch.MODEL_RUNNERS)
-        batch.check_model(pair, versus.b)
-        return pair, {"kind": "batch", "runner": pair.runners[0], "rows": case.tokens, "others": versus.b,
-                      "unit": "sequence"}
+        pair = same_runner(case, versus, batch.CACHE_RUNNERS if versus.axis == "cache" else batch.MODEL_RUNNERS)
+        found = {"kind": versus.axis, "runner": pair.runners[0], "rows": case.tokens, "unit": "sequence"}
+        if versus.axis == "batch":
+            batch.check_model(pair, versus.b)
+            return pair, {**found, "others": versus.b}
+        if versus.axis == "pad":
+            batch.check_model(pair, 1)
+            return pair, {**found, "pad": versus.b}
+        batch.check_chunk(pair, versus.b)
+        return pair, {**found, "chunk": versus.b}
 
     def check(self, case: Case, repeat: int, refeed: bool, versus: Versus | None) -> None:
         if refeed and versus:
             raise CaseError(f"{case.source}: case {case.name!r}: --refeed re-runs side b's modules from side a's "
-                            "tensors; with --versus batch the sides hold different batches: leave one out")
+                            f"tensors; with --versus {versus.axis} side b runs another batch or pass: leave one out")
 
     def sides(self, run: Run) -> list[SideSpec]:
-        if not run.versus:
-            return pair_sides(run.case, run.checkpoint)
-        alone, _ = pair_sides(run.case, run.checkpoint)
-        inputs = batch.write_sequences(run.case, run.versus.b, run.checkpoint, run.run_dir)
-        files = (*run.checkpoint.files[:-1], inputs)  # the shared weights, then the batch's ids and labels
-        return [alone, SideSpec("b", run.case.runners[1], files, 1,
-                                f"b-{run.case.runners[1]}-batch{1 + run.versus.b}")]
+        alone, b = pair_sides(run.case, run.checkpoint)
+        versus, runner = run.versus, run.case.runners[1]
+        if not versus:
+            return [alone, b]
+        if versus.axis == "cache":
+            return [alone, b._replace(folder=f"b-{runner}-cache{versus.b}", config={"kv_cache_chunk": versus.b})]
+        if versus.axis == "pad":
+            inputs, folder = batch.write_padded(run.case, versus.b, run.checkpoint, run.run_dir), f"pad{versus.b}"
+        else:
+            inputs = batch.write_sequences(run.case, versus.b, run.checkpoint, run.run_dir)
+            folder = f"batch{1 + versus.b}"
+        files = (*run.checkpoint.files[:-1], inputs)  # the shared weights, then side b's ids, labels (and mask)
+        return [alone, SideSpec("b", runner, files, 1, f"b-{runner}-{folder}")]
 
     def truth(self, run: Run) -> SideSpec | None:
         """hf_model in float64 on the shared (unperturbed) checkpoint; None for a float64 case (its own check)."""
@@ -54,6 +69,10 @@ class ModelLevel(Level):
                         f"{model_outputs.TRUTH_LABEL}-{model_outputs.TRUTH_RUNNER}-float64", "float64", truth=True)
 
     def compare(self, run: Run, result: CaseResult) -> None:
+        if run.versus and run.versus.axis == "cache":  # a forward through the cache: its logits and loss only
+            a, b = (Dump(side.outputs, dict.fromkeys(batch.CACHE_OUTPUTS, side.outputs)) for side in run.framework)
+            result.tensors, result.harness["comparator_memory"] = compare_dumps(a, b)
+            return
         compared = model_outputs.compare_outputs(run.case, run.framework)
         result.tensors, result.harness["comparator_memory"], skipped = compared
         if result.tensors:
@@ -69,16 +88,18 @@ class ModelLevel(Level):
                                              run.timeout)
 
     def notes(self, run: Run, result: CaseResult) -> list[str]:
-        """Under --versus batch: which tensors keep the sequence's bits inside the batch (also in `comparison`)."""
+        """Under --versus: which tensors keep the sequence's bits in side b's batch or pass (also in `comparison`)."""
         c = result.comparison
         if not c or not result.tensors:
             return []
         c["batch_invariant"] = [t.name for t in result.tensors if t.status == "EQUAL"]
         c["not_batch_invariant"] = [t.name for t in result.tensors if t.status != "EQUAL"]
-        return [f"{c['runner']}: its {c['rows']}-token sequence alone vs first in a batch with {c['others']} other "
-                f"sequences (M={c['others']}, their loss weight zero): {len(c['batch_invariant'])} of "
-                f"{len(result.tensors)} tensors bitwise batch-invariant; first not: "
-                f"{result.first_divergence or 'none'}"]
+        side_b = {"batch": f"first in a batch with {c.get('others')} other sequences (M={c.get('others')}, their "
+                           "loss weight zero)",
+                  "pad": f"right-padded by {c.get('pad')} masked tokens, first in a batch with one other sequence",
+                  "cache": f"its logits computed {c.get('chunk')} tokens at a time through the KV cache"}[c["kind"]]
+        return [f"{c['runner']}: its {c['rows']}-token sequence alone vs {side_b}: {len(c['batch_invariant'])} of "
+                f"{len(result.tensors)} tensors bitwise equal; first not: {result.first_divergence or 'none'}"]
 
     def judge(self, run: Run, result: CaseResult) -> None:
         if run.case.dtype == "float64" and result.tensors:

@@ -309,6 +309,10 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
     safe_labels = torch.where(loss_mask, labels, torch.zeros_like(labels))  # masked out below (loss_mask)
     position_ids = torch.arange(t, device=device).view(1, -1).expand(b, -1)
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1).view(1, 1, t, t)
+    padding = tensors.get("attention_mask")  # --versus pad: the first sequence right-padded, its pads masked
+    if padding is not None:
+        causal = causal | (padding.to(device) == 0).view(b, 1, 1, t)
+    own = int(padding[0].sum()) if padding is not None else t  # the first sequence's tokens, padding left out
     capture = Capture(model, names["modules"], names.get("parts"))
     logits_box = {}
     # A copy: vocab_parallel_cross_entropy subtracts the max and exponentiates fp32 logits in place.
@@ -333,9 +337,9 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
         hooks, units, not_refed = replay
         refeed.update(tensors=hooks.finish(), meta={**hooks.meta(), "units": list(units),
                                                     "not_refed": {**not_refed, **hooks.not_refed}})
-    outputs = {"loss": loss.detach(), "logits": first_sequence(logits_box["logits"].detach().squeeze(1), b, t, True),
-               **capture.outputs}
-    first_sequence_only(outputs, b, t, sequence_first=True)  # Megatron captures no routed expert's output
+    outputs = {"loss": loss.detach(), **capture.outputs,
+               "logits": first_sequence(logits_box["logits"].detach().squeeze(1), b, t, True)[:own]}
+    first_sequence_only(outputs, b, t, sequence_first=True, keep=own)  # Megatron captures no routed expert's output
     params = dict(model.named_parameters())
     parts = names.get("parts", {})
     for canonical, (megatron, _) in names["parameters"].items():
