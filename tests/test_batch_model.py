@@ -104,7 +104,8 @@ def test_side_b_holds_the_sequence_first_then_others_whose_labels_are_all_ignore
 
 
 @pytest.mark.parametrize("versus, refeed, problem", [
-    (Versus("batch", 2, "paddle_model"), False, "--runner must be one of hf_model, megatron_model"),
+    (Versus("batch", 2, "megatron"), False, "--runner must be one of hf_model, megatron_model, paddle_model"),
+    (Versus("pad", 2, "paddle_model"), False, "--runner must be one of hf_model, megatron_model (got"),
     (Versus("batch", 2), True, "--refeed re-runs side b's modules from side a's tensors; with --versus batch"),
     (Versus("tp", 2), False, "--versus tp: model-level cases take --versus batch, pad, cache"),
 ])

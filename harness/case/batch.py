@@ -84,7 +84,8 @@ def rows_slice(dims: tuple[int, ...], tokens: int, ndim: int) -> tuple[slice, ..
 
 # --- the model level: the case's sequence alone against the same sequence first in a batch of 1 + M sequences ---
 
-MODEL_RUNNERS = ("hf_model", "megatron_model")  # the model runners that take a batch of sequences (and a mask)
+MODEL_RUNNERS = ("hf_model", "megatron_model", "paddle_model")  # the model runners that take a batch of sequences
+PAD_RUNNERS = ("hf_model", "megatron_model")  # those that also take an attention mask (--versus pad)
 CACHE_RUNNERS = ("hf_model",)  # the model runners with a KV cache (--versus cache)
 CACHE_OUTPUTS = ("logits", "loss")  # what a forward through the cache gives: no backward, every module runs per chunk
 IGNORE = -100  # a label the loss leaves out (HF's and Megatron's ignore index)

@@ -30,7 +30,8 @@ class ModelLevel(Level):
     def versus(self, case: Case, versus: Versus) -> tuple[Case, dict]:
         if versus.axis not in self.versus_axes:
             return super().versus(case, versus)
-        pair = same_runner(case, versus, batch.CACHE_RUNNERS if versus.axis == "cache" else batch.MODEL_RUNNERS)
+        runners = {"batch": batch.MODEL_RUNNERS, "pad": batch.PAD_RUNNERS, "cache": batch.CACHE_RUNNERS}
+        pair = same_runner(case, versus, runners[versus.axis])
         found = {"kind": versus.axis, "runner": pair.runners[0], "rows": case.tokens, "unit": "sequence"}
         if versus.axis == "batch":
             batch.check_model(pair, versus.b)

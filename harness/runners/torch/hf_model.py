@@ -111,10 +111,11 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
             topk, probs = canonical_routing(indices, weights, m.record.routed_experts(m))
             cap.record(f"module.model.layers.{layer}.mlp.gate.topk_indices", topk)
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
-        for layer, keys in selected.items():
-            cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys)
     batch_blind = first_sequence_only(cap.tensors, ids.shape[0], ids.shape[1], sequence_first=False,
                                       keep=request["tokens"])
+    own = request["tokens"]  # the indexer's recorder keeps the first sequence's selection already: its own tokens
+    for layer, keys in selected.items():
+        cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys[:own, :own])
     with phases("write"):
         save_file(cap.tensors, os.path.join(request["output_dir"], OUTPUTS))
         if refeed:
