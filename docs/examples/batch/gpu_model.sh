@@ -2,7 +2,8 @@
 # Batch invariance of each registry family's 2-layer model (docs/batch-invariance.md, "The model level"): the case's
 # 16-token sequence alone against the same sequence first in a batch with M = 1, 2, 4, ..., 64 other sequences whose
 # loss weight is zero (`compare CASE --versus batch=1..64 --runner R`), per stack: every module output, the logits,
-# the loss and every parameter gradient. The table, JSON and log come from gpu.sh (beside this file).
+# the loss and every parameter gradient. table.md, table.json and log.txt come from gpu.sh (beside this file);
+# model-table.md (model_table.py) splits each cell into the forward's and the gradients' M.
 #
 #   OUT=/some/folder docs/examples/batch/gpu_model.sh                          # on a GPU: HF and Megatron-Core
 #   DEVICE=cpu OUT=/some/folder docs/examples/batch/gpu_model.sh               # the CPU table in the docs
@@ -17,4 +18,5 @@ export RUNNERS=${RUNNERS:-hf_model megatron_model}
 export CASES=${CASES:-kimi_k2_2layer@16 glm4_moe_2layer@16 glm_moe_dsa_2layer@16 minimax_m2_2layer@16 \
 qwen2_moe_2layer@16 qwen3_moe_2layer@16}
 export REPORTS=${REPORTS:-$(cd "$HERE/../../.." && pwd)/reports/batch-model-${DEVICE:-gpu}}
-exec "$HERE/gpu.sh"
+"$HERE/gpu.sh"
+"${PYTHON:-python3}" "$HERE/model_table.py" "$REPORTS" "${OUT:-$REPORTS}" "$RUNNERS" "$CASES"
