@@ -147,7 +147,7 @@ def test_only_hf_runs_through_a_kv_cache(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.slow  # 35 s on the shared 2-core machine: four HF runs
+@pytest.mark.slow  # 18 s on the shared 2-core machine (35 s beside a sweep): four HF runs
 def test_a_planted_batch_dependent_module_is_found_at_that_module_and_that_m(tmp_path):
     """Real HF transformers DeepSeek-V3 (fp32) with torch's embedding planted to depend on the batch from M=2."""
     options = CompareOptions(reports_dir=tmp_path / "reports", cases_dir=write_cases(tmp_path, MODEL),
@@ -168,7 +168,7 @@ def test_a_planted_batch_dependent_module_is_found_at_that_module_and_that_m(tmp
 
 
 @pytest.mark.e2e
-@pytest.mark.slow  # 20 s on the shared 2-core machine: two HF runs
+@pytest.mark.slow  # 12 s on the shared 2-core machine: two HF runs
 def test_a_planted_cache_fault_is_found_in_the_logits_from_the_second_pass_on(tmp_path):
     """Real HF transformers DeepSeek-V3 (fp32), two tokens a pass, with the cache planted to return a key off."""
     result, run_dir = compare_case("tiny_lm", CompareOptions(
