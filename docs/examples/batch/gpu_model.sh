@@ -12,6 +12,7 @@
 #   RUNNERS  the stacks                                                              [hf_model megatron_model]
 #   BATCH    the M of --versus batch                                                                  [1..64]
 #   CASES    the cases, NAME@TOKENS                                  [each family's bf16 2-layer model, 16 tokens]
+# Disk: REPORTS keeps every runner's outputs (5.2 GB for the bf16 default on a CPU): delete it once read.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 export RUNNERS=${RUNNERS:-hf_model megatron_model}
