@@ -88,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "parallel), impl=LEVEL (the Paddle runner's implementation level: "
                               + ", ".join(KNOBS["paddle_impl"].choices) + "), dp=N or ep=N (training cases: data- "
                               "or expert-parallel ranks on the same global batch), batch=M (op cases: the case's rows "
-                              "alone vs inside a batch of M other rows; a list 1,2,4 or a range 1..64 of powers of "
-                              "two: one run per M and a table of which M keep each tensor's bits), environment=NAME "
-                              "(model cases: hf_model against itself, side b in the named environment, e.g. "
+                              "alone vs inside a batch of M other rows; model cases: its sequence alone vs first in a "
+                              "batch of M other sequences; a list 1,2,4 or a range 1..64 of powers of two: one run "
+                              "per M and a table of which M keep each tensor's bits), pad=P (model cases: the "
+                              "sequence right-padded by P masked tokens beside another), cache=C (model cases, HF: "
+                              "the logits computed C tokens a pass through the KV cache), environment=NAME (model "
+                              "cases: hf_model against itself, side b in the named environment, e.g. "
                               "transformers-5.23.0)")
     compare.add_argument("--runner", help="the runner on both sides of --versus (default: the case's first)")
     compare.add_argument("--dp", type=int, help="training cases: data-parallel ranks, each training its own "

@@ -80,3 +80,69 @@ def rows_of(case: Case, big: Case, outputs: dict[str, np.ndarray]) -> dict[str, 
 
 def rows_slice(dims: tuple[int, ...], tokens: int, ndim: int) -> tuple[slice, ...]:
     return tuple(slice(0, tokens) if d in dims else slice(None) for d in range(ndim))
+
+
+# --- the model level: the case's sequence alone against the same sequence first in a batch of 1 + M sequences ---
+
+MODEL_RUNNERS = ("hf_model", "megatron_model", "paddle_model")  # the model runners that take a batch of sequences
+PAD_RUNNERS = ("hf_model", "megatron_model")  # those that also take an attention mask (--versus pad)
+CACHE_RUNNERS = ("hf_model",)  # the model runners with a KV cache (--versus cache)
+CACHE_OUTPUTS = ("logits", "loss")  # what a forward through the cache gives: no backward, every module runs per chunk
+IGNORE = -100  # a label the loss leaves out (HF's and Megatron's ignore index)
+
+
+def check_model(case: Case, others: int) -> None:
+    """Refuse what the model level cannot batch: a count below 1, a sequence of one token (its rows would be
+    ambiguous with the batch's)."""
+    where = f"{case.source}: case {case.name!r}"
+    if not isinstance(others, int) or isinstance(others, bool) or others < 1:
+        raise CaseError(f"{where}: --versus batch expects a count of other sequences of at least 1 (got {others!r})")
+    if case.tokens < 2:
+        raise CaseError(f"{where}: --versus batch on a model needs at least 2 tokens (field 'tokens' is "
+                        f"{case.tokens})")
+
+
+def write_sequences(case: Case, others: int, checkpoint: Checkpoint, folder: Path) -> Path:
+    """Side b's ``input_ids`` and ``labels``, ``[1 + others, T]``, written in `folder` (the run's own): row 0 the
+    case's sequence, the other rows' ids drawn as the case at ``(1 + others) * T`` tokens draws its ids, their labels
+    all ignored (-100): their loss weight is zero, so the loss is the case's sequence's mean and every parameter
+    gradient is the same sum as side a's, the other sequences adding exact zeros."""
+    check_model(case, others)
+    tokens, rows = case.tokens, 1 + others
+    drawn = generate.draw(generate.plans(case.with_tokens(rows * tokens))["input_ids"]).reshape(rows, tokens)
+    alone = load_tensors(checkpoint.path)
+    ids, labels = drawn.copy(), np.full((rows, tokens), IGNORE, dtype=np.int64)
+    ids[0], labels[0] = alone["input_ids"], alone["labels"]
+    plans = [generate.Plan(name, array.shape, array.dtype, case.seed, array=array)
+             for name, array in (("input_ids", ids), ("labels", labels))]
+    path = folder / BATCH_INPUTS
+    write_tensors(path, plans)
+    return path
+
+
+def write_padded(case: Case, pad: int, checkpoint: Checkpoint, folder: Path) -> Path:
+    """Side b's inputs under ``--versus pad=P``: a batch of two sequences of ``T + P`` tokens, the case's sequence
+    first, right-padded with P tokens of id 0 that its ``attention_mask`` masks and its labels ignore, then one other
+    sequence drawn as for ``--versus batch=1`` (at ``T + P`` tokens), its labels all ignored."""
+    where = f"{case.source}: case {case.name!r}"
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 1:
+        raise CaseError(f"{where}: --versus pad expects a count of padding tokens of at least 1 (got {pad!r})")
+    tokens = case.tokens + pad
+    drawn = generate.draw(generate.plans(case.with_tokens(2 * tokens))["input_ids"]).reshape(2, tokens)
+    alone = load_tensors(checkpoint.path)
+    ids, labels = drawn.copy(), np.full((2, tokens), IGNORE, dtype=np.int64)
+    mask = np.ones((2, tokens), dtype=np.int64)
+    ids[0, case.tokens:], mask[0, case.tokens:] = 0, 0
+    ids[0, :case.tokens], labels[0, :case.tokens] = alone["input_ids"], alone["labels"]
+    plans = [generate.Plan(name, array.shape, array.dtype, case.seed, array=array)
+             for name, array in (("input_ids", ids), ("labels", labels), ("attention_mask", mask))]
+    path = folder / BATCH_INPUTS
+    write_tensors(path, plans)
+    return path
+
+
+def check_chunk(case: Case, chunk: int) -> None:
+    """``--versus cache=C``: C tokens a pass, at least 1 and fewer than the sequence's (one pass is no cache)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk < case.tokens:
+        raise CaseError(f"{case.source}: case {case.name!r}: --versus cache expects a chunk of 1 to "
+                        f"{case.tokens - 1} tokens (field 'tokens' is {case.tokens}; got {chunk!r})")

@@ -17,7 +17,7 @@ from harness.compare.result import CaseResult
 from harness.run.orchestrate import SideResult, SideSpec
 
 # what --versus can set on side b; each level names those it takes
-AXES = ("tp", "impl", "dp", "ep", "batch", "environment")
+AXES = ("tp", "impl", "dp", "ep", "batch", "pad", "cache", "environment")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from harness import environments, paths, resources
+from harness.case.batch import CACHE_OUTPUTS
 from harness.case.checkpoints import CHECKPOINTS_DIR, Checkpoint, CheckpointError, tensor_layouts
 from harness.case.registry import Case
 from harness.case.specs import resolve_dtype
@@ -396,6 +397,8 @@ def _validate_outputs(side: SideResult, case: Case) -> str:
     except CheckpointError as error:
         return str(error)
     specs = case.output_specs()
+    if case.config.get("kv_cache_chunk"):  # --versus cache: a forward through the KV cache, its logits and loss only
+        specs = [spec for spec in specs if spec.name in CACHE_OUTPUTS]
     if side.runner == "oracle" and side.label == "oracle":  # the third side: its formula may cover only some outputs
         specs = [spec for spec in specs if spec.name in tensors]
         if not specs:

@@ -121,7 +121,9 @@ rows += [f"| {entry} | " + " | ".join(table[entry][r]["text"] for r in runners) 
 (dest / "table.md").write_text("\n".join(rows) + "\n")
 (dest / "table.json").write_text(json.dumps(
     {entry: {r: {"text": c["text"], "summary": c.get("report", {}).get("summary"),
-                 "cells": [{k: v for k, v in x.items() if k != "message"} for x in c.get("report", {}).get("cells", [])]}
+                 "cells": [{**{k: v for k, v in x.items() if k not in ("message", "tensors")},  # tensors that moved:
+                            "tensors": {n: t for n, t in x["tensors"].items() if t.get("status") != "EQUAL"}}
+                           for x in c.get("report", {}).get("cells", [])]}
              for r, c in by.items()} for entry, by in table.items()}, indent=1, default=str))
 print("\n".join(rows))
 EOF

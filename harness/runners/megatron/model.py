@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from harness.capture.rows import first_sequence, first_sequence_only  # noqa: E402
 from harness.families import model_config  # noqa: E402
 from harness.run.cell_state import patch  # noqa: E402
 from harness.run.protocol import (  # noqa: E402
@@ -302,13 +303,16 @@ def refeed_hooks(model, names: dict, request: dict):
 def forward_backward(model, names, tensors, device, phases, loss_path: str = "megatron", refeed: dict | None = None):
     """Forward with labels (Megatron's per-token cross entropy), masked mean, backward. ``loss_path="float64_logits"``
     is for tests only: the loss from the logits in their own dtype (no fp32 island), to prove the gradient mapping."""
-    input_ids = tensors["input_ids"].to(device).view(1, -1)
-    labels = tensors["labels"].to(device).view(1, -1)
-    t = input_ids.shape[1]
+    input_ids, labels = (torch_env.sequences(tensors[name].to(device)) for name in ("input_ids", "labels"))
+    b, t = input_ids.shape  # b > 1: the case's sequence first in a batch (--versus batch)
     loss_mask = (labels != IGNORE_INDEX)
     safe_labels = torch.where(loss_mask, labels, torch.zeros_like(labels))  # masked out below (loss_mask)
-    position_ids = torch.arange(t, device=device).view(1, -1)
+    position_ids = torch.arange(t, device=device).view(1, -1).expand(b, -1)
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1).view(1, 1, t, t)
+    padding = tensors.get("attention_mask")  # --versus pad: the first sequence right-padded, its pads masked
+    if padding is not None:
+        causal = causal | (padding.to(device) == 0).view(b, 1, 1, t)
+    own = int(padding[0].sum()) if padding is not None else t  # the first sequence's tokens, padding left out
     capture = Capture(model, names["modules"], names.get("parts"))
     logits_box = {}
     # A copy: vocab_parallel_cross_entropy subtracts the max and exponentiates fp32 logits in place.
@@ -333,7 +337,9 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
         hooks, units, not_refed = replay
         refeed.update(tensors=hooks.finish(), meta={**hooks.meta(), "units": list(units),
                                                     "not_refed": {**not_refed, **hooks.not_refed}})
-    outputs = {"loss": loss.detach(), "logits": logits_box["logits"].detach().squeeze(1), **capture.outputs}
+    outputs = {"loss": loss.detach(), **capture.outputs,
+               "logits": first_sequence(logits_box["logits"].detach().squeeze(1), b, t, True)[:own]}
+    first_sequence_only(outputs, b, t, sequence_first=True, keep=own)  # Megatron captures no routed expert's output
     params = dict(model.named_parameters())
     parts = names.get("parts", {})
     for canonical, (megatron, _) in names["parameters"].items():

@@ -86,11 +86,13 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         families.classes(m)  # the model's module, imported (and timed) here
 
         from harness.capture.paddle import capture, write
+        from harness.capture.rows import first_sequence_only
     dtype = request["dtype"]
     with phases("setup"):
         model, checkpoint, name_map, loaded = build_model(m, dtype, request["checkpoint"])
-        input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(1, -1))
-        labels = paddle.to_tensor(checkpoint["labels"].reshape(1, -1))
+        # [b, s]: the checkpoint's one sequence, or the case's first in a batch (--versus batch)
+        input_ids = paddle.to_tensor(checkpoint["input_ids"].reshape(-1, request["tokens"]))
+        labels = paddle.to_tensor(checkpoint["labels"].reshape(-1, request["tokens"]))
         routers = families.record_routing(model, m)
     modules, grads = families.canonical_modules(m), families.canonical_grads(m)
     hooked = [name for name in modules if not name.endswith((".gate.topk_indices", ".gate.probs"))]  # recorded
@@ -114,6 +116,7 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         refeed_tensors = refeed.finish() if refeed else {}
     with phases("write"):
         tensors, routed = _routing(cap.tensors, routers, m.record.routed_experts(m) if routers else 0)
+        batch_blind = first_sequence_only(tensors, input_ids.shape[0], request["tokens"], sequence_first=False)
         upcast = {}
         tensors = {name: _to_case_dtype(name, array, dtype, upcast) for name, array in tensors.items()}
         order = ["module." + x for x in modules] + ["logits", "loss"] + ["grad." + g for g in grads]
@@ -137,7 +140,8 @@ def _paddleformers_model(request: dict, phases: Phases) -> dict:
         "name_map": f"{name_map.__class__.__module__}.{name_map.__class__.__name__} [paddle] of "
                     f"{m.record.names.relative_to(Path(__file__).resolve().parents[3])}",
         "weights_loaded": loaded,
-        "not_captured": cap.not_captured,
+        "not_captured": {**cap.not_captured, **_fold_experts(batch_blind)},
+        "sequences": input_ids.shape[0],
         "zero_grads": cap.zero_grads,
         "routing": routed,
         "upcast_exactly": upcast,

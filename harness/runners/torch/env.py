@@ -44,6 +44,11 @@ def load_inputs(files: list[str], device: torch.device, take=None) -> dict[str, 
             for name, tensor in read_checkpoint(files, load_file).items()}
 
 
+def sequences(tensor: torch.Tensor) -> torch.Tensor:
+    """``[b, s]``: a checkpoint's one sequence ``[s]`` as a batch of one; a batch (``--versus batch``) as it is."""
+    return tensor if tensor.dim() == 2 else tensor.view(1, -1)
+
+
 def apply_determinism(device: torch.device) -> dict:
     """The settings real alignment runs use: no TF32, no reduced-precision reductions, deterministic algorithms.
 

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from harness.capture import EXPERT_WHY, REFEED_FILE, refeed_units  # noqa: E402
+from harness.capture.rows import first_sequence_only  # noqa: E402
 from harness.capture.torch import Refeed, capture  # noqa: E402
 from harness.case.ops import OPS  # noqa: E402
 from harness.families import model_config  # noqa: E402
@@ -79,13 +80,16 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
         determinism = torch_env.apply_determinism(device)
         checkpoint = torch_env.load_inputs(request["checkpoint"], device)
         model = build_model(hf, m, dtype, device, checkpoint, name_map)
-        ids = checkpoint["input_ids"].view(1, -1)
-        labels = checkpoint["labels"].view(1, -1)
+        ids, labels = torch_env.sequences(checkpoint["input_ids"]), torch_env.sequences(checkpoint["labels"])
+        padding = checkpoint.get("attention_mask")  # --versus pad: the first sequence right-padded, pads masked
         gates = hf_families.record_routing(model, hf, m)
         selected = hf_families.record_selection(model, m)
     modules = [s.name[len("module."):] for s in outputs if s.name.startswith("module.")
                and not s.name.endswith(RECORDED)]
     grads = [s.name[len("grad."):] for s in outputs if s.name.startswith("grad.")]
+    chunk = request["config"].get("kv_cache_chunk")
+    if chunk:  # --versus cache: a forward only, `chunk` tokens at a time through the cache
+        return _through_cache(request, phases, model, ids, labels, m, hf, chunk, determinism, device)
     refeed_request = request["config"].get("refeed")
     with capture(model, None, name_map=name_map, modules=modules, grads=grads) as cap:
         refeed = None
@@ -94,26 +98,24 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
                                             extra={"lm_head": ["lm_head"]}, skip={r"\.experts\.\d+$": EXPERT_WHY})
             refeed = Refeed(model, units, refeed_request["mode"], refeed_request.get("from"), batch_dim=0)
         with phases("forward"):
-            logits = model(input_ids=ids, use_cache=False).logits
-            if dtype == torch.float64:  # HF's ForCausalLMLoss upcasts to float32 first; the same loss without that
-                from transformers.loss.loss_utils import fixed_cross_entropy
-                loss = fixed_cross_entropy(logits.view(-1, m.vocab_size), labels.view(-1))
-            else:
-                loss = model.loss_function(logits=logits, labels=None, vocab_size=m.vocab_size,
-                                           shift_labels=labels)
+            logits = model(input_ids=ids, attention_mask=padding, use_cache=False).logits
+            loss = lm_loss(model, logits, labels, m, dtype)
             torch_env.synchronize(device)
         with phases("backward"):
             loss.backward()
             torch_env.synchronize(device)
         cap.record("loss", loss)
-        cap.record("logits", logits[0])
+        cap.record("logits", logits[0, :request["tokens"]])  # the first sequence's (under --versus batch or pad)
         refeed_tensors = refeed.finish() if refeed else {}
         for layer, (indices, weights) in gates.items():
             topk, probs = canonical_routing(indices, weights, m.record.routed_experts(m))
             cap.record(f"module.model.layers.{layer}.mlp.gate.topk_indices", topk)
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
-        for layer, keys in selected.items():
-            cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys)
+    batch_blind = first_sequence_only(cap.tensors, ids.shape[0], ids.shape[1], sequence_first=False,
+                                      keep=request["tokens"])
+    own = request["tokens"]  # the indexer's recorder keeps the first sequence's selection already: its own tokens
+    for layer, keys in selected.items():
+        cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys[:own, :own])
     with phases("write"):
         save_file(cap.tensors, os.path.join(request["output_dir"], OUTPUTS))
         if refeed:
@@ -127,12 +129,46 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
         "adapters": [],
         "knobs": {k: {"value": v, "why": why} for k, (v, why) in {**KNOBS, **hf_families.knobs(m)}.items()},
         "float64_mode": float64_replaced,
-        "not_captured": group_by_expert(cap.not_captured),
+        "not_captured": group_by_expert({**cap.not_captured, **batch_blind}),
+        "sequences": int(ids.shape[0]),
         "zero_grads": cap.zero_grads,
         "routing": {f"layer {layer}": {"experts_with_tokens": int(torch.unique(idx).numel())}
                     for layer, (idx, _) in gates.items()},
         "determinism": determinism, **torch_env.provenance(device),
     }
+
+
+def lm_loss(model, logits: torch.Tensor, labels: torch.Tensor, m, dtype: torch.dtype) -> torch.Tensor:
+    """HF's LM loss; in float64 the same loss without its upcast to float32 first."""
+    if dtype == torch.float64:
+        from transformers.loss.loss_utils import fixed_cross_entropy
+        return fixed_cross_entropy(logits.view(-1, m.vocab_size), labels.view(-1))
+    return model.loss_function(logits=logits, labels=None, vocab_size=m.vocab_size, shift_labels=labels)
+
+
+def _through_cache(request: dict, phases: Phases, model, ids, labels, m, hf, chunk: int, determinism: dict,
+                   device) -> dict:
+    """The sequence's logits and loss from prefilling `chunk` tokens, then `chunk` more at a time, through the
+    model's own KV cache (``DynamicCache``): what a decoder serving it computes, to set against one pass."""
+    import transformers
+
+    cache, parts = transformers.DynamicCache(config=model.config), []
+    with phases("forward"), torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            parts.append(model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True).logits)
+        logits = torch.cat(parts, dim=1)
+        loss = lm_loss(model, logits, labels, m, torch_env.DTYPES[request["dtype"]])
+        torch_env.synchronize(device)
+    with phases("write"):
+        save_file({"logits": logits[0].contiguous(), "loss": loss}, os.path.join(request["output_dir"], OUTPUTS))
+    knobs = {**KNOBS, **hf_families.knobs(m), "use_cache": (True, f"--versus cache: {chunk} tokens a pass through "
+                                                                   "DynamicCache, forward only (no gradients)")}
+    return {"framework": "pytorch", "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "implementation": f"{hf.__name__}.{hf_families.model_class(m)} (HF transformers, torch), "
+                              f"{-(-ids.shape[1] // chunk)} passes through its KV cache",
+            "adapters": [], "knobs": {k: {"value": v, "why": why} for k, (v, why) in knobs.items()},
+            "kv_cache": {"chunk": chunk, "passes": -(-ids.shape[1] // chunk)},
+            "determinism": determinism, **torch_env.provenance(device)}
 
 
 def build_model(hf, m, dtype: torch.dtype, device, checkpoint: dict, name_map: NameMap):
