@@ -41,6 +41,16 @@ def test_base_inherits_and_tables_merge(tmp_path):
     assert case.tensors["input"]["std"] == 1.0  # role default
 
 
+def test_a_registry_is_parsed_again_only_when_its_text_changed(tmp_path):
+    """A process going back and forth between folders (a test session, a sweep) parses each once (before: only the
+    last folder's registry was kept, and going back parsed the 185 shipped cases again, ~3 s each time)."""
+    shipped = Registry.load()
+    others = [registry_from(tmp_path / str(n), GOOD) for n in range(3) if not (tmp_path / str(n)).mkdir()]
+    assert Registry.load() is shipped and Registry.load(tmp_path / "0") is others[0]
+    changed = registry_from(tmp_path / "0", GOOD.replace("seed = 1", "seed = 2"))
+    assert changed is not others[0] and changed.get("fc1").seed == 2
+
+
 def test_unknown_case_lists_close_names():
     with pytest.raises(CaseError, match=r"unknown case 'kimi_shared_fc3'.*did you mean: .*kimi_shared_fc1"):
         Registry.load().get("kimi_shared_fc3")

@@ -179,7 +179,10 @@ class Case:
         return self.op_spec.outputs(self.shapes, self.tokens, self.config)
 
 
-_LOADED: dict[tuple, Registry] = {}  # the last registry parsed, by its files' paths and texts
+# The registries parsed last, by their files' paths and texts, oldest first: a few, since one process may go back and
+# forth between folders (a test session: the shipped cases, then a test's own, then the shipped ones again).
+_LOADED: dict[tuple, Registry] = {}
+_KEPT = 4
 
 
 class Registry:
@@ -201,10 +204,11 @@ class Registry:
             except (OSError, UnicodeDecodeError) as error:
                 raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
         key = tuple((str(path.resolve()), text) for path, text in texts)
-        if key not in _LOADED:
-            _LOADED.clear()
-            _LOADED[key] = cls._parse(texts)
-        return _LOADED[key]
+        registry = _LOADED.pop(key) if key in _LOADED else cls._parse(texts)
+        _LOADED[key] = registry  # the newest last
+        while len(_LOADED) > _KEPT:
+            del _LOADED[next(iter(_LOADED))]
+        return registry
 
     @classmethod
     def _parse(cls, texts: list[tuple[Path, str]]) -> Registry:
