@@ -179,8 +179,10 @@ class Case:
         return self.op_spec.outputs(self.shapes, self.tokens, self.config)
 
 
-# The registries parsed last, by their files' paths and texts, oldest first: a few, since one process may go back and
-# forth between folders (a test session: the shipped cases, then a test's own, then the shipped ones again).
+# Registries parsed, by their files' paths and texts: the shipped cases' (every command's default, 185 cases: seconds
+# to parse) kept apart, and the last few of other folders, oldest first (a test session goes back and forth between
+# the shipped cases and dozens of its own folders; a sweep loads its registry once per cell).
+_SHIPPED: dict[tuple, Registry] = {}
 _LOADED: dict[tuple, Registry] = {}
 _KEPT = 4
 
@@ -204,10 +206,11 @@ class Registry:
             except (OSError, UnicodeDecodeError) as error:
                 raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
         key = tuple((str(path.resolve()), text) for path, text in texts)
-        registry = _LOADED.pop(key) if key in _LOADED else cls._parse(texts)
-        _LOADED[key] = registry  # the newest last
-        while len(_LOADED) > _KEPT:
-            del _LOADED[next(iter(_LOADED))]
+        kept = _SHIPPED if Path(folder).resolve() == CASES_DIR.resolve() else _LOADED
+        registry = kept.pop(key) if key in kept else cls._parse(texts)
+        kept[key] = registry  # the newest last
+        while len(kept) > (1 if kept is _SHIPPED else _KEPT):
+            del kept[next(iter(kept))]
         return registry
 
     @classmethod
