@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -185,6 +186,7 @@ class Case:
 _SHIPPED: dict[tuple, Registry] = {}
 _LOADED: dict[tuple, Registry] = {}
 _KEPT = 4
+_KEEPING = threading.Lock()  # a night's cells load the registry from threads of their own
 
 
 class Registry:
@@ -207,10 +209,11 @@ class Registry:
                 raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
         key = tuple((str(path.resolve()), text) for path, text in texts)
         kept = _SHIPPED if Path(folder).resolve() == CASES_DIR.resolve() else _LOADED
-        registry = kept.pop(key) if key in kept else cls._parse(texts)
-        kept[key] = registry  # the newest last
-        while len(kept) > (1 if kept is _SHIPPED else _KEPT):
-            del kept[next(iter(kept))]
+        with _KEEPING:
+            registry = kept.pop(key) if key in kept else cls._parse(texts)
+            kept[key] = registry  # the newest last
+            while len(kept) > (1 if kept is _SHIPPED else _KEPT):
+                del kept[next(iter(kept))]
         return registry
 
     @classmethod
