@@ -27,11 +27,16 @@ from tests.support.cases import registry_from, tiny_case, write_cases
 
 
 @pytest.fixture
-def bench(tmp_path, monkeypatch):
+def no_doctor(monkeypatch):
+    """Test double: the night's doctor.json (it probes each runner the night uses: Megatron's probe alone imports torch
+    and megatron-core, seconds) is not under test here (tests/test_doctor.py and tests/test_nightly.py test it)."""
+    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons, runners: {"kind": "doctor", "test_double": True})
+
+
+@pytest.fixture
+def bench(tmp_path, monkeypatch, no_doctor):
     monkeypatch.setenv("CI", "true")
     monkeypatch.delenv("GITHUB_OUTPUT", raising=False)
-    # Test double: the night's doctor.json (it probes every real runner, ~20 s) is not under test here.
-    monkeypatch.setattr(nightly.doctor, "run", lambda device, pythons, runners: {"kind": "doctor", "test_double": True})
     return Bench(tmp_path)
 
 
@@ -551,7 +556,7 @@ def test_every_committed_baseline_fits_the_registry_and_the_fingerprint_fields()
 
 
 @pytest.mark.e2e
-def test_real_megatron_night_is_green_the_second_time(tmp_path, monkeypatch, capsys, checkpoints_dir):
+def test_real_megatron_night_is_green_the_second_time(tmp_path, monkeypatch, capsys, checkpoints_dir, no_doctor):
     """Megatron vs Megatron, fp32 64x32, one input bit flipped on side b in a case that expects bitwise equality."""
     monkeypatch.setenv("CI", "true")
     monkeypatch.delenv("GITHUB_OUTPUT", raising=False)

@@ -15,7 +15,7 @@ from harness.case.tolerance import Tolerance
 from harness.compare.tolerance import judge
 from tests.support.e2e import assert_counts_match_outputs, paddle_bf16_gemm_unavailable, verdict_of
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("runner_workers")]  # one pool: each framework imported once
 
 
 def differing(a, b):

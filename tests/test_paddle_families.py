@@ -22,9 +22,13 @@ from tests.support.zoo import python_json
 CASE = {"deepseek_v3": "kimi_k2_2layer"}  # the family's 2-layer case; the others are <family>_2layer
 
 
+def two_layer_case(family: str) -> str:
+    return CASE.get(family, f"{family}_2layer")
+
+
 def tiny(family: str):
     """The family's typed config at its 2-layer case (the one the end-to-end runs use)."""
-    return model_config(Registry.load().get(CASE.get(family, f"{family}_2layer")).model)
+    return model_config(Registry.load().get(two_layer_case(family)).model)
 
 
 def paddle_spec(name: str) -> dict:
@@ -56,64 +60,72 @@ CONTRACT = """
     from harness.families.names import NameMap
     from harness.runners.paddle import families
     from harness.runners.paddle.model import fresh_model
-    m = model_config(Registry.load().get(sys.argv[1]).model)
-    model = fresh_model(m, "float32")
-    name_map = NameMap.load(m.family, "paddle", model=m)
-    canonical = {name: shape for name, shape, _ in m.record.parameters(m)}
-    buffers = {name for name, _ in m.record.buffers(m)}
-    targets = {n: p for n, p in model.named_parameters()}
-    targets.update({n: b for n, b in model.named_buffers() if n in buffers})
-    read, unfit = set(), {}
-    for name, target in targets.items():
-        rule = name_map.rule("checkpoint", name)
-        missing = [s for s in rule.sources if s not in canonical]
-        if missing:
-            unfit[name] = f"{rule.kind} of {missing}: no canonical parameter"
-            continue
-        read.update(rule.sources)
-        value = apply_rule(rule, [np.zeros(canonical[s], "float32") for s in rule.sources])
-        if list(value.shape) != list(target.shape):
-            unfit[name] = f"{rule.kind} gives {list(value.shape)}, the model holds {list(target.shape)}"
-    # PaddleFormers' own conversion map of this class (_gen_aoa_config: "sources -> target, options"), at TP=1
-    aoa = {}
-    for statement in type(model)._gen_aoa_config(model.config)["aoa_statements"]:
-        left, right = statement.split("->")
-        target, *options = [part.strip() for part in right.split(",")]
-        sources = [part.strip() for part in left.split(",")]
-        pattern = re.escape(target).replace(re.escape("$LAYER_ID"), "(?P<L>[0-9]+)")
-        pattern = pattern.replace(re.escape("$EXPERT_ID"), "(?P<E>[0-9]+)")
+    def contract(case):
+        m = model_config(Registry.load().get(case).model)
+        model = fresh_model(m, "float32")
+        name_map = NameMap.load(m.family, "paddle", model=m)
+        canonical = {name: shape for name, shape, _ in m.record.parameters(m)}
+        buffers = {name for name, _ in m.record.buffers(m)}
+        targets = {n: p for n, p in model.named_parameters()}
+        targets.update({n: b for n, b in model.named_buffers() if n in buffers})
+        read, unfit = set(), {}
+        for name, target in targets.items():
+            rule = name_map.rule("checkpoint", name)
+            missing = [s for s in rule.sources if s not in canonical]
+            if missing:
+                unfit[name] = f"{rule.kind} of {missing}: no canonical parameter"
+                continue
+            read.update(rule.sources)
+            value = apply_rule(rule, [np.zeros(canonical[s], "float32") for s in rule.sources])
+            if list(value.shape) != list(target.shape):
+                unfit[name] = f"{rule.kind} gives {list(value.shape)}, the model holds {list(target.shape)}"
+        # PaddleFormers' own conversion map of this class (_gen_aoa_config: "sources -> target, options"), at TP=1
+        aoa = {}
+        for statement in type(model)._gen_aoa_config(model.config)["aoa_statements"]:
+            left, right = statement.split("->")
+            target, *options = [part.strip() for part in right.split(",")]
+            sources = [part.strip() for part in left.split(",")]
+            pattern = re.escape(target).replace(re.escape("$LAYER_ID"), "(?P<L>[0-9]+)")
+            pattern = pattern.replace(re.escape("$EXPERT_ID"), "(?P<E>[0-9]+)")
+            for name in targets:
+                found = re.fullmatch(pattern, name)
+                if found:
+                    filled = [src.replace("$LAYER_ID", found.groupdict().get("L") or "")
+                              .replace("$EXPERT_ID", found.groupdict().get("E") or "") for src in sources]
+                    flipped = {src.endswith("^T") for src in filled}
+                    op = next((o for o in options if o in ("fused_qkv", "fused_ffn")), "")
+                    kind = {("", False): "same", ("", True): "transpose", ("fused_qkv", True): "transpose_interleave",
+                            ("fused_qkv", False): "interleave", ("fused_ffn", True): "cat0_transpose"}[
+                        (op, flipped == {True})]
+                    aoa[name] = (kind, [src.removesuffix("^T") for src in filled])
+        differ = {}
         for name in targets:
-            found = re.fullmatch(pattern, name)
-            if found:
-                filled = [src.replace("$LAYER_ID", found.groupdict().get("L") or "")
-                          .replace("$EXPERT_ID", found.groupdict().get("E") or "") for src in sources]
-                flipped = {src.endswith("^T") for src in filled}
-                op = next((o for o in options if o in ("fused_qkv", "fused_ffn")), "")
-                kind = {("", False): "same", ("", True): "transpose", ("fused_qkv", True): "transpose_interleave",
-                        ("fused_qkv", False): "interleave", ("fused_ffn", True): "cat0_transpose"}[
-                    (op, flipped == {True})]
-                aoa[name] = (kind, [src.removesuffix("^T") for src in filled])
-    differ = {}
-    for name in targets:
-        rule = name_map.rule("checkpoint", name)
-        ours, theirs = (rule.kind, list(rule.sources)), aoa.get(name, ("same", [name]))
-        if ours != theirs:
-            differ[name] = {"ours": ours, "paddleformers": theirs}
-    print(json.dumps({"parameters": len(targets), "unfit": unfit, "unread": sorted(set(canonical) - read),
-                      "class": type(model).__module__ + "." + type(model).__name__, "aoa": len(aoa),
-                      "differ": differ}))
+            rule = name_map.rule("checkpoint", name)
+            ours, theirs = (rule.kind, list(rule.sources)), aoa.get(name, ("same", [name]))
+            if ours != theirs:
+                differ[name] = {"ours": ours, "paddleformers": theirs}
+        return {"parameters": len(targets), "unfit": unfit, "unread": sorted(set(canonical) - read),
+                "class": type(model).__module__ + "." + type(model).__name__, "aoa": len(aoa), "differ": differ}
+    print(json.dumps({case: contract(case) for case in sys.argv[1:]}))
 """
+
+
+@pytest.fixture(scope="module")
+def contracts():
+    """CONTRACT for every dygraph family in one fresh interpreter: paddle and PaddleFormers imported once, not once per
+    family (each model is built afresh from its own case, so one family's build cannot stand in for another's)."""
+    return python_json(CONTRACT, *map(two_layer_case, DYGRAPH))
 
 
 @pytest.mark.skipif(absent("paddle", "paddleformers"), reason="PaddleFormers' model (requirements-models.txt)")
 @pytest.mark.parametrize("family", DYGRAPH)
-def test_every_parameter_of_the_paddle_model_is_named_and_every_canonical_one_read(family):
+def test_every_parameter_of_the_paddle_model_is_named_and_every_canonical_one_read(contracts, family):
     """PaddleFormers' model of the family, built at its 2-layer case: each parameter (and routing-bias buffer) comes
     from canonical checkpoint tensors by a [paddle.checkpoint] rule (or by its own name) in the model's shape, and
     every canonical parameter feeds one: nothing of the family is left out. The rules are, name by name, the ones
     PaddleFormers' own conversion map of the class (``_gen_aoa_config``) states at TP=1 (docs/model-contract.md)."""
     m = tiny(family)
-    result = python_json(CONTRACT, CASE.get(family, f"{family}_2layer"))
+    result = contracts[two_layer_case(family)]
     assert result["unfit"] == {} and result["unread"] == [], result
     assert result["parameters"] > 0
     # the [paddle.checkpoint] rules are PaddleFormers' own conversion map (_gen_aoa_config) at TP=1, name by name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -179,7 +180,13 @@ class Case:
         return self.op_spec.outputs(self.shapes, self.tokens, self.config)
 
 
-_LOADED: dict[tuple, Registry] = {}  # the last registry parsed, by its files' paths and texts
+# Registries parsed, by their files' paths and texts: the shipped cases' (every command's default, 185 cases: seconds
+# to parse) kept apart, and the last few of other folders, oldest first (a test session goes back and forth between
+# the shipped cases and dozens of its own folders; a sweep loads its registry once per cell).
+_SHIPPED: dict[tuple, Registry] = {}
+_LOADED: dict[tuple, Registry] = {}
+_KEPT = 4
+_KEEPING = threading.Lock()  # a night's cells load the registry from threads of their own
 
 
 class Registry:
@@ -201,10 +208,13 @@ class Registry:
             except (OSError, UnicodeDecodeError) as error:
                 raise CaseError(f"{path}: unreadable case file: {getattr(error, 'strerror', None) or error}") from None
         key = tuple((str(path.resolve()), text) for path, text in texts)
-        if key not in _LOADED:
-            _LOADED.clear()
-            _LOADED[key] = cls._parse(texts)
-        return _LOADED[key]
+        kept = _SHIPPED if Path(folder).resolve() == CASES_DIR.resolve() else _LOADED
+        with _KEEPING:
+            registry = kept.pop(key) if key in kept else cls._parse(texts)
+            kept[key] = registry  # the newest last
+            while len(kept) > (1 if kept is _SHIPPED else _KEPT):
+                del kept[next(iter(kept))]
+        return registry
 
     @classmethod
     def _parse(cls, texts: list[tuple[Path, str]]) -> Registry:
