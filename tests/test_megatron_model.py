@@ -246,3 +246,20 @@ def test_megatron_installed_but_broken_is_an_error_with_its_traceback(tmp_path):
     assert "BrokenInstall: megatron.core is installed for " in done.stderr
     assert "No module named 'megatron_test_double_missing_dependency'" in done.stderr
     assert "Traceback" in done.stderr
+
+
+def test_one_rank_process_groups_take_no_port():
+    """A single-rank cell rendezvouses in its own process (a HashStore), not over TCP: a port picked free and bound a
+    moment later was taken by another of 14 cells running at once on the H100 (EADDRINUSE, an ERROR cell)."""
+    import torch.distributed as dist
+
+    from harness.runners.megatron.runner import init_process_group, reset
+
+    init_process_group(torch.device("cpu"))
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        assert isinstance(store, dist.HashStore), type(store)
+    finally:
+        reset()

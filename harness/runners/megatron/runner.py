@@ -12,7 +12,6 @@ its shard (partition dims from ``harness.case.ops``) and writes its own shard of
 from __future__ import annotations
 
 import os
-import socket
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: keep eager numerics
 
@@ -88,8 +87,9 @@ def init_process_group(device: torch.device, gloo_groups: bool = False) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:  # started by torchrun
         dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
+    else:  # one rank: an in-process store, so no port to race for (a free port picked then bound was taken by
+        # another of 14 cells at once: EADDRINUSE, an ERROR of the harness's making)
+        dist.init_process_group(backend, store=dist.HashStore(), world_size=1, rank=0)
     # On a GPU everything runs over NCCL; Megatron's extra gloo groups would only add a TCP rendezvous.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(),
                                              create_gloo_process_groups=device.type == "cpu" or gloo_groups)
@@ -114,12 +114,6 @@ def reset() -> None:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     torch_env.release()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def te_version() -> dict:
