@@ -10,17 +10,23 @@ kernel guard, harness.runners.paddle.levels).
 - End to end on real Paddle: with oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, this CPU's way to be the CI's AVX2
   CPU) the bf16 linear is UNSUPPORTED naming dnnl::error; a PaddleFormers that is installed but does not import (a
   test double on the runner's path) makes an ``auto`` case an ERROR naming it, where the old code ran the recipe.
+- The verdict names the refusing runner once: ``harness.compare.result.decide`` puts the runner's name before its
+  reason, so a runner room's own message never starts with it (the Megatron room's did: "megatron_model:
+  megatron_model: DeepSeek Sparse Attention's indexer needs ...").
 """
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 from harness.run.protocol import BrokenInstall, Unsupported, import_failure
 from harness.runners.paddle import guard
 from tests.support.doubles import broken_install_python
+from tests.support.installed import absent
 
 
 def _not_found(name: str) -> ModuleNotFoundError:
@@ -115,3 +121,33 @@ def test_an_installed_but_broken_paddleformers_makes_auto_an_error_naming_it(tmp
     assert "BrokenLevel: PaddleFormers' module (not PaddleFleet): paddleformers is installed but does not import" \
         in tail, tail[-2000:]
     assert "paddleformers_test_double_missing_dependency" in tail
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron room's refusal imports megatron.core")
+def test_an_unsupported_verdict_names_the_refusing_runner_once():
+    import torch
+
+    from harness.compare.result import decide
+    from harness.families import model_config
+    from harness.run.orchestrate import SideResult
+    from harness.runners.megatron import families
+    from tests.support.tiny_models import TINY
+
+    with pytest.raises(Unsupported) as refused:
+        families.translate_config(model_config(TINY["glm_moe_dsa"]), torch.float32, torch.device("cpu"))
+    sides = [SideResult("a", "megatron_model", "unsupported", Path("/nowhere"), "python", reason=str(refused.value)),
+             SideResult("b", "hf_model", "ok", Path("/nowhere"), "python")]
+    verdict, message = decide(sides, [])
+    assert verdict == "UNSUPPORTED"
+    assert message.startswith("megatron_model: DeepSeek Sparse Attention's indexer needs "), message
+
+
+def test_no_runner_room_starts_a_refusal_with_a_runner_name():
+    """Every room at once: an ``Unsupported("<runner>: ...")`` in harness/runners would say the name twice."""
+    from harness.case.registry import RUNNERS
+
+    opens = re.compile(r'Unsupported\(\s*f?"(' + "|".join(RUNNERS) + r'): ')
+    rooms = Path(__file__).resolve().parents[1] / "harness" / "runners"
+    found = [f"{path.relative_to(rooms)}: {match.group(0)}" for path in sorted(rooms.rglob("*.py"))
+             for match in opens.finditer(path.read_text())]
+    assert found == []
