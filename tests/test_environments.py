@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from harness import environments
 from harness.case.registry import CaseError, Registry
 from harness.families import FAMILIES, Family
 from harness.run.orchestrate import SideSpec, side_python
+from tests.support.cases import model_case_table
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "transformers-5.23.0"
@@ -92,15 +92,8 @@ def test_a_bad_environment_name_is_refused_naming_the_file_the_field_and_the_val
         environments.of_family(family)
     monkeypatch.setitem(FAMILIES, "deepseek_v32", family)  # and a case of it: refused when the registry loads it
     (tmp_path / "cases").mkdir()
-    (tmp_path / "cases" / "m.toml").write_text(textwrap.dedent("""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = { family = "deepseek_v32", num_hidden_layers = 2, first_k_dense_replace = 1 }
-    """))
+    (tmp_path / "cases" / "m.toml").write_text(model_case_table(
+        {"family": "deepseek_v32", "num_hidden_layers": 2, "first_k_dense_replace": 1}, tokens=4))
     with pytest.raises(CaseError, match=r"m\.toml: case 'm': field 'config\.model\.family': .*" + problem):
         Registry.load(tmp_path / "cases")
 

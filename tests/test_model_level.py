@@ -2,7 +2,6 @@
 map, checkpoint generation, the capture API on a small torch module, grouping and the float64 semantic check."""
 
 import math
-import textwrap
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from harness.compare import model_outputs
 from harness.compare.tensors import DIFF, EQUAL, TensorComparison, compare_tensor
 from harness.families import FAMILIES, ModelConfigError, family_of, model_config
 from harness.families.names import NameMap, expand_stack
+from tests.support.cases import model_case_table
 
 DeepseekV3Config = FAMILIES["deepseek_v3"].config
 
@@ -83,20 +83,11 @@ def test_variants_have_their_dtypes():
     ({"hidden_sizee": 4}, "unknown key 'hidden_sizee'"),
     ({"scoring_func": "softmax"}, "scoring_func must be one of"),
     ({"hidden_size": 2.5}, "hidden_size must be int"),
-    ({"rope_scaling.factorr": 4.0}, "unknown key 'rope_scaling.factorr'"),
-    ({"rope_scaling.factor": "4"}, "rope_scaling.factor must be float"),
+    ({"rope_scaling": {"factorr": 4.0}}, "unknown key 'rope_scaling.factorr'"),
+    ({"rope_scaling": {"factor": "4"}}, "rope_scaling.factor must be float"),
 ])
 def test_bad_model_config_is_named(tmp_path, given, problem):
-    body = ", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in given.items())
-    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = {{ {body} }}
-    """))
+    (tmp_path / "m.toml").write_text(model_case_table(given, tokens=4))
     with pytest.raises(CaseError, match=problem):
         Registry.load(tmp_path)
 

@@ -10,17 +10,26 @@ kernel guard, harness.runners.paddle.levels).
 - End to end on real Paddle: with oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, this CPU's way to be the CI's AVX2
   CPU) the bf16 linear is UNSUPPORTED naming dnnl::error; a PaddleFormers that is installed but does not import (a
   test double on the runner's path) makes an ``auto`` case an ERROR naming it, where the old code ran the recipe.
+- The verdict names the refusing runner once: ``harness.compare.result.decide`` puts the runner's name before its
+  reason, so a runner room's own message never starts with it (the Megatron room's did: "megatron_model:
+  megatron_model: DeepSeek Sparse Attention's indexer needs ...").
+- flash-linear-attention refusing the Triton on a Hopper GPU (a RuntimeError in its gated backward, measured on an
+  H100) is UNSUPPORTED naming Triton >= 3.7.1 or tilelang, fla's text kept; tested on fla's real message against the
+  harness's own logic (no GPU here); any other RuntimeError stays an ERROR.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 from harness.run.protocol import BrokenInstall, Unsupported, import_failure
 from harness.runners.paddle import guard
 from tests.support.doubles import broken_install_python
+from tests.support.installed import absent
 
 
 def _not_found(name: str) -> ModuleNotFoundError:
@@ -115,3 +124,81 @@ def test_an_installed_but_broken_paddleformers_makes_auto_an_error_naming_it(tmp
     assert "BrokenLevel: PaddleFormers' module (not PaddleFleet): paddleformers is installed but does not import" \
         in tail, tail[-2000:]
     assert "paddleformers_test_double_missing_dependency" in tail
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron room's refusal imports megatron.core")
+def test_an_unsupported_verdict_names_the_refusing_runner_once():
+    import torch
+
+    from harness.compare.result import decide
+    from harness.families import model_config
+    from harness.run.orchestrate import SideResult
+    from harness.runners.megatron import families
+    from tests.support.tiny_models import TINY
+
+    with pytest.raises(Unsupported) as refused:
+        families.translate_config(model_config(TINY["glm_moe_dsa"]), torch.float32, torch.device("cpu"))
+    sides = [SideResult("a", "megatron_model", "unsupported", Path("/nowhere"), "python", reason=str(refused.value)),
+             SideResult("b", "hf_model", "ok", Path("/nowhere"), "python")]
+    verdict, message = decide(sides, [])
+    assert verdict == "UNSUPPORTED"
+    assert message.startswith("megatron_model: DeepSeek Sparse Attention's indexer needs "), message
+
+
+def test_no_runner_room_starts_a_refusal_with_a_runner_name():
+    """Every room at once: an ``Unsupported("<runner>: ...")`` in harness/runners would say the name twice."""
+    from harness.case.registry import RUNNERS
+
+    opens = re.compile(r'Unsupported\(\s*f?"(' + "|".join(RUNNERS) + r'): ')
+    rooms = Path(__file__).resolve().parents[1] / "harness" / "runners"
+    found = [f"{path.relative_to(rooms)}: {match.group(0)}" for path in sorted(rooms.rglob("*.py"))
+             for match in opens.finditer(path.read_text())]
+    assert found == []
+
+
+# fla 0.6.0's refusal, as an H100 with triton 3.6.0 raised it (docs/examples/zoo/qwen35_gpu_h100_full.md), and the
+# words of earlier fla releases, which named no fixed Triton
+FLA_HOPPER = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see "
+              "#640). Please upgrade Triton to >= 3.7.1 or install tilelang: `pip install tilelang`")
+FLA_HOPPER_EARLIER = ("Triton >= 3.4.0 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see #640). "
+                      "Please install tilelang: `pip install tilelang`")
+
+
+@pytest.mark.parametrize(("said", "needed"), [(FLA_HOPPER, "Triton >= 3.7.1 or tilelang"),
+                                              (FLA_HOPPER_EARLIER, "tilelang")])
+def test_harness_logic_fla_refusing_triton_on_hopper_is_unsupported_naming_the_package(said, needed):
+    from harness.runners.torch import fla_refusal
+
+    with pytest.raises(Unsupported) as refused, fla_refusal.refusal_as_unsupported():
+        raise RuntimeError(said)
+    reason = str(refused.value)
+    assert reason.startswith(f"flash-linear-attention needs {needed} for gated chunk_bwd_dqkwg on a Hopper GPU "
+                             "(installed here: triton "), reason
+    assert reason.endswith(f"; fla refused: {said}")
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError(f"while running the backward: {FLA_HOPPER}"),  # not fla's own message: another error quoting it
+    ValueError(FLA_HOPPER)])
+def test_harness_logic_any_other_error_passes_the_fla_check_unchanged(error):
+    from harness.runners.torch import fla_refusal
+
+    with pytest.raises(type(error)) as raised, fla_refusal.refusal_as_unsupported():
+        raise error
+    assert raised.value is error
+
+
+@pytest.mark.skipif(absent("torch"), reason="the HF model runner's rooms import torch")
+@pytest.mark.parametrize("op", ["causal_lm", "causal_lm_train"])
+def test_harness_logic_the_hf_model_runner_applies_the_fla_check_to_both_ops(monkeypatch, op):
+    """A test double stands for the model's run (fla's refusal needs a Hopper GPU): the runner's entry point turns it
+    into Unsupported for a forward and backward and for training."""
+    from harness.runners import hf_model as entry
+    from harness.runners.torch import hf_model, hf_train
+
+    def refuses(request, phases):
+        raise RuntimeError(FLA_HOPPER)
+    monkeypatch.setattr(hf_train if op == "causal_lm_train" else hf_model, "run", refuses)
+    with pytest.raises(Unsupported, match="flash-linear-attention needs Triton >= 3.7.1 or tilelang"):
+        entry.run({"op": op}, None)

@@ -22,6 +22,13 @@ def tiny_case(name: str = "tiny", **fields) -> str:
     return "\n".join(lines) + "\n"
 
 
+def model_case_table(model: dict, dtype: str = "float32", tokens: int = 16, seed: int = 1, **fields) -> str:
+    """The case table `m` of op causal_lm for `model` (its config.model, `family` included; a nested table as a
+    dict); `fields` as tiny_case takes them."""
+    return tiny_case("m", family="model", op="causal_lm", dtype=dtype, seed=seed, tokens=tokens, shapes=None,
+                     config={"model": model}, **fields)
+
+
 def write_cases(folder: Path, *tables: str, file: str = "tiny.toml") -> Path:
     """`folder`/cases/`file` holding the tables; returns the cases folder."""
     cases = Path(folder) / "cases"

@@ -8,14 +8,12 @@ import json
 from pathlib import Path
 
 from harness.case.checkpoints import prepare
-from tests.support.cases import registry_from, tiny_case
+from tests.support.cases import model_case_table, registry_from
 
 
 def model_case(folder: Path, model: dict, dtype: str = "float32", tokens: int = 16, seed: int = 1, **fields):
     """The case `m` of op causal_lm for `model` (its config.model, `family` included), in `folder`."""
-    table = tiny_case("m", family="model", op="causal_lm", dtype=dtype, seed=seed, tokens=tokens, shapes=None,
-                      config={"model": model}, **fields)
-    return registry_from(folder, table).get("m")
+    return registry_from(folder, model_case_table(model, dtype, tokens, seed, **fields)).get("m")
 
 
 def model_request(folder: Path, model: dict, dtype: str = "float32", tokens: int = 16, seed: int = 1) -> Path:

@@ -51,26 +51,15 @@ def check_run(case: Case, report: dict, run_dir) -> None:
 def assert_config_refused(tmp_path, family: str, config_type, given: dict, problem: str) -> None:
     """A family's bad model config (`given`) is refused twice, naming `problem`: by its typed config
     (``ModelConfigError``), and in a case file by the registry (``CaseError`` naming the file, case and field)."""
-    import json
-    import textwrap
-
     import pytest
 
     from harness.case.registry import CaseError
     from harness.families import ModelConfigError
+    from tests.support.cases import model_case_table
 
     with pytest.raises(ModelConfigError, match=problem):
         config_type.resolve(given)
-    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in given.items())
-    (tmp_path / "m.toml").write_text(textwrap.dedent(f"""
-        [m]
-        family = "model"
-        op = "causal_lm"
-        dtype = "float32"
-        seed = 1
-        tokens = 4
-        config.model = {{ family = "{family}", {body} }}
-    """))
+    (tmp_path / "m.toml").write_text(model_case_table({"family": family, **given}, tokens=4))
     with pytest.raises(CaseError, match=f"m.toml: case 'm': field 'config.model'.*{problem}"):
         Registry.load(tmp_path)
 

@@ -90,7 +90,7 @@ class FullDimNorm(torch.nn.Module):
 
 def _full_dim(heads: int, head_dim: int, config, eps: float) -> FullDimNorm:
     if config.tensor_model_parallel_size != 1:  # Bridge all-reduces the sum of squares over TP; not written here
-        raise Unsupported("megatron_model: MiniMax-M2's all-heads q/k norm is written for tensor-parallel size 1 "
+        raise Unsupported("MiniMax-M2's all-heads q/k norm is written for tensor-parallel size 1 "
                           f"(got {config.tensor_model_parallel_size})")
     return FullDimNorm(heads, head_dim, eps, config.params_dtype)
 

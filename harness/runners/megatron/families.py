@@ -157,10 +157,10 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     arch = model.record.architecture(model)
     attention, moe, own = arch.attention, arch.moe, settings(model)
     if moe is None:
-        raise Unsupported("megatron_model: a family without MoE layers is not mapped")
+        raise Unsupported("a family without MoE layers is not mapped")
     if attention.indexer is not None:  # GLM-5, DeepSeek-V3.2 (docs/model.md, "GLM-5 (glm_moe_dsa)")
         raise Unsupported(
-            "megatron_model: DeepSeek Sparse Attention's indexer needs Transformer Engine and fast_hadamard_transform "
+            "DeepSeek Sparse Attention's indexer needs Transformer Engine and fast_hadamard_transform "
             f"(neither installed): megatron-core {_megatron_version()}'s DSA builds only on the TE spec "
             "(experimental_attention_variant_module_specs asserts transformer_impl == 'transformer_engine'; the local "
             "spec provider has no linear()), and its indexer's Hadamard rotation (rotate_activation) needs "
@@ -220,10 +220,10 @@ def _refuse_gated_delta_net() -> None:
 
     if importlib.util.find_spec("fla") is None:
         raise Unsupported(
-            f"megatron_model: Gated DeltaNet layers need flash-linear-attention (package flash-linear-attention, "
+            f"Gated DeltaNet layers need flash-linear-attention (package flash-linear-attention, "
             f"module fla: not installed): megatron-core {_megatron_version()}'s GatedDeltaNet raises ImportError "
             "without it, and its Triton kernels need a GPU")
-    raise Unsupported("megatron_model: the harness has no local spec for Gated DeltaNet layers yet (Megatron's "
+    raise Unsupported("the harness has no local spec for Gated DeltaNet layers yet (Megatron's "
                       "hybrid spec asserts Transformer Engine); see docs/model.md, Qwen3.5-MoE")
 
 
@@ -232,10 +232,10 @@ def _refuse_unmapped_routing(moe) -> None:
     if moe.scoring != "sigmoid":
         return
     if not moe.norm_topk and moe.topk > 1:
-        raise Unsupported("megatron_model: Megatron's sigmoid router always normalises the top-k probabilities "
+        raise Unsupported("Megatron's sigmoid router always normalises the top-k probabilities "
                           "(norm_topk_prob false)")
     if moe.norm_topk and moe.topk == 1:
-        raise Unsupported("megatron_model: Megatron's sigmoid router leaves a single top-1 score unnormalised "
+        raise Unsupported("Megatron's sigmoid router leaves a single top-1 score unnormalised "
                           "(moe_utils.topk_routing_with_score_function: probs = scores when topk == 1); HF divides "
                           "it by itself (num_experts_per_tok 1)")
 
@@ -246,7 +246,7 @@ def _group_limited_routing(model: FamilyConfig, moe) -> dict:
     its top (topk // group_topk): the same only where that is 2."""
     n_group, topk_group = model.n_group or 1, model.topk_group or 1
     if n_group > 1 and moe.topk // topk_group != 2:
-        raise Unsupported(f"megatron_model: group-limited routing with topk {moe.topk} / topk_group {topk_group} != 2 "
+        raise Unsupported(f"group-limited routing with topk {moe.topk} / topk_group {topk_group} != 2 "
                           "(HF sums each group's top-2)")
     return dict(moe_router_num_groups=n_group if n_group > 1 else None,
                 moe_router_group_topk=topk_group if n_group > 1 else None)
@@ -257,7 +257,7 @@ def _mla(model: FamilyConfig, attention) -> dict:
     ``rope_scaling``; HF's interleaved rope dims are de-interleaved by Megatron's MLA RoPE only."""
     def need(condition, why):
         if not condition:
-            raise Unsupported(f"megatron_model: {why}")
+            raise Unsupported(why)
 
     need(attention.q_lora_rank is not None, "q_lora_rank None (linear_q_proj) is not mapped")
     rope = model.rope_scaling

@@ -55,7 +55,7 @@ def admit(request: dict) -> dict:
     if request.get("tp", 1) != 1:
         raise Unsupported(f"paddle_model runs TP=1 only (got tp={request['tp']})")
     if request["dtype"] not in DTYPES:
-        raise Unsupported(f"paddle_model: dtype {request['dtype']} is not one of {', '.join(DTYPES)}")
+        raise Unsupported(f"dtype {request['dtype']} is not one of {', '.join(DTYPES)}")
     provenance = {"framework": "paddle", "versions": {"paddlepaddle": paddle.__version__,
                                                       "paddle_commit": paddle.version.commit},
                   "use_accuracy_compatible": request["config"].get("use_accuracy_compatible", True)}
