@@ -65,7 +65,11 @@ def test_the_2layer_cases_have_90_gradients_and_say_their_pairs():
         "deepseek_v32_2layer_control_hf": ("float32", ("hf_model", "hf_model"), "DIFF"),
         "deepseek_v32_2layer_fp32_megatron": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
         "deepseek_v32_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), "UNSUPPORTED"),
-        "deepseek_v32_2layer_train": ("float32", ("hf_model", "hf_model"), "BITWISE_PASS")}
+        "deepseek_v32_2layer_train": ("float32", ("hf_model", "hf_model"), "BITWISE_PASS"),
+        "deepseek_v32_2layer_train_float64": ("float64", ("hf_model", "hf_model"), "WITHIN_TOLERANCE"),
+        "deepseek_v32_2layer_train_control_hf": ("float32", ("hf_model", "hf_model"), "DIFF"),
+        "deepseek_v32_2layer_full": ("bfloat16", ("hf_model", "hf_model"), "BITWISE_PASS"),
+        "deepseek_v32_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), "UNSUPPORTED")}
     assert cases["deepseek_v32_2layer_fp32_dense_index"].model.index_topk >= case.tokens > case.model.index_topk
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GLM-5 and DeepSeek-V3.2 at their real widths on one H100 or H200 (issue 44), from the repository root, with the cp312
+# wheels in .whl/ (megatron-core 0.19.2, transformers 5.3.0, tokenizers 0.22.2, ...) and in .whl523/ those of the
+# environment "transformers-5.23.0" (transformers 5.23.0, tokenizers 0.23.1: DeepSeek-V3.2's HF class), OUT set to where
+# the small reports go:
+#
+#   OUT=/tmp/out docs/examples/zoo/dsa_gpu.sh
+#
+# The wheels go to /tmp/site, named by a .pth in the machine's interpreter (not PYTHONPATH, which would put
+# transformers 5.3.0 ahead of the environment's 5.23.0); the environment is made from .whl523 without an index. Runs
+# the `_full` cases of cases/glm_moe_dsa.toml and cases/deepseek_v32.toml: HF against itself, then the Megatron-vs-HF
+# pairs (UNSUPPORTED: Megatron-Core's DSA needs Transformer Engine and fast_hadamard_transform). Prints each verdict
+# line and whether it met the case's expectation; exits 1 if a run ends in ERROR.
+set -uo pipefail
+OUT=${OUT:-/tmp/dsa}
+CASES=${CASES:-glm_moe_dsa_2layer_full deepseek_v32_2layer_full glm_moe_dsa_2layer_full_megatron \
+deepseek_v32_2layer_full_megatron}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-harness-site.pth" || exit 1
+export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+[ -e .venv-hf523/.installed ] || PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl523 python3 -m harness.environments \
+    transformers-5.23.0 || exit 1
+python3 -W ignore -c "import torch, megatron.core as m, transformers as t
+print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| megatron-core', m.__version__,
+      '| transformers', t.__version__)" || exit 1
+.venv-hf523/bin/python -W ignore -c "import transformers as t; print('environment transformers-5.23.0:', t.__version__)"
+status=0
+for case in $CASES; do
+    start=$(date +%s)
+    rm -rf /tmp/dsa_runs
+    python3 -m harness compare "$case" --device gpu --no-oracle --timeout 900 --reports /tmp/dsa_runs \
+        > "$OUT/${case}_gpu.console.txt" 2>&1
+    [ $? -eq 2 ] && status=1
+    run=$(ls -td /tmp/dsa_runs/*/ 2>/dev/null | head -1)
+    [ -n "$run" ] && cp "$run/report.md" "$OUT/${case}_gpu.md"
+    echo "== $case ($(( $(date +%s) - start )) s)"
+    grep -E "^(BITWISE_PASS|DIFF|UNSUPPORTED|ERROR|WITHIN_TOLERANCE|TOLERANCE)|^expected" \
+        "$OUT/${case}_gpu.console.txt" | tail -4
+done
+rm -rf /tmp/dsa_runs
+exit $status
