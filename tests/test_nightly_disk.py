@@ -8,11 +8,13 @@ verdict. The free-space probe is replaced by a test double where a disk must loo
 mounted here.
 """
 
+import gzip
 import json
 
 import pytest
 
 from harness import CompareOptions, compare_case, resources
+from harness.baselines import records, trend
 from harness.case.registry import Registry
 from harness.commands import nightly_keep
 from harness.pipeline import disk_budget
@@ -62,6 +64,31 @@ def test_a_night_keeps_the_tensors_of_the_cases_it_fails_and_says_how_to_get_the
 
     code, night, run_dir, out = bench.night(capsys, None, "--keep")  # the same verdicts, every tensor kept
     assert code == 0 and len(tensor_files(night, run_dir)) == 9 and "kept" not in by_case(night)["agrees"]
+
+
+def test_a_passing_case_leaves_its_report_compressed_and_the_night_embeds_what_its_readers_use(bench, capsys):
+    """Issue 47: a passing night leaves its reports (17 MB for a MiniMax-M2 training case, as much again in the
+    night's report.json). A case the night passes keeps report.json gzip-compressed; the night's report.json embeds
+    of each tensor record only what the baseline, the trend and the night's report read, so they say the same."""
+    baseline = bench.recorded(capsys)
+    recorded = baseline.read_bytes()
+    code, night, run_dir, _ = bench.night(capsys)
+    assert code == 0
+    known = by_case(night)["known_diff"]
+    case_dir = run_dir / known["run_dir"]
+    assert sorted(p.name for p in case_dir.iterdir() if p.is_file()) == ["report.html", "report.json.gz", "report.md"]
+    full = json.loads(gzip.decompress((case_dir / "report.json.gz").read_bytes()))
+    assert full["run_id"] == known["result"]["run_id"] and "ulp_histogram" in full["tensors"][0]
+    assert not any("ulp_histogram" in tensor or "first_mismatch" in tensor for tensor in known["result"]["tensors"])
+    assert known["kept"]["report"] == "report.json.gz"
+    assert known["kept"]["report_gz_bytes"] < known["kept"]["report_bytes"]
+    as_before = {**known, "result": full}  # the entry as a night embedded it before (every field)
+    assert records.record(known) == records.record(as_before)
+    assert records.record(known)["differing"]["out"]["bits"]  # the record pins bits, from the embedded digests
+    before_night = {**night, "run_id": "before", "cases": [as_before if e is known else e for e in night["cases"]]}
+    assert trend.compare(before_night, night)["metric_changes"] == []
+    assert bench.update(capsys, run_dir)[0] == 0 and baseline.read_bytes() == recorded  # the same records
+    assert "report.json.gz" in (case_dir / "report.md").read_text()
 
 
 def test_a_case_that_cannot_fit_is_refused_before_anything_runs(bench, capsys, monkeypatch):

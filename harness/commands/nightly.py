@@ -257,7 +257,8 @@ def _run_case(case: Case, run_dir: Path, options: pipeline.CompareOptions) -> di
     return {**entry, "outcome": outcome(result), "verdict": result.verdict, "exit_code": result.exit_code,
             "message": result.message, "problems": result.expectation.get("problems", []),
             "wall_seconds": round(time.perf_counter() - start, 3), "run_dir": str(case_dir.relative_to(run_dir)),
-            "report": str((case_dir / "report.md").relative_to(run_dir)), "result": result.to_dict()}
+            "report": str((case_dir / "report.md").relative_to(run_dir)),
+            "result": nightly_keep.night_result(result.to_dict())}
 
 
 def judge_now(entry: dict, by_platform: dict[str, dict] | None) -> dict:
@@ -271,6 +272,8 @@ def judge_now(entry: dict, by_platform: dict[str, dict] | None) -> dict:
 def _prune(entry: dict, failed: bool, run_dir: Path, options: pipeline.CompareOptions) -> dict:
     case_dir = run_dir / entry["run_dir"]
     kept = nightly_keep.prune(case_dir, failed, (entry["result"] or {}).get("first_divergence"))
+    if not failed:
+        kept.update(nightly_keep.compress_report(case_dir))
     kept["rerun"] = nightly_keep.rerun_command(entry["case"], options.device, options.tokens, options.weights_file)
     nightly_keep.note(case_dir / "report.md", kept, kept["rerun"])
     return kept
