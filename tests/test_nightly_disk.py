@@ -18,7 +18,7 @@ from harness.baselines import records, trend
 from harness.case.registry import Registry
 from harness.commands import nightly_keep
 from harness.pipeline import disk_budget
-from tests.support.baseline_bench import Bench, by_case
+from tests.support.baseline_bench import PLATFORM_DIFF, Bench, by_case
 from tests.support.cases import tiny_case, write_cases
 from tests.support.doubles import fake_interpreter
 
@@ -89,6 +89,19 @@ def test_a_passing_case_leaves_its_report_compressed_and_the_night_embeds_what_i
     assert trend.compare(before_night, night)["metric_changes"] == []
     assert bench.update(capsys, run_dir)[0] == 0 and baseline.read_bytes() == recorded  # the same records
     assert "report.json.gz" in (case_dir / "report.md").read_text()
+
+
+def test_a_case_that_fails_as_unsupported_keeps_no_tensors(bench, capsys):
+    """Issue 47: minimax_m2_2layer_train_paddle fails here as UNSUPPORTED with another reason than its record, and kept
+    4.26 GB of side a's and the truth's step files that nothing compared. A case that fails on an UNSUPPORTED verdict
+    keeps its reports only."""
+    bench.recorded(capsys)
+    bench.plan({"known_diff": {"flips": PLATFORM_DIFF}, "agrees": {"unsupported": "No module named 'paddle'"}})
+    code, night, run_dir, _ = bench.night(capsys)
+    agrees = by_case(night)["agrees"]
+    assert (code, agrees["outcome"], agrees["baseline"], agrees["verdict"]) == (1, "fail", "lost", "UNSUPPORTED")
+    assert tensor_files(night, run_dir) == [] and agrees["kept"]["tensors"] == "deleted"
+    assert (run_dir / agrees["run_dir"] / "report.json").exists()  # a failed case's report stays as it is
 
 
 def test_a_case_that_cannot_fit_is_refused_before_anything_runs(bench, capsys, monkeypatch):
