@@ -127,7 +127,7 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         result.case = describe_case(case)
         checkpoints.check_memory(case)  # first: a case that cannot fit in memory is refused for that
         result.harness["disk"] = disk_budget.check(case, Path(o.reports_dir), Path(o.checkpoints_dir), o.repeat,
-                                                   o.oracle)
+                                                   o.oracle, o.refeed_ops)
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         started.clock.lap("checkpoint")
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
