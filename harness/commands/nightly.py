@@ -160,7 +160,7 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
     with _Reporter(len(cases)) as progress:
         def one(case: Case) -> dict:
             progress.start(case.name)
-            entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases"))
+            entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases", keep_tensors=keep))
             entry["position"] = positions[case.name]  # in the registry's order: shards merge back into it
             entry["platform"] = records.platform(night["harness"]["host"], device,
                                                   (entry["result"] or {}).get("sides", []))
