@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -54,6 +55,7 @@ def _zero_runs(fd: int, block: int):
         offset += len(data)
 
 
+@functools.cache  # find_library asks ldconfig: once a process
 def _fallocate():
     """libc's fallocate on Linux, else None."""
     if not sys.platform.startswith("linux"):
