@@ -45,8 +45,11 @@ def night_result(result: dict) -> dict:
 
 
 def compress_report(case_dir: Path) -> dict:
-    """The case's report.json, gzip-compressed in place (``report.json.gz``); its bytes before and after."""
+    """The case's report.json, gzip-compressed in place (``report.json.gz``); its bytes before and after ({} when
+    there is none to compress)."""
     source, target = case_dir / REPORT_JSON, case_dir / (REPORT_JSON + ".gz")
+    if not source.is_file():
+        return {}
     with resources.boundary("case folder", case_dir):
         data = source.read_bytes()
         with gzip.open(target, "wb", compresslevel=6) as out:
