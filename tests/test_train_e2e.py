@@ -493,3 +493,25 @@ def test_a_glm4_moe_stack_refed_from_its_own_state_reproduces_its_plain_run(glm_
         assert _step_bytes(run_dir / f"b-{runner}") == _step_bytes(run_dir / f"b-{runner}-refeed-{mode}")
     if runner == "paddle_model":  # the re-feed met parameters without a gradient (experts no token reached)
         assert report["sides"][1]["meta"]["zero_grads"]["step 1"]
+
+
+@pytest.mark.slow  # two float64 training runs with their re-feeds: 21 s on 2 cores
+def test_a_night_gives_back_the_re_fed_runs_tensors_once_compared_and_judges_alike(cases, tmp_path, checkpoints_dir):
+    """Issue 47: minimax_m2_2layer_train_float64 peaked at 11.38 GB, its two re-fed runs of side b half of it. With
+    keep_tensors off (a night's), each re-fed run's tensor files go once it is compared, before the next runs; the
+    verdict, the per-step records and the re-feed's attribution are those of a run that keeps them."""
+    runs = {keep: run_train_case("t_float64", cases, tmp_path / str(keep), checkpoints_dir, oracle=False,
+                                 keep_tensors=keep) for keep in (True, False)}
+    (kept, _, kept_report, tails), (gone, run_dir, gone_report, _) = runs[True], runs[False]
+    assert kept.verdict == gone.verdict == "WITHIN_TOLERANCE", (kept.message, tails)
+    for field in ("tensors", "first_divergence", "message"):
+        assert gone_report[field] == kept_report[field], field
+    def without_runs(report, part):  # the re-fed runs' own records (folders, seconds) differ from run to run
+        return {k: v for k, v in part(report).items() if k not in ("refeed", "runs")}
+
+    for part in (lambda report: report["train"], lambda report: report["train"]["refeed"]):
+        assert without_runs(gone_report, part) == without_runs(kept_report, part)
+    refed = sorted(path.name for path in run_dir.glob("b-*-refeed-*"))
+    assert refed == ["b-hf_model-refeed-state", "b-hf_model-refeed-update"]
+    assert not list(run_dir.glob("b-*-refeed-*/**/*.safetensors"))
+    assert len(list(run_dir.glob("a-*/steps/*.safetensors"))) == 2  # the pair's step files stay for the night's prune

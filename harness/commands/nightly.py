@@ -1,7 +1,8 @@
 """The nightly run: every case of the registry for one device, in one run directory, with a trend.
 
 ``reports/nightly-<YYYYmmdd-HHMMSS>-<suffix>/`` holds each case's own run folder under ``cases/`` plus
-``report.json`` (schema-versioned, every case's full result embedded), ``report.md``, ``report.html`` and
+``report.json`` (schema-versioned, every case's result embedded, its tensor records cut to what the night's readers
+use: ``nightly_keep.night_result``), ``report.md``, ``report.html`` and
 ``junit.xml``. A case passes when it did what it expects (exit code 0), is skipped when a framework lacks a
 kernel or package here (UNSUPPORTED) or it needs a weights file nobody gave, and fails otherwise; the night
 exits nonzero when any case fails, so a platform limit never hides a regression and never fakes one. Where
@@ -159,13 +160,14 @@ def run(options: pipeline.CompareOptions, previous: Path | None, workers: int = 
     with _Reporter(len(cases)) as progress:
         def one(case: Case) -> dict:
             progress.start(case.name)
-            entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases"))
+            entry = _run_case(case, run_dir, replace(options, reports_dir=run_dir / "cases", keep_tensors=keep))
             entry["position"] = positions[case.name]  # in the registry's order: shards merge back into it
             entry["platform"] = records.platform(night["harness"]["host"], device,
                                                   (entry["result"] or {}).get("sides", []))
             judged = judge_now(entry, by_platform)
-            if entry["run_dir"] and not keep:
-                entry["kept"] = _prune(entry, judged["outcome"] == "fail", run_dir, options)
+            if entry["run_dir"] and not keep:  # an UNSUPPORTED case compared no tensor: it fails on its reason
+                entry["kept"] = _prune(entry, judged["outcome"] == "fail", entry["verdict"] != UNSUPPORTED, run_dir,
+                                       options)
             progress.done(entry, judged)
             return entry
 
@@ -205,7 +207,9 @@ def load_baselines(baselines_dir: Path | None) -> list[dict]:
 
 
 def write(night: dict, run_dir: Path) -> None:
-    (run_dir / "report.json").write_text(json.dumps(night, indent=2, default=str) + "\n")
+    """report.json on one line (a reader is a program: indenting a night's tensor records made it 1.7 times the size;
+    ``jq . report.json`` shows it indented), report.md, report.html, junit.xml."""
+    (run_dir / "report.json").write_text(json.dumps(night, default=str) + "\n")
     nightly_report.write(night, run_dir)
     junit.write(night, run_dir / "junit.xml")
 
@@ -257,7 +261,8 @@ def _run_case(case: Case, run_dir: Path, options: pipeline.CompareOptions) -> di
     return {**entry, "outcome": outcome(result), "verdict": result.verdict, "exit_code": result.exit_code,
             "message": result.message, "problems": result.expectation.get("problems", []),
             "wall_seconds": round(time.perf_counter() - start, 3), "run_dir": str(case_dir.relative_to(run_dir)),
-            "report": str((case_dir / "report.md").relative_to(run_dir)), "result": result.to_dict()}
+            "report": str((case_dir / "report.md").relative_to(run_dir)),
+            "result": nightly_keep.night_result(result.to_dict())}
 
 
 def judge_now(entry: dict, by_platform: dict[str, dict] | None) -> dict:
@@ -268,9 +273,13 @@ def judge_now(entry: dict, by_platform: dict[str, dict] | None) -> dict:
     return records.judge_case(entry, by_platform.get(records.platform_id(entry["platform"])))
 
 
-def _prune(entry: dict, failed: bool, run_dir: Path, options: pipeline.CompareOptions) -> dict:
+def _prune(entry: dict, failed: bool, compared: bool, run_dir: Path, options: pipeline.CompareOptions) -> dict:
+    """Tensor files kept only of a failed case that compared them; the report of a case that did not fail, compressed
+    (nightly_keep)."""
     case_dir = run_dir / entry["run_dir"]
-    kept = nightly_keep.prune(case_dir, failed, (entry["result"] or {}).get("first_divergence"))
+    kept = nightly_keep.prune(case_dir, failed and compared, (entry["result"] or {}).get("first_divergence"))
+    if not failed:
+        kept.update(nightly_keep.compress_report(case_dir))
     kept["rerun"] = nightly_keep.rerun_command(entry["case"], options.device, options.tokens, options.weights_file)
     nightly_keep.note(case_dir / "report.md", kept, kept["rerun"])
     return kept

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness import resources
 from harness.case.ops import carried_quantities
 from harness.case.registry import Case, CaseError
 from harness.compare.tensors import EQUAL
@@ -44,9 +45,11 @@ def update_made(quantity: str) -> bool:
 
 
 def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], plain: list, device: str,
-        run_dir: Path, pythons: dict, timeout: float) -> tuple[dict, dict[str, list] | None]:
+        run_dir: Path, pythons: dict, timeout: float, keep: bool = True) -> tuple[dict, dict[str, list] | None]:
     """Side b re-fed from side a, in both modes: (per step and quantity what made each difference, with the re-feed's
-    own check; each mode's comparisons with side a, None when a re-fed run failed)."""
+    own check; each mode's comparisons with side a, None when a re-fed run failed). `keep` False: a re-fed run that
+    ran and was compared gives its tensor files back before the next one runs (a night's peak: every read of them is
+    done, its comparisons are in memory); a run that failed keeps them."""
     train = case.train
     if train.steps_kept != tuple(range(1, train.steps + 1)):
         raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
@@ -62,6 +65,8 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
             return {"status": result.status, "reason": f"re-fed side b ({mode}): {result.reason}", "runs": runs}, None
         compared[mode], _ = compare_steps(case, [side_a, result])
         faithful[mode] = reproduces(case, plain, sides[1], result, mode)
+        if not keep:
+            _drop_tensors(Path(result.folder), Path(run_dir))
     unfaithful = [f"{mode} at step {miss['step']} ({miss['count']} tensors, first {miss['tensors'][0]})"
                   for mode, check in faithful.items() for miss in check["not_reproduced"]]
     return {"status": "unfaithful" if unfaithful else "ok",
@@ -69,6 +74,15 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
                       f"{'; '.join(unfaithful)}" if unfaithful else "",
             "runs": runs, "faithful": faithful,
             "steps": attribute(plain, compared["state"], compared["update"])}, compared
+
+
+def _drop_tensors(folder: Path, run_dir: Path) -> None:
+    """The tensor files of one re-fed run's folder (its meta, logs and request stay); never outside the run's."""
+    if not folder.resolve().is_relative_to(run_dir.resolve()):
+        raise CaseError(f"re-fed run folder {folder} is not inside the run's folder {run_dir}: nothing deleted")
+    with resources.boundary("re-fed run folder", folder):
+        for file in folder.rglob("*.safetensors"):
+            file.unlink()
 
 
 def reproduces(case: Case, plain: list, side_b: SideResult, refed: SideResult, mode: str) -> dict:

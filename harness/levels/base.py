@@ -45,6 +45,7 @@ class Run:
     pythons: dict[str, str]
     timeout: float
     versus: Versus | None = None
+    keep_tensors: bool = True  # False: a re-fed run's tensor files go once compared (CompareOptions.keep_tensors)
     pair: list[SideSpec] = field(default_factory=list)
     framework: list[SideResult] = field(default_factory=list)  # sides a and b, once run
     truth: SideResult | None = None

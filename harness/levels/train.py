@@ -113,7 +113,7 @@ class TrainLevel(Level):
         if asked or _float64_refeed(run):
             result.train["refeed"], run.refed = train_refeed.run(run.case, run.checkpoint, run.pair, run.framework,
                                                                  result.tensors, run.device, run.run_dir,
-                                                                 run.pythons, run.timeout)
+                                                                 run.pythons, run.timeout, run.keep_tensors)
 
     def judge(self, run: Run, result: CaseResult) -> None:
         """A float64 case: every step judged (harness.compare.train_float64); a re-feed that failed or did not

@@ -44,7 +44,8 @@ class CompareOptions:
     side a's tensors (each op of a block, each module of a model, each training step); `pythons`: an interpreter per
     runner (``--python RUNNER=PATH``); `fresh_process`: every side in a process of its own, never in a worker
     (``harness.run.workers``); training cases: `dp` / `ep` data- and expert-parallel ranks over the case's train.dp /
-    train.ep, `steps_kept` over its train.steps_kept (docs/training-ranks.md).
+    train.ep, `steps_kept` over its train.steps_kept (docs/training-ranks.md); `keep_tensors` False: the tensor files of
+    a training case's re-fed runs go once they are compared (a night's: its peak, docs/nightly.md#disk).
     """
 
     device: str = "cpu"
@@ -61,6 +62,7 @@ class CompareOptions:
     config_overrides: Mapping[str, object] = field(default_factory=dict)
     weights_file: str | None = None
     steps_kept: str | None = None  # training cases: "all", "last" or "1,3,100" over the case's train.steps_kept
+    keep_tensors: bool = True  # False (a night's): a re-fed training run's tensor files go once it is compared
     timeout: float = 1800.0
     pythons: Mapping[str, str] = field(default_factory=dict)
     cases_dir: Path = CASES_DIR
@@ -127,14 +129,15 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         result.case = describe_case(case)
         checkpoints.check_memory(case)  # first: a case that cannot fit in memory is refused for that
         result.harness["disk"] = disk_budget.check(case, Path(o.reports_dir), Path(o.checkpoints_dir), o.repeat,
-                                                   o.oracle)
+                                                   o.oracle, o.refeed_ops)
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         started.clock.lap("checkpoint")
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
                              "generator_version": checkpoint.manifest["generator_version"],
                              "perturbed": checkpoint.manifest.get("perturbed")}
         level.check(case, o.repeat, o.refeed_ops, o.versus)
-        run = started.run = Run(case, checkpoint, o.device, run_dir, pythons, o.timeout, o.versus)
+        run = started.run = Run(case, checkpoint, o.device, run_dir, pythons, o.timeout, o.versus,
+                                keep_tensors=o.keep_tensors)
         pair = run.pair = level.sides(run)
         truth = level.truth(run) if o.oracle and case.truth and "oracle" not in case.runners else None
         extra = [truth] if truth else []

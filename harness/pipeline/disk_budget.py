@@ -9,7 +9,10 @@ others), and is meant to be an upper bound:
 - the checkpoints folder: the case's inputs, twice (a negative control's flipped copy of a part), even when they are
   there already (over, not under);
 - the reports folder: each framework side's outputs (times `repeat`; twice on several ranks: the rank files and the
-  gathered ones), the truth's in float64, and ``REPORT_BYTES`` for reports, pictures and logs.
+  gathered ones), the truth's in float64, the re-fed runs of side b of a training case (two more sides: a float64
+  case's check of every step runs them, ``--refeed`` asks for them; a float64 case runs no separate truth), and
+  ``REPORT_BYTES`` for reports, pictures and logs. Step files give their zero blocks back to the disk
+  (``harness.run.sparse_files``), which this does not count: a bound, not a forecast.
 
 Both folders on one file system add up.
 """
@@ -30,14 +33,21 @@ DIGEST_BYTES = 256  # a digest-only training step's entry per tensor: its digest
 STEP = re.compile(r"step(\d+)\.")
 
 
-def footprint(case: Case, repeat: int = 1, truth: bool = True) -> dict[str, int]:
-    """Bytes the case writes at most, by folder: ``{"checkpoints": ..., "reports": ...}``."""
+def footprint(case: Case, repeat: int = 1, truth: bool = True, refeed: bool = False) -> dict[str, int]:
+    """Bytes the case writes at most, by folder: ``{"checkpoints": ..., "reports": ...}``; `refeed`: re-fed runs
+    asked for (``--refeed``)."""
     kept = set(case.train.steps_kept) if case.train else None
     ranks = 2 if level_of(case).ranks(case) > 1 or (case.train and case.train.dp * case.train.ep > 1) else 1
-    sides = 2 * repeat * ranks * _outputs(case, kept)
+    one_side = _outputs(case, kept)
+    sides = 2 * repeat * ranks * one_side
+    float64_train = bool(case.train) and case.dtype == "float64"
     # the float64 truth of a training case keeps each kept step and the one before it (harness.levels.train)
-    oracle = _outputs(case, kept and kept | {step - 1 for step in kept}, "float64") if truth and case.truth else 0
-    return {"checkpoints": 2 * tensor_bytes(case, case.input_specs()), "reports": sides + oracle + REPORT_BYTES}
+    oracle = (_outputs(case, kept and kept | {step - 1 for step in kept}, "float64")
+              if truth and case.truth and not float64_train else 0)
+    # side b re-fed from side a's state in two modes, on one rank (harness.compare.train_refeed)
+    refeds = 2 * one_side if case.train and (refeed or (float64_train and case.train.dp == 1)) else 0
+    return {"checkpoints": 2 * tensor_bytes(case, case.input_specs()),
+            "reports": sides + oracle + refeds + REPORT_BYTES}
 
 
 def _outputs(case: Case, kept: set[int] | None, dtype: str | None = None) -> int:
@@ -48,9 +58,10 @@ def _outputs(case: Case, kept: set[int] | None, dtype: str | None = None) -> int
     return tensor_bytes(case, whole, dtype) + DIGEST_BYTES * (len(specs) - len(whole))
 
 
-def check(case: Case, reports_dir: Path, checkpoints_dir: Path, repeat: int = 1, truth: bool = True) -> dict:
+def check(case: Case, reports_dir: Path, checkpoints_dir: Path, repeat: int = 1, truth: bool = True,
+          refeed: bool = False) -> dict:
     """The footprint and the free space it was checked against; a StorageError naming both when it cannot fit."""
-    need = footprint(case, repeat, truth)
+    need = footprint(case, repeat, truth, refeed)
     folders = {"reports": Path(reports_dir), "checkpoints": Path(checkpoints_dir)}
     disks: dict[int, dict] = {}
     for what, folder in folders.items():

@@ -12,6 +12,8 @@ they use one algorithm; the comparator recomputes a kept tensor's digest in the 
 two digests of different algorithms (never equal, never called a difference either).
 
 A digest-only step also records each digested tensor's dtype and shape (``layouts``), checked as a kept tensor's are.
+A kept step's file gives its all-zero blocks back to the disk once written (``harness.run.sparse_files``: the same
+bytes to every reader; a MoE step is about a third zeros, the experts no token reached).
 
 On several ranks (data or expert parallel, docs/training-ranks.md) rank 0 writes the step file, the canonical state
 whole; every other rank writes ``step00007.rank<R>.safetensors`` with its scalars, one digest per tensor it holds whole
@@ -37,7 +39,7 @@ import numpy as np
 
 from harness.case.train_settings import Flip
 from harness.families import model_config
-from harness.run import bits128
+from harness.run import bits128, sparse_files
 
 STEPS_DIR = "steps"
 # A run no request started (a recorder in the user's own loop: harness.attach) describes itself in meta.json under this
@@ -121,8 +123,10 @@ class StepWriter:
                                           "layouts": json.dumps(layouts), "pieces": json.dumps(placed)}
         if doubles:
             metadata[DOUBLES] = json.dumps({prefix + name: float(value) for name, value in doubles.items()})
-        self.save({prefix + name: tensor for name, tensor in tensors.items()},
-                  str(step_file(self.folder, step, self.rank)), metadata)
+        path = str(step_file(self.folder, step, self.rank))
+        self.save({prefix + name: tensor for name, tensor in tensors.items()}, path, metadata)
+        if step in self.kept:  # its zero blocks (experts no token reached) back to the disk, its bytes unchanged
+            sparse_files.punch_zeros(path)
 
     def _digests(self, tensors: list) -> list[str]:
         if self.digests is not None:  # where the tensors are: 16 bytes each come to the host
