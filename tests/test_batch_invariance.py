@@ -190,3 +190,17 @@ def test_two_gloo_ranks_sum_correctly_rounded_and_gather_every_bit(tmp_path):
     assert by[("all_reduce", "float32")]["elements"] == 2 * 840
     assert by[("all_gather", "float32")]["elements"] == 2 * 2 * 840
     assert (folder / "report.md").exists() and json.loads((folder / "report.json").read_text())["backend"] == "gloo"
+
+
+@pytest.mark.e2e
+def test_megatron_embedding_keeps_a_rows_bits_at_every_m_on_every_cpu(tmp_path):
+    """What holds for a real op on every CPU, so pinned (the rest of the CPU table is measured, not asserted):
+    Megatron-Core's embedding is a gather forward and, backward, a scatter-add to which the other rows add exact
+    zeros (zero upstream gradient), so `kimi_embedding` (16 rows, ids from 8: rows repeat and accumulate) keeps its
+    bits at every M."""
+    options = CompareOptions(reports_dir=tmp_path / "reports", checkpoints_dir=tmp_path / "ck", oracle=False)
+    report, _ = batch_sweep.run("kimi_embedding", [1, 2, 4], "megatron", options)
+
+    assert [(c["others"], c["verdict"]) for c in report["cells"]] == [(1, "BITWISE_PASS"), (2, "BITWISE_PASS"),
+                                                                     (4, "BITWISE_PASS")]
+    assert report["summary"]["invariant"] and report["exit_code"] == 0
