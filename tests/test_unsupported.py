@@ -145,17 +145,6 @@ def test_an_unsupported_verdict_names_the_refusing_runner_once():
     assert message.startswith("megatron_model: DeepSeek Sparse Attention's indexer needs "), message
 
 
-def test_a_refusal_whose_sentence_starts_with_its_runner_is_not_prefixed_again():
-    """"megatron_model runs at tensor-parallel size 1 only" read "megatron_model: megatron_model runs ..."."""
-    from harness.compare.result import decide
-    from harness.run.orchestrate import SideResult
-
-    reason = "megatron_model runs at tensor-parallel size 1 only"
-    sides = [SideResult("a", "megatron_model", "unsupported", Path("/nowhere"), "python", reason=reason),
-             SideResult("b", "hf_model", "unsupported", Path("/nowhere"), "python", reason="hf_model_x is missing")]
-    assert decide(sides, []) == ("UNSUPPORTED", f"{reason}; hf_model: hf_model_x is missing")
-
-
 def test_no_runner_room_starts_a_refusal_with_a_runner_name():
     """Every room at once: an ``Unsupported("<runner>: ...")`` in harness/runners would say the name twice."""
     from harness.case.registry import RUNNERS

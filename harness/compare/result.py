@@ -83,7 +83,7 @@ def decide(sides: list[SideResult], tensors: list[TensorComparison], unstable: l
                                   f"were {first_runs}, which is no verdict while a side disagrees with itself")
     unsupported = [s for s in sides if s.status == "unsupported" and s.label != ORACLE_LABEL]
     if unsupported:
-        return UNSUPPORTED, "; ".join(dict.fromkeys(_named(s.runner, s.reason) for s in unsupported))
+        return UNSUPPORTED, "; ".join(dict.fromkeys(f"{s.runner}: {s.reason}" for s in unsupported))
     broken = [t for t in tensors if t.status not in (EQUAL, DIFF)]
     if broken:
         return ERROR, "; ".join(f"{t.name}: {t.status} ({t.note})" for t in broken)
@@ -132,8 +132,3 @@ def _names(names: list[str], shown: int = 12) -> str:
 def first_divergence(tensors: list[TensorComparison]) -> str | None:
     """Outputs are listed in topological order (ops.py), so the first one not equal is where bits first part."""
     return next((t.name for t in tensors if t.status != EQUAL), None)
-
-
-def _named(runner: str, reason: str) -> str:
-    """The runner's name once: before the reason, unless the reason's sentence starts with it ("hf_model runs ...")."""
-    return reason if reason.startswith(f"{runner} ") else f"{runner}: {reason}"
