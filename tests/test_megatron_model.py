@@ -250,16 +250,18 @@ def test_megatron_installed_but_broken_is_an_error_with_its_traceback(tmp_path):
 
 def test_one_rank_process_groups_take_no_port():
     """A single-rank cell rendezvouses in its own process (a HashStore), not over TCP: a port picked free and bound a
-    moment later was taken by another of 14 cells running at once on the H100 (EADDRINUSE, an ERROR cell)."""
-    import torch.distributed as dist
-
-    from harness.runners.megatron.runner import init_process_group, reset
-
-    init_process_group(torch.device("cpu"))
-    try:
+    moment later was taken by another of 14 cells running at once on the H100 (EADDRINUSE, an ERROR cell). In a
+    process of its own: a test before it in this one may have left a process group."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from harness.runners.megatron.runner import init_process_group, reset
+        init_process_group(torch.device("cpu"))
         store = dist.distributed_c10d._get_default_store()
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
-        assert isinstance(store, dist.HashStore), type(store)
-    finally:
+        print(type(store).__name__)
         reset()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "HashStore", done.stdout

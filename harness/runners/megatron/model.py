@@ -386,12 +386,12 @@ def admit(request: dict) -> None:
     if MEGATRON_IMPORT_ERROR is not None:
         raise import_failure("megatron.core", MEGATRON_IMPORT_ERROR) from MEGATRON_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
-        raise Unsupported(f"megatron_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
+        raise Unsupported(f"only ops causal_lm and causal_lm_train run here (got {request['op']!r})")
     if int(request.get("tp", 1)) != 1:
-        raise Unsupported("megatron_model runs at tensor-parallel size 1 only")
+        raise Unsupported("tensor-parallel size 1 only")
     _, world = rank_and_world()
     if request["op"] == "causal_lm" and world != 1:  # a training run checks its train.dp ranks itself
-        raise Unsupported("megatron_model runs op causal_lm on one rank only")
+        raise Unsupported("op causal_lm on one rank only")
 
 
 def run(request: dict, phases: Phases) -> dict:

@@ -51,9 +51,9 @@ def admit(request: dict) -> dict:
     if paddle is None:
         raise import_failure("paddle", PADDLE_IMPORT_ERROR) from PADDLE_IMPORT_ERROR
     if request["op"] not in ("causal_lm", "causal_lm_train"):
-        raise Unsupported(f"paddle_model runs ops causal_lm and causal_lm_train only (got {request['op']!r})")
+        raise Unsupported(f"only ops causal_lm and causal_lm_train run here (got {request['op']!r})")
     if request.get("tp", 1) != 1:
-        raise Unsupported(f"paddle_model runs TP=1 only (got tp={request['tp']})")
+        raise Unsupported(f"tensor-parallel size 1 only (got tp={request['tp']})")
     if request["dtype"] not in DTYPES:
         raise Unsupported(f"dtype {request['dtype']} is not one of {', '.join(DTYPES)}")
     provenance = {"framework": "paddle", "versions": {"paddlepaddle": paddle.__version__,

@@ -92,8 +92,8 @@ def run(request: dict, phases: Phases) -> dict:
 
     provenance = paddle_model.admit(request)
     if request["device"] == "gpu":
-        raise paddle_model.Unsupported("paddle_model trains PaddleFormers' models on the CPU only: on a GPU the Paddle "
-                                       "side is PaddleFleet's GPTModel, whose training loop is not written")
+        raise paddle_model.Unsupported("PaddleFormers' models train on the CPU only here: on a GPU the Paddle side is "
+                                       "PaddleFleet's GPTModel, whose training loop is not written")
     with phases("import"):
         adapter = paddlefleet_ops_shim.install()
         import paddleformers

@@ -59,9 +59,9 @@ KNOBS = {
 
 def run(request: dict, phases: Phases) -> dict:
     if request["op"] != "causal_lm":
-        raise Unsupported(f"hf_model runs whole models (op causal_lm), not {request['op']!r}")
+        raise Unsupported(f"whole models only (op causal_lm), not {request['op']!r}")
     if request["tp"] != 1:
-        raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
+        raise Unsupported(f"one device only (tp=1), got tp={request['tp']}")
     m = model_config(request["config"]["model"])  # the family resolved once, passed typed
     with phases("import"):
         hf = hf_families.modeling(m)

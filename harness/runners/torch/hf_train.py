@@ -76,7 +76,7 @@ class ClipFactor(TorchFunctionMode):
 
 def run(request: dict, phases: Phases) -> dict:
     if request["tp"] != 1:
-        raise Unsupported(f"hf_model runs on one device (tp=1), got tp={request['tp']}")
+        raise Unsupported(f"one device only (tp=1), got tp={request['tp']}")
     with phases("import"):
         import transformers
         typed = model_config(request["config"]["model"])  # the family resolved once
