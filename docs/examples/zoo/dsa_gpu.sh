@@ -6,6 +6,10 @@
 #
 #   OUT=/tmp/out docs/examples/zoo/dsa_gpu.sh
 #
+# .whl523 from a machine with the package index: `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_17_x86_64 transformers==5.23.0 tokenizers==0.23.1 -d .whl523` (16 MB; carry it as .whl).
+# Not run on a GPU yet (2026-12-06: no device machine came in six tries).
+#
 # The wheels go to /tmp/site, named by a .pth in the machine's interpreter (not PYTHONPATH, which would put
 # transformers 5.3.0 ahead of the environment's 5.23.0); the environment is made from .whl523 without an index. Runs
 # the `_full` cases of cases/glm_moe_dsa.toml and cases/deepseek_v32.toml: HF against itself, then the Megatron-vs-HF
