@@ -30,18 +30,6 @@ python3 -W ignore -c "import torch, megatron.core as m, transformers as t
 print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| megatron-core', m.__version__,
       '| transformers', t.__version__)" || exit 1
 .venv-hf523/bin/python -W ignore -c "import transformers as t; print('environment transformers-5.23.0:', t.__version__)"
-status=0
-for case in $CASES; do
-    start=$(date +%s)
-    rm -rf /tmp/dsa_runs
-    python3 -m harness compare "$case" --device gpu --no-oracle --timeout 900 --reports /tmp/dsa_runs \
-        > "$OUT/${case}_gpu.console.txt" 2>&1
-    [ $? -eq 2 ] && status=1
-    run=$(ls -td /tmp/dsa_runs/*/ 2>/dev/null | head -1)
-    [ -n "$run" ] && cp "$run/report.md" "$OUT/${case}_gpu.md"
-    echo "== $case ($(( $(date +%s) - start )) s)"
-    grep -E "^(BITWISE_PASS|DIFF|UNSUPPORTED|ERROR|WITHIN_TOLERANCE|TOLERANCE)|^expected" \
-        "$OUT/${case}_gpu.console.txt" | tail -4
-done
-rm -rf /tmp/dsa_runs
-exit $status
+TIMEOUT=900
+. "$(dirname "$0")/gpu_cases.sh"
+run_cases

@@ -23,18 +23,6 @@ print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| m
       '| transformers', t.__version__, '| fla', fla.__version__, '| HF fast path', q.is_fast_path_available,
       '| HF delta rule from', (q.chunk_gated_delta_rule or q.torch_chunk_gated_delta_rule).__module__)" \
     || { echo "flash-linear-attention (fla) does not import: nothing run"; exit 1; }
-status=0
-for case in $CASES; do
-    start=$(date +%s)
-    rm -rf /tmp/qwen35_runs
-    python3 -m harness compare "$case" --device gpu --no-oracle --timeout 1200 --reports /tmp/qwen35_runs \
-        > "$OUT/${case}_gpu.console.txt" 2>&1
-    [ $? -eq 2 ] && status=1
-    run=$(ls -td /tmp/qwen35_runs/*/ 2>/dev/null | head -1)
-    [ -n "$run" ] && cp "$run/report.md" "$OUT/${case}_gpu.md"
-    echo "== $case ($(( $(date +%s) - start )) s)"
-    grep -E "^(BITWISE_PASS|DIFF|UNSUPPORTED|ERROR|WITHIN_TOLERANCE|TOLERANCE)|^expected|^step [0-9]" \
-        "$OUT/${case}_gpu.console.txt" | tail -6
-done
-rm -rf /tmp/qwen35_runs
-exit $status
+TIMEOUT=1200
+. "$(dirname "$0")/gpu_cases.sh"
+run_cases

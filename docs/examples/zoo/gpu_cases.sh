@@ -1,0 +1,21 @@
+# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, dsa_gpu.sh): run_cases runs each case of $CASES, one at a time,
+# keeps its console and report.md under $OUT, prints its verdict lines and whether it met its expectation, and returns
+# 1 if any ended ERROR. DEVICE (default gpu) and TIMEOUT (seconds a side, default 1200) as the scripts set them.
+run_cases() {
+    local status=0 runs case start run
+    runs=$(mktemp -d /tmp/zoo_runs.XXXXXX)
+    for case in $CASES; do
+        start=$(date +%s)
+        python3 -m harness compare "$case" --device "${DEVICE:-gpu}" --no-oracle --timeout "${TIMEOUT:-1200}" \
+            --reports "$runs/$case" > "$OUT/${case}_gpu.console.txt" 2>&1
+        [ $? -eq 2 ] && status=1
+        run=$(ls -td "$runs/$case"/*/ 2>/dev/null | head -1)
+        [ -n "$run" ] && cp "$run/report.md" "$OUT/${case}_gpu.md"
+        echo "== $case ($(( $(date +%s) - start )) s)"
+        grep -E "^(BITWISE_PASS|DIFF|UNSUPPORTED|ERROR|WITHIN_TOLERANCE|TOLERANCE)|^expected|^step [0-9]" \
+            "$OUT/${case}_gpu.console.txt" | tail -6
+        rm -rf "${runs:?}/$case"
+    done
+    rm -rf "$runs"
+    return $status
+}
