@@ -20,10 +20,8 @@ OUT=${OUT:-/tmp/dsa}
 CASES=${CASES:-glm_moe_dsa_2layer_full deepseek_v32_2layer_full glm_moe_dsa_2layer_full_megatron \
 deepseek_v32_2layer_full_megatron}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-harness-site.pth" || exit 1
-export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_cases.sh"
+install_wheels || exit 1
 [ -e .venv-hf523/.installed ] || PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl523 python3 -m harness.environments \
     transformers-5.23.0 || exit 1
 python3 -W ignore -c "import torch, megatron.core as m, transformers as t
@@ -31,5 +29,4 @@ print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| m
       '| transformers', t.__version__)" || exit 1
 .venv-hf523/bin/python -W ignore -c "import transformers as t; print('environment transformers-5.23.0:', t.__version__)"
 TIMEOUT=900
-. "$(dirname "$0")/gpu_cases.sh"
 run_cases

@@ -1,6 +1,16 @@
-# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, dsa_gpu.sh): run_cases runs each case of $CASES, one at a time,
+# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, dsa_gpu.sh). install_wheels puts the cp312 wheels of .whl/ in
+# /tmp/site, named by a .pth in the machine's interpreter (not PYTHONPATH, which would also put them ahead of a named
+# environment's own packages, e.g. transformers 5.23.0 over 5.3.0). run_cases runs each case of $CASES, one at a time,
 # keeps its console and report.md under $OUT, prints its verdict lines and whether it met its expectation, and returns
 # 1 if any ended ERROR. DEVICE (default gpu) and TIMEOUT (seconds a side, default 1200) as the scripts set them.
+install_wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || return 1
+    echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-harness-site.pth" \
+        || return 1
+    export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+}
+
 run_cases() {
     local status=0 runs case start run
     runs=$(mktemp -d /tmp/zoo_runs.XXXXXX)

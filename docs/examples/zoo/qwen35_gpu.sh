@@ -14,9 +14,8 @@ OUT=${OUT:-/tmp/qwen35}
 CASES=${CASES:-qwen3_5_moe_2layer_full qwen3_5_moe_2layer_train_full qwen3_5_moe_2layer_full_megatron \
 qwen3_5_moe_2layer_train_full_megatron}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_cases.sh"
+install_wheels || exit 1
 python3 -W ignore -c "import torch, fla, megatron.core as m, transformers as t
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q
 print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| megatron-core', m.__version__,
@@ -24,5 +23,4 @@ print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| m
       '| HF delta rule from', (q.chunk_gated_delta_rule or q.torch_chunk_gated_delta_rule).__module__)" \
     || { echo "flash-linear-attention (fla) does not import: nothing run"; exit 1; }
 TIMEOUT=1200
-. "$(dirname "$0")/gpu_cases.sh"
 run_cases
