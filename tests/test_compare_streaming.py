@@ -90,3 +90,32 @@ def test_dense_row_wise_and_sparse_map_paths_count_the_same():
         part = differ[first_row:first_row + 5].ravel()
         dense.add_mask(first_row * 53, part, int(part.sum()))
     assert np.array_equal(sparse.counts, dense.counts) and dense.counts.sum() == differ.sum()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_threads_sum_what_one_pass_sums(dtype):
+    """A tensor of many chunks is summed by several threads and merged; every total equals one pass in order's,
+    with NaNs, infinities, signed zeros and a first mismatch only in the last thread's chunks."""
+    from harness.compare.tensors import _chunk_totals
+
+    a, b = perturbed(dtype, shape=(61, 47), seed=3)
+    fmt = bits.format_of(a.dtype)
+    raw_a, raw_b = (x.reshape(-1).view(fmt.bits_dtype) for x in (a, b))
+    raw_b[:2000] = raw_a[:2000]  # the first 2,000 elements equal: the first mismatch lies in a later run
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], dtype=np.float64).astype(a.dtype)
+    raw_a[2100:2105] = specials.view(fmt.bits_dtype)
+    raw_b[2100:2105] = specials[::-1].view(fmt.bits_dtype)
+    raw_a[2200], raw_b[2200] = fmt.bits_dtype.type(0), fmt.bits_dtype.type(1 << (fmt.width - 1))  # +0 and -0
+    chunks = [slice(s, s + 40) for s in range(0, raw_a.size, 40)]
+    one = _chunk_totals(fmt, a.shape, raw_a, raw_b, chunks, threads=1)
+    for threads in (2, 5, 16):
+        many = _chunk_totals(fmt, a.shape, raw_a, raw_b, chunks, threads=threads)
+        for name, value in vars(one).items():
+            other = getattr(many, name)
+            if isinstance(value, MismatchMap):
+                assert np.array_equal(value.counts, other.counts), (threads, name)
+            elif isinstance(value, np.ndarray):
+                assert np.array_equal(value, other), (threads, name)
+            else:
+                assert value == other, (threads, name, value, other)
+    assert one.first[0] >= 2000 and one.nan_mismatches and one.signed_zero_diffs

@@ -5,14 +5,15 @@
 #
 #   BEFORE=.before PARTS="test train" docs/examples/speed/gpu_bench.sh   # BEFORE: an older tree (git archive)
 #   PARTS="catalogue" JOBS="4 1" docs/examples/speed/gpu_bench.sh
-#   PARTS=model docs/examples/speed/gpu_bench.sh
+#   BEFORE=.before PARTS=model docs/examples/speed/gpu_bench.sh
 #
 # test       the GPU tests (tests/test_bits128.py -m gpu: bits128v1 on the GPU against the host reference)
 # train      kimi_k2_2layer_train_full (Kimi-K2's widths, 3 steps), Megatron vs HF: the compare against the two bare
 #            training loops, and each side's steps inside it against its bare loop's (goal 1.2x), before and after
 # catalogue  every op-level GPU case at 11 token counts, JOBS cases at once sharing the GPU (goal under 300 s),
 #            one run per JOBS value, in the order given
-# model      kimi_k2_2layer_full (the model level at Kimi-K2's widths), Megatron vs HF, with where its time went
+# model      kimi_k2_2layer_full (the model level at Kimi-K2's widths), Megatron vs HF, with where its time went,
+#            BEFORE's tree first where one is given
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_bench}
 PARTS=${PARTS:-test train}
@@ -41,12 +42,18 @@ for part in $PARTS; do
                     --json "$OUT/gpu_catalogue_jobs$jobs.json" > "$OUT/gpu_catalogue_jobs$jobs.log" 2>&1 || status=1
                 tail -1 "$OUT/gpu_catalogue_jobs$jobs.log"
             done ;;
-        model)
-            rm -rf /tmp/model_full
-            python3 -m harness compare kimi_k2_2layer_full --device gpu --runners megatron_model,hf_model \
-                --no-oracle --reports /tmp/model_full 2>&1 | tee "$OUT/model_full.console.txt" | tail -15
-            run=$(ls -td /tmp/model_full/*/ 2>/dev/null | head -1)
-            [ -n "$run" ] && gzip -c "$run/report.json" > "$OUT/model_full_report.json.gz" && python3 - "$run" <<'PY'
+        model)  # each tree's whole compare, BEFORE's first, one right after the other
+            for tree in ${BEFORE:+"$BEFORE"} .; do
+                label=$([ "$tree" = . ] && echo after || echo before)
+                rm -rf "/tmp/model_full_$label"
+                tree_start=$(date +%s)
+                (cd "$tree" && PYTHONPATH=$PWD python3 -m harness compare kimi_k2_2layer_full --device gpu \
+                    --runners megatron_model,hf_model --no-oracle --reports "/tmp/model_full_$label") 2>&1 \
+                    | tee "$OUT/model_full_$label.console.txt" | tail -6
+                echo "== model $label: $(( $(date +%s) - tree_start )) s"
+                run=$(ls -td "/tmp/model_full_$label"/*/ 2>/dev/null | head -1)
+                [ -n "$run" ] && gzip -c "$run/report.json" > "$OUT/model_full_${label}_report.json.gz" \
+                    && python3 - "$run" <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -57,6 +64,8 @@ for side in report.get("sides", []):
     print(f"{side['label']} ({side['runner']}): {side.get('wall_seconds', 0):.1f} s, phases "
           + ", ".join(f"{k} {v:.2f}" for k, v in side.get("meta", {}).get("phases", {}).items()))
 PY
+                rm -rf "/tmp/model_full_$label"
+            done
             ;;
         *) echo "unknown part $part (test, train, catalogue, model)" >&2; status=2 ;;
     esac
