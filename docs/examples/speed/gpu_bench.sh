@@ -47,7 +47,7 @@ for part in $PARTS; do
                 label=$([ "$tree" = . ] && echo after || echo before)
                 rm -rf "/tmp/model_full_$label"
                 tree_start=$(date +%s)
-                (cd "$tree" && PYTHONPATH=$PWD python3 -m harness compare kimi_k2_2layer_full --device gpu \
+                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m harness compare kimi_k2_2layer_full --device gpu \
                     --runners megatron_model,hf_model --no-oracle --reports "/tmp/model_full_$label") 2>&1 \
                     | tee "$OUT/model_full_$label.console.txt" | tail -6
                 echo "== model $label: $(( $(date +%s) - tree_start )) s"
