@@ -26,7 +26,7 @@ install_wheels || exit 1
     transformers-5.23.0 || exit 1
 python3 -W ignore -c "import torch, megatron.core as m, transformers as t
 print('torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| megatron-core', m.__version__,
-      '| transformers', t.__version__)" || exit 1
+      '| transformers', t.__version__, t.__file__)" || exit 1
 .venv-hf523/bin/python -W ignore -c "import transformers as t; print('environment transformers-5.23.0:', t.__version__)"
 TIMEOUT=900
 run_cases
