@@ -312,3 +312,39 @@ def test_on_the_gpu_torch_gives_the_host_references_bits(monkeypatch):
             array = values("float32", 100_003)
             assert paddle_digest.digest(paddle.to_tensor(array, place=paddle.CUDAPlace(0))) == \
                 bits128.digest_numpy(array)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+def test_on_the_gpu_a_step_digested_beside_the_next_keeps_its_bits_then(tmp_path):
+    """OverlappedWrites (the Megatron runner's unkept GPU steps): the state digested on a stream of its own while the
+    main stream works on, written at the flush; the file holds the bits the state had at the write, though the main
+    stream changes a `moving` tensor at once and the others right after the flush (as the next optimizer step does)."""
+    from harness.runners.torch.overlapped_writes import OverlappedWrites
+    from harness.runners.torch.train_state import device_digests, host_bytes, save_on_host
+
+    device = torch.device("cuda")
+    arrays = {"param.w": values("bfloat16", (4096, 1024)), "exp_avg.w": values("float32", 3_000_001, 1),
+              "expert_bias.b": values("float32", 64, 2)}
+    pieces_array = values("float32", 1000, 3)
+    states = {name: as_torch(a).to(device) for name, a in arrays.items()}
+    piece = as_torch(pieces_array).to(device)
+    grads = torch_digest.digest_now({"grad.w": as_torch(values("float32", (300, 7), 4)).to(device)})
+    writer = steps.StepWriter(tmp_path, (), save_on_host, host_bytes, digests=device_digests(device))
+    writes = OverlappedWrites(writer, device)
+    assert writes.stream is not None
+    scalars = {"lr": torch.zeros((), dtype=torch.float64, device=device)}
+    writes.write(1, scalars, {**grads, **states}, {"exp_avg.v": [(0, 1000, piece)]},
+                 moving=frozenset({"expert_bias.b"}))
+    states["expert_bias.b"].add_(1.0)  # the next backward's routing-bias update, queued at once
+    work = torch.randn(4096, 4096, device=device)
+    for _ in range(20):  # the next step's forward and backward
+        work = work @ work / 64
+    assert not steps.step_file(tmp_path, 1).exists()  # written at the flush, not before
+    writes.flush()
+    for tensor in (*states.values(), piece):  # the optimizer's step, after the flush
+        tensor.zero_()
+    header = steps.read_header(steps.step_file(tmp_path, 1))
+    assert header.digests == {**{f"step1.{n}": bits128.digest_numpy(a) for n, a in arrays.items()},
+                              "step1.grad.w": bits128.digest_numpy(values("float32", (300, 7), 4))}
+    assert header.pieces["step1.exp_avg.v"][0][3] == bits128.digest_numpy(pieces_array)

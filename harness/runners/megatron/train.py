@@ -53,6 +53,7 @@ from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
+from harness.runners.torch.overlapped_writes import OverlappedWrites
 from harness.runners.torch.train_state import (
     INT_VIEW,
     device_digests,
@@ -179,18 +180,24 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
             raise RuntimeError("[megatron.parameters] does not cover exactly the canonical parameters")
         writer = StepWriter(request["output_dir"], train.steps_kept, save_on_host, host_bytes, rank,
                             digests=device_digests(device))
+        writes = OverlappedWrites(writer, device)
     refeed = request["config"].get("train_refeed")
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"):
             if refeed:
+                writes.flush()
                 load_state(states, refeed, step, states.set_lr)
             digested = writer.digests is not None and step not in writer.kept  # its gradients: digests, no copy
             scalars, tensors, pieces, doubles = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train,
-                                                           dtype, refeed, rank, mode, digested)
-            if scalars:
-                writer.write(step, scalars, tensors, pieces, doubles)
+                                                           dtype, refeed, rank, mode, digested, writes.flush)
+            if scalars:  # the routing biases: finalize_model_grads updates them after the next step's backward
+                writes.write(step, scalars, tensors, pieces, doubles,
+                             frozenset(name for name in tensors if name.startswith("expert_bias.")))
             if flips_here(train.flip, step, rank):
+                writes.flush()
                 states.flip(train.flip)
+            if step == train.steps:  # the last step's digests are its own time
+                writes.flush()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     from megatron.core import __version__ as megatron_version
@@ -264,12 +271,13 @@ def expert_shard(names: dict, experts: int, expert_parallel: int, ep_rank: int) 
 
 
 def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: TrainSettings, dtype, refeed,
-               rank: int = 0, mode=None, digest_grads: bool = False):
+               rank: int = 0, mode=None, digest_grads: bool = False, before_update=lambda: None):
     """Megatron-LM's train_step: zero the grad buffer, forward/backward over this rank's micro-batches,
     optimizer.step(), scheduler.step(increment=1). `mode` (the CPU adapters' TorchFunctionMode) is entered around
     Megatron's calls only: the harness's reading of the state between them is not Megatron's code and would pay the
     mode's Python on each of its torch calls (310,000 of the 675,000 a 10-step CPU profile passed through it).
-    `digest_grads`: the gradients digested on the device before the step clips them, not copied (``held_grads``)."""
+    `digest_grads`: the gradients digested on the device before the step clips them, not copied (``held_grads``);
+    `before_update`: called before anything changes the state (``OverlappedWrites.flush``)."""
     mode = mode or _nothing
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -306,6 +314,7 @@ def train_step(ddp, optimizer, scheduler, states, checkpoint, step: int, train: 
     if refeed and refeed.get("mode") == "update":  # side a's gradients into this optimizer
         from harness.runners.torch.train_state import load_grads
         load_grads(states, refeed, step)
+    before_update()  # the previous step's file (its digests ran beside this step's forward and backward)
     lr = states.lr()
     bare = train.bare  # bench_speed: Megatron's calls alone, nothing observed or written
     tensors, pieces = ({}, {}) if bare else held_grads(states, digest_grads)  # optimizer.step() clips them in place
