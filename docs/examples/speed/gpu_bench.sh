@@ -8,7 +8,7 @@
 #   BEFORE=.before PARTS=model docs/examples/speed/gpu_bench.sh
 #
 # test       the GPU tests (tests/test_bits128.py -m gpu: bits128v1 on the GPU against the host reference)
-# train      kimi_k2_2layer_train_full (Kimi-K2's widths, 3 steps), Megatron vs HF: the compare against the two bare
+# train      kimi_k2_2layer_train_full (Kimi-K2's widths, 3 steps; on an H100 its _h100 twin), Megatron vs HF: the compare against the two bare
 #            training loops, and each side's steps inside it against its bare loop's (goal 1.2x), before and after
 # catalogue  every op-level GPU case at 11 token counts, JOBS cases at once sharing the GPU (goal under 300 s),
 #            one run per JOBS value, in the order given
@@ -25,6 +25,11 @@ nvidia-smi -L; nproc; free -g | head -2; uptime
 python3 -W ignore -c "import torch, megatron.core as m, transformers as t; print('torch', torch.__version__, \
 '| CUDA', torch.version.cuda, '| megatron-core', m.__version__, '| transformers', t.__version__)"
 git log --oneline -1 2>/dev/null || true
+# an H100 (79.2 GiB) cannot hold kimi_k2_2layer_train_full: there its _h100 twin (16 of 32 experts, vocabulary 32,768)
+memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+[ "${memory_mib:-0}" -ge 100000 ] && default_case=kimi_k2_2layer_train_full || default_case=kimi_k2_2layer_train_full_h100
+TRAIN_CASE=${TRAIN_CASE:-$default_case}
+echo "train case: $TRAIN_CASE (GPU memory $memory_mib MiB)"
 status=0
 for part in $PARTS; do
     start=$(date +%s)
@@ -33,7 +38,7 @@ for part in $PARTS; do
             python3 -m pytest tests/test_bits128.py -q -m gpu -p no:cacheprovider 2>&1 | tail -3 || status=1 ;;
         train)
             python3 -m harness.commands.bench_speed --skip-compare --skip-sweep --skip-model \
-                --train-case kimi_k2_2layer_train_full --train-runners megatron_model,hf_model --train-device gpu \
+                --train-case "$TRAIN_CASE" --train-runners megatron_model,hf_model --train-device gpu \
                 ${BEFORE:+--before "$BEFORE"} --json "$OUT/gpu_train_bench.json" 2>&1 \
                 | tee "$OUT/gpu_train_bench.log" || status=1 ;;
         catalogue)
