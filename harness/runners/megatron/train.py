@@ -48,8 +48,9 @@ from torch.overrides import TorchFunctionMode
 from harness.case.ops import carried_quantities, step_quantities, train_state_names
 from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.families import model_config, routed_experts
-from harness.run.protocol import Phases, rank_and_world
+from harness.run.protocol import Phases, Unsupported, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
+from harness.runners.megatron import dsa
 from harness.runners.megatron import model as megatron_model
 from harness.runners.torch import env as torch_env
 from harness.runners.torch import ranks
@@ -130,6 +131,10 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
 
     megatron_model.admit(request)
     m, train = model_config(request["config"]["model"]), TrainSettings.from_dict(request["config"]["train"])
+    if m.record.architecture(m).attention.indexer is not None:  # GLM-5: the model level only (docs/model.md)
+        dsa.require()
+        raise Unsupported("the harness's Megatron training runner does not yet train a DSA model (its detached indexer "
+                          "parameters and GLM-5's permuted rope rows are mapped at the model level only)")
     dtype = megatron_model.DTYPES[request["dtype"]]
     rank, world = rank_and_world()
     if world != train.dp:
