@@ -303,6 +303,10 @@ CORE_ATTENTION_ARGUMENTS = ("query", "key", "value")
 PART_WHY = ("one part of {module}'s output (q, k and v interleaved per query group): side a's q, k and v would have "
             "to be re-interleaved into it, which this runner does not do; the module's own inputs and outputs around "
             "it are re-fed")
+ROPE_ROWS_WHY = ("its output's rope dims are in Megatron's interleaved order (the rows were permuted on loading, "
+                 "names.toml rope_rows): side a's tensor would have to be permuted into it, which this runner does not "
+                 "do; the modules around it are re-fed")
+SELECTION_WHY = "the indexer's top-k choice, not a module output: it is recomputed from the re-fed indexer inputs"
 ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidden-state tensor: it is recomputed "
               "inside the MoE block from side a's input")
 
@@ -314,13 +318,15 @@ def refeed_hooks(model, names: dict, request: dict):
 
     from harness.capture.torch import Refeed
 
-    parts = names.get("parts", {})
+    parts, rope_rows = names.get("parts", {}), names.get("rope_rows", {})
     units = {c: [t] for c, t in names["modules"].items() if not t.startswith("pre:") and not c.endswith(".mlp.gate")
-             and c not in parts}
+             and c not in parts and c not in rope_rows and not c.endswith(".indexer.selected")}
     units["lm_head"] = ["output_layer"]
     experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
     not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")},
-                 **{c: PART_WHY.format(module=names["modules"][c]) for c in names["modules"] if c in parts}}
+                 **{c: PART_WHY.format(module=names["modules"][c]) for c in names["modules"] if c in parts},
+                 **{c: ROPE_ROWS_WHY for c in names["modules"] if c in rope_rows},
+                 **{c: SELECTION_WHY for c in names["modules"] if c.endswith(".indexer.selected")}}
     # MLASelfAttention calls core_attention(query, key, value, attention_mask, ...): all three are replaced, so a
     # difference made before them (RoPE, the kv up-projection's split) shows in their rows, not in core attention's
     attention = {c: CORE_ATTENTION_ARGUMENTS for c in units if c.endswith(".self_attn.core_attention")}
