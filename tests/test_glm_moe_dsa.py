@@ -76,13 +76,18 @@ def test_the_2layer_cases_have_90_gradients_and_say_their_pairs():
         "glm_moe_dsa_2layer_float64": ("float64", ("hf_model", "hf_model"), "WITHIN_TOLERANCE"),
         "glm_moe_dsa_2layer_control_hf": ("float32", ("hf_model", "hf_model"), "DIFF"),
         "glm_moe_dsa_2layer_fp32_megatron": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
+        "glm_moe_dsa_2layer_fp32_megatron_eps": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
+        "glm_moe_dsa_2layer_megatron": ("float32", ("megatron_model", "hf_model"), "DIFF"),
+        "glm_moe_dsa_2layer_megatron_eps": ("float32", ("megatron_model", "hf_model"), "BITWISE_PASS"),
         "glm_moe_dsa_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), "UNSUPPORTED"),
         "glm_moe_dsa_2layer_train": ("float32", ("hf_model", "hf_model"), "BITWISE_PASS"),
         "glm_moe_dsa_2layer_train_float64": ("float64", ("hf_model", "hf_model"), "WITHIN_TOLERANCE"),
         "glm_moe_dsa_2layer_train_control_hf": ("float32", ("hf_model", "hf_model"), "DIFF"),
         "glm_moe_dsa_2layer_train_megatron": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
+        "glm_moe_dsa_2layer_train_megatron_eps": ("float32", ("megatron_model", "hf_model"), "UNSUPPORTED"),
+        "glm_moe_dsa_2layer_train_megatron_gpu": ("float32", ("megatron_model", "hf_model"), "BITWISE_PASS"),
         "glm_moe_dsa_2layer_full": ("bfloat16", ("hf_model", "hf_model"), "BITWISE_PASS"),
-        "glm_moe_dsa_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), "UNSUPPORTED")}
+        "glm_moe_dsa_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), "BITWISE_PASS")}
     assert cases["glm_moe_dsa_2layer_fp32_dense_index"].model.index_topk >= case.tokens > case.model.index_topk
 
 

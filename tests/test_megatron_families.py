@@ -10,7 +10,7 @@ import json
 import pytest
 
 from harness.families import FAMILIES, model_config
-from tests.support.installed import absent
+from tests.support.installed import absent, megatron_has_dsa_switches
 from tests.support.tiny_models import TINY
 from tests.support.zoo import python_json
 
@@ -201,18 +201,19 @@ def test_a_sigmoid_router_with_one_expert_per_token_is_unsupported(family):
         families.translate_config(m, torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
+@pytest.mark.skipif(absent("torch", "megatron.core") or megatron_has_dsa_switches(),
+                    reason="megatron-core 0.16-0.18 (0.19 builds GLM-5: tests/test_megatron_dsa.py)")
 @pytest.mark.parametrize("family", [name for name in FAMILIES
                                     if FAMILIES[name].architecture(model_config(TINY[name])).attention.indexer])
 def test_a_family_with_a_dsa_indexer_is_unsupported_naming_what_is_missing(family):
-    """megatron-core's DSA builds only on the Transformer Engine spec and its indexer's rotation needs
-    fast_hadamard_transform: the room refuses before it builds anything, naming both."""
+    """megatron-core 0.16's indexer always applies its Hadamard rotation (fast_hadamard_transform, bf16): the room
+    refuses before it builds anything, naming the version that can switch it off (0.19: tests/test_megatron_dsa.py)."""
     import torch
 
     from harness.run.protocol import Unsupported
     from harness.runners.megatron import families
 
-    with pytest.raises(Unsupported, match="indexer needs Transformer Engine and fast_hadamard_transform"):
+    with pytest.raises(Unsupported, match="indexer needs megatron-core >= 0.19"):
         families.translate_config(model_config(TINY[family]), torch.float32, torch.device("cpu"))
 
 

@@ -16,7 +16,17 @@ from harness.case.train_settings import Flip  # noqa: E402
 from harness.run.orchestrate import _request  # noqa: E402
 from harness.run.protocol import Phases  # noqa: E402
 from tests.support.cases import registry_from  # noqa: E402
+from tests.support.installed import megatron_has_dsa_switches  # noqa: E402
 from tests.support.train import tiny_train_case  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cell():
+    """Each test one cell: the runner's patches (e.g. cpu_current_stream) undone after it, as a worker undoes them."""
+    from harness.run.cell_state import patches_undone
+
+    with patches_undone():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +49,9 @@ def requests(tmp_path_factory):
     ("tensor_type_cuda_names", "float32", "", "megatron/core/optimizer/clip_grads.py"),
     # the same assert, for float64 main grads
     ("float64_as_fp32_type_name", "float64", "", "megatron/core/optimizer/clip_grads.py"),
+    # megatron-core >= 0.19's start_grad_sync: torch.cuda.current_stream() (0.16 never asks)
+    pytest.param("cpu_current_stream", "float32", "Torch not compiled with CUDA enabled", "torch/cuda/__init__.py",
+                 marks=pytest.mark.skipif(not megatron_has_dsa_switches(), reason="megatron-core < 0.19")),
 ])
 def test_each_megatron_training_adapter_is_needed(requests, tmp_path, adapter, dtype, error, where):
     from harness.runners.megatron import train

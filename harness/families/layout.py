@@ -132,7 +132,9 @@ def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
             specs += [TensorSpec(p + "linear_attn." + name, (t, *shape), "output")
                       for name, shape in _linear_attention_outputs(a)]
         else:
-            specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output")
+            # kv_b_proj: optional beside an indexer (Megatron's DSA attention absorbs it, never computing its output)
+            specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output",
+                                 optional=bool(at.indexer) and name == "kv_b_proj")
                       for name, shape in _attention_outputs(at)]
             if at.indexer:
                 specs.append(TensorSpec(p + "self_attn.indexer.selected", (t, t), "output", "int64"))

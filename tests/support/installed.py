@@ -60,3 +60,15 @@ def _found(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # its parent package is missing
         return False
+
+
+def megatron_has_dsa_switches() -> bool:
+    """megatron-core >= 0.19: its DSA indexer's Hadamard rotation can be switched off (harness/runners/megatron/
+    dsa.py)."""
+    if absent("megatron.core"):
+        return False
+    from dataclasses import fields
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "dsa_indexer_rotate_activation" in {f.name for f in fields(TransformerConfig)}

@@ -13,7 +13,8 @@
 # The wheels go to /tmp/site, named by a .pth in the machine's interpreter (not PYTHONPATH, which would put
 # transformers 5.3.0 ahead of the environment's 5.23.0); the environment is made from .whl523 without an index. Runs
 # the `_full` cases of cases/glm_moe_dsa.toml and cases/deepseek_v32.toml: HF against itself, then the Megatron-vs-HF
-# pairs (UNSUPPORTED: Megatron-Core's DSA needs Transformer Engine and fast_hadamard_transform). Prints each verdict
+# pairs (GLM-5: megatron-core 0.19.2 on the harness's local DSA spec; DeepSeek-V3.2: UNSUPPORTED, its megatron.toml has
+# no [dsa] table; GLM-5's other GPU pairs: docs/model.md "GLM-5"). Prints each verdict
 # line and whether it met the case's expectation; exits 1 if a run ends in ERROR.
 set -uo pipefail
 OUT=${OUT:-/tmp/dsa}

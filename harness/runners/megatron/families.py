@@ -27,12 +27,13 @@ from harness.families import FamilyConfig
 from harness.families.expressions import evaluate
 from harness.run.cell_state import patch
 from harness.run.protocol import Unsupported
-from harness.runners.megatron import blocks
+from harness.runners.megatron import blocks, dsa
 
 MLA_CORE_ATTENTION = "MLADotProductAttention"
 MLA_HAVE_TE = "mla_have_te_false"
 FULL_DIM_QK_NORM = "FullDimQKNorm"
 ROUTING_RECORD = "routing_record"
+DSA_LOCAL_SPEC = "LocalDSASpecProvider"
 ADAPTERS = {
     MLA_CORE_ATTENTION: "subclass of megatron.core.transformer.dot_product_attention.DotProductAttention that "
     "accepts MLASelfAttention's k_channels/v_channels keywords (the local class refuses them) and sizes its output "
@@ -47,6 +48,12 @@ ADAPTERS = {
     "k_layernorm: one RMSNorm over all heads of a token (float32 sum of squares / (heads x head_dim), rsqrt(+eps), "
     "weight * x.to(dtype); float64 in a float64 run), as Bridge's and as transformers' MiniMaxM2RMSNorm; "
     "megatron-core 0.16.1's own q_layernorm is sized to one head (transformer/attention.py, SelfAttention)",
+    DSA_LOCAL_SPEC: "megatron-core >= 0.19's DSA layer spec (get_transformer_layer_with_experimental_attention_"
+    "variant_spec) built on megatron.core.models.backends.LocalSpecProvider plus the linear() it lacks: Megatron's "
+    "local Linear (megatron.core.post_training.modelopt.layers.Linear, torch.nn.Linear) for the indexer's "
+    "linear_wq_b / linear_wk / linear_weights_proj, ColumnParallelLinear for AbsorbedMLASelfAttention's "
+    "linear_q_down_proj / linear_kv_down_proj as in Megatron's local MLA spec (tensor-parallel size 1: one GEMM "
+    "each); the block spec Megatron writes for TE only (harness.runners.megatron.dsa)",
     ROUTING_RECORD: "each MoE layer's router is megatron.core's TopKRouter with one identity child "
     "(routing_record) it passes its (probs, routing_map) to; the child returns the probabilities "
     "widened to float32 (exact) for the capture hook, and the router returns its own outputs "
@@ -99,7 +106,8 @@ def implementation(model: FamilyConfig) -> str:
 def adapters(model: FamilyConfig) -> list[str]:
     """The family's adapters, by name: the modules its architecture needs that the local spec lacks."""
     attention = model.record.architecture(model).attention
-    names = [MLA_CORE_ATTENTION] if attention.kind == "mla" else []
+    names = [MLA_CORE_ATTENTION] if attention.kind == "mla" and attention.indexer is None else []
+    names += [DSA_LOCAL_SPEC] if attention.indexer is not None else []
     names += [FULL_DIM_QK_NORM] if attention.qk_norm == "all_heads" else []
     return names + ([ROUTING_RECORD] if settings(model).get("routing_record") else [])
 
@@ -128,7 +136,8 @@ def layer_spec(model: FamilyConfig, spec, skip=()) -> None:
     """The family's modules in one layer's spec (in place): MLA's core attention, the all-heads q/k norm, the router
     with its routing record; each skipped when named in `skip` (the local spec's own module stays)."""
     wanted = [name for name in adapters(model) if name not in skip]
-    if model.record.architecture(model).attention.kind == "mla":
+    attention = model.record.architecture(model).attention
+    if attention.kind == "mla" and attention.indexer is None:  # DSA's core attention is DSAttention
         spec.submodules.self_attention.submodules.core_attention = (
             blocks.MLADotProductAttention if MLA_CORE_ATTENTION in wanted else blocks.DotProductAttention)
     if FULL_DIM_QK_NORM in wanted:
@@ -137,6 +146,18 @@ def layer_spec(model: FamilyConfig, spec, skip=()) -> None:
     submodules = blocks.moe_submodules(getattr(spec.submodules, "mlp", None))
     if ROUTING_RECORD in wanted and submodules is not None:
         submodules.router = blocks.routing_record_router()
+
+
+def decoder_block_spec(model: FamilyConfig, config, layer_norm):
+    """The decoder block's spec: Megatron's local GPT spec, or for a DSA family the local DSA spec
+    (``harness.runners.megatron.dsa``)."""
+    if model.record.architecture(model).attention.indexer is not None:
+        return dsa.block_spec(config, layer_norm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec.layer_norm = layer_norm
+    return spec
 
 
 def gpt_model_kwargs(model: FamilyConfig) -> dict:
@@ -159,12 +180,7 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     if moe is None:
         raise Unsupported("a family without MoE layers is not mapped")
     if attention.indexer is not None:  # GLM-5, DeepSeek-V3.2 (docs/model.md, "GLM-5 (glm_moe_dsa)")
-        raise Unsupported(
-            "DeepSeek Sparse Attention's indexer needs Transformer Engine and fast_hadamard_transform "
-            f"(neither installed): megatron-core {_megatron_version()}'s DSA builds only on the TE spec "
-            "(experimental_attention_variant_module_specs asserts transformer_impl == 'transformer_engine'; the local "
-            "spec provider has no linear()), and its indexer's Hadamard rotation (rotate_activation) needs "
-            "fast_hadamard_transform and bf16")
+        dsa.require()
     if arch.linear_attention is not None:  # Qwen3.5-MoE (docs/model.md, "Qwen3.5-MoE (qwen3_5_moe)")
         _refuse_gated_delta_net()
     _refuse_unmapped_routing(moe)
@@ -196,7 +212,7 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     if own.get("group_limited_routing"):
         common.update(_group_limited_routing(model, moe))
     if attention.kind == "mla":
-        config = MLATransformerConfig(**common, **_mla(model, attention))
+        config = MLATransformerConfig(**common, **_mla(model, attention), **_dsa(model, attention))
         knobs = dict(MLA_KNOBS)
     else:
         config = TransformerConfig(
@@ -260,11 +276,12 @@ def _mla(model: FamilyConfig, attention) -> dict:
             raise Unsupported(why)
 
     need(attention.q_lora_rank is not None, "q_lora_rank None (linear_q_proj) is not mapped")
-    rope = model.rope_scaling
-    need(rope.type in ("yarn", "default"), f"rope_scaling type {rope.type!r}")
-    need(model.rope_interleave, "rope_interleave false (Megatron's MLA RoPE de-interleaves)")
+    rope = getattr(model, "rope_scaling", None)  # GLM-5 has no key: plain RoPE
+    need(rope is None or rope.type in ("yarn", "default"), f"rope_scaling type {rope and rope.type!r}")
+    if attention.indexer is None:  # GLM-5's split-half rope dims are permuted on loading (name map: rope_rows)
+        need(model.rope_interleave, "rope_interleave false (Megatron's MLA RoPE de-interleaves)")
     yarn = dict(rope_type="rope", rotary_scaling_factor=1.0)
-    if rope.type == "yarn":
+    if rope is not None and rope.type == "yarn":
         yarn = dict(rope_type="yarn", rotary_scaling_factor=float(rope.factor),
                     original_max_position_embeddings=int(rope.original_max_position_embeddings),
                     beta_fast=float(rope.beta_fast), beta_slow=float(rope.beta_slow),
@@ -272,6 +289,26 @@ def _mla(model: FamilyConfig, attention) -> dict:
     return dict(q_lora_rank=attention.q_lora_rank, kv_lora_rank=attention.kv_lora_rank,
                 qk_head_dim=attention.head_dim - attention.rotary_dim, qk_pos_emb_head_dim=attention.rotary_dim,
                 v_head_dim=attention.v_head_dim, rotary_base=float(attention.rope_theta), qk_layernorm=True, **yarn)
+
+
+def _dsa(model: FamilyConfig, attention) -> dict:
+    """DeepSeek Sparse Attention's fields (megatron-core >= 0.19; none without an indexer): the indexer as the
+    family's megatron.toml [dsa] says HF computes it (GLM-5: no ReLU, split-half RoPE, k_norm eps 1e-6), no Hadamard
+    rotation (HF has none) and no indexer loss (HF trains no indexer); its knobs ``dsa_*`` say where Megatron Bridge
+    differs. A family without a [dsa] table (DeepSeek-V3.2, whose HF indexer applies a ReLU) is not mapped."""
+    indexer = attention.indexer
+    if indexer is None:
+        return {}
+    own = settings(model).get("dsa")
+    if own is None:
+        raise Unsupported(f"the harness maps DeepSeek Sparse Attention on Megatron-Core for GLM-5 only: family "
+                          f"{model.family!r} has no [dsa] table in its megatron.toml")
+    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=indexer.heads,
+                dsa_indexer_head_dim=indexer.head_dim, dsa_indexer_topk=indexer.topk,
+                dsa_indexer_rotate_activation=False, dsa_indexer_loss_coeff=0.0,
+                dsa_indexer_scoring_relu=bool(own["scoring_relu"]),
+                dsa_indexer_k_norm_epsilon=float(own["k_norm_epsilon"]),
+                dsa_indexer_rope_interleaved=bool(own["rope_interleaved"]))
 
 
 def _context(model, arch, dtype, expert_parallel, router_dtype, freq, pre_softmax) -> dict:

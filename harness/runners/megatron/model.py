@@ -42,7 +42,7 @@ from harness.run.protocol import (  # noqa: E402
     import_failure,
     rank_and_world,
 )
-from harness.runners.megatron import families  # noqa: E402
+from harness.runners.megatron import dsa, families  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 try:
@@ -108,15 +108,13 @@ def build_model(config, model, device: torch.device, skip_adapters=()):
     """``GPTModel`` on the local block spec, each layer's spec given the family's modules (``layer_spec``: MLA's
     core attention for DeepSeek-V3) and GPTModel the family's own arguments (``gpt_model_kwargs``: partial rotary)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     model = model_config(model)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = families.decoder_block_spec(model, config, WrappedTorchNorm)
     spec.layer_specs = [copy.deepcopy(s) for s in spec.layer_specs]
     for layer_spec in spec.layer_specs:
         families.layer_spec(model, layer_spec, skip_adapters)
-    spec.layer_norm = WrappedTorchNorm
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model.vocab_size,
                      max_sequence_length=int(model.max_position_embeddings), pre_process=True,
                      post_process=True, parallel_output=True, share_embeddings_and_output_weights=False,
@@ -151,8 +149,9 @@ def name_map(model, section: str = "megatron") -> dict:
             "buffers": {n for n, _ in family.buffers(model)},
             "modules": {s.name[len("module."):] for s in family.modules(model, 1)}}
     kept["not_captured"] = kept["modules"]
-    out, parts = {}, {}
-    for kind in ("parameters", "buffers", "modules", "not_captured"):
+    kept["detached"] = set(family.detached(model))
+    out, parts, rope_rows = {}, {}, {}
+    for kind in ("parameters", "detached", "buffers", "modules", "not_captured"):
         table = {}
         for group, entries in data.get(kind, {}).items():
             for group_subst in groups[group]:
@@ -168,29 +167,53 @@ def name_map(model, section: str = "megatron") -> dict:
                             table[key] = target.format(**subst) if kind == "modules" else (target.format(**subst),
                                                                                            [key])
                         else:
-                            fused = [n.format(**subst) for n in target.get("cat0") or target["interleave"]]
+                            fused = [n.format(**subst) for n in target.get("cat0") or target.get("interleave")
+                                     or [key]]
                             table[key] = target["name"].format(**subst) if kind == "modules" else (
                                 target["name"].format(**subst), fused)
+                            if "rope_rows" in target:
+                                rope_rows[key] = rope_permutation(model, target["rope_rows"])
                             if "interleave" in target:
                                 count, widths = grouping(model.family, model, f"{section}.{kind} {canonical!r}")
                                 source = table[key] if kind == "modules" else table[key][0]
                                 parts[key] = Rule("deinterleave", (source,), fused.index(key), groups=count,
                                                   widths=widths)
         out[kind] = table
-    out["parts"] = parts
+    out["parts"], out["rope_rows"] = parts, rope_rows
     return out
+
+
+def rope_permutation(model, rows: str) -> torch.Tensor:
+    """names.toml ``rope_rows`` (GLM-5): Megatron's row r of the weight is HF's row ``perm[r]``, so that MLA's
+    de-interleave of the rope dims (x[0::2], x[1::2]) gives HF's split halves back. `rows`: "head" (every head of
+    q_b_proj ends with its rope dims) or "latent" (kv_a_proj_with_mqa ends with them). HF's order back:
+    ``argsort(perm)``."""
+    attention = model.record.architecture(model).attention
+    rope = attention.rotary_dim
+    block = {"head": attention.head_dim, "latent": attention.kv_lora_rank + rope}[rows]
+    blocks = {"head": attention.heads, "latent": 1}[rows]
+    within = list(range(block - rope)) + [block - rope + i // 2 + (i % 2) * (rope // 2) for i in range(rope)]
+    return torch.tensor([b * block + r for b in range(blocks) for r in within])
+
+
+def to_canonical(names: dict, canonical: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """`tensor` (a gradient, dim 0, or a module output, dim -1) in HF's order where its rows were permuted on
+    loading (``rope_rows``); as it is elsewhere."""
+    perm = names.get("rope_rows", {}).get(canonical)
+    return tensor if perm is None else tensor.index_select(dim, torch.argsort(perm).to(tensor.device))
 
 
 def load_weights(model, names: dict, tensors: dict) -> None:
     from harness.capture.torch import apply_rule
 
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    expected = {m for m, _ in names["parameters"].values()}
+    expected = {m for m, _ in (names["parameters"] | names.get("detached", {})).values()}
     missing = sorted(set(params) - expected)
     if missing:
         raise RuntimeError(f"Megatron parameters without a name-map entry: {missing[:8]} ...")
     with torch.no_grad():
-        for kind, table, store in (("parameter", names["parameters"], params), ("buffer", names["buffers"], buffers)):
+        for kind, table, store in (("parameter", names["parameters"] | names.get("detached", {}), params),
+                                   ("buffer", names["buffers"], buffers)):
             for canonical, (megatron, sources) in table.items():
                 if megatron not in store:
                     raise RuntimeError(f"name map: {kind} {megatron!r} (for {canonical!r}) not in the Megatron model")
@@ -199,6 +222,8 @@ def load_weights(model, names: dict, tensors: dict) -> None:
                     value = apply_rule(replace(part, kind="interleave"), [tensors[s] for s in sources])
                 else:
                     value = torch.cat([tensors[s] for s in sources], dim=0)
+                if canonical in names.get("rope_rows", {}):
+                    value = value.index_select(0, names["rope_rows"][canonical].to(value.device))
                 target = store[megatron]
                 if tuple(target.shape) != tuple(value.shape):
                     raise RuntimeError(f"{canonical}: checkpoint {tuple(value.shape)} vs Megatron {megatron} "
@@ -217,12 +242,15 @@ class Capture:
     """Forward hooks on Megatron modules, outputs kept under canonical module names ([s, b, ...] -> [s, ...]).
     Kept small and in one place so it can move onto ``harness/capture/torch.py`` once that exists."""
 
-    def __init__(self, model, modules: dict[str, str], parts: dict | None = None):
+    def __init__(self, model, modules: dict[str, str], parts: dict | None = None, names: dict | None = None):
         self.outputs: dict[str, torch.Tensor] = {}
         self.handles = []
+        self.names = names or {}  # the name map: its rope_rows (GLM-5's rope dims, loaded permuted)
         self.parts = parts or {}  # canonical -> the rule taking its part of the module's output (q of linear_qkv)
         named = dict(model.named_modules())
         for canonical, target in modules.items():
+            if canonical.endswith(".indexer.selected"):  # DSAttention never calls its indexer: dsa.record_topk
+                continue
             pre = target.startswith("pre:")
             module = named[target.removeprefix("pre:")]
             if pre:
@@ -259,7 +287,7 @@ class Capture:
             from harness.capture.torch import apply_rule
 
             tensor = apply_rule(self.parts[canonical], [tensor], dim=-1)
-        self.outputs[f"module.{canonical}"] = tensor
+        self.outputs[f"module.{canonical}"] = to_canonical(self.names, canonical, tensor, -1)
 
     def remove(self):
         for handle in self.handles:
@@ -275,6 +303,10 @@ CORE_ATTENTION_ARGUMENTS = ("query", "key", "value")
 PART_WHY = ("one part of {module}'s output (q, k and v interleaved per query group): side a's q, k and v would have "
             "to be re-interleaved into it, which this runner does not do; the module's own inputs and outputs around "
             "it are re-fed")
+ROPE_ROWS_WHY = ("its output's rope dims are in Megatron's interleaved order (the rows were permuted on loading, "
+                 "names.toml rope_rows): side a's tensor would have to be permuted into it, which this runner does not "
+                 "do; the modules around it are re-fed")
+SELECTION_WHY = "the indexer's top-k choice, not a module output: it is recomputed from the re-fed indexer inputs"
 ROUTER_WHY = ("Megatron's TopKRouter returns (probs, routing_map), not one hidden-state tensor: it is recomputed "
               "inside the MoE block from side a's input")
 
@@ -286,13 +318,15 @@ def refeed_hooks(model, names: dict, request: dict):
 
     from harness.capture.torch import Refeed
 
-    parts = names.get("parts", {})
+    parts, rope_rows = names.get("parts", {}), names.get("rope_rows", {})
     units = {c: [t] for c, t in names["modules"].items() if not t.startswith("pre:") and not c.endswith(".mlp.gate")
-             and c not in parts}
+             and c not in parts and c not in rope_rows and not c.endswith(".indexer.selected")}
     units["lm_head"] = ["output_layer"]
     experts = {re.sub(r"\.experts\.\d+$", ".experts.{E}", c): why for c, why in names["not_captured"].items()}
     not_refed = {**experts, **{c: ROUTER_WHY for c in names["modules"] if c.endswith(".mlp.gate")},
-                 **{c: PART_WHY.format(module=names["modules"][c]) for c in names["modules"] if c in parts}}
+                 **{c: PART_WHY.format(module=names["modules"][c]) for c in names["modules"] if c in parts},
+                 **{c: ROPE_ROWS_WHY for c in names["modules"] if c in rope_rows},
+                 **{c: SELECTION_WHY for c in names["modules"] if c.endswith(".indexer.selected")}}
     # MLASelfAttention calls core_attention(query, key, value, attention_mask, ...): all three are replaced, so a
     # difference made before them (RoPE, the kv up-projection's split) shows in their rows, not in core attention's
     attention = {c: CORE_ATTENTION_ARGUMENTS for c in units if c.endswith(".self_attn.core_attention")}
@@ -313,12 +347,14 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
     if padding is not None:
         causal = causal | (padding.to(device) == 0).view(b, 1, 1, t)
     own = int(padding[0].sum()) if padding is not None else t  # the first sequence's tokens, padding left out
-    capture = Capture(model, names["modules"], names.get("parts"))
+    capture = Capture(model, names["modules"], names.get("parts"), names)
     logits_box = {}
     # A copy: vocab_parallel_cross_entropy subtracts the max and exponentiates fp32 logits in place.
     hook = model.output_layer.register_forward_hook(
         lambda m, a, o: logits_box.__setitem__("logits", o[0].detach().clone()))
     replay = refeed_hooks(model, names, refeed) if refeed else None  # after capture: its hooks see local tensors
+    selections = [c for c in names["modules"] if c.endswith(".indexer.selected")]  # in layer order
+    topk = dsa.record_topk() if selections else []
     with phases("forward"):
         if loss_path == "megatron":
             per_token = model(input_ids, position_ids, causal, labels=safe_labels)  # [b, s] fp32
@@ -333,6 +369,9 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
         torch_env.synchronize(device)
     capture.remove()
     hook.remove()
+    if len(topk) != len(selections):
+        raise RuntimeError(f"DSA top-k computed {len(topk)} times for {len(selections)} indexers")
+    capture.outputs.update({f"module.{c}": dsa.selected(i) for c, i in zip(selections, topk, strict=True)})
     if replay:
         hooks, units, not_refed = replay
         refeed.update(tensors=hooks.finish(), meta={**hooks.meta(), "units": list(units),
@@ -350,7 +389,7 @@ def forward_backward(model, names, tensors, device, phases, loss_path: str = "me
             from harness.capture.torch import apply_rule
 
             grad = apply_rule(parts[canonical], [grad]).contiguous()
-        outputs[f"grad.{canonical}"] = grad
+        outputs[f"grad.{canonical}"] = to_canonical(names, canonical, grad, 0)
     return outputs
 
 

@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from harness.case.ops import carried_quantities, step_quantities, train_state_names
 from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.families import model_config, routed_experts
+from harness.run.cell_state import patch
 from harness.run.protocol import Phases, rank_and_world
 from harness.run.steps import StepWriter, flips_here, state_locations
 from harness.runners.megatron import model as megatron_model
@@ -77,6 +78,31 @@ FLOAT64_ADAPTER = {
                                  "run on float64 parameters; the computation stays float64 (Megatron's norm itself "
                                  "is rounded to fp32 by local_multi_tensor_l2_norm, stated in [megatron.float64])",
 }
+
+
+CPU_STREAM_WHY = ("CPU only: torch.cuda.current_stream() answers a stand-in whose wait_event / wait_stream do "
+                  "nothing (megatron-core 0.19's param_and_grad_buffer.start_grad_sync asks for the stream to wait on "
+                  "CUDA-graph events, of which a CPU run has none)")
+
+
+def _waits_on_streams() -> bool:
+    """Whether Megatron's grad sync asks torch.cuda for the current stream (megatron-core >= 0.19), where this
+    torch has no CUDA."""
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("megatron-core").split(".")[:2])
+    return (major, minor) >= (0, 19) and not torch.cuda.is_available()
+
+
+class CpuStream:
+    """torch.cuda.current_stream() on a CPU (``cpu_current_stream``): nothing runs asynchronously, nothing to wait
+    for."""
+
+    def wait_event(self, _event) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
 
 
 class CudaOnCpu(TorchFunctionMode):
@@ -143,6 +169,9 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         adapters = megatron_model.install_adapters(device, m, skip_adapters)
         on_cpu, float64 = device.type == "cpu", dtype == torch.float64
         named = {**(TRAIN_ADAPTERS if on_cpu else {}), **(FLOAT64_ADAPTER if float64 else {})}
+        if on_cpu and _waits_on_streams() and "cpu_current_stream" not in skip_adapters:
+            patch(torch.cuda, "current_stream", lambda device=None: CpuStream())
+            named["cpu_current_stream"] = CPU_STREAM_WHY
         adapters += [{"name": n, "why": why, "changes_computation": False} for n, why in named.items()
                      if n not in skip_adapters]
         adapters.append({"name": "clip_scale", "why": clip_scale.__doc__.split("(")[0].strip() + " (an observer)",
@@ -391,6 +420,19 @@ def held(states, quantity: str, clone: bool = False) -> tuple[dict, dict]:
              for name, parts in pieces.items()})
 
 
+class RowOrder:
+    """A name map's ``rope_rows`` as ``MegatronStates`` reads a part: the Megatron row of each canonical row, in
+    order (the permutation's inverse), so every quantity of the parameter is read and written in HF's row order."""
+
+    index = None
+
+    def __init__(self, megatron_rows: list[int]):
+        self.megatron_rows = megatron_rows
+
+    def rows(self, _index=None) -> list[int]:
+        return self.megatron_rows
+
+
 class MegatronStates:
     """The per-parameter state of Megatron's optimizer in canonical names (the interface of
     harness.runners.torch.train_state), through the family's name map ([megatron.parameters], read by
@@ -415,6 +457,8 @@ class MegatronStates:
         # a canonical tensor that is one part of a fused Megatron tensor (q, k or v of linear_qkv): the name map's
         # rule that takes it (kind deinterleave, harness.families.names), as the model level takes its gradient
         self.parts = {name: rule for name, rule in names.get("parts", {}).items() if name in self.rules}
+        self.parts.update({name: RowOrder(torch.argsort(perm).tolist())  # GLM-5's rope rows, permuted on loading
+                           for name, perm in names.get("rope_rows", {}).items() if name in self.rules})
         self.shapes = shapes or {name: (len(self.parts[name].rows(self.parts[name].index)), *param.shape[1:])
                                  if name in self.parts else tuple(param.shape) for name, param in self.rules.items()}
         self.experts = experts  # the routed experts' canonical names: held in pieces on several expert-parallel ranks
