@@ -71,6 +71,8 @@ def test_the_2layer_cases_have_116_gradients_and_say_their_pairs():
     selected = [s for s in case.output_specs() if s.name.endswith(".indexer.selected")]
     assert [(s.name, s.shape) for s in selected] == [
         ("module.model.layers.0.self_attn.compressor.indexer.selected", (16, 4))]  # CSA layer 0: 16 // 4 entries
+    probs = {s.name: s.dtype for s in case.output_specs() if s.name.endswith(".mlp.gate.probs")}
+    assert probs == {f"module.model.layers.{layer}.mlp.gate.probs": None for layer in (0, 1)}  # the model's dtype
     inputs = {s.name: s for s in case.input_specs()}
     table = inputs["model.layers.0.mlp.gate.tid2eid"]  # layer 0 hash-routed, layer 1 top-k with a routing bias
     assert (table.shape, table.dtype, table.role, case.tensors[table.name]) == (

@@ -135,6 +135,9 @@ class Moe:
     # buffer [vocab, topk] of the checkpoint; DeepSeek-V4's hash layers); the router's scores still weight them
     hash_layers: tuple[int, ...] = ()
     swiglu_limit: float = 0.0  # > 0: every expert's gate clamped to <= limit and up to [-limit, limit] (DeepSeek-V4)
+    # The router's scores and routing weights in the model's dtype (DeepSeek-V4's routers cast nothing); else in
+    # float32 or wider, as the other families' HF routers compute them
+    scores_in_model_dtype: bool = False
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,8 @@ def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
         else:
             moe = a.moe
             specs += [TensorSpec(p + "mlp.gate.topk_indices", (t, moe.topk), "output", "int64"),
-                      TensorSpec(p + "mlp.gate.probs", (t, moe.experts), "output", FLOAT32_OR_WIDER)]
+                      TensorSpec(p + "mlp.gate.probs", (t, moe.experts), "output",
+                                 None if moe.scores_in_model_dtype else FLOAT32_OR_WIDER)]
             specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(moe.experts)]
             if moe.shared_ffn:
                 specs.append(TensorSpec(p + f"mlp.{moe.shared_expert}", (t, h), "output"))

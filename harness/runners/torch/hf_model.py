@@ -219,8 +219,7 @@ def _state_dict(model, checkpoint: dict, name_map: NameMap, m, dtype: torch.dtyp
 
 def canonical_routing(indices: torch.Tensor, weights: torch.Tensor, experts: int):
     """topk_indices with each row ascending, and probs [T, E]: the weights at their experts, zero elsewhere
-    (a permutation and a scatter: exact), in float32 or wider (bf16 weights, DeepSeek-V4's, widened: exact)."""
+    (a permutation and a scatter: exact)."""
     ordered, _ = indices.sort(dim=-1)
-    wide = torch.promote_types(weights.dtype, torch.float32)
-    probs = torch.zeros(indices.shape[0], experts, dtype=wide, device=weights.device)
-    return ordered, probs.scatter(1, indices, weights.to(wide))
+    probs = torch.zeros(indices.shape[0], experts, dtype=weights.dtype, device=weights.device)
+    return ordered, probs.scatter(1, indices, weights)
