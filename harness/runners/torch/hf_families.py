@@ -143,7 +143,9 @@ def rotary(model, hf, m: FamilyConfig, config, device, dtype: torch.dtype) -> No
     DeepSeek-V4's compressors' and indexers' own; in float64 the model's tables in float64, unless hf.toml's
     ``[float64_kept]`` keeps HF's ``rope``."""
     make = getattr(hf, rotary_class(m))
-    for owner in [module for module in model.modules() if isinstance(getattr(module, "rotary_emb", None), make)]:
+    inner = model.model
+    for owner in [inner, *(module for module in inner.modules() if module is not inner
+                           and isinstance(getattr(module, "rotary_emb", None), make))]:
         if "device" in inspect.signature(make).parameters:  # transformers 5.3.0 computes the tables on `device`
             owner.rotary_emb = make(config=config, device=device)
         else:  # 5.23.0 computes them on the default device: the same place
