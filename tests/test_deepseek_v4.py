@@ -44,6 +44,8 @@ def test_defaults_are_deepseek_v4s_values():
         256, 6, 2048, 1.5, "sqrtsoftplus")
     assert (a.moe.hash_layers, a.moe.swiglu_limit) == ((0, 1, 2), 10.0)
     assert DeepseekV4Config.from_dict(v4.to_dict()) == v4
+    none_hashed = DeepseekV4Config.resolve({"num_hash_layers": 0})  # every layer top-k, each with its routing bias
+    assert (FAMILY.architecture(none_hashed).moe.hash_layers, len(FAMILY.buffers(none_hashed))) == ((), 43)
 
 
 @pytest.mark.parametrize("given, problem", [
