@@ -1,7 +1,7 @@
-"""DeepSeek-V4 has no family here (no stack but transformers 5.23.0 builds it), so its HF run is made usable as the
-reference a user's own captured run is compared against: docs/examples/zoo/deepseek_v4_reference.py trains
-transformers 5.23.0's tiny DeepseekV4ForCausalLM with the recorder in its own names, in the environment that holds
-5.23.0, and compare-runs reads it (docs/model.md "DeepSeek-V4")."""
+"""A DeepSeek-V4 run recorded in its own names, as a user's own training code records it (beside the family's
+canonical reference, deepseek_v4_2layer_train: tests/test_deepseek_v4.py): docs/examples/zoo/deepseek_v4_reference.py
+trains transformers 5.23.0's tiny DeepseekV4ForCausalLM with the recorder, in the environment that holds 5.23.0, and
+compare-runs reads it (docs/model.md "DeepSeek-V4")."""
 
 from __future__ import annotations
 

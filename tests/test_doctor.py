@@ -77,8 +77,9 @@ def test_the_model_runners_are_probed_and_never_ok_unasked(doctor, tmp_path):
     assert "get_megatron_optimizer" in megatron["ops"]["causal_lm_train"]["would_run"]
     assert hf["ok"] and hf["versions"]["transformers"] and "DeepseekV3ForCausalLM" in hf["ops"]["causal_lm"][
         "would_run"]
-    # DeepSeek-V3.2's HF side runs in its own environment (transformers 5.23.0), not in this interpreter's 5.3.0
-    assert hf["families_elsewhere"] == ["deepseek_v32: in the environment 'transformers-5.23.0'"], hf
+    # DeepSeek-V3.2's and V4's HF side runs in its own environment (transformers 5.23.0), not this interpreter's 5.3.0
+    assert hf["families_elsewhere"] == ["deepseek_v32: in the environment 'transformers-5.23.0'",
+                                        "deepseek_v4: in the environment 'transformers-5.23.0'"], hf
     assert paddle["ok"] and paddle["versions"]["paddleformers"], paddle
     # a family PaddleFormers has no dygraph model of (its cases state paddle_model UNSUPPORTED in float32) is named
     # UNSUPPORTED, the runner stays usable

@@ -40,9 +40,9 @@ def absent_environment(monkeypatch):
     monkeypatch.setitem(environments.ENVIRONMENTS, NAME, gone)
 
 
-def test_deepseek_v32_alone_names_an_environment():
+def test_deepseek_v32_and_v4_alone_name_an_environment():
     assert {name: environments.of_family(f) for name, f in FAMILIES.items() if environments.of_family(f)} == {
-        "deepseek_v32": NAME}
+        "deepseek_v32": NAME, "deepseek_v4": NAME}
 
 
 def test_the_hf_side_and_the_truth_of_such_a_family_get_its_interpreter_and_the_others_this_one(no_overrides):

@@ -55,7 +55,8 @@ def test_two_families_of_one_name_are_named(tmp_path):
 @pytest.mark.parametrize(("edit", "problem"), [
     (lambda t: t.replace('[family]', '[family\n'), r"0_glm4_moe/family.toml: not TOML"),
     (lambda t: t.replace('kind = "gqa"', 'kind = "mqa"'),
-     r"0_glm4_moe/family.toml: \[architecture.attention\] kind = 'mqa': must be one of \('gqa', 'mla'\)"),
+     r"0_glm4_moe/family.toml: \[architecture.attention\] kind = 'mqa': must be one of \('gqa', 'mla', "
+     r"'compressed'\)"),
     (lambda t: t.replace('heads = "=num_attention_heads"', 'heads = "=num_heads"'),
      r"0_glm4_moe/family.toml: \[architecture\] does not describe the default config: "
      r"'num_heads' names 'num_heads', which the config has not"),
@@ -129,7 +130,7 @@ def _other(allowed: tuple):
 def test_the_layout_is_derived_from_the_architecture(family):
     """Parameters, gradients and modules agree with each other and the architecture at a small config: one embedding,
     per layer the attention and a dense or MoE MLP, the final norm and lm_head; a gradient for every trained tensor
-    (gate and up fused); buffers only where the architecture has a routing bias."""
+    (an MLP's gate and up fused); buffers only where the architecture has a routing bias (not in a hash layer)."""
     m = family.config.resolve(_small(family))
     a = family.architecture(m)
     params = family.parameters(m)
@@ -139,14 +140,14 @@ def test_the_layout_is_derived_from_the_architecture(family):
     experts = sum(a.moe.experts for _ in moe) if a.moe else 0
     assert sum(".mlp.experts." in n and n.endswith("down_proj.weight") for n in names) == experts
     assert [n for n, _ in family.buffers(m)] == [
-        f"model.layers.{layer}.{a.moe.expert_bias}.e_score_correction_bias" for layer in moe] if a.moe and \
-        a.moe.expert_bias else family.buffers(m) == []
-    detached = set(family.detached(m))  # a DSA indexer's: the LM loss does not reach them
-    assert detached == ({n for n in names if ".self_attn.indexer." in n} if a.attention.indexer else set())
-    trained = [n for n, _, kind in params if n not in detached and (kind != "buffer" and not n.endswith(
-        "up_proj.weight") or n.endswith("gate_up_proj.weight"))]
+        f"model.layers.{layer}.{a.moe.expert_bias}.e_score_correction_bias" for layer in moe
+        if layer not in a.moe.hash_layers] if a.moe and a.moe.expert_bias else family.buffers(m) == []
+    detached = set(family.detached(m))  # an indexer's (DSA, DeepSeek-V4's CSA): the LM loss does not reach them
+    assert detached == ({n for n in names if ".indexer." in n} if a.attention.indexer else set())
+    trained = [n for n, _, kind in params if n not in detached and (kind not in ("buffer", "hash") and not (
+        ".mlp." in n and n.endswith("up_proj.weight")) or n.endswith("gate_up_proj.weight"))]
     grads = {n.removeprefix("grad.") for n, _ in family.gradients(m)}
-    assert grads == {n.replace("gate_proj", "gate_up_proj") for n in trained}
+    assert grads == {n.replace("gate_proj", "gate_up_proj") if ".mlp." in n else n for n in trained}
     modules = [s.name for s in family.modules(m, 3)]
     assert modules[0] == "module.model.embed_tokens" and modules[-1] == "module.model.norm"
     assert sum(n.endswith(".mlp.gate.probs") for n in modules) == len(moe)
@@ -159,9 +160,9 @@ def _small(family: Family) -> dict:
     small = {"num_hidden_layers": 2, "vocab_size": 64}
     if "mlp_layer_types" in real:  # one entry per layer
         small["mlp_layer_types"] = ["dense", "sparse"]
-    if "layer_types" in real:  # one entry per layer (Qwen3.5-MoE: Gated DeltaNet, then attention)
-        small["layer_types"] = ["linear_attention", "full_attention"]
-    for key, width in (("n_routed_experts", 4), ("num_experts", 4), ("num_local_experts", 4),
+    if "layer_types" in real:  # one entry per layer: the real schedule's first two kinds (Qwen3.5-MoE: Gated
+        small["layer_types"] = list(dict.fromkeys(real["layer_types"]))[:2]  # DeltaNet, attention; V4: HCA, CSA)
+    for key, width in (("n_routed_experts", 4), ("num_experts", 4), ("num_local_experts", 4), ("num_hash_layers", 1),
                        ("num_experts_per_tok", 2), ("first_k_dense_replace", 1), ("n_group", 1), ("topk_group", 1)):
         if key in real:
             small[key] = width

@@ -32,7 +32,22 @@ HERE = [name for name, family in FAMILIES.items() if environments.of_family(fami
 # Where each family's transformers returns the routing, in the release its HF side runs on (hf_families.routing)
 ROUTING = {"deepseek_v3": "route_tokens_to_experts", "glm4_moe": "route_tokens_to_experts",
            "glm_moe_dsa": "route_tokens_to_experts", "qwen2_moe": "router_output", "qwen3_moe": "router_output",
-           "minimax_m2": "router_output", "deepseek_v32": "router_output", "qwen3_5_moe": "router_output"}
+           "minimax_m2": "router_output", "deepseek_v32": "router_output", "qwen3_5_moe": "router_output",
+           "deepseek_v4": "router_output"}
+
+
+def hash_moe_layers(types: list[str]):
+    """How many leading hash layers DeepSeek-V4's mlp_layer_types holds (the schedule itself where it is no such)."""
+    hashed = types.count("hash_moe")
+    return hashed if types == ["hash_moe"] * hashed + ["moe"] * (len(types) - hashed) else types
+
+
+# Keys a family gives under a legacy name that its transformers config folds into another (hf.toml says which):
+# where the config keeps each
+FOLDED = {"deepseek_v4": lambda config: {
+    "compress_rate_csa": config.compress_rates["compressed_sparse_attention"],
+    "compress_rate_hca": config.compress_rates["heavily_compressed_attention"],
+    "num_hash_layers": hash_moe_layers(config.mlp_layer_types)}}
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +111,19 @@ def test_the_hf_config_is_every_key_as_given(models, family):
 
     m = models[family]
     _, config, _ = hf_model_of(m)
+    folded = FOLDED.get(family, lambda _: {})(config)
     for key in FAMILIES[family].stack("hf")["keys"]:
         value = getattr(m, key)
-        assert getattr(config, key) == (list(value) if isinstance(value, tuple) else value), f"{family}: {key}"
+        held = folded[key] if key in folded else getattr(config, key)
+        assert held == (list(value) if isinstance(value, tuple) else value), f"{family}: {key}"
     assert (config._attn_implementation, config._experts_implementation, config.use_cache) == ("eager", "eager", False)
     attention = FAMILIES[family].architecture(m).attention
     rope = config.rope_parameters
+    if attention.kind == "compressed":  # DeepSeek-V4: a table per RoPE kind, the compressed layers' its "compress"
+        assert (rope["main"]["rope_theta"], rope["compress"]["rope_theta"]) == (m.rope_theta, attention.rope_theta)
+        assert {kind: (table["rope_type"], table["partial_rotary_factor"] * attention.head_dim)
+                for kind, table in rope.items()} == {kind: ("default", attention.rotary_dim) for kind in rope}
+        return
     assert rope["rope_theta"] == attention.rope_theta and rope == hf_families.rope_parameters(m)
     if attention.kind == "gqa":
         assert rope.get("partial_rotary_factor", 1.0) * attention.head_dim == attention.rotary_dim
@@ -110,22 +132,29 @@ def test_the_hf_config_is_every_key_as_given(models, family):
 @pytest.mark.parametrize("family", HERE)
 def test_float64_mode_replaces_the_familys_islands_and_puts_hfs_back(models, family):
     """Inside: RMSNorm, the router and eager attention replaced, meta.json told each (and the RoPE tables and the
-    loss); after: transformers' own back. Off: nothing replaced, nothing told."""
+    loss); after: transformers' own back. Off: nothing replaced, nothing told. An island hf.toml's [float64_kept]
+    names (DeepSeek-V4's router, attention and RoPE) stays HF's own, and meta.json says so with why."""
     from harness.runners.torch import hf_families
 
     m = models[family]
     spec = FAMILIES[family].stack("hf")
+    kept = spec.get("float64_kept", {})
     hf = hf_families.modeling(m)
-    owners = [(getattr(hf, f"{spec['prefix']}RMSNorm"), "forward"), (getattr(hf, spec["router"]), "forward"),
-              (hf, "eager_attention_forward")]
-    before = [getattr(owner, name) for owner, name in owners]
+    islands = {"router": ((getattr(hf, spec["router"]), "forward"), f"{spec['router']}.forward"),
+               "attention": ((hf, "eager_attention_forward"), "eager_attention_forward")}
+    owners = [(getattr(hf, f"{spec['prefix']}RMSNorm"), "forward")] + [o for k, (o, _) in islands.items()
+                                                                      if k not in kept]
+    untouched = [o for k, (o, _) in islands.items() if k in kept]
+    before, before_kept = [getattr(o, n) for o, n in owners], [getattr(o, n) for o, n in untouched]
     with hf_families.float64_mode(hf, m, on=False) as replaced:
         assert replaced == {} and [getattr(o, n) for o, n in owners] == before
     with hf_families.float64_mode(hf, m) as replaced:
         assert all(getattr(o, n) is not b for (o, n), b in zip(owners, before, strict=True))
-        assert set(replaced) == {f"{spec['prefix']}RMSNorm.forward", f"{spec['router']}.forward",
-                                 "eager_attention_forward", hf_families.rotary_class(m), "loss"}
-        assert all("float64" in why for why in replaced.values())
+        assert [getattr(o, n) for o, n in untouched] == before_kept
+        made = {f"{spec['prefix']}RMSNorm.forward", *(label for k, (_, label) in islands.items() if k not in kept),
+                *([] if "rope" in kept else [hf_families.rotary_class(m)]), "loss"}
+        assert set(replaced) == made | {f"{island} (HF's own)" for island in kept}
+        assert all("float64" in replaced[label] for label in made)
     assert [getattr(o, n) for o, n in owners] == before
 
 
@@ -187,7 +216,8 @@ def test_a_float64_run_in_its_own_process_names_the_familys_model_knobs_and_rout
     assert meta["implementation"].startswith(
         f"transformers.models.{module}.modeling_{module}.{spec['prefix']}ForCausalLM (HF transformers, torch)")
     assert {k: meta["knobs"][k] for k in spec.get("knobs", {})} == spec.get("knobs", {})
-    assert f"{spec['router']}.forward" in meta["float64_mode"]
+    router = "router (HF's own)" if "router" in spec.get("float64_kept", {}) else f"{spec['router']}.forward"
+    assert router in meta["float64_mode"]
     moe = FAMILIES[family].moe_layers(m)
     assert list(meta["routing"]) == [f"layer {layer}" for layer in moe]
     outputs = load_file(str(tmp_path / "out" / "outputs.safetensors"))
@@ -221,7 +251,9 @@ def test_transformers_own_loading_gives_the_name_maps_tensors_bit_for_bit(models
 
     m = models[family]
     record, generator = FAMILIES[family], torch.Generator().manual_seed(0)
-    canonical = {name: torch.randn(shape, generator=generator) for name, shape, _ in record.parameters(m)}
+    experts = record.routed_experts(m)  # a hash table (kind "hash") holds expert ids
+    canonical = {name: torch.randint(0, experts, shape, generator=generator) if kind == "hash" else
+                 torch.randn(shape, generator=generator) for name, shape, kind in record.parameters(m)}
     disk = on_disk(family, m)
     save_file({disk(name): tensor for name, tensor in canonical.items()}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})

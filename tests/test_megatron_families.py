@@ -204,7 +204,8 @@ def test_a_sigmoid_router_with_one_expert_per_token_is_unsupported(family):
 @pytest.mark.skipif(absent("torch", "megatron.core") or megatron_has_dsa_switches(),
                     reason="megatron-core 0.16-0.18 (0.19 builds GLM-5: tests/test_megatron_dsa.py)")
 @pytest.mark.parametrize("family", [name for name in FAMILIES
-                                    if FAMILIES[name].architecture(model_config(TINY[name])).attention.indexer])
+                                    if FAMILIES[name].architecture(model_config(TINY[name])).attention.kind == "mla"
+                                    and FAMILIES[name].architecture(model_config(TINY[name])).attention.indexer])
 def test_a_family_with_a_dsa_indexer_is_unsupported_naming_what_is_missing(family):
     """megatron-core 0.16's indexer always applies its Hadamard rotation (fast_hadamard_transform, bf16): the room
     refuses before it builds anything, naming the version that can switch it off (0.19: tests/test_megatron_dsa.py)."""
@@ -215,6 +216,20 @@ def test_a_family_with_a_dsa_indexer_is_unsupported_naming_what_is_missing(famil
 
     with pytest.raises(Unsupported, match="indexer needs megatron-core >= 0.19"):
         families.translate_config(model_config(TINY[family]), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")
+def test_a_family_no_released_megatron_core_builds_is_unsupported_naming_its_blocks():
+    """DeepSeek-V4's megatron.toml says what no released Megatron-Core has (its compressed attentions, hyper-
+    connections, hash routing): the room refuses with that text and the installed version before it builds."""
+    import torch
+
+    from harness.run.protocol import Unsupported
+    from harness.runners.megatron import families
+
+    with pytest.raises(Unsupported, match=r"DeepSeek-V4's blocks are in no released Megatron-Core \(installed: "
+                                          r"\d+\.\d+\.\d+\): no compressed sparse attention .* no hash routing"):
+        families.translate_config(model_config(TINY["deepseek_v4"]), torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.skipif(absent("torch", "megatron.core"), reason="the Megatron builder imports megatron.core")

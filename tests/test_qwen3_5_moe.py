@@ -156,7 +156,9 @@ def test_the_float64_islands_keep_hfs_formulas_for_the_zero_centred_norm_and_m_r
     cos32, sin32 = rotary(x, positions)
     with hf_families.float64_mode(hf, m):
         ours = norm(x)
-        hf_families.rotary(type("M", (), {"model": type("Inner", (), {})()})(), hf, m, config, "cpu", torch.float64)
+        outer = torch.nn.Module()  # a stand-in for the causal LM: the room makes outer.model.rotary_emb
+        outer.model = torch.nn.Module()
+        hf_families.rotary(outer, hf, m, config, "cpu", torch.float64)
     assert (ours - theirs).abs().max() < 1e-5 < (hf_float64.rms_norm(
         type("Plain", (), {"weight": norm.weight, "variance_epsilon": 1e-6})(), x) - ours).abs().max()
     rotary64 = hf.Qwen3_5MoeTextRotaryEmbedding(config=config)

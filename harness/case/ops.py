@@ -462,6 +462,8 @@ def _causal_lm_inputs(shapes, tokens, config):
     for name, shape, kind in m.record.parameters(m):
         if kind == "buffer":
             specs.append(TensorSpec(name, shape, "weight", FLOAT32_OR_WIDER, default_dist=BUFFER_DIST))
+        elif kind == "hash":  # a hash layer's expert table: each token's experts, drawn from [0, experts)
+            specs.append(TensorSpec(name, shape, "weight", "int64", high=m.record.routed_experts(m)))
         else:
             specs.append(TensorSpec(name, shape, "weight", default_dist=NORM_DIST if kind == "norm" else None))
     return specs + [TensorSpec("input_ids", (tokens,), "ids", "int64", high=m.vocab_size),

@@ -374,11 +374,12 @@ def _build(name: str, path: Path, table: dict) -> Case:
             if tensor_name in tensors_table:
                 raise f.error(f"tensors.{tensor_name}", "is derived from the ids (next token), not drawn", given)
             continue
-        default = ({"dist": "randint", "high": input_spec.high} if role == "ids"
+        integer = role == "ids" or input_spec.dtype == "int64"  # token ids; an integer weight (a hash table)
+        default = ({"dist": "randint", "high": input_spec.high} if integer
                    else input_spec.default_dist or DEFAULT_DISTRIBUTION[role])
         merged = {**default, **given}
-        if (merged["dist"] == "randint") != (role == "ids") or (
-                role == "ids" and not 0 < _number(merged.get("high")) <= input_spec.high):
+        if (merged["dist"] == "randint") != integer or (
+                integer and not 0 < _number(merged.get("high")) <= input_spec.high):
             raise f.error(f"tensors.{tensor_name}", f"integer tensors take dist = 'randint' with 0 < high <= "
                           f"{input_spec.high}; float tensors take normal or uniform", given)
         tensors[tensor_name] = _distribution(f, tensor_name, merged, given)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention (MHA when kv_heads == heads); multi-latent attention
+# grouped-query attention (MHA when kv_heads == heads); multi-latent attention; DeepSeek-V4's compressed attention
+ATTENTION_KINDS = ("gqa", "mla", "compressed")
 QK_NORMS = ("none", "per_head", "all_heads")  # RMSNorm of q and k: none, over each head, over all heads of a token
-SCORINGS = ("softmax", "sigmoid")  # the router's scores
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")  # the router's scores (sqrtsoftplus: sqrt(softplus(x)), DeepSeek-V4)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,23 @@ class Indexer:
     heads: int
     head_dim: int  # its RoPE part is the attention's rotary_dim
     topk: int
+
+
+@dataclass(frozen=True)
+class Compression:
+    """DeepSeek-V4's compressed KV (attention kind "compressed"), added to a sliding window of the layer's own keys:
+    in ``csa_layers`` (compressed sparse attention) each ``csa_rate`` tokens make one entry from two overlapping
+    series (kv_proj and gate_proj twice as wide, a softmax over 2 x csa_rate slots), and the attention's ``indexer``
+    picks each query's top-k entries; in ``hca_layers`` (heavily compressed attention) each ``hca_rate`` tokens make
+    one entry, every earlier one attended. Each compressor: kv_proj, gate_proj, position_bias [rate, width], kv_norm;
+    the CSA indexer has its own compressor of ``indexer.head_dim``, q_b_proj from the q latent and
+    scorer.weights_proj, and, returning indices only, gets no gradient."""
+
+    csa_layers: tuple[int, ...]
+    hca_layers: tuple[int, ...]
+    csa_rate: int
+    hca_rate: int
+    window: int  # the sliding window of the layer's own (uncompressed) keys
 
 
 @dataclass(frozen=True)
@@ -55,7 +73,10 @@ class LinearAttention:
 class Attention:
     """One layer's self-attention. ``kind`` "gqa": q_proj, k_proj, v_proj, o_proj (biases on q, k, v when
     ``qkv_bias``); "mla": q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
-    (and an ``indexer`` with DSA)."""
+    (and an ``indexer`` with DSA); "compressed" (DeepSeek-V4): q_a_proj, q_a_norm, q_b_proj (then an unweighted
+    per-head RMSNorm), one shared key=value head (kv_proj, kv_norm), a learned sink per head, the ``compression``
+    of its layer, and the grouped output projection (o_a_proj: ``o_groups`` blocks of heads x head_dim / o_groups to
+    o_lora_rank each; o_b_proj) in place of o_proj."""
 
     kind: str
     heads: int
@@ -72,6 +93,9 @@ class Attention:
     # GQA only: q_proj is twice as wide, per head its query then its gate; o_proj reads the attention times
     # sigmoid(gate) (Qwen3.5's gated attention)
     output_gate: bool = False
+    compression: Compression | None = None  # kind "compressed" only
+    o_groups: int = 0  # kind "compressed" only: the grouped output projection's groups
+    o_lora_rank: int = 0  # kind "compressed" only: each group's output width
 
     @property
     def q_width(self) -> int:
@@ -107,6 +131,13 @@ class Moe:
     shared_ffn: int = 0
     shared_expert: str = "shared_experts"  # its module under the layer's mlp (the HF checkpoint's name)
     shared_gate: bool = False  # mlp.shared_expert_gate: [1, hidden], sigmoid of it scales the shared expert
+    # Layers routed by a fixed table instead of the top-k: the experts of token t are mlp.gate.tid2eid[t] (an int64
+    # buffer [vocab, topk] of the checkpoint; DeepSeek-V4's hash layers); the router's scores still weight them
+    hash_layers: tuple[int, ...] = ()
+    swiglu_limit: float = 0.0  # > 0: every expert's gate clamped to <= limit and up to [-limit, limit] (DeepSeek-V4)
+    # The router's scores and routing weights in the model's dtype (DeepSeek-V4's routers cast nothing); else in
+    # float32 or wider, as the other families' HF routers compute them
+    scores_in_model_dtype: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,7 +145,11 @@ class Architecture:
     """A whole causal LM: embedding, ``layers`` decoder layers (pre-norm attention, or Gated DeltaNet in
     ``linear_layers``; pre-norm MLP: dense in ``dense_layers``, MoE in the others), final norm, untied lm_head; every
     norm an RMSNorm of ``norm_eps``. With ``zero_centred_norms`` the layer, final and q/k norms scale by 1 + weight
-    (the checkpoint holds weights near 0: Qwen3.5's ``output * (1.0 + weight)``); a GDN's gated norm does not."""
+    (the checkpoint holds weights near 0: Qwen3.5's ``output * (1.0 + weight)``); a GDN's gated norm does not. With
+    ``hc_streams`` > 0 (DeepSeek-V4's manifold-constrained hyper-connections) the residual is that many streams
+    ([T, streams, hidden]): before the attention and before the MLP a hyper-connection (attn_hc, ffn_hc: fn, base,
+    scale) collapses them into the block's input and mixes the block's output back in; model.hc_head (hc_fn,
+    hc_base, hc_scale) collapses them before the final norm."""
 
     vocab: int
     hidden: int
@@ -127,6 +162,7 @@ class Architecture:
     linear_attention: LinearAttention | None = None
     linear_layers: tuple[int, ...] = ()  # the layers whose token mixer is linear_attention (none without one)
     zero_centred_norms: bool = False
+    hc_streams: int = 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

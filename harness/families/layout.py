@@ -14,25 +14,32 @@ Parameter = tuple[str, tuple[int, ...], str]
 def parameters(a: Architecture) -> list[Parameter]:
     """(HF checkpoint name, shape, kind) of every parameter in forward order; kind: linear | bias | norm (weights near
     1) | zero_centred_norm (scaled by 1 + weight: near 0) | embedding | router | buffer (the routing bias) | conv |
-    decay (a GDN's A_log). An indexer's parameters come after MLA's, in HF's order (wq_b, wk, k_norm's weight and bias,
+    decay (a GDN's A_log) | hash (a hash layer's int64 expert table, never trained).
+    An indexer's parameters come after MLA's, in HF's order (wq_b, wk, k_norm's weight and bias,
     weights_proj), as the attention calls them; a Gated DeltaNet's in the order its forward uses them."""
     h, norm = a.hidden, _norm_kind(a)
     params: list[Parameter] = [("model.embed_tokens.weight", (a.vocab, h), "embedding")]
     for layer in range(a.layers):
         p = f"model.layers.{layer}."
+        params += _hyper_connection(a, p + "attn_hc.")
         params.append((p + "input_layernorm.weight", (h,), norm))
         if a.is_linear(layer):
             params += _linear_attention(a, p + "linear_attn.")
+        elif a.attention.kind == "compressed":
+            params += _compressed_attention(a, layer, p + "self_attn.")
         else:
             params += _attention(a.attention, h, p + "self_attn.", norm)
             params.append((p + "self_attn.o_proj.weight", (h, a.attention.out_width), "linear"))
+        params += _hyper_connection(a, p + "ffn_hc.")
         params.append((p + "post_attention_layernorm.weight", (h,), norm))
         if not a.is_moe(layer):
             params += _mlp(p + "mlp.", a.dense_ffn, h)
             continue
         moe = a.moe
         params.append((p + "mlp.gate.weight", (moe.experts, h), "router"))
-        if moe.expert_bias:
+        if layer in moe.hash_layers:
+            params.append((p + "mlp.gate.tid2eid", (a.vocab, moe.topk), "hash"))
+        elif moe.expert_bias:
             params.append((p + moe.expert_bias + ".e_score_correction_bias", (moe.experts,), "buffer"))
         for expert in range(moe.experts):
             params += _mlp(p + f"mlp.experts.{expert}.", moe.ffn, h)
@@ -40,7 +47,57 @@ def parameters(a: Architecture) -> list[Parameter]:
             params += _mlp(p + f"mlp.{moe.shared_expert}.", moe.shared_ffn, h)
         if moe.shared_gate:
             params.append((p + "mlp.shared_expert_gate.weight", (1, h), "linear"))
+    if a.hc_streams:
+        n = a.hc_streams
+        params += [("model.hc_head.hc_fn", (n, n * h), "linear"), ("model.hc_head.hc_base", (n,), "bias"),
+                   ("model.hc_head.hc_scale", (1,), "norm")]
     return params + [("model.norm.weight", (h,), norm), ("lm_head.weight", (a.vocab, h), "linear")]
+
+
+def _hyper_connection(a: Architecture, p: str) -> list[Parameter]:
+    """A hyper-connection's parameters (none without streams): fn maps the n flattened streams to n pre weights, n
+    post weights and an n x n mixing matrix; base is added to them; scale (near 1) multiplies each of the three."""
+    n, h = a.hc_streams, a.hidden
+    if not n:
+        return []
+    return [(p + "fn", ((2 + n) * n, n * h), "linear"), (p + "base", ((2 + n) * n,), "bias"),
+            (p + "scale", (3,), "norm")]
+
+
+def _compressed_attention(a: Architecture, layer: int, p: str) -> list[Parameter]:
+    """DeepSeek-V4's attention (HF's DeepseekV4Attention names), in its forward's order: the q latent and q_b_proj,
+    the shared key=value head, the layer's compressor (with the CSA indexer), the sinks, the grouped output
+    projection."""
+    at, h, c = a.attention, a.hidden, a.attention.compression
+    params = [(p + "q_a_proj.weight", (at.q_lora_rank, h), "linear"),
+              (p + "q_a_norm.weight", (at.q_lora_rank,), "norm"),
+              (p + "q_b_proj.weight", (at.q_width, at.q_lora_rank), "linear"),
+              (p + "kv_proj.weight", (at.head_dim, h), "linear"), (p + "kv_norm.weight", (at.head_dim,), "norm")]
+    if layer in c.csa_layers:
+        params += _compressor(p + "compressor.", c.csa_rate, at.head_dim, 2, h)
+        params += _compressed_indexer(at, h, p + "compressor.indexer.")
+    elif layer in c.hca_layers:
+        params += _compressor(p + "compressor.", c.hca_rate, at.head_dim, 1, h)
+    return params + [(p + "sinks", (at.heads,), "bias"),
+                     (p + "o_a_proj.weight", (at.o_groups * at.o_lora_rank, at.out_width // at.o_groups), "linear"),
+                     (p + "o_b_proj.weight", (h, at.o_groups * at.o_lora_rank), "linear")]
+
+
+def _compressor(p: str, rate: int, width: int, series: int, h: int) -> list[Parameter]:
+    """One compressor: `series` compressed series of `width` (CSA's overlapping two, HCA's one) from kv_proj, their
+    softmax weights from gate_proj plus position_bias, and kv_norm over each entry."""
+    return [(p + "kv_proj.weight", (series * width, h), "linear"),
+            (p + "gate_proj.weight", (series * width, h), "linear"),
+            (p + "position_bias", (rate, series * width), "bias"), (p + "kv_norm.weight", (width,), "norm")]
+
+
+def _compressed_indexer(at: Attention, h: int, p: str) -> list[Parameter]:
+    """The CSA layer's lightning indexer: a compressor of its own at indexer.head_dim, q_b_proj from the q latent,
+    the scorer's head weights."""
+    ix, rate = at.indexer, at.compression.csa_rate
+    return [*_compressor(p, rate, ix.head_dim, 2, h), (p + "q_b_proj.weight", (ix.heads * ix.head_dim, at.q_lora_rank),
+                                                       "linear"),
+            (p + "scorer.weights_proj.weight", (ix.heads, h), "linear")]
 
 
 def _norm_kind(a: Architecture) -> str:
@@ -100,8 +157,13 @@ def _indexer(at: Attention, h: int, p: str) -> list[Parameter]:
 
 def detached(a: Architecture) -> list[str]:
     """The parameters the LM loss does not reach, so without a canonical gradient: the indexer's (HF computes it under
-    no_grad, Megatron's DSAttention detaches its inputs; only Megatron's own indexer loss would train it)."""
-    return [name for layer in range(a.layers) for name, _, _ in _indexer(a.attention, a.hidden,
+    no_grad, Megatron's DSAttention detaches its inputs; only Megatron's own indexer loss would train it; DeepSeek-V4's
+    CSA indexer returns top-k indices only)."""
+    at = a.attention
+    if at.kind == "compressed":
+        return [name for layer in at.compression.csa_layers for name, _, _ in _compressed_indexer(
+            at, a.hidden, f"model.layers.{layer}.self_attn.compressor.indexer.")]
+    return [name for layer in range(a.layers) for name, _, _ in _indexer(at, a.hidden,
                                                                           f"model.layers.{layer}.self_attn.")]
 
 
@@ -131,6 +193,8 @@ def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
         if a.is_linear(layer):
             specs += [TensorSpec(p + "linear_attn." + name, (t, *shape), "output")
                       for name, shape in _linear_attention_outputs(a)]
+        elif at.kind == "compressed":
+            specs += _compressed_attention_outputs(a, layer, t, p + "self_attn.")
         else:
             # kv_b_proj: optional beside an indexer (Megatron's DSA attention absorbs it, never computing its output)
             specs += [TensorSpec(p + "self_attn." + name, (t, *shape), "output",
@@ -148,16 +212,51 @@ def modules(a: Architecture, tokens: int) -> list[TensorSpec]:
         else:
             moe = a.moe
             specs += [TensorSpec(p + "mlp.gate.topk_indices", (t, moe.topk), "output", "int64"),
-                      TensorSpec(p + "mlp.gate.probs", (t, moe.experts), "output", FLOAT32_OR_WIDER)]
+                      TensorSpec(p + "mlp.gate.probs", (t, moe.experts), "output",
+                                 None if moe.scores_in_model_dtype else FLOAT32_OR_WIDER)]
             specs += [TensorSpec(p + f"mlp.experts.{x}", (-1, h), "output", optional=True) for x in range(moe.experts)]
             if moe.shared_ffn:
                 specs.append(TensorSpec(p + f"mlp.{moe.shared_expert}", (t, h), "output"))
             if moe.shared_gate:
                 specs.append(TensorSpec(p + "mlp.shared_expert_gate", (t, 1), "output", optional=True))
             specs.append(TensorSpec(p + "mlp", (t, h), "output"))
-        specs.append(TensorSpec(p.rstrip("."), (t, h), "output"))
+        specs.append(TensorSpec(p.rstrip("."), (t, a.hc_streams, h) if a.hc_streams else (t, h), "output"))
+    if a.hc_streams:
+        specs.append(TensorSpec("module.model.hc_head", (t, h), "output"))
     specs.append(TensorSpec("module.model.norm", (t, h), "output"))
     return specs
+
+
+def _compressed_attention_outputs(a: Architecture, layer: int, t: int, p: str) -> list[TensorSpec]:
+    """A DeepSeek-V4 attention's outputs: its projections and norms ([T, width]), its compressor's (kv_norm: one row
+    per compressed entry, T // rate), the CSA indexer's and which entries it selects (``indexer.selected`` [T, T //
+    rate] int64: 1 where query i attends entry j; the indexer's -1 picks, past the causal edge, attend nothing), what
+    o_a_proj reads (``core_attention``, per group) and the grouped output projection. The hyper-connections are
+    reached through input_layernorm (the streams they collapse) and the layer's output (the streams they mix)."""
+    at, h, c = a.attention, a.hidden, a.attention.compression
+    out = [("q_a_proj", (t, at.q_lora_rank)), ("q_a_norm", (t, at.q_lora_rank)), ("q_b_proj", (t, at.q_width)),
+           ("kv_proj", (t, at.head_dim)), ("kv_norm", (t, at.head_dim))]
+    selected = []
+    for rate, series, layers in ((c.csa_rate, 2, c.csa_layers), (c.hca_rate, 1, c.hca_layers)):
+        if layer not in layers:
+            continue
+        out += [(f"compressor.{name}", shape) for name, shape in _compressor_outputs(t, rate, at.head_dim, series)]
+        if series == 2:
+            ix = at.indexer
+            out += [(f"compressor.indexer.{name}", shape) for name, shape in
+                    _compressor_outputs(t, rate, ix.head_dim, 2)]
+            out += [("compressor.indexer.q_b_proj", (t, ix.heads * ix.head_dim)),
+                    ("compressor.indexer.scorer.weights_proj", (t, ix.heads))]
+            selected = [TensorSpec(p + "compressor.indexer.selected", (t, t // rate), "output", "int64")]
+    specs = [TensorSpec(p + name, shape, "output") for name, shape in out] + selected
+    group = at.out_width // at.o_groups
+    return specs + [TensorSpec(p + "core_attention", (t, at.o_groups, group), "output"),
+                    TensorSpec(p + "o_a_proj", (t, at.o_groups, at.o_lora_rank), "output"),
+                    TensorSpec(p + "o_b_proj", (t, h), "output")]
+
+
+def _compressor_outputs(t: int, rate: int, width: int, series: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [("kv_proj", (t, series * width)), ("gate_proj", (t, series * width)), ("kv_norm", (t // rate, width))]
 
 
 def _linear_attention_outputs(a: Architecture) -> list[tuple[str, tuple[int, ...]]]:
@@ -203,6 +302,6 @@ def interleave(a: Architecture) -> tuple[int, tuple[int, ...]] | None:
     QKVMapping / merge_qkv_weights, conversion/param_mapping.py @ 0f418defd83bb8b007f00748e822b3e758ec2593). None for
     MLA, which fuses nothing so, and for an output-gated q_proj, which no stack here fuses yet."""
     at = a.attention
-    if at.kind == "mla" or at.output_gate:
+    if at.kind != "gqa" or at.output_gate:
         return None
     return at.kv_heads, (at.heads // at.kv_heads * at.head_dim, at.head_dim, at.head_dim)

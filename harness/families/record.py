@@ -95,7 +95,10 @@ class Family:
 
         table = blueprint["attention"]
         indexer = Indexer(**read(table["indexer"], Indexer, "attention.indexer")) if "indexer" in table else None
-        attention = Attention(**{**read(table, Attention, "attention"), "indexer": indexer})
+        compression = blocks.Compression(**read(table["compression"], blocks.Compression, "attention.compression")) \
+            if "compression" in table else None
+        attention = Attention(**{**read(table, Attention, "attention"), "indexer": indexer,
+                                 "compression": compression})
         moe = Moe(**read(blueprint["moe"], Moe, "moe")) if "moe" in blueprint else None
         linear = blocks.LinearAttention(**read(blueprint["linear_attention"], blocks.LinearAttention,
                                                "linear_attention")) \

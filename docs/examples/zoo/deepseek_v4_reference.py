@@ -1,10 +1,11 @@
 """A DeepSeek-V4 reference run a user's own captured run is compared against (docs/model.md, "DeepSeek-V4").
 
-No stack here has a DeepSeek-V4 family (no released Megatron-Core has its layers, PaddleFormers only a PaddleFleet
-builder), so there is no case: transformers 5.23.0's own ``DeepseekV4ForCausalLM`` (a tiny one: 2 layers, one CSA and
-one HCA attention, one hash-routed and one top-k MoE layer, 2 hyper-connection streams) is trained by torch AdamW
-and recorded in its own parameter names (``harness.attach.torch.StepRecorder``, ``{"family": "own"}``: docs/attach.md
-"Any model"). Run it in the environment that holds 5.23.0:
+The family's own reference is its training case (``deepseek_v4_2layer_train``, canonical names; docs/model.md
+"DeepSeek-V4"). This is the same kind of run recorded the way a user's own DeepSeek-V4 training code records it:
+transformers 5.23.0's own ``DeepseekV4ForCausalLM`` (a tiny one: 2 layers, one CSA and one HCA attention, one
+hash-routed and one top-k MoE layer, 2 hyper-connection streams) is trained by torch AdamW and recorded in its own
+parameter names (``harness.attach.torch.StepRecorder``, ``{"family": "own"}``: docs/attach.md "Any model"). Run it
+in the environment that holds 5.23.0:
 
     PYTHONPATH=. .venv-hf523/bin/python docs/examples/zoo/deepseek_v4_reference.py runs/v4-reference
     PYTHONPATH=. .venv-hf523/bin/python docs/examples/zoo/deepseek_v4_reference.py runs/v4-flipped \

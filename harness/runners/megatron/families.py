@@ -10,7 +10,8 @@
   GEMM, a CUDA kernel), the allgather dispatcher (Bridge: alltoall), no fusions (CUDA kernels), HF's
   ``head_dim ** -0.5`` softmax scale. A family's megatron.toml holds its implementation text, the knob texts that
   cite its own Bridge provider, its Bridge citations (file @ commit), and its switches (``router_dtype``,
-  ``bias_update_rate``, ``routing_record``, ``group_limited_routing``).
+  ``bias_update_rate``, ``routing_record``, ``group_limited_routing``), or, for a family no released
+  Megatron-Core builds, only ``unsupported`` (the UNSUPPORTED text: DeepSeek-V4).
 - Quirks, each named where it is handled: MLA (attention kind "mla": ``MLATransformerConfig``, YaRN, its core
   attention and ``HAVE_TE``), DeepSeek-V3's group-limited routing, the all-heads q/k norm (qk_norm "all_heads":
   MiniMax-M2), the sigmoid router's top-1 (Megatron leaves a single score unnormalised).
@@ -177,6 +178,8 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
 
     arch = model.record.architecture(model)
     attention, moe, own = arch.attention, arch.moe, settings(model)
+    if "unsupported" in own:  # a family no released Megatron-Core builds (DeepSeek-V4): its megatron.toml says why
+        raise Unsupported(own["unsupported"].format(version=_megatron_version()))
     if moe is None:
         raise Unsupported("a family without MoE layers is not mapped")
     if attention.indexer is not None:  # GLM-5, DeepSeek-V3.2 (docs/model.md, "GLM-5 (glm_moe_dsa)")

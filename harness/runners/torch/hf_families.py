@@ -139,15 +139,19 @@ def rope_parameters(m: FamilyConfig) -> dict:
 
 
 def rotary(model, hf, m: FamilyConfig, config, device, dtype: torch.dtype) -> None:
-    """The RoPE module made on `device` (its tables are buffers the checkpoint does not hold); in float64 its tables
-    in float64."""
+    """Every RoPE module made on `device` (its tables are buffers the checkpoint does not hold): the model's, and
+    DeepSeek-V4's compressors' and indexers' own; in float64 the model's tables in float64, unless hf.toml's
+    ``[float64_kept]`` keeps HF's ``rope``."""
     make = getattr(hf, rotary_class(m))
-    if "device" in inspect.signature(make).parameters:  # transformers 5.3.0 computes the tables on `device`
-        model.model.rotary_emb = make(config=config, device=device)
-    else:  # 5.23.0 computes them on the default device: the same place
-        with torch.device(device):
-            model.model.rotary_emb = make(config=config)
-    if dtype == torch.float64:
+    inner = model.model
+    for owner in [inner, *(module for module in inner.modules() if module is not inner
+                           and isinstance(getattr(module, "rotary_emb", None), make))]:
+        if "device" in inspect.signature(make).parameters:  # transformers 5.3.0 computes the tables on `device`
+            owner.rotary_emb = make(config=config, device=device)
+        else:  # 5.23.0 computes them on the default device: the same place
+            with torch.device(device):
+                owner.rotary_emb = make(config=config)
+    if dtype == torch.float64 and "rope" not in spec(m).get("float64_kept", {}):
         float64_rope = hf_float64.yarn_rope if config.rope_parameters["rope_type"] == "yarn" else \
             hf_float64.default_rope
         float64_rope(model.model.rotary_emb, config)
@@ -192,24 +196,38 @@ def _router_recorder(layer: int, gates: dict):
 
 
 def record_selection(model, m: FamilyConfig) -> dict:
-    """{layer: which keys each query attends, [T, T] int64} for a family with a DSA indexer ({} without one), filled
-    in by the forward from the indexer's output (its top-k key indices [1, T, k]) by a forward hook, unchanged: 1
-    where key j is among query i's top-k and j <= i. The causal cut matters: where k exceeds the keys a query may
-    see, the masked keys tie at -inf and top-k picks an arbitrary few of them, which attend nothing."""
-    if m.record.architecture(m).attention.indexer is None:
+    """{canonical name: which keys each query attends, [T, keys] int64} for a family with an indexer ({} without
+    one), filled in by the forward from the indexer's output (its top-k key indices [1, T, k]) by a forward hook,
+    unchanged: 1 where key j is among query i's top-k and attended. A DSA indexer (every earlier token a key): j <=
+    i; the causal cut matters: where k exceeds the keys a query may see, the masked keys tie at -inf and top-k picks
+    an arbitrary few of them, which attend nothing. DeepSeek-V4's CSA indexer (the T // rate compressed entries its
+    compressor makes): it marks picks past the causal edge -1 itself, and those attend nothing."""
+    attention = m.record.architecture(m).attention
+    if attention.indexer is None:
         return {}
     selected = {}
+    if attention.kind == "compressed":
+        rate = attention.compression.csa_rate
+        for layer in attention.compression.csa_layers:
+            indexer = model.model.layers[layer].self_attn.compressor.indexer
+            indexer.register_forward_hook(_selection_recorder(
+                f"model.layers.{layer}.self_attn.compressor.indexer.selected", selected, rate, causal=False))
+        return selected
     for layer, block in enumerate(model.model.layers):
-        block.self_attn.indexer.register_forward_hook(_selection_recorder(layer, selected))
+        block.self_attn.indexer.register_forward_hook(_selection_recorder(
+            f"model.layers.{layer}.self_attn.indexer.selected", selected, 1, causal=True))
     return selected
 
 
-def _selection_recorder(layer: int, selected: dict):
+def _selection_recorder(name: str, selected: dict, rate: int, causal: bool):
     def hook(_module, _args, indices):
         tokens = indices.shape[1]
-        chosen = torch.zeros(tokens, tokens, dtype=torch.int64, device=indices.device)
-        chosen.scatter_(1, indices[0].to(torch.int64), 1)
-        selected[layer] = torch.tril(chosen)
+        keys = tokens // rate
+        picks = indices[0].to(torch.int64)
+        chosen = torch.zeros(tokens, keys + 1, dtype=torch.int64, device=indices.device)
+        chosen.scatter_(1, torch.where(picks < 0, keys, picks), 1)  # a -1 pick into the last column, dropped
+        chosen = chosen[:, :keys]
+        selected[name] = torch.tril(chosen) if causal else chosen
     return hook
 
 
@@ -217,20 +235,24 @@ def _selection_recorder(layer: int, selected: dict):
 def float64_mode(hf, m: FamilyConfig, on: bool = True) -> Iterator[dict]:
     """Inside: HF's RMSNorm, router and eager attention in float64 (when `on`); yields {what: how} for meta.json
     ({} when off; the RoPE tables: ``rotary``; the loss: the runner). hf.toml's ``[float64]`` may give a text of its
-    own (``rms_norm``)."""
+    own (``rms_norm``); its ``[float64_kept]`` names the islands (router, attention, rope) left as HF wrote them, each
+    with why (DeepSeek-V4 computes them in the model's dtype, or differently), listed in meta.json too."""
     s, arch = spec(m), m.record.architecture(m)
-    moe, prefix, texts = arch.moe, s["prefix"], s.get("float64", {})
+    moe, prefix, texts, kept = arch.moe, s["prefix"], s.get("float64", {}), s.get("float64_kept", {})
     rms_why = texts.get("rms_norm", "normalises in float64 (HF: float32)")
     rms = hf_float64.zero_centred_rms_norm if arch.zero_centred_norms else hf_float64.rms_norm
     islands = [(getattr(hf, f"{prefix}RMSNorm"), "forward", rms, f"{prefix}RMSNorm.forward", rms_why)]
-    if moe is not None:  # a dense family has no router
+    if moe is not None and "router" not in kept:  # a dense family has no router
         router, router_why = ROUTERS[(routing(hf), moe.scoring, moe.expert_bias)]
         islands.append((getattr(hf, s["router"]), "forward", router, f"{s['router']}.forward", router_why))
-    islands.append((hf, "eager_attention_forward", hf_float64.eager_attention(hf), "eager_attention_forward",
-                    "softmax in float64 (HF: float32)"))
+    if "attention" not in kept:
+        islands.append((hf, "eager_attention_forward", hf_float64.eager_attention(hf), "eager_attention_forward",
+                        "softmax in float64 (HF: float32)"))
     with hf_float64.islands(islands, on) as replaced:
         if on:
             yarn = rope_parameters(m)["rope_type"] == "yarn"
-            replaced = {**replaced, rotary_class(m): f"{'YaRN inverse' if yarn else 'inverse'} "
-                        "frequencies and cos/sin tables in float64 (HF: float32)", "loss": LOSS}
+            if "rope" not in kept:
+                replaced = {**replaced, rotary_class(m): f"{'YaRN inverse' if yarn else 'inverse'} "
+                            "frequencies and cos/sin tables in float64 (HF: float32)"}
+            replaced = {**replaced, "loss": LOSS, **{f"{island} (HF's own)": why for island, why in kept.items()}}
         yield replaced

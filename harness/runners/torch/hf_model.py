@@ -43,7 +43,7 @@ from harness.runners.torch import env as torch_env  # noqa: E402
 from harness.runners.torch import hf_families  # noqa: E402
 
 # taken from route_tokens_to_experts' return value, and from a DSA indexer's (hf_families.record_selection)
-RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs", ".self_attn.indexer.selected")
+RECORDED = (".mlp.gate.topk_indices", ".mlp.gate.probs", ".indexer.selected")
 KNOBS = {
     "attn_implementation": ("eager", "HF's reference attention: matmul, additive causal mask, float32 softmax; "
                                      "sdpa would choose a CPU/GPU kernel by shape"),
@@ -113,9 +113,10 @@ def _run(request: dict, phases: Phases, m, hf, float64_replaced: dict) -> dict:
             cap.record(f"module.model.layers.{layer}.mlp.gate.probs", probs)
     batch_blind = first_sequence_only(cap.tensors, ids.shape[0], ids.shape[1], sequence_first=False,
                                       keep=request["tokens"])
-    own = request["tokens"]  # the indexer's recorder keeps the first sequence's selection already: its own tokens
-    for layer, keys in selected.items():
-        cap.record(f"module.model.layers.{layer}.self_attn.indexer.selected", keys[:own, :own])
+    shapes = {s.name: s.shape for s in outputs}  # the recorder keeps the first sequence's selection: cut to its own
+    for name, keys in selected.items():
+        rows, columns = shapes["module." + name]
+        cap.record("module." + name, keys[:rows, :columns])
     with phases("write"):
         save_file(cap.tensors, os.path.join(request["output_dir"], OUTPUTS))
         if refeed:
@@ -195,7 +196,7 @@ def group_by_expert(names: dict[str, str]) -> dict[str, str]:
 
 def _state_dict(model, checkpoint: dict, name_map: NameMap, m, dtype: torch.dtype, buffers: set[str]) -> dict:
     """Every parameter and persistent buffer of the HF model, built from canonical tensors by the name map; the
-    family's `buffers` in float32 (float64 in a float64 run)."""
+    family's `buffers` in float32 (float64 in a float64 run), an integer table as it is."""
     state = {}
     for name in model.state_dict():
         rule = name_map.rule("checkpoint", name, m)
@@ -208,7 +209,11 @@ def _state_dict(model, checkpoint: dict, name_map: NameMap, m, dtype: torch.dtyp
         else:
             raise ValueError(f"[hf.checkpoint] {name}: rule {rule.kind} does not load weights")
         keep = torch.float64 if dtype == torch.float64 else torch.float32
-        state[name] = tensor.to(keep if name in buffers else dtype).contiguous()
+        if not tensor.is_floating_point():  # an integer table (DeepSeek-V4's tid2eid) as it is
+            keep = tensor.dtype
+        elif name not in buffers:
+            keep = dtype
+        state[name] = tensor.to(keep).contiguous()
     return state
 
 
