@@ -179,6 +179,22 @@ def test_the_footprint_bounds_the_measured_peak_of_the_largest_training_cases(na
     assert MEASURED_PEAKS[name] <= disk_budget.footprint(case)["reports"] <= 1.1 * MEASURED_PEAKS[name]
 
 
+# The same nights' peaks once a night judged training steps as they were written (harness.compare.train_follow),
+# 2026-12-06, the same method: each case's own peak (docs/nightly.md#disk)
+MEASURED_FOLLOWED_PEAKS = {"minimax_m2_2layer_train": 2_061_643_776, "qwen3_moe_2layer_train": 1_652_908_032,
+                           "minimax_m2_2layer_train_float64": 3_172_196_352,
+                           "qwen3_moe_2layer_train_float64": 2_646_085_632}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_FOLLOWED_PEAKS))
+def test_the_footprint_of_a_case_judged_as_it_runs_bounds_its_measured_peak(name):
+    """A night's training case, judged step by step as it runs, holds a step or two of each run, not all of them:
+    its footprint says so (the disk check no longer asks for the whole run) and still bounds what it wrote."""
+    case = Registry.load().get(name).with_tokens(16)
+    followed, whole = (disk_budget.footprint(case, followed=asked)["reports"] for asked in (True, False))
+    assert MEASURED_FOLLOWED_PEAKS[name] <= followed < 0.6 * whole
+
+
 def test_refeed_asked_for_counts_two_more_sides():
     case = Registry.load().get("qwen3_moe_2layer_train").with_tokens(16)
     plain, refed = (disk_budget.footprint(case, refeed=asked)["reports"] for asked in (False, True))

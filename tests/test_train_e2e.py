@@ -61,6 +61,7 @@ def cases(tmp_path_factory):
           for runner in ("megatron_model", "paddle_model")],
         *[tiny_train_case(f"t_sgd_self_{runner}", runners=[runner, runner], train=TINY_SGD) for runner in RUNNERS],
         tiny_train_case("t_sgd_float64", dtype="float64", train={**TINY_SGD, **ALIGNED}),
+        tiny_train_case("t_night_follow", train={**TINY_TRAIN, "steps": 4, "decay_steps": 4}),
         tiny_train_case("t_float64_planted", dtype="float64", runners=["hf_model", "hf_model"],
                         train={**TINY_TRAIN, **ALIGNED},
                         perturb={"side": "b", "tensor": "model.layers.0.self_attn.kv_b_proj.weight", "index": [5, 3],
@@ -515,3 +516,43 @@ def test_a_night_gives_back_the_re_fed_runs_tensors_once_compared_and_judges_ali
     assert refed == ["b-hf_model-refeed-state", "b-hf_model-refeed-update"]
     assert not list(run_dir.glob("b-*-refeed-*/**/*.safetensors"))
     assert len(list(run_dir.glob("a-*/steps/*.safetensors"))) == 2  # the pair's step files stay for the night's prune
+
+
+@pytest.mark.slow  # a 4-step pair with its float64 truth, twice: 25 s on 2 cores
+def test_a_night_judges_each_step_as_it_is_written_and_holds_one_step_at_most(cases, tmp_path, checkpoints_dir):
+    """Issue 47: a night's training case held every step of both sides and of its truth until the runners ended (the
+    MiniMax-M2 pair peaked at 3.71 GB). Followed (keep_tensors off, a night's), each step is judged as soon as the
+    three runs wrote it and its tensors go at once (what the next step's checks read of it held in memory): no run
+    holds more than one whole step besides the pair's first divergence at any time, the truth none at the end, and
+    the verdict, the per-step records, the truth's check and the distances from it are those of a run that keeps
+    every tensor."""
+    import threading
+    import time
+
+    from tests.test_train_case import _whole_steps
+
+    kept, _, kept_report, tails = run_train_case("t_night_follow", cases, tmp_path / "kept", checkpoints_dir)
+    most, done = {}, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for folder in (tmp_path / "gone" / "reports").glob("*/*-*"):
+                held = [name for name in _whole_steps(folder) if name != "step00001.safetensors"]
+                most[folder.name] = max(most.get(folder.name, 0), len(held))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    gone, run_dir, gone_report, _ = run_train_case("t_night_follow", cases, tmp_path / "gone", checkpoints_dir,
+                                                   keep_tensors=False)
+    done.set()
+    watcher.join()
+    assert kept.verdict == gone.verdict == "DIFF", (kept.message, tails)
+    for field in ("tensors", "first_divergence", "message", "train", "expectation"):
+        assert gone_report[field] == kept_report[field], field
+    assert gone_report["train"]["truth"]["check"]["checked"] == [1, 2, 3, 4]
+    assert sorted(most) == ["a-megatron_model", "b-hf_model", "oracle-hf_model-float64"]
+    assert max(most.values()) <= 1 and kept_report["train"]["first_divergence"]["step"] == 1
+    for folder in ("a-megatron_model", "b-hf_model"):
+        assert _whole_steps(run_dir / folder) == ["step00001.safetensors"], folder
+    assert _whole_steps(run_dir / "oracle-hf_model-float64") == []

@@ -29,7 +29,9 @@ from harness.case.registry import Case, CaseError
 from harness.compare.tensors import EQUAL
 from harness.compare.train_steps import compare_step, compare_steps, quantity_of
 from harness.run import orchestrate
+from harness.run.follow import Follower
 from harness.run.orchestrate import SideResult, SideSpec
+from harness.run.steps import PACE, give_back, step_file
 
 MODES = ("state", "update")
 GRADIENT_MADE = ("loss", "grad")
@@ -45,11 +47,13 @@ def update_made(quantity: str) -> bool:
 
 
 def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], plain: list, device: str,
-        run_dir: Path, pythons: dict, timeout: float, keep: bool = True) -> tuple[dict, dict[str, list] | None]:
+        run_dir: Path, pythons: dict, timeout: float, keep: bool = True,
+        follow: bool = False) -> tuple[dict, dict[str, list] | None]:
     """Side b re-fed from side a, in both modes: (per step and quantity what made each difference, with the re-feed's
     own check; each mode's comparisons with side a, None when a re-fed run failed). `keep` False: a re-fed run that
     ran and was compared gives its tensor files back before the next one runs (a night's peak: every read of them is
-    done, its comparisons are in memory); a run that failed keeps them."""
+    done, its comparisons are in memory); a run that failed keeps them. `follow`: each re-fed step is judged as it is
+    written and its tensors given back (``RefeedJudge``, harness.run.follow)."""
     train = case.train
     if train.steps_kept != tuple(range(1, train.steps + 1)):
         raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
@@ -57,14 +61,30 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
     side_a, spec_b = sides[0], pair[1]
     runs, compared, faithful = {}, {}, {}
     for mode in MODES:
-        config = {**(spec_b.config or {}), "train_refeed": {"mode": mode, "from": str(side_a.folder.resolve())}}
+        config = {**(spec_b.config or {}), "train_refeed": {"mode": mode, "from": str(side_a.folder.resolve())},
+                  **({PACE: True} if follow else {})}
         spec = spec_b._replace(label=f"b.refeed-{mode}", folder=f"b-{spec_b.runner}-refeed-{mode}", config=config)
-        result = orchestrate.run_sides(case, [spec], device, run_dir, pythons, timeout)[0]
+        judge = follower = None
+        if follow:
+            refed = SideResult(spec.label, spec.runner, "ok", Path(run_dir) / spec.folder, "")
+            judge = RefeedJudge(case, side_a, sides[1], refed, checked_steps(case, plain, mode))
+            follower = Follower({spec.label: refed.folder}, {spec.label}, train.steps, judge)
+            follower.start()
+        try:
+            result = orchestrate.run_sides(case, [spec], device, run_dir, pythons, timeout)[0]
+        finally:
+            if follower is not None:
+                follower.finish()
         runs[mode] = result.to_dict()
         if result.status != "ok":
             return {"status": result.status, "reason": f"re-fed side b ({mode}): {result.reason}", "runs": runs}, None
-        compared[mode], _ = compare_steps(case, [side_a, result])
-        faithful[mode] = reproduces(case, plain, sides[1], result, mode)
+        if follower is not None:
+            follower.judged_all()
+            compared[mode] = judge.rows
+            faithful[mode] = {"checked": judge.checked, "not_reproduced": judge.missed}
+        else:
+            compared[mode], _ = compare_steps(case, [side_a, result])
+            faithful[mode] = reproduces(case, plain, sides[1], result, mode)
         if not keep:
             _drop_tensors(Path(result.folder), Path(run_dir))
     unfaithful = [f"{mode} at step {miss['step']} ({miss['count']} tensors, first {miss['tensors'][0]})"
@@ -90,6 +110,14 @@ def reproduces(case: Case, plain: list, side_b: SideResult, refed: SideResult, m
     step before, the lr, and for ``update`` the step's gradients, all bitwise equal), loading side a's state changed
     nothing, so the re-fed step must give side b's plain step bit for bit. {"checked": steps, "not_reproduced":
     [{"step", "count", "tensors"}]}."""
+    checked = checked_steps(case, plain, mode)
+    missed = [miss for step in checked if (miss := not_reproduced(case, step, side_b, refed))]
+    return {"checked": checked, "not_reproduced": missed}
+
+
+def checked_steps(case: Case, plain: list, mode: str) -> list[int]:
+    """The steps ``reproduces`` checks in `mode`: those whose inputs the plain run's sides shared (a step's answer
+    reads the plain comparisons of that step and the one before only)."""
     differs = {c.name for c in plain if c.status != EQUAL}
     by_step: dict[int, set[str]] = {}
     for name in differs:
@@ -98,18 +126,19 @@ def reproduces(case: Case, plain: list, side_b: SideResult, refed: SideResult, m
     planted = flip.after_step + 1 if flip and flip.side == "b" else None  # side b's state held a bit its step file
     # does not show, which the re-fed run's load overwrote
     handed = {*carried_quantities(case.train.record), "expert_bias"}  # what a step hands to the next one
-    checked, missed = [], []
+    checked = []
     for step in range(1, case.train.steps + 1):
         before = by_step.get(step - 1, set()) & handed if step > 1 else set()
         now = by_step.get(step, set()) & ({"lr", "grad"} if mode == "update" else {"lr"})
-        if before or now or step == planted:
-            continue
-        checked.append(step)
-        rows = compare_step(case, step, [side_b, refed])
-        differing = [row.name for row in rows if row.status != EQUAL]
-        if differing:
-            missed.append({"step": step, "count": len(differing), "tensors": differing[:10]})
-    return {"checked": checked, "not_reproduced": missed}
+        if not (before or now or step == planted):
+            checked.append(step)
+    return checked
+
+
+def not_reproduced(case: Case, step: int, side_b: SideResult, refed: SideResult) -> dict | None:
+    """Where the re-fed run's step `step` is not side b's plain step: {"step", "count", "tensors"}, or None."""
+    differing = [row.name for row in compare_step(case, step, [side_b, refed]) if row.status != EQUAL]
+    return {"step": step, "count": len(differing), "tensors": differing[:10]} if differing else None
 
 
 def attribute(plain: list, state: list, update: list) -> list[dict]:
@@ -145,3 +174,17 @@ def _how(quantity: str, plain: bool, state: bool, update: bool) -> str:
             return "made by the optimizer on side a's gradients"
         return "made by the step's gradients" if state else "carried in"
     return "made by the step" if state else "carried in"
+
+
+class RefeedJudge:
+    """One re-fed run's step k against side a's (and side b's where the re-feed's check reads it), then given back."""
+
+    def __init__(self, case: Case, side_a: SideResult, side_b: SideResult, refed: SideResult, checked: list[int]):
+        self.case, self.side_a, self.side_b, self.refed, self.checked = case, side_a, side_b, refed, checked
+        self.rows, self.missed = [], []
+
+    def step(self, step: int, present: set[str]) -> None:
+        self.rows += compare_step(self.case, step, [self.side_a, self.refed])
+        if step in self.checked and (miss := not_reproduced(self.case, step, self.side_b, self.refed)):
+            self.missed.append(miss)
+        give_back(step_file(self.refed.folder, step))

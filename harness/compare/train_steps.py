@@ -43,16 +43,34 @@ def compare_steps(case: Case, pair: list[SideResult], truth: SideResult | None =
                   unreliable: set[int] = frozenset()) -> tuple[list, dict]:
     """(every comparison in time order, the summary along time); no side is compared with the truth at the steps
     in `unreliable` (harness.compare.train_truth.check_truth)."""
-    train, m = case.train, case.config["model"]
     comparisons, steps = [], []
-    for step in range(1, train.steps + 1):
-        specs = train_step_outputs(m, train, step)
-        rows = _compare_step(step, specs, pair)
+    for step in range(1, case.train.steps + 1):
+        rows, summary = compare_one_step(case, step, pair)
+        if truth is not None and truth.status == "ok" and step not in unreliable:
+            summary["truth"] = versus_truth(case, step, pair, truth)
         comparisons += rows
-        steps.append(_summarise_step(step, specs, rows, pair, None if step in unreliable else truth, case))
+        steps.append(summary)
+    return comparisons, summarise(case, steps, truth)
+
+
+def compare_one_step(case: Case, step: int, pair: list[SideResult]) -> tuple[list[TensorComparison], dict]:
+    """One step of the pair: its comparisons and its summary, without the truth (``versus_truth`` adds it)."""
+    specs = train_step_outputs(case.config["model"], case.train, step)
+    rows = _compare_step(step, specs, pair)
+    return rows, _summarise_step(step, specs, rows, pair, case)
+
+
+def versus_truth(case: Case, step: int, pair: list[SideResult], truth: SideResult) -> dict:
+    """A step's summary entry ``truth``: per quantity, which side is closer to the truth's step."""
+    return _versus_truth(step, train_step_outputs(case.config["model"], case.train, step), pair, truth, case)
+
+
+def summarise(case: Case, steps: list[dict], truth: SideResult | None) -> dict:
+    """The summary along time of the steps' summaries (``compare_steps``)."""
+    train, m = case.train, case.config["model"]
     first = next((s for s in steps if s["first_divergence"]), None)
     parameters = sum(1 for s in train_step_outputs(m, train, 1) if quantity_of(s.name) == "param")
-    return comparisons, {
+    return {
         "steps": steps, "parameters": parameters, "steps_kept": list(train.steps_kept),
         "first_divergence": ({"step": first["step"], "quantity": quantity_of(first["first_divergence"]),
                               "tensor": first["first_divergence"]} if first else None),
@@ -130,7 +148,7 @@ def _by_digest(spec, digests: list[str], layouts: list) -> TensorComparison:
                             note="compared by digest (step not kept)", digests=list(digests))
 
 
-def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth, case: Case) -> dict:
+def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, case: Case) -> dict:
     by_name = {row.name: row for row in rows}
     quantities = {}
     for quantity in (*state_quantities(case.train.record), "expert_bias"):
@@ -140,12 +158,9 @@ def _summarise_step(step: int, specs, rows: list[TensorComparison], pair, truth,
             quantities[quantity] = {"equal": len(members) - len(differing), "total": len(members),
                                     "differing": differing[:20]}
     first = next((row.name for row in rows if row.status != EQUAL), None)
-    summary = {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
+    return {"step": step, "verdict": "BITWISE_PASS" if first is None else "DIFF", "first_divergence": first,
                "kept": step in case.train.steps_kept,
                "scalars": _scalars(step, specs, pair, by_name), "quantities": quantities}
-    if truth is not None and truth.status == "ok":
-        summary["truth"] = _versus_truth(step, specs, pair, truth, case)
-    return summary
 
 
 def _scalars(step: int, specs, pair, by_name: dict) -> dict:

@@ -57,21 +57,34 @@ def check_truth(case: Case, truth: SideResult, initial: dict[str, np.ndarray]) -
     """{"checked": steps, "unreliable": {step: why}, "not_checked": {step: why}, "largest_relative_error"} (steps as
     strings: report.json).
     `initial`: the checkpoint's tensors (the state before step 1)."""
-    train, record = case.train, case.train.record
-    names = train_state_names(case.config["model"])
-    out = {"formula": f"{record.label} in float64 (harness.optimizers.{record.name}.update), the case's schedule",
-           "tolerance": TRUTH_AGREEMENT, "checked": [], "unreliable": {}, "not_checked": {}}
-    for step in range(1, train.steps + 1):
-        before, now = _states(truth, step - 1, initial), _states(truth, step, initial)
-        if now is None or before is None:
-            out["not_checked"][str(step)] = f"the truth kept no tensors of step {step if now is None else step - 1}"
-            continue
-        problem, worst = _truth_step(train, names, step, before, now)
-        out["checked"].append(step)
-        out["largest_relative_error"] = max(out.get("largest_relative_error", 0.0), worst)
-        if problem:
-            out["unreliable"][str(step)] = problem
+    out = truth_check(case)
+    for step in range(1, case.train.steps + 1):
+        check_truth_step(case, truth, initial, step, out)
     return out
+
+
+def truth_check(case: Case) -> dict:
+    """``check_truth``'s answer before any step is checked."""
+    record = case.train.record
+    return {"formula": f"{record.label} in float64 (harness.optimizers.{record.name}.update), the case's schedule",
+            "tolerance": TRUTH_AGREEMENT, "checked": [], "unreliable": {}, "not_checked": {}}
+
+
+def check_truth_step(case: Case, truth: SideResult, initial: dict[str, np.ndarray], step: int, out: dict,
+                     states=None) -> None:
+    """Step `step` of ``check_truth``, into `out` (``truth_check``'s): it reads the truth's steps `step` - 1 and
+    `step` (through `states`, ``_states`` unless given: ``held_states`` of the step before, its file given back)."""
+    states = states or _states
+    names = train_state_names(case.config["model"])
+    before, now = states(truth, step - 1, initial), states(truth, step, initial)
+    if now is None or before is None:
+        out["not_checked"][str(step)] = f"the truth kept no tensors of step {step if now is None else step - 1}"
+        return
+    problem, worst = _truth_step(case.train, names, step, before, now)
+    out["checked"].append(step)
+    out["largest_relative_error"] = max(out.get("largest_relative_error", 0.0), worst)
+    if problem:
+        out["unreliable"][str(step)] = problem
 
 
 def _truth_step(train: TrainSettings, names, step: int, before, now) -> tuple[str, float]:
@@ -120,26 +133,33 @@ def farther(case: Case, pair: list[SideResult], truth: SideResult, initial: dict
     ``FARTHER``). Steps in `skipped` (the truth unreliable there) and steps whose state before is not on disk for a
     side are left out."""
     errors, flags = {}, []
+    for step in range(1, case.train.steps + 1):
+        if step not in skipped:
+            farther_step(case, pair, truth, initial, step, errors, flags)
+    return errors, flags
+
+
+def farther_step(case: Case, pair: list[SideResult], truth: SideResult, initial: dict[str, np.ndarray], step: int,
+                 errors: dict, flags: list[dict], states=None) -> None:
+    """Step `step` of ``farther``, into `errors` and `flags`: it reads each run's steps `step` - 1 and `step` (through
+    `states`, as ``check_truth_step``)."""
+    states = states or _states
     names = [name for name, _ in train_state_names(case.config["model"])]
     quantities = ("grad", *case.train.record.state)
-    for step in range(1, case.train.steps + 1):
-        if step in skipped:
+    truth_now, truth_before = states(truth, step, initial), states(truth, step - 1, initial)
+    if truth_now is None or truth_before is None:
+        return
+    for side in pair:
+        now, before = states(side, step, initial), states(side, step - 1, initial)
+        if now is None or before is None:
             continue
-        truth_now, truth_before = _states(truth, step, initial), _states(truth, step - 1, initial)
-        if truth_now is None or truth_before is None:
-            continue
-        for side in pair:
-            now, before = _states(side, step, initial), _states(side, step - 1, initial)
-            if now is None or before is None:
-                continue
-            moved = "master" if now(f"master.{names[0]}") is not None else "param"
-            for quantity in (*quantities, moved):
-                error = step_error(quantity, names, now, before, truth_now, truth_before)
-                errors.setdefault(str(step), {}).setdefault(quantity, {})[side.label] = error
-                if error > FARTHER:
-                    flags.append({"step": step, "quantity": quantity, "side": side.label, "runner": side.runner,
-                                  "error": error})
-    return errors, flags
+        moved = "master" if now(f"master.{names[0]}") is not None else "param"
+        for quantity in (*quantities, moved):
+            error = step_error(quantity, names, now, before, truth_now, truth_before)
+            errors.setdefault(str(step), {}).setdefault(quantity, {})[side.label] = error
+            if error > FARTHER:
+                flags.append({"step": step, "quantity": quantity, "side": side.label, "runner": side.runner,
+                              "error": error})
 
 
 def step_error(quantity: str, names, now, before, truth_now, truth_before) -> float:
@@ -196,4 +216,22 @@ def _states(side: SideResult, step: int, initial: dict[str, np.ndarray]):
     def after(key: str):
         name = f"step{step}.{key}"
         return handle.get_tensor(name).astype(np.float64) if name in held else None
+    return after
+
+
+def held_states(side: SideResult, step: int, initial: dict[str, np.ndarray]):
+    """``_states`` of `step` read into memory now, so that its file can be given back before the next step is
+    judged: every tensor but the gradients and the scalars (what the next step's checks read of the state before
+    it: ``_truth_step``'s and ``step_error``'s `before`); asking it for a gradient is a KeyError, never a None."""
+    if _states(side, step, initial) is None:
+        return None
+    with safe_open(str(step_file(side.folder, step)), framework="numpy") as handle:
+        held = {name: handle.get_tensor(name) for name in handle.keys()
+                if name.count(".") > 1 and ".grad." not in name}
+
+    def after(key: str):
+        if key.startswith("grad."):
+            raise KeyError(f"{key} of step {step} was not held (only the state a later step reads)")
+        value = held.get(f"step{step}.{key}")
+        return None if value is None else value.astype(np.float64)
     return after

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from harness.case.checkpoints import Checkpoint
 from harness.case.registry import Case, CaseError
@@ -50,6 +51,7 @@ class Run:
     framework: list[SideResult] = field(default_factory=list)  # sides a and b, once run
     truth: SideResult | None = None
     refed: dict | None = None  # a training re-feed's comparisons, for the float64 check of every step
+    follower: Any = None  # a training case's steps judged as they are written (harness.compare.train_follow)
 
 
 class Level:
@@ -89,6 +91,14 @@ class Level:
     def truth(self, run: Run) -> SideSpec | None:
         """The truth side, or None when the case has none."""
         return None
+
+    def follows(self, case: Case, device: str, keep_tensors: bool, versus: Versus | None) -> bool:
+        """Whether ``follow`` judges the case's outputs as they are written (the disk it needs then is less)."""
+        return False
+
+    def follow(self, run: Run, truth: SideSpec | None, refeed: bool) -> None:
+        """Start judging the sides' outputs as they are written, before they run (``run.follower``); the default
+        judges them after."""
 
     def compare(self, run: Run, result: CaseResult) -> None:
         """Both sides ran: fill result.tensors (in the order the first divergence reads) and the level's summary."""

@@ -14,12 +14,13 @@ from dataclasses import replace
 
 from harness.case.registry import RUNNERS, Case, CaseError
 from harness.case.train_settings import EXPERT_PARALLEL_RUNNERS, parse_steps_kept, with_ranks
-from harness.compare import train_float64, train_refeed, train_steps, train_truth
+from harness.compare import train_float64, train_follow, train_refeed, train_steps, train_truth
 from harness.compare.model_outputs import TRUTH_LABEL, TRUTH_RUNNER
 from harness.compare.result import ERROR, CaseResult
 from harness.levels.base import Level, Run, Versus, same_runner
 from harness.levels.float64 import semantic_verdict
-from harness.run.orchestrate import SideSpec, pair_sides
+from harness.run.orchestrate import SideResult, SideSpec, pair_sides
+from harness.run.steps import PACE
 
 RANK_KINDS = {"dp": "data_parallel", "ep": "expert_parallel"}
 
@@ -89,12 +90,36 @@ class TrainLevel(Level):
         kept = sorted({*train_.steps_kept, *(k - 1 for k in train_.steps_kept if k > 1)})
         settings = replace(train_, master_weights=False, flip=None, dp=1, ep=1, steps_kept=tuple(kept)).to_dict()
         return SideSpec(TRUTH_LABEL, TRUTH_RUNNER, run.checkpoint.files, 1, f"{TRUTH_LABEL}-{TRUTH_RUNNER}-float64",
-                        "float64", {"train": settings}, per_step=True, truth=True)
+                        "float64", {"train": settings, **_pace(run)}, per_step=True, truth=True)
+
+    def follows(self, case: Case, device: str, keep_tensors: bool, versus: Versus | None) -> bool:
+        """A night's (no tensors kept) case on a CPU (its runs write at once), one rank a side."""
+        return (not keep_tensors and device == "cpu" and versus is None and case.tp == 1 and case.train.dp == 1
+                and case.train.ep == 1)
+
+    def follow(self, run: Run, truth: SideSpec | None, refeed: bool) -> None:
+        """A night's (``run.keep_tensors`` False) training case on one CPU rank: its steps judged as they are written,
+        their tensors given back once no later judgment reads them (harness.compare.train_follow)."""
+        if not _follows(run):
+            return
+        initial = train_truth.initial_state(run.case, run.checkpoint.files) if truth else None
+        folders = [SideResult(spec.label, spec.runner, "ok", run.run_dir / spec.folder, "")
+                   for spec in [*run.pair, *([truth] if truth else [])]]
+        run.follower = train_follow.follow(run.case, folders[:2], folders[2] if truth else None, initial,
+                                           refeed or _float64_refeed(run))
 
     def compare(self, run: Run, result: CaseResult) -> None:
         """Every step of the pair; with a truth that ran, the truth's own check first: a step where it does not
         follow the optimizer's formula judges no side (neither "closer" counts nor flags)."""
         truth = run.truth if run.truth is not None and run.truth.status == "ok" else None
+        if run.follower is not None:
+            run.follower.judged_all()
+            judge = run.follower.judge
+            result.tensors, result.train, checked = judge.results(run.truth)
+            if checked is not None:
+                result.train["truth"]["check"] = checked
+                result.train["truth"]["step_errors"], result.train["farther"] = judge.errors, judge.flags
+            return
         checked, initial = None, None
         if truth is not None:
             initial = train_truth.initial_state(run.case, run.checkpoint.files)
@@ -113,7 +138,8 @@ class TrainLevel(Level):
         if asked or _float64_refeed(run):
             result.train["refeed"], run.refed = train_refeed.run(run.case, run.checkpoint, run.pair, run.framework,
                                                                  result.tensors, run.device, run.run_dir,
-                                                                 run.pythons, run.timeout, run.keep_tensors)
+                                                                 run.pythons, run.timeout, run.keep_tensors,
+                                                                 follow=_follows(run))
 
     def judge(self, run: Run, result: CaseResult) -> None:
         """A float64 case: every step judged (harness.compare.train_float64); a re-feed that failed or did not
@@ -168,7 +194,8 @@ def _pair(run: Run, ranked: tuple[dict, dict] | None) -> list[SideSpec]:
             raise CaseError(f"{case.source}: case {case.name!r}: train.flip.rank must be a data-parallel rank of side "
                             f"{side.label}, which trains on dp = {settings.dp} (got {settings.flip.rank})")
         folder = side.folder + (f"-dp{sizes['dp']}-ep{sizes['ep']}" if sizes else "")
-        out.append(side._replace(folder=folder, config={"train": settings.to_dict()}, dp=settings.dp, per_step=True))
+        out.append(side._replace(folder=folder, config={"train": settings.to_dict(), **_pace(run)}, dp=settings.dp,
+                                 per_step=True))
     return out
 
 
@@ -178,6 +205,15 @@ def _ranked(run: Run) -> tuple[dict, dict] | None:
         return None
     a = {"dp": run.case.train.dp, "ep": run.case.train.ep}
     return a, {**a, run.versus.axis: run.versus.b}
+
+
+def _follows(run: Run) -> bool:
+    return LEVEL.follows(run.case, run.device, run.keep_tensors, run.versus)
+
+
+def _pace(run: Run) -> dict:
+    """A followed run's config entry that paces it (harness.run.steps.PACE)."""
+    return {PACE: True} if _follows(run) else {}
 
 
 def _float64_refeed(run: Run) -> bool:

@@ -129,7 +129,8 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
         result.case = describe_case(case)
         checkpoints.check_memory(case)  # first: a case that cannot fit in memory is refused for that
         result.harness["disk"] = disk_budget.check(case, Path(o.reports_dir), Path(o.checkpoints_dir), o.repeat,
-                                                   o.oracle, o.refeed_ops)
+                                                   o.oracle, o.refeed_ops,
+                                                   level.follows(case, o.device, o.keep_tensors, o.versus))
         checkpoint = checkpoints.prepare(case, Path(o.checkpoints_dir), o.weights_file)
         started.clock.lap("checkpoint")
         result.checkpoint = {"folder": str(checkpoint.folder), "digest": checkpoint.manifest["digest"],
@@ -140,6 +141,7 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
                                 keep_tensors=o.keep_tensors)
         pair = run.pair = level.sides(run)
         truth = level.truth(run) if o.oracle and case.truth and "oracle" not in case.runners else None
+        level.follow(run, truth, o.refeed_ops)
         extra = [truth] if truth else []
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
@@ -171,6 +173,8 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
     try:
         extras = started.extras.result() if started.extras else []
         started.clock.lap("oracle")
+        if run is not None and run.follower is not None:  # the runs have ended: its last steps judged
+            run.follower.finish(raise_error=started.error is None)
         if started.error is not None:
             raise started.error
         result.sides[started.first_round:started.first_round] = extras  # a, b, the truth, then repeats

@@ -12,7 +12,10 @@ others), and is meant to be an upper bound:
   gathered ones), the truth's in float64, the re-fed runs of side b of a training case (two more sides: a float64
   case's check of every step runs them, ``--refeed`` asks for them; a float64 case runs no separate truth), and
   ``REPORT_BYTES`` for reports, pictures and logs. Step files give their zero blocks back to the disk
-  (``harness.run.sparse_files``), which this does not count: a bound, not a forecast.
+  (``harness.run.sparse_files``), which this does not count: a bound, not a forecast;
+- a training case a night judges step by step as it runs (``harness.compare.train_follow``): of each side two steps
+  whole (the one being written and the first divergence), of the truth and of the one re-fed run at a time one; a
+  re-feed in time still reads every step of side a and (at most) of side b.
 
 Both folders on one file system add up.
 """
@@ -33,9 +36,11 @@ DIGEST_BYTES = 256  # a digest-only training step's entry per tensor: its digest
 STEP = re.compile(r"step(\d+)\.")
 
 
-def footprint(case: Case, repeat: int = 1, truth: bool = True, refeed: bool = False) -> dict[str, int]:
+def footprint(case: Case, repeat: int = 1, truth: bool = True, refeed: bool = False,
+              followed: bool = False) -> dict[str, int]:
     """Bytes the case writes at most, by folder: ``{"checkpoints": ..., "reports": ...}``; `refeed`: re-fed runs
-    asked for (``--refeed``)."""
+    asked for (``--refeed``); `followed`: a training case judged step by step as it runs (a night's on a CPU:
+    ``Level.follows``)."""
     kept = set(case.train.steps_kept) if case.train else None
     ranks = 2 if level_of(case).ranks(case) > 1 or (case.train and case.train.dp * case.train.ep > 1) else 1
     one_side = _outputs(case, kept)
@@ -45,7 +50,13 @@ def footprint(case: Case, repeat: int = 1, truth: bool = True, refeed: bool = Fa
     oracle = (_outputs(case, kept and kept | {step - 1 for step in kept}, "float64")
               if truth and case.truth and not float64_train else 0)
     # side b re-fed from side a's state in two modes, on one rank (harness.compare.train_refeed)
-    refeds = 2 * one_side if case.train and (refeed or (float64_train and case.train.dp == 1)) else 0
+    refeeding = bool(case.train) and (refeed or (float64_train and case.train.dp == 1))
+    refeds = 2 * one_side if refeeding else 0
+    if followed:  # harness.compare.train_follow: whole, a step being written and the pair's first divergence
+        first = set(sorted(kept)[:1])
+        sides = 2 * one_side if refeeding else 2 * _outputs(case, set(sorted(kept)[:2]))
+        oracle = _outputs(case, first, "float64") if oracle else 0
+        refeds = _outputs(case, first) if refeeding else 0  # one re-fed run at a time
     return {"checkpoints": 2 * tensor_bytes(case, case.input_specs()),
             "reports": sides + oracle + refeds + REPORT_BYTES}
 
@@ -59,9 +70,9 @@ def _outputs(case: Case, kept: set[int] | None, dtype: str | None = None) -> int
 
 
 def check(case: Case, reports_dir: Path, checkpoints_dir: Path, repeat: int = 1, truth: bool = True,
-          refeed: bool = False) -> dict:
+          refeed: bool = False, followed: bool = False) -> dict:
     """The footprint and the free space it was checked against; a StorageError naming both when it cannot fit."""
-    need = footprint(case, repeat, truth, refeed)
+    need = footprint(case, repeat, truth, refeed, followed)
     folders = {"reports": Path(reports_dir), "checkpoints": Path(checkpoints_dir)}
     disks: dict[int, dict] = {}
     for what, folder in folders.items():

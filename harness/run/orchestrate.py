@@ -275,6 +275,8 @@ def _finish(label, runner, folder, python, ranks, launched, deadline, timeout, c
         launch_info["leftovers_killed"] = launch.kill_leftovers(seen)
         supervisor.unregister(process)
     side.wall_seconds = time.monotonic() - start
+    if per_step and steps.paced(folder):  # a harness following its steps waits for no more (harness.run.follow)
+        steps.mark(folder, steps.ENDED)
     side.stderr_tail = _tail(folder / "stderr.log")
     if isinstance(process, workers.Cell) and side.returncode not in (0, EXIT_UNSUPPORTED):
         side.stderr_tail += f"\n--- worker {process.worker.process.pid} log (tail) ---\n{process.log_tail()}\n"

@@ -15,6 +15,14 @@ A digest-only step also records each digested tensor's dtype and shape (``layout
 A kept step's file gives its all-zero blocks back to the disk once written (``harness.run.sparse_files``: the same
 bytes to every reader; a MoE step is about a third zeros, the experts no token reached).
 
+A step file appears whole: it is written under a temporary name and renamed once complete (its zero blocks punched
+out), so a reader that finds ``step00007.safetensors`` finds all of it. A night follows its training runs as they write
+(``harness.compare.train_follow``): it judges each step as soon as every run has written it and gives back the tensors
+no later judgment reads (``give_back``: the file keeps its scalars and becomes one digest per tensor, ``given_back`` in
+its metadata). A run the night follows is paced (``PACE`` in its request's config): it writes step k only once the
+harness has consumed step k - 1 of its folder (``step00006.consumed``) or released it (``RELEASED``: a run it followed
+ended early), so no run is more than a step ahead of the others and a folder holds about two steps' tensors at once.
+
 On several ranks (data or expert parallel, docs/training-ranks.md) rank 0 writes the step file, the canonical state
 whole; every other rank writes ``step00007.rank<R>.safetensors`` with its scalars, one digest per tensor it holds whole
 (its own replica) and, of each tensor the ranks hold in pieces (a distributed optimizer's ranges, an expert-parallel
@@ -31,6 +39,8 @@ gives ``save`` and ``raw_bytes``); the harness validates (``validate``, ``ranks_
 from __future__ import annotations
 
 import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -46,6 +56,12 @@ STEPS_DIR = "steps"
 # key, in a request's fields (dtype, tokens, device, config: {model, train}); compare-runs reads it.
 CAPTURE = "capture"
 STATE_ABOUT = "state.json"  # a state folder's record of whose state it holds, after which step, for which run
+
+
+PACE = "train_pace"  # a request's config key: the harness follows this run's steps and paces it (module docstring)
+RELEASED = "RELEASED"  # in a paced run's steps folder: write on, the harness follows no more
+ENDED = "ENDED"  # in a followed run's steps folder: the harness saw the runner end
+PACE_POLL_SECONDS = 0.05
 
 
 def step_file(folder, step: int, rank: int = 0) -> Path:
@@ -97,6 +113,7 @@ class StepWriter:
         self.folder, self.save, self.raw_bytes, self.rank = Path(folder), save, raw_bytes, rank
         self.digests = digests
         self.kept = set(kept) if rank == 0 else set()
+        self.paced = rank == 0 and paced(self.folder)
         (self.folder / STEPS_DIR).mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, scalars: dict, states: dict, pieces: dict | None = None,
@@ -123,10 +140,18 @@ class StepWriter:
                                           "layouts": json.dumps(layouts), "pieces": json.dumps(placed)}
         if doubles:
             metadata[DOUBLES] = json.dumps({prefix + name: float(value) for name, value in doubles.items()})
-        path = str(step_file(self.folder, step, self.rank))
-        self.save({prefix + name: tensor for name, tensor in tensors.items()}, path, metadata)
-        if step in self.kept:  # its zero blocks (experts no token reached) back to the disk, its bytes unchanged
-            sparse_files.punch_zeros(path)
+        if self.paced and step > 1:
+            wait_consumed(self.folder, step - 1)
+        path = step_file(self.folder, step, self.rank)
+        partial = partial_of(path)
+        try:
+            self.save({prefix + name: tensor for name, tensor in tensors.items()}, str(partial), metadata)
+            if step in self.kept:  # its zero blocks (experts no token reached) back to the disk, its bytes unchanged
+                sparse_files.punch_zeros(str(partial))
+            os.replace(partial, path)  # whole, at once: a reader following the run never sees part of it
+        except BaseException:
+            partial.unlink(missing_ok=True)  # no part of a step left behind (a full disk, an interrupted save)
+            raise
 
     def _digests(self, tensors: list) -> list[str]:
         if self.digests is not None:  # where the tensors are: 16 bytes each come to the host
@@ -137,6 +162,72 @@ class StepWriter:
         with ThreadPoolExecutor(max_workers=DIGEST_THREADS) as pool:
             hashed = pool.map(lambda batch: [digest(self.raw_bytes(t)) for t in batch], _batches(tensors))
             return [d for batch in hashed for d in batch]
+
+
+PARTIAL_SUFFIX = ".partial.safetensors"
+
+
+def partial_of(path: Path) -> Path:
+    """Where a step file is written before it is whole (``step00007.partial.safetensors``: a night's clean-up of
+    tensor files finds one a killed runner left)."""
+    return path.with_suffix(PARTIAL_SUFFIX)
+
+
+def paced(folder: Path) -> bool:
+    """Whether the request in `folder` (the harness's runner folder) asks for pacing; a run no request started (a
+    recorder in the user's own loop) is not paced."""
+    try:
+        request = json.loads((folder / "request.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool((request.get("config") or {}).get(PACE))
+
+
+def consumed_marker(folder, step: int) -> Path:
+    return Path(folder) / STEPS_DIR / f"step{step:05d}.consumed"
+
+
+def wait_consumed(folder, step: int) -> None:
+    """Until the harness has consumed step `step` of this run's folder, or released it, or is gone (this process was
+    handed to another parent: nobody will consume it, and a runner left waiting would never end)."""
+    steps_dir, parent = Path(folder) / STEPS_DIR, os.getppid()
+    while not (consumed_marker(folder, step).exists() or (steps_dir / RELEASED).exists()) and os.getppid() == parent:
+        time.sleep(PACE_POLL_SECONDS)
+
+
+def mark(folder, name: str) -> None:
+    """An empty marker file in the run's steps folder (``RELEASED``, ``ENDED``, a step's ``.consumed``)."""
+    steps_dir = Path(folder) / STEPS_DIR
+    steps_dir.mkdir(parents=True, exist_ok=True)
+    (steps_dir / name).touch()
+
+
+def give_back(path) -> int:
+    """A kept step file made digest-only once nothing reads its tensors any more (a night's, module docstring): its
+    scalars stay tensors, every other tensor becomes its digest and layout, as a step the request does not keep holds
+    them, with ``given_back`` in the metadata; the bytes of disk it gave back."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    before = path.stat().st_blocks * 512
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("kept") != "true":
+            return 0
+        scalars, whole, layouts = {}, {}, {}
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            if name.count(".") == 1:  # step7.lr: a scalar
+                scalars[name] = tensor
+            else:
+                whole[name], layouts[name] = digest_as(DIGEST, tensor), layout(tensor)
+    metadata = {**metadata, "kept": "false", "given_back": "true", "digests": json.dumps(whole),
+                "layouts": json.dumps(layouts), "pieces": "{}"}
+    partial = str(partial_of(path))
+    save_file(scalars, partial, metadata)
+    os.replace(partial, path)
+    return before - path.stat().st_blocks * 512
 
 
 def layout(tensor) -> list:
@@ -161,13 +252,14 @@ def _batches(tensors):
 class StepHeader(NamedTuple):
     """A step file's header: whether its state tensors are kept; {tensor: (dtype, shape)} of the tensors it holds;
     {tensor: digest} and {tensor: [dtype, shape]} of those it holds as digests only; {tensor: [[start, end, dtype,
-    digest]]} of the pieces it holds digests of."""
+    digest]]} of the pieces it holds digests of; whether the harness gave its tensors back (``give_back``)."""
 
     kept: bool
     layouts: dict
     digests: dict
     digest_layouts: dict
     pieces: dict
+    given_back: bool = False
 
 
 def read_header(path) -> StepHeader:
@@ -183,7 +275,8 @@ def read_header(path) -> StepHeader:
             piece = handle.get_slice(name)
             layouts[name] = (SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype()), list(piece.get_shape()))
     return StepHeader(metadata.get("kept") == "true", layouts, *(json.loads(metadata.get(key, "{}"))
-                                                                 for key in ("digests", "layouts", "pieces")))
+                                                                 for key in ("digests", "layouts", "pieces")),
+                      metadata.get("given_back") == "true")
 
 
 def state_locations(family: str, framework: str, optimizer, quantities) -> dict[str, str]:
@@ -233,7 +326,7 @@ def validate(folder, case) -> str:
             header = read_header(path)
         except Exception as error:  # safetensors raises several unrelated types for a bad file
             return f"{path}: not a readable step file: {error}"
-        if header.kept != (step in train.steps_kept):
+        if header.kept != (step in train.steps_kept) and not header.given_back:
             return f"{path}: kept is {header.kept}, the request keeps steps {list(train.steps_kept)}"
         for spec in train_step_outputs(m, train, step):
             scalar = spec.name.count(".") == 1
