@@ -14,7 +14,7 @@ from harness.case.registry import CaseError, Registry
 from harness.case.train_settings import parse_steps_kept
 from harness.run import steps
 from tests.support.cases import registry_from
-from tests.support.train import TINY_SGD, TINY_TRAIN, tiny_train_case
+from tests.support.train import TINY_SGD, TINY_TRAIN, tiny_train_case, whole_steps
 
 
 def test_the_registry_cases_resolve_every_train_field():
@@ -510,7 +510,7 @@ def test_a_night_judges_each_step_as_it_is_written_and_gives_its_tensors_back(tm
         thread.start()
     while any(thread.is_alive() for thread in writing):
         for label, run in runs.items():
-            held = [name for name in _whole_steps(run.folder) if name != "step00003.safetensors"]  # the divergence's
+            held = [name for name in whole_steps(run.folder) if name != "step00003.safetensors"]  # the divergence's
             most[label] = max(most[label], len(held))
         time.sleep(0.01)
     for run in runs.values():
@@ -522,7 +522,7 @@ def test_a_night_judges_each_step_as_it_is_written_and_gives_its_tensors_back(tm
     assert summary == expected[1] and summary["first_divergence"]["step"] == 3 and check is None
     assert max(most.values()) <= 1
     for run in runs.values():
-        assert _whole_steps(run.folder) == ["step00003.safetensors"]
+        assert whole_steps(run.folder) == ["step00003.safetensors"]
         header = steps.read_header(steps.step_file(run.folder, 1))
         assert header.given_back and not header.kept and "step1.lr" in header.layouts
         assert header.digests["step1.param.lm_head.weight"] == next(
@@ -550,7 +550,7 @@ def test_a_followed_case_whose_side_ends_early_gives_back_the_other_runs_steps_a
     steps.mark(runs[0].folder, steps.ENDED)
     follower.finish()
     assert follower.abandoned and follower.judged == 0
-    assert _whole_steps(runs[0].folder) == [] and steps.validate(runs[0].folder, case) == ""
+    assert whole_steps(runs[0].folder) == [] and steps.validate(runs[0].folder, case) == ""
     with pytest.raises(RuntimeError, match="judged 0 of 3 steps"):
         follower.judged_all()
 
@@ -571,15 +571,3 @@ def test_a_step_file_appears_whole_or_not_at_all(tmp_path):
     writer.save = lambda tensors, path, metadata: save_file(tensors, path, metadata)
     writer.write(1, {"lr": np.array(1e-3, np.float32)}, {"param.w": np.ones((4, 4), np.float32)})
     assert [path.name for path in (tmp_path / steps.STEPS_DIR).iterdir()] == ["step00001.safetensors"]
-
-
-def _whole_steps(folder) -> list[str]:  # also tests/test_train_e2e.py
-    """The step files in `folder` that hold their state tensors whole."""
-    whole = []
-    for path in sorted((folder / steps.STEPS_DIR).glob("step*.safetensors")):
-        try:
-            if steps.read_header(path).kept:
-                whole.append(path.name)
-        except Exception:  # a file being written (the code before step files appeared whole)
-            continue
-    return whole

@@ -529,7 +529,7 @@ def test_a_night_judges_each_step_as_it_is_written_and_holds_one_step_at_most(ca
     import threading
     import time
 
-    from tests.test_train_case import _whole_steps
+    from tests.support.train import whole_steps
 
     kept, _, kept_report, tails = run_train_case("t_night_follow", cases, tmp_path / "kept", checkpoints_dir)
     most, done = {}, threading.Event()
@@ -537,7 +537,7 @@ def test_a_night_judges_each_step_as_it_is_written_and_holds_one_step_at_most(ca
     def watch():
         while not done.is_set():
             for folder in (tmp_path / "gone" / "reports").glob("*/*-*"):
-                held = [name for name in _whole_steps(folder) if name != "step00001.safetensors"]
+                held = [name for name in whole_steps(folder) if name != "step00001.safetensors"]
                 most[folder.name] = max(most.get(folder.name, 0), len(held))
             time.sleep(0.02)
 
@@ -554,5 +554,5 @@ def test_a_night_judges_each_step_as_it_is_written_and_holds_one_step_at_most(ca
     assert sorted(most) == ["a-megatron_model", "b-hf_model", "oracle-hf_model-float64"]
     assert max(most.values()) <= 1 and kept_report["train"]["first_divergence"]["step"] == 1
     for folder in ("a-megatron_model", "b-hf_model"):
-        assert _whole_steps(run_dir / folder) == ["step00001.safetensors"], folder
-    assert _whole_steps(run_dir / "oracle-hf_model-float64") == []
+        assert whole_steps(run_dir / folder) == ["step00001.safetensors"], folder
+    assert whole_steps(run_dir / "oracle-hf_model-float64") == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from harness import CompareOptions, compare_case
+from harness.run import steps
 from tests.support.cases import tiny_case
 
 TINY_MODEL = {"family": "deepseek_v3", "num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 64,
@@ -43,3 +44,15 @@ def run_train_case(name, cases, tmp_path, checkpoints_dir, **options):
     report = json.loads((run_dir / "report.json").read_text())
     tails = "\n".join(s["stderr_tail"][-2500:] for s in report["sides"] if s["status"] != "ok")
     return result, run_dir, report, tails
+
+
+def whole_steps(folder) -> list[str]:
+    """The step files in a run's `folder` that hold their state tensors whole (a file being written is skipped)."""
+    whole = []
+    for path in sorted((folder / steps.STEPS_DIR).glob("step*.safetensors")):
+        try:
+            if steps.read_header(path).kept:
+                whole.append(path.name)
+        except Exception:  # a file being written (the code before step files appeared whole)
+            continue
+    return whole
