@@ -138,3 +138,26 @@ def test_zoo_training_pair_a_stack_cannot_run_is_unsupported(case, tmp_path, che
     result, run_dir, report, tails = _run(case, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "UNSUPPORTED" and result.expectation["met"], (result.message, tails)
     zoo.check_run(Registry.load().get(case), report, run_dir)
+
+
+# Families no other stack trains here: their HF run is the reference a user's own captured run is compared against
+# (docs/model.md). DeepSeek-V4 at its case's 16 tokens, which its compression rates are sized for.
+REFERENCES = {"deepseek_v32_2layer_train": E2E_TOKENS, "deepseek_v4_2layer_train": None}
+
+
+@pytest.mark.parametrize("case", sorted(REFERENCES))
+def test_an_hf_only_familys_training_run_is_a_reference_compare_runs_reads(case, tmp_path, checkpoints_dir):
+    """The training case's side folders are step folders that compare-runs reads: every step BITWISE_PASS against
+    the other HF side (the same code and kernels), the float64 truth following AdamW at every step."""
+    from harness.cli import main
+
+    result, run_dir = compare_case(case, CompareOptions(
+        tokens=REFERENCES[case], checkpoints_dir=checkpoints_dir, reports_dir=tmp_path / "reports"))
+    assert (result.verdict, result.exit_code) == ("BITWISE_PASS", 0), result.message
+    runs = [run_dir / name for name in ("a-hf_model", "b-hf_model", "oracle-hf_model-float64")]
+    assert main(["compare-runs", str(runs[0]), str(runs[1]), "--truth", str(runs[2]), "--reports",
+                 str(tmp_path / "runs")]) == 0
+    [folder] = (tmp_path / "runs").iterdir()
+    report = json.loads((folder / "report.json").read_text())
+    assert report["verdict"] == "BITWISE_PASS" and [s["verdict"] for s in report["train"]["steps"]] == [
+        "BITWISE_PASS"] * 3
