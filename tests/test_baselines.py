@@ -216,6 +216,7 @@ def test_a_changed_runner_is_named_on_each_case_and_fails_only_what_needed_the_r
     assert code == 0 and "~ runners.paddle.versions.fake-paddle: 1.0 → 2.0" in out and "wrote" in out
 
 
+@pytest.mark.slow  # two shards' nights and their merge: 30 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_shards_are_judged_together_after_the_merge(bench, capsys):
     """Each shard alone judges nothing and exits 0; the merge applies the baseline to the whole night (before: each
     shard applied it alone, and the merge never did, so a known difference failed the merged night)."""
@@ -555,6 +556,7 @@ def test_every_committed_baseline_fits_the_registry_and_the_fingerprint_fields()
                               "NIGHT`) and commit baselines/")
 
 
+@pytest.mark.slow  # two real Megatron nights: 38 s on 2 shared cores (the first tier's longest, 2026-12-06)
 @pytest.mark.e2e
 def test_real_megatron_night_is_green_the_second_time(tmp_path, monkeypatch, capsys, checkpoints_dir, no_doctor):
     """Megatron vs Megatron, fp32 64x32, one input bit flipped on side b in a case that expects bitwise equality."""

@@ -233,6 +233,7 @@ def _structural(refeed: dict) -> None:
             assert r["full"] == "DIFF" and r["local"] == "EQUAL", r
 
 
+@pytest.mark.slow  # a model pair and its re-feed: 41 s on 2 shared cores (the first tier's longest, 2026-12-06)
 @pytest.mark.e2e
 def test_negative_control_is_made_by_the_moe_block_holding_the_flipped_expert(tmp_path, checkpoints_dir):
     report, run_dir = _run("kimi_k2_2layer_control_hf", tmp_path, checkpoints_dir)

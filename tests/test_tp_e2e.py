@@ -18,7 +18,8 @@ from harness.compare.result import EXIT_CODES
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("runner", ["megatron", "paddle"])
+# Paddle's tensor-parallel pair is the second tier's (27.5 s on 2 shared cores, 2026-12-06); Megatron's stays here.
+@pytest.mark.parametrize("runner", ["megatron", pytest.param("paddle", marks=pytest.mark.slow)])
 def test_tp2_versus_tp1_lists_the_tp_invariant_tensors(runner, checkpoints_dir, tmp_path):
     result, run_dir = compare_case("kimi_shared_fc2_fp32_tp2", CompareOptions(
         tokens=E2E_TOKENS, versus=Versus("tp", 1, runner), checkpoints_dir=checkpoints_dir, reports_dir=tmp_path))

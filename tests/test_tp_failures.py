@@ -81,6 +81,7 @@ def test_a_killed_rank_ends_both_launches_with_error(tmp_path, fake_rank_python,
     assert_nothing_left(run_dir, launch)
 
 
+@pytest.mark.slow  # waits out a 20 s timeout per launch (the first tier's longest, 2026-12-06)
 def test_a_hung_rank_is_killed_with_its_whole_launch(tmp_path, fake_rank_python, launch, monkeypatch):
     monkeypatch.setenv("FAKE_RANK_FAILURE", "hang")
     # 20 s: both launchers and their ranks are up well within it on a loaded machine (the killed- and crashed-rank

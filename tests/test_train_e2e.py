@@ -180,6 +180,7 @@ PLANTS = {  # a fault in HF's own training code (side b), planted at process sta
 }
 
 
+@pytest.mark.slow  # a pair, its float64 truth and re-feed per plant: 51 s each on 2 shared cores (2026-12-06)
 @pytest.mark.parametrize("plant", PLANTS)
 def test_float64_check_finds_a_planted_optimizer_fault_at_its_step(cases, tmp_path, checkpoints_dir, plant):
     """Issue 29, finding 1: HF's AdamW made to use 10x its lr at step 3 (the lr it reports unchanged) came out

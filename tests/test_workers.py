@@ -23,6 +23,7 @@ def outputs_by_cell(sweep: dict, sweep_dir: Path) -> dict[tuple[int, str], bytes
             for cell in sweep["cells"] for side in cell["sides"]}
 
 
+@pytest.mark.slow  # every runner twice, as a worker and as a fresh process: 68 s on 2 shared cores (2026-12-06)
 @pytest.mark.e2e
 def test_workers_write_the_bits_of_fresh_processes(tmp_path, checkpoints_dir):
     def sweep(folder: str, **options):
