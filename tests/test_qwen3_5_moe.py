@@ -73,7 +73,8 @@ def test_a_gdn_layer_has_its_own_parameters_and_outputs_and_the_attention_a_gate
                           "linear_attn.out_proj"]
     assert specs["module.model.layers.0.linear_attn.core_attention"] == (5, 64)
     assert specs["module.model.layers.1.self_attn.q_proj"] == (5, 2 * 64)
-    assert FAMILY.interleave(m) is None  # no stack here fuses a gated q_proj with k and v yet
+    # Megatron's linear_qkv with attention_output_gate: per group 2 heads' queries and gates, then k, then v
+    assert FAMILY.interleave(m) == (2, (2 * 2 * 16, 16, 16))
 
 
 def test_the_2layer_cases_have_158_gradients_and_say_their_pairs():
