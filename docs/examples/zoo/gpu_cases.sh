@@ -4,10 +4,12 @@
 # image's transformers then ran GLM-5's HF side, 2026-12-06), behind a named environment's own packages (PYTHONPATH would
 # put transformers 5.3.0 ahead of the environment's 5.23.0). run_cases runs each case of $CASES, one at a time,
 # keeps its console and report.md under $OUT, prints its verdict lines and whether it met its expectation, and returns
-# 1 if any ended ERROR. DEVICE (default gpu) and TIMEOUT (seconds a side, default 1200) as the scripts set them.
+# 1 if any ended ERROR. DEVICE (default gpu) and TIMEOUT (seconds a side, default 1200) as the scripts set them;
+# WHEELS (default .whl/*.whl) the wheels install_wheels puts in /tmp/site.
 install_wheels() {
+    # shellcheck disable=SC2086  # WHEELS: a list of paths (or the glob), split on purpose
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || return 1
+        ${WHEELS:-.whl/*.whl} || return 1
     local purelib
     purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
     echo "import sys; sys.path.insert(sys.path.index('$purelib') if '$purelib' in sys.path else len(sys.path), '/tmp/site')" \

@@ -88,3 +88,12 @@ def gated_head_rows(model):
     return torch.tensor([(group * per_group + head) * 2 * size + part * size + d
                          for group in range(attention.kv_heads) for part in (0, 1)
                          for head in range(per_group) for d in range(size)])
+
+
+def versions(model) -> dict:
+    """meta.json's versions of the packages a GDN layer runs on (fla's l2norm, a Triton kernel); none without one."""
+    from importlib.metadata import version
+
+    if model.record.architecture(model).linear_attention is None:
+        return {}
+    return {name: version(name) for name in ("flash-linear-attention", "fla-core", "triton")}

@@ -471,7 +471,9 @@ def run(request: dict, phases: Phases) -> dict:
     dist.destroy_process_group()
     from harness.runners.megatron.runner import te_version
 
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()}, **meta,
+    versions = {"megatron-core": megatron_version, **te_version(),
+                **gdn.versions(model_config(request["config"]["model"]))}
+    return {"framework": "megatron-core", "versions": versions, **meta,
             "tensor_parallel": 1, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
 

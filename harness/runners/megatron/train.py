@@ -231,9 +231,11 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     torch.distributed.destroy_process_group()
     from megatron.core import __version__ as megatron_version
 
+    from harness.runners.megatron import gdn
     from harness.runners.megatron.runner import te_version
 
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()},
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version(),
+                                                       **gdn.versions(m)},
             "implementation": "megatron.core GPTModel (local spec) trained with DistributedDataParallel, "
                               "get_megatron_optimizer (" + " + ".join(type(o).__name__ for o in
                                                                       optimizer.chained_optimizers)
