@@ -1,5 +1,5 @@
-# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, dsa_gpu.sh). install_wheels puts the cp312 wheels of .whl/ in
-# /tmp/site, named by a .pth in the machine's interpreter that puts /tmp/site just ahead of that interpreter's own
+# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, qwen35_megatron_gpu.sh, dsa_gpu.sh). install_wheels puts the cp312
+# wheels of .whl/ in /tmp/site, named by a .pth in the machine's interpreter that puts /tmp/site just ahead of that interpreter's own
 # site-packages: ahead of whatever the machine's image installed there (a plain .pth line would come after it: the
 # image's transformers then ran GLM-5's HF side, 2026-12-06), behind a named environment's own packages (PYTHONPATH would
 # put transformers 5.3.0 ahead of the environment's 5.23.0). run_cases runs each case of $CASES, one at a time,
