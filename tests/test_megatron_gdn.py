@@ -133,3 +133,40 @@ def test_with_a_torch_l2norm_double_megatron_computes_hfs_model_to_fp32_rounding
     assert "local_gated_delta_net_spec" in [a["name"] for a in meta["adapters"]]
     worst = max((relative_error(ours[n].double(), hf[n].double()), n) for n in ours)
     assert worst[0] < 1e-5, worst
+
+
+@NEEDS_GDN
+def test_a_training_run_reads_every_parameter_back_in_hfs_names_rows_and_gammas(tmp_path):
+    """MegatronStates (the training level's read-back) on the loaded model, before any step: every canonical parameter
+    is the checkpoint's tensor (q_proj's rows back in HF's per-head query, gate order; in_proj's blocks), but the 7
+    zero-centred gammas, held as 1 + w and read as gamma - 1: w to gamma's precision (2^-24 at 1). The optimizer is a
+    TEST DOUBLE with no inner optimizers: a parameter's value is read from the model, which is all this test reads."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from harness.runners.megatron import model as megatron_model
+    from harness.runners.megatron.train import MegatronStates
+    from harness.runners.torch import env as torch_env
+    from tests.support.model_case import model_request
+
+    request = json.loads(model_request(tmp_path, QWEN, "float32", 16).read_text())
+    device = torch.device("cpu")
+    megatron_model.init_process_group(device)
+    megatron_model.install_adapters(device, QWEN)
+    config, _ = megatron_model.translate_config(QWEN, torch.float32, device)
+    model = megatron_model.build_model(config, QWEN, device)
+    names = megatron_model.name_map(QWEN)
+    checkpoint = torch_env.load_inputs(request["checkpoint"], device)
+    megatron_model.load_weights(model, names, checkpoint)
+    params, _ = MegatronStates(names, model, SimpleNamespace(chained_optimizers=[])).held("param")
+    assert set(params) == set(names["parameters"])
+    gammas = {name for name in params if name in names["one_plus"]}
+    assert len(gammas) == 7
+    for name, value in params.items():  # gate_up: its two checkpoint tensors, as HF fuses them
+        expected = checkpoint.get(name)
+        expected = torch.cat([checkpoint[s] for s in names["parameters"][name][1]]) if expected is None else expected
+        if name in gammas:
+            assert 0 < (value - expected).abs().max() <= 2.0 ** -24, name
+        else:
+            assert torch.equal(value, expected), name
