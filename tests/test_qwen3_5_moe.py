@@ -93,9 +93,12 @@ def test_the_2layer_cases_have_158_gradients_and_say_their_pairs():
         "qwen3_5_moe_2layer_control_hf": ("float32", ("hf_model", "hf_model"), ("cpu",), "DIFF"),
         "qwen3_5_moe_2layer_fp32_megatron": ("float32", ("megatron_model", "hf_model"), ("cpu",), "UNSUPPORTED"),
         "qwen3_5_moe_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), ("cpu",), "UNSUPPORTED"),
-        # GPU twins: HF against itself not yet run there (fla's kernels), Megatron without a local GDN spec
+        # GPU twins, not yet run there: HF against itself (fla's kernels), Megatron on the local GDN spec against HF
+        # (nothing stated), and Megatron's negative control (a DIFF by construction)
         "qwen3_5_moe_2layer_full": ("bfloat16", ("hf_model", "hf_model"), ("gpu",), None),
-        "qwen3_5_moe_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), ("gpu",), "UNSUPPORTED")}
+        "qwen3_5_moe_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), ("gpu",), None),
+        "qwen3_5_moe_2layer_megatron": ("float32", ("megatron_model", "hf_model"), ("gpu",), None),
+        "qwen3_5_moe_2layer_megatron_control": ("float32", ("megatron_model", "megatron_model"), ("gpu",), "DIFF")}
     full = registry.get("qwen3_5_moe_2layer_full")
     assert (full.tokens, len([s for s in full.output_specs() if s.name.startswith("grad.")])) == (
         512, 1 + 11 + 8 + 2 * (1 + 256 * 2 + 2 + 1) + 2)
