@@ -14,7 +14,8 @@
   Megatron-Core builds, only ``unsupported`` (the UNSUPPORTED text: DeepSeek-V4).
 - Quirks, each named where it is handled: MLA (attention kind "mla": ``MLATransformerConfig``, YaRN, its core
   attention and ``HAVE_TE``), DeepSeek-V3's group-limited routing, the all-heads q/k norm (qk_norm "all_heads":
-  MiniMax-M2), the sigmoid router's top-1 (Megatron leaves a single score unnormalised).
+  MiniMax-M2), the sigmoid router's top-1 (Megatron leaves a single score unnormalised), Gated DeltaNet layers
+  (Qwen3.5-MoE: megatron-core >= 0.19 with fla, the local GDN spec of ``harness.runners.megatron.gdn``).
 
 ``harness.runners.megatron.model`` builds, loads and runs the ``GPTModel``; the modules the local spec lacks are in
 ``harness.runners.megatron.blocks``.
