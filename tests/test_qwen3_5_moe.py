@@ -73,7 +73,8 @@ def test_a_gdn_layer_has_its_own_parameters_and_outputs_and_the_attention_a_gate
                           "linear_attn.out_proj"]
     assert specs["module.model.layers.0.linear_attn.core_attention"] == (5, 64)
     assert specs["module.model.layers.1.self_attn.q_proj"] == (5, 2 * 64)
-    assert FAMILY.interleave(m) is None  # no stack here fuses a gated q_proj with k and v yet
+    # Megatron's linear_qkv with attention_output_gate: per group 2 heads' queries and gates, then k, then v
+    assert FAMILY.interleave(m) == (2, (2 * 2 * 16, 16, 16))
 
 
 def test_the_2layer_cases_have_158_gradients_and_say_their_pairs():
@@ -92,9 +93,12 @@ def test_the_2layer_cases_have_158_gradients_and_say_their_pairs():
         "qwen3_5_moe_2layer_control_hf": ("float32", ("hf_model", "hf_model"), ("cpu",), "DIFF"),
         "qwen3_5_moe_2layer_fp32_megatron": ("float32", ("megatron_model", "hf_model"), ("cpu",), "UNSUPPORTED"),
         "qwen3_5_moe_2layer_fp32_paddle": ("float32", ("paddle_model", "hf_model"), ("cpu",), "UNSUPPORTED"),
-        # GPU twins: HF against itself not yet run there (fla's kernels), Megatron without a local GDN spec
+        # GPU twins, not yet run there: HF against itself (fla's kernels), Megatron on the local GDN spec against HF
+        # (nothing stated), and Megatron's negative control (a DIFF by construction)
         "qwen3_5_moe_2layer_full": ("bfloat16", ("hf_model", "hf_model"), ("gpu",), None),
-        "qwen3_5_moe_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), ("gpu",), "UNSUPPORTED")}
+        "qwen3_5_moe_2layer_full_megatron": ("bfloat16", ("megatron_model", "hf_model"), ("gpu",), None),
+        "qwen3_5_moe_2layer_megatron": ("float32", ("megatron_model", "hf_model"), ("gpu",), None),
+        "qwen3_5_moe_2layer_megatron_control": ("float32", ("megatron_model", "megatron_model"), ("gpu",), "DIFF")}
     full = registry.get("qwen3_5_moe_2layer_full")
     assert (full.tokens, len([s for s in full.output_specs() if s.name.startswith("grad.")])) == (
         512, 1 + 11 + 8 + 2 * (1 + 256 * 2 + 2 + 1) + 2)

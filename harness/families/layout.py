@@ -299,9 +299,12 @@ def _indexer_outputs(at: Attention) -> list[tuple[str, tuple[int, ...]]]:
 def interleave(a: Architecture) -> tuple[int, tuple[int, ...]] | None:
     """How a stack that fuses q, k and v per key/value head (Megatron's linear_qkv, Paddle's qkv_proj) orders them:
     per query group, its heads / groups query heads, then its key head, then its value head (Megatron Bridge's
-    QKVMapping / merge_qkv_weights, conversion/param_mapping.py @ 0f418defd83bb8b007f00748e822b3e758ec2593). None for
-    MLA, which fuses nothing so, and for an output-gated q_proj, which no stack here fuses yet."""
+    QKVMapping / merge_qkv_weights, conversion/param_mapping.py @ 0f418defd83bb8b007f00748e822b3e758ec2593); an
+    output-gated q_proj is twice as wide (Megatron's linear_qkv with attention_output_gate: each group's queries, then
+    their gates; the Megatron name map reorders HF's per-head query, gate rows so, gated_rows). None for MLA, which
+    fuses nothing so."""
     at = a.attention
-    if at.kind != "gqa" or at.output_gate:
+    if at.kind != "gqa":
         return None
-    return at.kv_heads, (at.heads // at.kv_heads * at.head_dim, at.head_dim, at.head_dim)
+    return at.kv_heads, (at.heads // at.kv_heads * at.head_dim * (2 if at.output_gate else 1), at.head_dim,
+                         at.head_dim)

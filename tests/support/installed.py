@@ -72,3 +72,15 @@ def megatron_has_dsa_switches() -> bool:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return "dsa_indexer_rotate_activation" in {f.name for f in fields(TransformerConfig)}
+
+
+def megatron_builds_gdn() -> bool:
+    """megatron-core >= 0.19's GatedDeltaNet with flash-linear-attention importable (harness/runners/megatron/gdn.py):
+    on the GPU machine, or here with 0.19.2's pure-Python files and fla (and triton) on PYTHONPATH."""
+    if absent("megatron.core"):
+        return False
+    try:
+        from megatron.core.ssm.gated_delta_net import common
+    except ImportError:
+        return False
+    return common.HAVE_FLA

@@ -1,13 +1,15 @@
-# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, dsa_gpu.sh). install_wheels puts the cp312 wheels of .whl/ in
-# /tmp/site, named by a .pth in the machine's interpreter that puts /tmp/site just ahead of that interpreter's own
-# site-packages: ahead of whatever the machine's image installed there (a plain .pth line would come after it: the
-# image's transformers then ran GLM-5's HF side, 2026-12-06), behind a named environment's own packages (PYTHONPATH would
-# put transformers 5.3.0 ahead of the environment's 5.23.0). run_cases runs each case of $CASES, one at a time,
-# keeps its console and report.md under $OUT, prints its verdict lines and whether it met its expectation, and returns
-# 1 if any ended ERROR. DEVICE (default gpu) and TIMEOUT (seconds a side, default 1200) as the scripts set them.
+# Sourced by the zoo's GPU scripts (qwen35_gpu.sh, qwen35_megatron_gpu.sh, dsa_gpu.sh). install_wheels puts the cp312
+# wheels of .whl/ in /tmp/site, named by a .pth in the machine's interpreter that puts /tmp/site just ahead of that
+# interpreter's own site-packages: ahead of whatever the machine's image installed there (a plain .pth line would come
+# after it: the image's transformers then ran GLM-5's HF side, 2026-12-06), behind a named environment's own packages
+# (PYTHONPATH would put transformers 5.3.0 ahead of the environment's 5.23.0). run_cases runs each case of $CASES, one
+# at a time, keeps its console and report.md under $OUT, prints its verdict lines and whether it met its expectation,
+# and returns 1 if any ended ERROR. DEVICE (default gpu) and TIMEOUT (seconds a side, default 1200) as the scripts set
+# them; WHEELS (default .whl/*.whl) the wheels install_wheels puts in /tmp/site.
 install_wheels() {
+    # shellcheck disable=SC2086  # WHEELS: a list of paths (or the glob), split on purpose
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || return 1
+        ${WHEELS:-.whl/*.whl} || return 1
     local purelib
     purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
     echo "import sys; sys.path.insert(sys.path.index('$purelib') if '$purelib' in sys.path else len(sys.path), '/tmp/site')" \

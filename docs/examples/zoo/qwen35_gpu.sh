@@ -7,7 +7,7 @@
 #
 # Runs the GPU cases of cases/qwen3_5_moe.toml and cases/qwen3_5_moe_train.toml: HF against itself at Qwen3.5-35B-A3B's
 # widths (model level, then 3 training steps), transformers taking fla's Triton kernels; then the Megatron-vs-HF pairs,
-# which say UNSUPPORTED until the harness has a local GDN spec (docs/model.md, "Qwen3.5-MoE"). Prints, per case, the
+# whose HF side here sees fla too (qwen35_megatron_gpu.sh keeps fla on the Megatron side only). Prints, per case, the
 # verdict line and whether it met the case's expectation; exits 1 if fla does not import or a run ends in ERROR.
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen35}

@@ -14,7 +14,8 @@
   Megatron-Core builds, only ``unsupported`` (the UNSUPPORTED text: DeepSeek-V4).
 - Quirks, each named where it is handled: MLA (attention kind "mla": ``MLATransformerConfig``, YaRN, its core
   attention and ``HAVE_TE``), DeepSeek-V3's group-limited routing, the all-heads q/k norm (qk_norm "all_heads":
-  MiniMax-M2), the sigmoid router's top-1 (Megatron leaves a single score unnormalised).
+  MiniMax-M2), the sigmoid router's top-1 (Megatron leaves a single score unnormalised), Gated DeltaNet layers
+  (Qwen3.5-MoE: megatron-core >= 0.19 with fla, the local GDN spec of ``harness.runners.megatron.gdn``).
 
 ``harness.runners.megatron.model`` builds, loads and runs the ``GPTModel``; the modules the local spec lacks are in
 ``harness.runners.megatron.blocks``.
@@ -28,13 +29,14 @@ from harness.families import FamilyConfig
 from harness.families.expressions import evaluate
 from harness.run.cell_state import patch
 from harness.run.protocol import Unsupported
-from harness.runners.megatron import blocks, dsa
+from harness.runners.megatron import blocks, dsa, gdn
 
 MLA_CORE_ATTENTION = "MLADotProductAttention"
 MLA_HAVE_TE = "mla_have_te_false"
 FULL_DIM_QK_NORM = "FullDimQKNorm"
 ROUTING_RECORD = "routing_record"
 DSA_LOCAL_SPEC = "LocalDSASpecProvider"
+GDN_LOCAL_SPEC = "local_gated_delta_net_spec"
 ADAPTERS = {
     MLA_CORE_ATTENTION: "subclass of megatron.core.transformer.dot_product_attention.DotProductAttention that "
     "accepts MLASelfAttention's k_channels/v_channels keywords (the local class refuses them) and sizes its output "
@@ -55,6 +57,12 @@ ADAPTERS = {
     "linear_wq_b / linear_wk / linear_weights_proj, ColumnParallelLinear for AbsorbedMLASelfAttention's "
     "linear_q_down_proj / linear_kv_down_proj as in Megatron's local MLA spec (tensor-parallel size 1: one GEMM "
     "each); the block spec Megatron writes for TE only (harness.runners.megatron.dsa)",
+    GDN_LOCAL_SPEC: "megatron-core >= 0.19's Gated DeltaNet without Transformer Engine (its hybrid block spec "
+    "asserts TE): every layer Megatron's local GPT layer spec (get_gpt_decoder_layer_specs, use_transformer_engine="
+    "False), a linear-attention layer's self_attention Megatron's get_gated_delta_net_module_spec on "
+    "LocalSpecProvider with in_proj ColumnParallelLinear behind the layer's own input_layernorm (the spec asks TE's "
+    "fused norm + linear, which the local provider has not): the same norm, then the same GEMM, unfused "
+    "(harness.runners.megatron.gdn)",
     ROUTING_RECORD: "each MoE layer's router is megatron.core's TopKRouter with one identity child "
     "(routing_record) it passes its (probs, routing_map) to; the child returns the probabilities "
     "widened to float32 (exact) for the capture hook, and the router returns its own outputs "
@@ -109,6 +117,7 @@ def adapters(model: FamilyConfig) -> list[str]:
     attention = model.record.architecture(model).attention
     names = [MLA_CORE_ATTENTION] if attention.kind == "mla" and attention.indexer is None else []
     names += [DSA_LOCAL_SPEC] if attention.indexer is not None else []
+    names += [GDN_LOCAL_SPEC] if model.record.architecture(model).linear_attention is not None else []
     names += [FULL_DIM_QK_NORM] if attention.qk_norm == "all_heads" else []
     return names + ([ROUTING_RECORD] if settings(model).get("routing_record") else [])
 
@@ -151,9 +160,11 @@ def layer_spec(model: FamilyConfig, spec, skip=()) -> None:
 
 def decoder_block_spec(model: FamilyConfig, config, layer_norm):
     """The decoder block's spec: Megatron's local GPT spec, or for a DSA family the local DSA spec
-    (``harness.runners.megatron.dsa``)."""
+    (``harness.runners.megatron.dsa``), for Gated DeltaNet layers the local GDN spec (``...megatron.gdn``)."""
     if model.record.architecture(model).attention.indexer is not None:
         return dsa.block_spec(config, layer_norm)
+    if model.record.architecture(model).linear_attention is not None:
+        return gdn.block_spec(config, layer_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -185,7 +196,7 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     if attention.indexer is not None:  # GLM-5, DeepSeek-V3.2 (docs/model.md, "GLM-5 (glm_moe_dsa)")
         dsa.require()
     if arch.linear_attention is not None:  # Qwen3.5-MoE (docs/model.md, "Qwen3.5-MoE (qwen3_5_moe)")
-        _refuse_gated_delta_net()
+        gdn.require()
     _refuse_unmapped_routing(moe)
     router_dtype = own.get("router_dtype") or None
     if dtype == torch.float64 and own.get("router_fp64_in_float64", True):
@@ -221,7 +232,7 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
         config = TransformerConfig(
             **common, num_query_groups=attention.kv_heads, kv_channels=attention.head_dim,
             add_qkv_bias=attention.qkv_bias, qk_layernorm=attention.qk_norm != "none",
-            softmax_scale=attention.head_dim ** -0.5)
+            softmax_scale=attention.head_dim ** -0.5, **_gated_delta_net(arch))
         knobs = dict(GQA_KNOBS)
     context = _context(model, arch, dtype, expert_parallel, router_dtype, freq, pre_softmax)
     context.update(router_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk)
@@ -231,19 +242,19 @@ def translate_config(model: FamilyConfig, dtype: torch.dtype, device: torch.devi
     return config, {name: _text(text, context) for name, text in knobs.items()}
 
 
-def _refuse_gated_delta_net() -> None:
-    """Gated DeltaNet layers: Megatron-Core's GatedDeltaNet constructs only with flash-linear-attention (its
-    constructor raises ImportError without ``fla``; its l2norm and chunk kernels are Triton, a GPU). UNSUPPORTED
-    naming the package; with it installed, UNSUPPORTED still: the harness has no local GDN layer spec yet."""
-    import importlib.util
-
-    if importlib.util.find_spec("fla") is None:
-        raise Unsupported(
-            f"Gated DeltaNet layers need flash-linear-attention (package flash-linear-attention, "
-            f"module fla: not installed): megatron-core {_megatron_version()}'s GatedDeltaNet raises ImportError "
-            "without it, and its Triton kernels need a GPU")
-    raise Unsupported("the harness has no local spec for Gated DeltaNet layers yet (Megatron's "
-                      "hybrid spec asserts Transformer Engine); see docs/model.md, Qwen3.5-MoE")
+def _gated_delta_net(arch) -> dict:
+    """Qwen3.5-MoE's fields (none without linear-attention layers): Gated DeltaNet on the layers the config names,
+    the output-gated attention on the others, and ``deterministic_mode`` (GatedDeltaNet's torch conv and delta rule
+    instead of fla's kernels; the embedding's lookup by indexing: megatron.toml's knobs say what it changes)."""
+    linear = arch.linear_attention
+    if linear is None:
+        return {}
+    return dict(experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=[1 if layer in arch.linear_layers else 0 for layer in range(arch.layers)],
+                linear_conv_kernel_dim=linear.conv_kernel, linear_key_head_dim=linear.key_head_dim,
+                linear_value_head_dim=linear.value_head_dim, linear_num_key_heads=linear.key_heads,
+                linear_num_value_heads=linear.value_heads, attention_output_gate=arch.attention.output_gate,
+                deterministic_mode=True)
 
 
 def _refuse_unmapped_routing(moe) -> None:

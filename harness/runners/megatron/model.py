@@ -42,7 +42,7 @@ from harness.run.protocol import (  # noqa: E402
     import_failure,
     rank_and_world,
 )
-from harness.runners.megatron import dsa, families  # noqa: E402
+from harness.runners.megatron import dsa, families, gdn  # noqa: E402
 from harness.runners.torch import env as torch_env  # noqa: E402
 
 try:
@@ -150,7 +150,8 @@ def name_map(model, section: str = "megatron") -> dict:
             "modules": {s.name[len("module."):] for s in family.modules(model, 1)}}
     kept["not_captured"] = kept["modules"]
     kept["detached"] = set(family.detached(model))
-    out, parts, rope_rows = {}, {}, {}
+    rows = {n[len("grad."):]: shape[0] for n, shape in family.gradients(model)}
+    out, parts, rope_rows, one_plus = {}, {}, {}, set()
     for kind in ("parameters", "detached", "buffers", "modules", "not_captured"):
         table = {}
         for group, entries in data.get(kind, {}).items():
@@ -173,13 +174,22 @@ def name_map(model, section: str = "megatron") -> dict:
                                 target["name"].format(**subst), fused)
                             if "rope_rows" in target:
                                 rope_rows[key] = rope_permutation(model, target["rope_rows"])
+                            if target.get("gated_rows"):
+                                rope_rows[key] = gdn.gated_head_rows(model)
+                            if target.get("zero_centred"):
+                                one_plus.add(key)
+                            if "cat0" in target and key in fused:  # one of the tensors concatenated into `name`
+                                widths = tuple(rows[n if kind != "modules" else n + ".weight"] for n in fused)
+                                source = table[key] if kind == "modules" else table[key][0]
+                                parts[key] = Rule("deinterleave", (source,), fused.index(key), groups=1,
+                                                  widths=widths)
                             if "interleave" in target:
                                 count, widths = grouping(model.family, model, f"{section}.{kind} {canonical!r}")
                                 source = table[key] if kind == "modules" else table[key][0]
                                 parts[key] = Rule("deinterleave", (source,), fused.index(key), groups=count,
                                                   widths=widths)
         out[kind] = table
-    out["parts"], out["rope_rows"] = parts, rope_rows
+    out["parts"], out["rope_rows"], out["one_plus"] = parts, rope_rows, one_plus
     return out
 
 
@@ -203,6 +213,19 @@ def to_canonical(names: dict, canonical: str, tensor: torch.Tensor, dim: int) ->
     return tensor if perm is None else tensor.index_select(dim, torch.argsort(perm).to(tensor.device))
 
 
+def _megatron_rows(names: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor as Megatron holds it: its rows permuted where the name map says so (``rope_rows``: GLM-5's
+    rope dims; Qwen3.5's gated q_proj), a zero-centred norm gamma w as 1 + w (``one_plus``: Megatron's local norm
+    scales by its weight; computed in float32 as HF's Qwen3_5MoeRMSNorm computes 1 + w, float64 in a float64 run)."""
+    perm = names.get("rope_rows", {}).get(name)
+    if perm is not None:
+        tensor = tensor.index_select(0, perm.to(tensor.device))
+    if name in names.get("one_plus", ()):
+        wide = torch.promote_types(tensor.dtype, torch.float32)
+        tensor = (1.0 + tensor.to(wide)).to(tensor.dtype)
+    return tensor
+
+
 def load_weights(model, names: dict, tensors: dict) -> None:
     from harness.capture.torch import apply_rule
 
@@ -218,12 +241,11 @@ def load_weights(model, names: dict, tensors: dict) -> None:
                 if megatron not in store:
                     raise RuntimeError(f"name map: {kind} {megatron!r} (for {canonical!r}) not in the Megatron model")
                 part = names.get("parts", {}).get(canonical)
+                values = [_megatron_rows(names, s, tensors[s]) for s in sources]
                 if part is not None:  # one of the tensors interleaved into `megatron` (each part loads it whole)
-                    value = apply_rule(replace(part, kind="interleave"), [tensors[s] for s in sources])
+                    value = apply_rule(replace(part, kind="interleave"), values)
                 else:
-                    value = torch.cat([tensors[s] for s in sources], dim=0)
-                if canonical in names.get("rope_rows", {}):
-                    value = value.index_select(0, names["rope_rows"][canonical].to(value.device))
+                    value = torch.cat(values, dim=0)
                 target = store[megatron]
                 if tuple(target.shape) != tuple(value.shape):
                     raise RuntimeError(f"{canonical}: checkpoint {tuple(value.shape)} vs Megatron {megatron} "
@@ -449,7 +471,9 @@ def run(request: dict, phases: Phases) -> dict:
     dist.destroy_process_group()
     from harness.runners.megatron.runner import te_version
 
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()}, **meta,
+    versions = {"megatron-core": megatron_version, **te_version(),
+                **gdn.versions(model_config(request["config"]["model"]))}
+    return {"framework": "megatron-core", "versions": versions, **meta,
             "tensor_parallel": 1, "distributed_backend": "nccl" if device.type == "cuda" else "gloo",
             **torch_env.provenance(device)}
 

@@ -231,9 +231,11 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
     torch.distributed.destroy_process_group()
     from megatron.core import __version__ as megatron_version
 
+    from harness.runners.megatron import gdn
     from harness.runners.megatron.runner import te_version
 
-    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version()},
+    return {"framework": "megatron-core", "versions": {"megatron-core": megatron_version, **te_version(),
+                                                       **gdn.versions(m)},
             "implementation": "megatron.core GPTModel (local spec) trained with DistributedDataParallel, "
                               "get_megatron_optimizer (" + " + ".join(type(o).__name__ for o in
                                                                       optimizer.chained_optimizers)
@@ -457,8 +459,14 @@ class MegatronStates:
         # a canonical tensor that is one part of a fused Megatron tensor (q, k or v of linear_qkv): the name map's
         # rule that takes it (kind deinterleave, harness.families.names), as the model level takes its gradient
         self.parts = {name: rule for name, rule in names.get("parts", {}).items() if name in self.rules}
-        self.parts.update({name: RowOrder(torch.argsort(perm).tolist())  # GLM-5's rope rows, permuted on loading
-                           for name, perm in names.get("rope_rows", {}).items() if name in self.rules})
+        for name, perm in names.get("rope_rows", {}).items():  # GLM-5's rope rows, Qwen3.5's gated q_proj's
+            if name in self.rules:  # permuted on loading, within the rows of their part of a fused tensor if one
+                part = self.parts.get(name)
+                rows = part.rows(part.index) if part is not None else range(len(perm))
+                self.parts[name] = RowOrder([rows[r] for r in torch.argsort(perm).tolist()])
+        # zero-centred gammas Megatron holds as 1 + w (names.toml zero_centred): their param and master read as
+        # gamma - 1, exact for gamma in [0.5, 2] (Sterbenz), and written back as 1 + w
+        self.one_plus = {name for name in names.get("one_plus", ()) if name in self.rules}
         self.shapes = shapes or {name: (len(self.parts[name].rows(self.parts[name].index)), *param.shape[1:])
                                  if name in self.parts else tuple(param.shape) for name, param in self.rules.items()}
         self.experts = experts  # the routed experts' canonical names: held in pieces on several expert-parallel ranks
@@ -605,10 +613,12 @@ class MegatronStates:
         pieces gathered to it), and of each tensor held in pieces the places the other ranks hold, from it; another
         rank: the tensors it holds whole (its replicas), and its own pieces of the others, before any gather."""
         pieced = [name for name in self.shapes if self._pieced(quantity, name)]
-        whole = {name: self.whole(quantity, name) for name in self.shapes if name not in pieced}
+        whole = {name: self._canonical(quantity, name, self.whole(quantity, name)) for name in self.shapes
+                 if name not in pieced}
         if not pieced:
             return whole, {}
-        own = {name: held for name in pieced if (held := self.pieces(quantity, name))}
+        own = {name: [(start, end, self._canonical(quantity, name, values)) for start, end, values in held]
+               for name in pieced if (held := self.pieces(quantity, name))}
         gathered, places = ranks.gather_pieces(own, self.shapes, self.group, next(iter(self.rules.values())).device)
         if torch.distributed.get_rank(self.group) != 0:
             return whole, own
@@ -639,9 +649,17 @@ class MegatronStates:
     def put(self, quantity: str, name: str, value: torch.Tensor) -> None:
         if tuple(value.shape) != tuple(self.shapes[name]):
             raise ValueError(f"{quantity}.{name}: canonical shape {list(self.shapes[name])}, given {list(value.shape)}")
+        if quantity in ("param", "master") and name in self.one_plus:
+            value = 1.0 + value
         for start, end, values in self.pieces(quantity, name):
             keeps_bits(value, values.dtype, f"{quantity}.{name}")
             values.copy_(value.reshape(-1)[start:end])
+
+    def _canonical(self, quantity: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A quantity as HF names it: a zero-centred gamma's param and master less 1 (a copy); others as they are."""
+        if quantity in ("param", "master") and name in self.one_plus:
+            return tensor.detach() - 1.0
+        return tensor
 
 
 def training_knobs(train: TrainSettings, optimizer, bias_update_rate: float) -> dict:
