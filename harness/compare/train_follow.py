@@ -24,28 +24,31 @@ the following (every run is released: ``steps.RELEASED``), and the case is not c
 from __future__ import annotations
 
 from harness.case.registry import Case
-from harness.compare import train_refeed, train_steps, train_truth
+from harness.compare import train_steps, train_truth
 from harness.compare.tensors import EQUAL
 from harness.run import steps
 from harness.run.follow import Follower
 from harness.run.orchestrate import SideResult
 
 
-def follow(case: Case, pair: list[SideResult], truth: SideResult | None, initial, refeed: bool) -> Follower:
+def follow(case: Case, pair: list[SideResult], truth: SideResult | None, initial, refeed=None) -> Follower:
     """A started follower of the pair and the truth (`truth` None: none runs); `initial`: the checkpoint's state
-    (``train_truth.initial_state``), read only with a truth."""
-    judge = PairJudge(case, pair, truth, initial, refeed)
+    (``train_truth.initial_state``), read only with a truth; `refeed(plain)`: the re-fed runs started beside the
+    pair (``train_refeed.Beside``), `plain` the pair's comparisons as they are made."""
+    judge = PairJudge(case, pair, truth, initial)
+    judge.beside = refeed(judge.rows) if refeed else None
     runs = [*pair, *([truth] if truth else [])]
-    follower = Follower({run.label: run.folder for run in runs}, {run.label for run in pair}, case.train.steps, judge)
+    follower = Follower({run.label: run.folder for run in runs}, {run.label for run in pair}, case.train.steps, judge,
+                        judge.beside)
     follower.start()
     return follower
 
 
 class PairJudge:
-    """The pair's and the truth's step k (module docstring); `refeed`: a re-feed in time follows the pair."""
+    """The pair's and the truth's step k (module docstring); `beside`: the re-fed runs beside the pair, if any."""
 
-    def __init__(self, case: Case, pair: list[SideResult], truth: SideResult | None, initial, refeed: bool):
-        self.case, self.pair, self.truth, self.initial, self.refeed = case, pair, truth, initial, refeed
+    def __init__(self, case: Case, pair: list[SideResult], truth: SideResult | None, initial):
+        self.case, self.pair, self.truth, self.initial, self.beside = case, pair, truth, initial, None
         self.rows, self.summaries, self.first = [], [], None
         self.check = train_truth.truth_check(case)
         self.versus, self.errors, self.flags = {}, {}, []
@@ -76,14 +79,17 @@ class PairJudge:
 
     def _give_back(self, step: int, truth: SideResult | None) -> None:
         """Step `step`'s tensors, judged: the truth's always (a failing case keeps the pair's first divergence, not
-        the truth's); the pair's unless it is the first divergence or a re-feed reads it."""
-        runs = [truth] if truth is not None else []
-        if step != self.first and not self.refeed:
-            runs += self.pair
-        elif step != self.first and all(step not in train_refeed.checked_steps(self.case, self.rows, mode)
-                                        for mode in train_refeed.MODES):
-            runs.append(self.pair[1])
-        for run in runs:
+        the truth's); the pair's unless it is the first divergence, side b's once the re-fed runs beside the pair
+        have read it where their check does, side a's once they have read it."""
+        now = [truth] if truth is not None else []
+        later = self.pair if step != self.first else []
+        if self.beside is None or not self.beside.reads(step):
+            now, later = now + later[1:], later[:1]
+        for run in now:
+            steps.give_back(steps.step_file(run.folder, step))
+        if self.beside is not None:
+            self.beside.step(step)
+        for run in later:
             steps.give_back(steps.step_file(run.folder, step))
 
     def results(self, truth: SideResult | None) -> tuple[list, dict, dict | None]:

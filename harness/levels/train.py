@@ -105,8 +105,10 @@ class TrainLevel(Level):
         initial = train_truth.initial_state(run.case, run.checkpoint.files) if truth else None
         folders = [SideResult(spec.label, spec.runner, "ok", run.run_dir / spec.folder, "")
                    for spec in [*run.pair, *([truth] if truth else [])]]
-        run.follower = train_follow.follow(run.case, folders[:2], folders[2] if truth else None, initial,
-                                           refeed or _float64_refeed(run))
+        beside = (lambda plain: train_refeed.Beside(run.case, run.pair, folders[:2], run.device, run.run_dir,
+                                                    run.pythons, run.timeout, plain)
+                  ) if refeed or _float64_refeed(run) else None
+        run.follower = train_follow.follow(run.case, folders[:2], folders[2] if truth else None, initial, beside)
 
     def compare(self, run: Run, result: CaseResult) -> None:
         """Every step of the pair; with a truth that ran, the truth's own check first: a step where it does not
@@ -135,11 +137,13 @@ class TrainLevel(Level):
 
     def refeed(self, run: Run, result: CaseResult, asked: bool) -> None:
         """Side b re-run from side a's state, step by step: asked, or for a float64 case's check of every step."""
-        if asked or _float64_refeed(run):
+        beside = run.follower.judge.beside if run.follower is not None else None
+        if beside is not None:  # run beside the pair (a night's case on a CPU)
+            result.train["refeed"], run.refed = beside.results(result.tensors, run.keep_tensors)
+        elif asked or _float64_refeed(run):
             result.train["refeed"], run.refed = train_refeed.run(run.case, run.checkpoint, run.pair, run.framework,
                                                                  result.tensors, run.device, run.run_dir,
-                                                                 run.pythons, run.timeout, run.keep_tensors,
-                                                                 follow=_follows(run))
+                                                                 run.pythons, run.timeout, run.keep_tensors)
 
     def judge(self, run: Run, result: CaseResult) -> None:
         """A float64 case: every step judged (harness.compare.train_float64); a re-feed that failed or did not

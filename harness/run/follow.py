@@ -17,11 +17,14 @@ POLL_SECONDS = 0.1
 
 class Follower(threading.Thread):
     """Judges step 1, 2, ... of the runs in `folders` ({label: folder}) as soon as each is there (`judge.step(k,
-    labels present)`), then lets them write on. `required`: the labels without which nothing more is judged."""
+    labels present)`), then lets them write on. `required`: the labels without which nothing more is judged.
+    `beside`: runs started beside these that read their steps (``harness.compare.train_refeed.Beside``): released
+    with them, and ``finish`` waits for them."""
 
-    def __init__(self, folders: dict[str, Path], required: set[str], count: int, judge):
+    def __init__(self, folders: dict[str, Path], required: set[str], count: int, judge, beside=None):
         super().__init__(name="train-follow", daemon=True)
         self.folders, self.required, self.count, self.judge = dict(folders), set(required), count, judge
+        self.beside = beside
         self.judged, self.abandoned, self.error = 0, False, None
         self._stop_event = threading.Event()
 
@@ -78,11 +81,15 @@ class Follower(threading.Thread):
         for folder in self.folders.values():
             if not (folder / steps.STEPS_DIR / steps.RELEASED).exists():
                 steps.mark(folder, steps.RELEASED)
+        if self.beside is not None:
+            self.beside.release()
 
     def finish(self, raise_error: bool = True) -> None:
         """Once the runs have ended: judge what is left, then end; re-raise what went wrong in the thread."""
         self._stop_event.set()
         self.join()
+        if self.beside is not None:
+            self.beside.join()
         if self.error is not None and raise_error:
             raise self.error
 
