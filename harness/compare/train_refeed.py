@@ -56,7 +56,9 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
     a re-fed run that ran and was compared gives its tensor files back before the next one runs (a night's peak:
     every read of them is done, its comparisons are in memory); a run that failed keeps them. A night's case on a CPU
     runs them beside the pair instead (``Beside``)."""
-    _needs_every_step(case)
+    if not every_step_kept(case):
+        raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
+                        f"\"all\"; got {list(case.train.steps_kept)})")
     results, compared, faithful = {}, {}, {}
     for mode, spec in refed_specs(pair, sides[0].folder, paced=False).items():
         result = results[mode] = orchestrate.run_sides(case, [spec], device, run_dir, pythons, timeout)[0]
@@ -69,11 +71,9 @@ def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], p
     return outcome(plain, results, compared, faithful)
 
 
-def _needs_every_step(case: Case) -> None:
-    train = case.train
-    if train.steps_kept != tuple(range(1, train.steps + 1)):
-        raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
-                        f"\"all\"; got {list(train.steps_kept)})")
+def every_step_kept(case: Case) -> bool:
+    """Whether side a keeps every step's tensors, which the re-fed runs load."""
+    return case.train.steps_kept == tuple(range(1, case.train.steps + 1))
 
 
 def refed_specs(pair: list[SideSpec], side_a: Path, paced: bool) -> dict[str, SideSpec]:
@@ -215,7 +215,6 @@ class Beside:
 
     def __init__(self, case: Case, pair: list[SideSpec], sides: list[SideResult], device: str, run_dir: Path,
                  pythons: dict, timeout: float, plain: list):
-        _needs_every_step(case)
         self.case, self.side_a, self.run_dir = case, sides[0], Path(run_dir)
         specs = refed_specs(pair, sides[0].folder, paced=True)
         self.judges = {mode: RefeedJudge(case, sides[0], sides[1],
@@ -268,8 +267,9 @@ class Beside:
     def join(self) -> None:
         wait([self.runs])
 
-    def results(self, plain: list, keep: bool) -> tuple[dict, dict | None]:
-        """Once the pair is compared: the re-feed's record, as ``run`` gives it (the runs joined)."""
+    def results(self, plain: list) -> tuple[dict, dict | None]:
+        """Once the pair is compared: the re-feed's record, as ``run`` gives it (the runs joined; a night's: the tensor
+        files of each run compared go)."""
         results = dict(zip(MODES, self.runs.result(), strict=True))
         compared, faithful = {}, {}
         for mode, judge in self.judges.items():
@@ -281,6 +281,5 @@ class Beside:
                                    "given back")
             compared[mode] = judge.rows
             faithful[mode] = {"checked": judge.checked, "not_reproduced": judge.missed}
-            if not keep:
-                _drop_tensors(Path(results[mode].folder), self.run_dir)
+            _drop_tensors(Path(results[mode].folder), self.run_dir)
         return outcome(plain, results, compared, faithful)
