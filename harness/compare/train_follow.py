@@ -10,15 +10,15 @@ read of step k (its state, not its gradients) is held in memory (``train_truth.h
 one step's tensors at a time, the one being written, besides the pair's first divergence.
 
 - ``PairJudge``: the pair and the float64 truth. Once step k is judged it gives back step k of every run, except the
-  pair's step of the first divergence (a failing case keeps it: ``harness.commands.nightly_keep``; the truth's goes)
-  and what a re-feed in time reads later: every step of side a (the re-fed runs start from its state and are
-  compared with it) and the steps of side b the re-feed's own check compares (``train_refeed.checked_steps``). Of the
+  pair's step of the first divergence (a failing case keeps it: ``harness.commands.nightly_keep``; the truth's goes).
+  With a re-feed in time (a float64 case's check of every step), its re-fed runs run beside the pair
+  (``train_refeed.Beside``): they take side a's step k once the pair's is judged, and side a's step k goes once they
+  have read it, side b's once the re-feed's own check has compared it (``train_refeed.checked_steps``). Of the
   truth's parts, only those of a truth that ended ``ok`` are used, as before.
-- ``RefeedJudge``: one re-fed run: each step compared with side a's (and, where the re-feed's check reads it, side
-  b's), then given back at once.
 
-A run that ends before it writes a step: the truth is followed no further; a side of the pair or the re-fed run ends
-the following (every run is released: ``steps.RELEASED``), and the case is not compared anyway.
+A run that ends before it writes a step: the truth is followed no further; a side of the pair ends the following
+(every run is released: ``steps.RELEASED``, the re-fed runs too), and the case is not compared anyway; a re-fed run
+that ends early is followed no further (the re-feed's record says it failed).
 """
 
 from __future__ import annotations

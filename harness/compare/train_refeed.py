@@ -207,11 +207,11 @@ class RefeedJudge:
 
 class Beside:
     """The two re-fed runs of a night's case on a CPU, started with the pair and judged as they write (issue 47: run
-    after the pair, they read every step of side a, which stayed whole until they ended). Each step of side a is
-    handed to them once the pair's is judged (``steps.handed_marker``; side b's is given back first unless the
-    re-feed's check reads it); the state run writes its step, is judged and given back, then the update run; side a's
-    step goes once both have read it (``steps.fed_marker``: their next step's state). So side a holds the step they
-    read besides the first divergence, and one re-fed step is written at a time (at step 1 both)."""
+    after the pair, they read every step of side a, which stayed whole until they ended). Once the pair's step is
+    judged (side b's given back unless the re-feed's check reads it), side a's step is handed to the state run
+    (``steps.handed_marker``), whose step is judged and given back, then to the update run, as when they ran one
+    after the other; side a's step goes once both have read it (``steps.fed_marker``: their next step's state). So
+    side a holds the step they read besides the first divergence, and one re-fed step is whole at a time."""
 
     def __init__(self, case: Case, pair: list[SideSpec], sides: list[SideResult], device: str, run_dir: Path,
                  pythons: dict, timeout: float, plain: list):
@@ -234,10 +234,10 @@ class Beside:
     def step(self, step: int) -> None:
         """The re-fed runs' step `step`, once the pair's is judged; returns once they have read all they take of
         side a's step (at the last step: once it is judged)."""
-        steps.mark(self.side_a.folder, steps.handed_marker(self.side_a.folder, step).name)
-        for mode, judge in self.judges.items():
-            if step > 1:  # it writes this step now, the mode before it judged: one re-fed step written at a time
+        for mode, judge in self.judges.items():  # one at a time: one re-fed step written at once
+            if step > 1:
                 steps.mark(judge.refed.folder, steps.consumed_marker(judge.refed.folder, step - 1).name)
+            steps.mark(self.side_a.folder, steps.handed_marker(self.side_a.folder, step, mode).name)
             if self._landed(mode, steps.step_file(judge.refed.folder, step)):
                 judge.step(step)
         if step < self.case.train.steps:

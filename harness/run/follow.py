@@ -26,12 +26,14 @@ class Follower(threading.Thread):
         self.folders, self.required, self.count, self.judge = dict(folders), set(required), count, judge
         self.beside = beside
         self.judged, self.abandoned, self.error = 0, False, None
+        self.waiting, self.writing = [], None  # the runs not yet let write their next step; the last one let
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         try:
             while self.judged < self.count and not self.abandoned:
                 stopping = self._stop_event.is_set()  # the runs have ended: what is there is all there is
+                self._let_write()
                 if self._advance(stopping):
                     continue
                 if stopping:
@@ -73,9 +75,21 @@ class Follower(threading.Thread):
                     return False
         self.judge.step(step, set(self.folders))
         self.judged = step
-        for folder in self.folders.values():
-            steps.mark(folder, steps.consumed_marker(folder, step).name)
+        self.waiting, self.writing = list(self.folders.values()), None
+        self._let_write()
         return True
+
+    def _let_write(self) -> None:
+        """Let the runs write their next step one after another, each once the one before has written it (or ended):
+        a step file takes its whole size until it is written and its zero blocks go, so writes that overlap add up."""
+        step = self.judged + 1
+        while self.waiting:
+            last = self.writing
+            if last is not None and not (steps.step_file(last, step).exists()
+                                         or (last / steps.STEPS_DIR / steps.ENDED).exists()):
+                return
+            self.writing = self.waiting.pop(0)
+            steps.mark(self.writing, steps.consumed_marker(self.writing, self.judged).name)
 
     def _release(self) -> None:
         for folder in self.folders.values():

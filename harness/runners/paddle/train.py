@@ -353,7 +353,7 @@ class Trainer:
             if beside:
                 fed_marker(refeed["from"], step - 1, refeed["mode"]).touch()
         if beside:
-            await_handed(refeed["from"], step)
+            await_handed(refeed["from"], step, refeed["mode"])
         self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
 
 

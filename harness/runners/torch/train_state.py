@@ -230,7 +230,7 @@ def load_state(states, refeed: dict, step: int, set_lr, beside: bool = False) ->
         if beside:
             fed_marker(folder, step - 1, refeed["mode"]).touch()
     if beside:
-        await_handed(folder, step)
+        await_handed(folder, step, refeed["mode"])
     set_lr(float(_read(folder, step, [f"step{step}.lr"])[f"step{step}.lr"]))
 
 
