@@ -502,7 +502,7 @@ def test_a_night_judges_each_step_as_it_is_written_and_gives_its_tensors_back(tm
     for run in runs.values():
         run.folder.mkdir(parents=True)
         (run.folder / "request.json").write_text(json.dumps({"config": {steps.PACE: True}}))
-    follower = train_follow.follow(case, list(runs.values()), None, None, refeed=False)
+    follower = train_follow.follow(case, list(runs.values()), None, None)
     most, writing = {label: 0 for label in runs}, [
         threading.Thread(target=_write_run, args=(runs[label].folder, case, change), daemon=True)
         for label, change in changes.items()]
@@ -545,7 +545,7 @@ def test_a_followed_case_whose_side_ends_early_gives_back_the_other_runs_steps_a
         run.folder.mkdir()
         (run.folder / "request.json").write_text(json.dumps({"config": {steps.PACE: True}}))
     steps.mark(runs[1].folder, steps.ENDED)  # side b: UNSUPPORTED, no step written
-    follower = train_follow.follow(case, runs, None, None, refeed=False)
+    follower = train_follow.follow(case, runs, None, None)
     _write_run(runs[0].folder, case)  # paced: it would wait for step 1 to be judged, were it not released
     steps.mark(runs[0].folder, steps.ENDED)
     follower.finish()

@@ -51,6 +51,8 @@ def cases(tmp_path_factory):
         tiny_train_case("t_paddle_bf16", runners=["paddle_model", "paddle_model"], dtype="bfloat16"),
         tiny_train_case("t_megatron_hf_aligned", train={**TINY_TRAIN, **ALIGNED, "clip_grad": 0.0}),
         tiny_train_case("t_float64", dtype="float64", train={**TINY_TRAIN, **ALIGNED}),
+        tiny_train_case("t_float64_night", dtype="float64", train={**TINY_TRAIN, **ALIGNED, "steps": 3,
+                                                                   "decay_steps": 3}),
         tiny_train_case("t_float64_dense", dtype="float64", train={**TINY_TRAIN, **ALIGNED},
                         config={"model": {**TINY_MODEL, "first_k_dense_replace": 2}}),
         *[tiny_train_case(f"t_self_{runner}", runners=[runner, runner]) for runner in RUNNERS],
@@ -497,14 +499,41 @@ def test_a_glm4_moe_stack_refed_from_its_own_state_reproduces_its_plain_run(glm_
         assert report["sides"][1]["meta"]["zero_grads"]["step 1"]
 
 
-@pytest.mark.slow  # two float64 training runs with their re-feeds: 21 s on 2 cores
-def test_a_night_gives_back_the_re_fed_runs_tensors_once_compared_and_judges_alike(cases, tmp_path, checkpoints_dir):
-    """Issue 47: minimax_m2_2layer_train_float64 peaked at 11.38 GB, its two re-fed runs of side b half of it. With
-    keep_tensors off (a night's), each re-fed run's tensor files go once it is compared, before the next runs; the
-    verdict, the per-step records and the re-feed's attribution are those of a run that keeps them."""
-    runs = {keep: run_train_case("t_float64", cases, tmp_path / str(keep), checkpoints_dir, oracle=False,
-                                 keep_tensors=keep) for keep in (True, False)}
-    (kept, _, kept_report, tails), (gone, run_dir, gone_report, _) = runs[True], runs[False]
+@pytest.mark.slow  # two 3-step float64 training runs with their re-feeds: 30 s on 2 cores
+def test_a_night_runs_the_re_fed_runs_beside_the_pair_and_judges_alike(cases, tmp_path, checkpoints_dir):
+    """Issue 47: minimax_m2_2layer_train_float64 peaked at 3.17 GB, since its re-fed runs of side b started after the
+    pair and read every step of side a, which stayed whole until they ended. With keep_tensors off (a night's), they
+    run beside the pair: side a holds no more than one whole step besides its first divergence (step 1) at any time,
+    the re-fed runs one whole step between them past step 1, and each re-fed run's tensor files go once it is
+    compared; the verdict, the per-step records and the re-feed's attribution are those of a run that keeps them."""
+    import threading
+    import time
+
+    from tests.support.train import whole_steps
+
+    kept, _, kept_report, tails = run_train_case("t_float64_night", cases, tmp_path / "kept", checkpoints_dir,
+                                                 oracle=False)
+    most, beside, done = {}, [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for run_dir in (tmp_path / "gone" / "reports").glob("*"):
+                held = {folder.name: [name for name in whole_steps(folder) if name != "step00001.safetensors"]
+                        for folder in run_dir.glob("*-*")}
+                refed = [name for folder, names in held.items() if "refeed" in folder for name in names]
+                for name, count in [*((folder, len(names)) for folder, names in held.items()), ("refed", len(refed))]:
+                    most[name] = max(most.get(name, 0), count)
+                if list(run_dir.glob("b-*-refeed-*/steps/step*.safetensors")) and not list(
+                        run_dir.glob("a-*/steps/step00003.safetensors")):
+                    beside.append(True)  # a re-fed step written before side a's last step
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    gone, run_dir, gone_report, _ = run_train_case("t_float64_night", cases, tmp_path / "gone", checkpoints_dir,
+                                                   oracle=False, keep_tensors=False)
+    done.set()
+    watcher.join()
     assert kept.verdict == gone.verdict == "WITHIN_TOLERANCE", (kept.message, tails)
     for field in ("tensors", "first_divergence", "message"):
         assert gone_report[field] == kept_report[field], field
@@ -513,10 +542,13 @@ def test_a_night_gives_back_the_re_fed_runs_tensors_once_compared_and_judges_ali
 
     for part in (lambda report: report["train"], lambda report: report["train"]["refeed"]):
         assert without_runs(gone_report, part) == without_runs(kept_report, part)
+    assert kept_report["train"]["first_divergence"]["step"] == 1 and beside
+    assert max(most.values()) <= 1 and "a-megatron_model" in most, most
     refed = sorted(path.name for path in run_dir.glob("b-*-refeed-*"))
     assert refed == ["b-hf_model-refeed-state", "b-hf_model-refeed-update"]
     assert not list(run_dir.glob("b-*-refeed-*/**/*.safetensors"))
-    assert len(list(run_dir.glob("a-*/steps/*.safetensors"))) == 2  # the pair's step files stay for the night's prune
+    assert whole_steps(run_dir / "a-megatron_model") == ["step00001.safetensors"]  # the first divergence's
+    assert len(list(run_dir.glob("a-*/steps/*.safetensors"))) == 3  # the pair's step files stay for the night's prune
 
 
 @pytest.mark.slow  # a 4-step pair with its float64 truth, twice: 25 s on 2 cores

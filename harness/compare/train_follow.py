@@ -10,42 +10,45 @@ read of step k (its state, not its gradients) is held in memory (``train_truth.h
 one step's tensors at a time, the one being written, besides the pair's first divergence.
 
 - ``PairJudge``: the pair and the float64 truth. Once step k is judged it gives back step k of every run, except the
-  pair's step of the first divergence (a failing case keeps it: ``harness.commands.nightly_keep``; the truth's goes)
-  and what a re-feed in time reads later: every step of side a (the re-fed runs start from its state and are
-  compared with it) and the steps of side b the re-feed's own check compares (``train_refeed.checked_steps``). Of the
+  pair's step of the first divergence (a failing case keeps it: ``harness.commands.nightly_keep``; the truth's goes).
+  With a re-feed in time (a float64 case's check of every step), its re-fed runs run beside the pair
+  (``train_refeed.Beside``): they take side a's step k once the pair's is judged, and side a's step k goes once they
+  have read it, side b's once the re-feed's own check has compared it (``train_refeed.checked_steps``). Of the
   truth's parts, only those of a truth that ended ``ok`` are used, as before.
-- ``RefeedJudge``: one re-fed run: each step compared with side a's (and, where the re-feed's check reads it, side
-  b's), then given back at once.
 
-A run that ends before it writes a step: the truth is followed no further; a side of the pair or the re-fed run ends
-the following (every run is released: ``steps.RELEASED``), and the case is not compared anyway.
+A run that ends before it writes a step: the truth is followed no further; a side of the pair ends the following
+(every run is released: ``steps.RELEASED``, the re-fed runs too), and the case is not compared anyway; a re-fed run
+that ends early is followed no further (the re-feed's record says it failed).
 """
 
 from __future__ import annotations
 
 from harness.case.registry import Case
-from harness.compare import train_refeed, train_steps, train_truth
+from harness.compare import train_steps, train_truth
 from harness.compare.tensors import EQUAL
 from harness.run import steps
 from harness.run.follow import Follower
 from harness.run.orchestrate import SideResult
 
 
-def follow(case: Case, pair: list[SideResult], truth: SideResult | None, initial, refeed: bool) -> Follower:
+def follow(case: Case, pair: list[SideResult], truth: SideResult | None, initial, refeed=None) -> Follower:
     """A started follower of the pair and the truth (`truth` None: none runs); `initial`: the checkpoint's state
-    (``train_truth.initial_state``), read only with a truth."""
-    judge = PairJudge(case, pair, truth, initial, refeed)
+    (``train_truth.initial_state``), read only with a truth; `refeed(plain)`: the re-fed runs started beside the
+    pair (``train_refeed.Beside``), `plain` the pair's comparisons as they are made."""
+    judge = PairJudge(case, pair, truth, initial)
+    judge.beside = refeed(judge.rows) if refeed else None
     runs = [*pair, *([truth] if truth else [])]
-    follower = Follower({run.label: run.folder for run in runs}, {run.label for run in pair}, case.train.steps, judge)
+    follower = Follower({run.label: run.folder for run in runs}, {run.label for run in pair}, case.train.steps, judge,
+                        judge.beside)
     follower.start()
     return follower
 
 
 class PairJudge:
-    """The pair's and the truth's step k (module docstring); `refeed`: a re-feed in time follows the pair."""
+    """The pair's and the truth's step k (module docstring); `beside`: the re-fed runs beside the pair, if any."""
 
-    def __init__(self, case: Case, pair: list[SideResult], truth: SideResult | None, initial, refeed: bool):
-        self.case, self.pair, self.truth, self.initial, self.refeed = case, pair, truth, initial, refeed
+    def __init__(self, case: Case, pair: list[SideResult], truth: SideResult | None, initial):
+        self.case, self.pair, self.truth, self.initial, self.beside = case, pair, truth, initial, None
         self.rows, self.summaries, self.first = [], [], None
         self.check = train_truth.truth_check(case)
         self.versus, self.errors, self.flags = {}, {}, []
@@ -76,14 +79,17 @@ class PairJudge:
 
     def _give_back(self, step: int, truth: SideResult | None) -> None:
         """Step `step`'s tensors, judged: the truth's always (a failing case keeps the pair's first divergence, not
-        the truth's); the pair's unless it is the first divergence or a re-feed reads it."""
-        runs = [truth] if truth is not None else []
-        if step != self.first and not self.refeed:
-            runs += self.pair
-        elif step != self.first and all(step not in train_refeed.checked_steps(self.case, self.rows, mode)
-                                        for mode in train_refeed.MODES):
-            runs.append(self.pair[1])
-        for run in runs:
+        the truth's); the pair's unless it is the first divergence, side b's once the re-fed runs beside the pair
+        have read it where their check does, side a's once they have read it."""
+        now = [truth] if truth is not None else []
+        later = self.pair if step != self.first else []
+        if self.beside is None or not self.beside.reads(step):
+            now, later = now + later[1:], later[:1]
+        for run in now:
+            steps.give_back(steps.step_file(run.folder, step))
+        if self.beside is not None:
+            self.beside.step(step)
+        for run in later:
             steps.give_back(steps.step_file(run.folder, step))
 
     def results(self, truth: SideResult | None) -> tuple[list, dict, dict | None]:

@@ -21,6 +21,9 @@ Attribution per step and quantity (``attribute``), counting tensors:
 
 from __future__ import annotations
 
+import contextvars
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from harness import resources
@@ -28,8 +31,8 @@ from harness.case.ops import carried_quantities
 from harness.case.registry import Case, CaseError
 from harness.compare.tensors import EQUAL
 from harness.compare.train_steps import compare_step, compare_steps, quantity_of
-from harness.run import orchestrate
-from harness.run.follow import Follower
+from harness.run import orchestrate, steps
+from harness.run.follow import POLL_SECONDS
 from harness.run.orchestrate import SideResult, SideSpec
 from harness.run.steps import PACE, give_back, step_file
 
@@ -47,46 +50,52 @@ def update_made(quantity: str) -> bool:
 
 
 def run(case: Case, checkpoint, pair: list[SideSpec], sides: list[SideResult], plain: list, device: str,
-        run_dir: Path, pythons: dict, timeout: float, keep: bool = True,
-        follow: bool = False) -> tuple[dict, dict[str, list] | None]:
-    """Side b re-fed from side a, in both modes: (per step and quantity what made each difference, with the re-feed's
-    own check; each mode's comparisons with side a, None when a re-fed run failed). `keep` False: a re-fed run that
-    ran and was compared gives its tensor files back before the next one runs (a night's peak: every read of them is
-    done, its comparisons are in memory); a run that failed keeps them. `follow`: each re-fed step is judged as it is
-    written and its tensors given back (``RefeedJudge``, harness.run.follow)."""
-    train = case.train
-    if train.steps_kept != tuple(range(1, train.steps + 1)):
+        run_dir: Path, pythons: dict, timeout: float, keep: bool = True) -> tuple[dict, dict[str, list] | None]:
+    """Side b re-fed from side a, in both modes, after the pair: (per step and quantity what made each difference,
+    with the re-feed's own check; each mode's comparisons with side a, None when a re-fed run failed). `keep` False:
+    a re-fed run that ran and was compared gives its tensor files back before the next one runs (a night's peak:
+    every read of them is done, its comparisons are in memory); a run that failed keeps them. A night's case on a CPU
+    runs them beside the pair instead (``Beside``)."""
+    if not every_step_kept(case):
         raise CaseError(f"case {case.name!r}: --refeed needs every step's tensors of side a (train.steps_kept = "
-                        f"\"all\"; got {list(train.steps_kept)})")
-    side_a, spec_b = sides[0], pair[1]
-    runs, compared, faithful = {}, {}, {}
+                        f"\"all\"; got {list(case.train.steps_kept)})")
+    results, compared, faithful = {}, {}, {}
+    for mode, spec in refed_specs(pair, sides[0].folder, paced=False).items():
+        result = results[mode] = orchestrate.run_sides(case, [spec], device, run_dir, pythons, timeout)[0]
+        if result.status != "ok":
+            break
+        compared[mode], _ = compare_steps(case, [sides[0], result])
+        faithful[mode] = reproduces(case, plain, sides[1], result, mode)
+        if not keep:
+            _drop_tensors(Path(result.folder), Path(run_dir))
+    return outcome(plain, results, compared, faithful)
+
+
+def every_step_kept(case: Case) -> bool:
+    """Whether side a keeps every step's tensors, which the re-fed runs load."""
+    return case.train.steps_kept == tuple(range(1, case.train.steps + 1))
+
+
+def refed_specs(pair: list[SideSpec], side_a: Path, paced: bool) -> dict[str, SideSpec]:
+    """Each mode's re-fed run of side b's stack, reading side a's steps in `side_a`; `paced`: followed as it writes."""
+    spec_b, specs = pair[1], {}
     for mode in MODES:
-        config = {**(spec_b.config or {}), "train_refeed": {"mode": mode, "from": str(side_a.folder.resolve())},
-                  **({PACE: True} if follow else {})}
-        spec = spec_b._replace(label=f"b.refeed-{mode}", folder=f"b-{spec_b.runner}-refeed-{mode}", config=config)
-        judge = follower = None
-        if follow:
-            refed = SideResult(spec.label, spec.runner, "ok", Path(run_dir) / spec.folder, "")
-            judge = RefeedJudge(case, side_a, sides[1], refed, checked_steps(case, plain, mode))
-            follower = Follower({spec.label: refed.folder}, {spec.label}, train.steps, judge)
-            follower.start()
-        try:
-            result = orchestrate.run_sides(case, [spec], device, run_dir, pythons, timeout)[0]
-        finally:
-            if follower is not None:
-                follower.finish()
+        config = {**(spec_b.config or {}), "train_refeed": {"mode": mode, "from": str(side_a.resolve())},
+                  **({PACE: True} if paced else {})}
+        specs[mode] = spec_b._replace(label=f"b.refeed-{mode}", folder=f"b-{spec_b.runner}-refeed-{mode}",
+                                      config=config)
+    return specs
+
+
+def outcome(plain: list, results: dict[str, SideResult], compared: dict, faithful: dict) -> tuple[dict, dict | None]:
+    """The re-feed's record from each mode's run, in ``MODES`` order: the first that failed ends it, as when the
+    modes run one after the other."""
+    runs = {}
+    for mode in MODES:
+        result = results[mode]
         runs[mode] = result.to_dict()
         if result.status != "ok":
             return {"status": result.status, "reason": f"re-fed side b ({mode}): {result.reason}", "runs": runs}, None
-        if follower is not None:
-            follower.judged_all()
-            compared[mode] = judge.rows
-            faithful[mode] = {"checked": judge.checked, "not_reproduced": judge.missed}
-        else:
-            compared[mode], _ = compare_steps(case, [side_a, result])
-            faithful[mode] = reproduces(case, plain, sides[1], result, mode)
-        if not keep:
-            _drop_tensors(Path(result.folder), Path(run_dir))
     unfaithful = [f"{mode} at step {miss['step']} ({miss['count']} tensors, first {miss['tensors'][0]})"
                   for mode, check in faithful.items() for miss in check["not_reproduced"]]
     return {"status": "unfaithful" if unfaithful else "ok",
@@ -177,14 +186,100 @@ def _how(quantity: str, plain: bool, state: bool, update: bool) -> str:
 
 
 class RefeedJudge:
-    """One re-fed run's step k against side a's (and side b's where the re-feed's check reads it), then given back."""
+    """One re-fed run's step k against side a's (and side b's where the re-feed's check reads it), then given back.
+    `plain`: the pair's comparisons, of step k at least (a step's check reads that step's and the one before)."""
 
-    def __init__(self, case: Case, side_a: SideResult, side_b: SideResult, refed: SideResult, checked: list[int]):
-        self.case, self.side_a, self.side_b, self.refed, self.checked = case, side_a, side_b, refed, checked
-        self.rows, self.missed = [], []
+    def __init__(self, case: Case, side_a: SideResult, side_b: SideResult, refed: SideResult, mode: str,
+                 plain: list):
+        self.case, self.side_a, self.side_b, self.refed = case, side_a, side_b, refed
+        self.mode, self.plain = mode, plain
+        self.rows, self.checked, self.missed, self.judged = [], [], [], 0
 
-    def step(self, step: int, present: set[str]) -> None:
+    def step(self, step: int) -> None:
         self.rows += compare_step(self.case, step, [self.side_a, self.refed])
-        if step in self.checked and (miss := not_reproduced(self.case, step, self.side_b, self.refed)):
-            self.missed.append(miss)
+        if step in checked_steps(self.case, self.plain, self.mode):
+            self.checked.append(step)
+            if miss := not_reproduced(self.case, step, self.side_b, self.refed):
+                self.missed.append(miss)
         give_back(step_file(self.refed.folder, step))
+        self.judged = step
+
+
+class Beside:
+    """The two re-fed runs of a night's case on a CPU, started with the pair and judged as they write (issue 47: run
+    after the pair, they read every step of side a, which stayed whole until they ended). Once the pair's step is
+    judged (side b's given back unless the re-feed's check reads it), side a's step is handed to the state run
+    (``steps.handed_marker``), whose step is judged and given back, then to the update run, as when they ran one
+    after the other; side a's step goes once both have read it (``steps.fed_marker``: their next step's state). So
+    side a holds the step they read besides the first divergence, and one re-fed step is whole at a time."""
+
+    def __init__(self, case: Case, pair: list[SideSpec], sides: list[SideResult], device: str, run_dir: Path,
+                 pythons: dict, timeout: float, plain: list):
+        self.case, self.side_a, self.run_dir = case, sides[0], Path(run_dir)
+        specs = refed_specs(pair, sides[0].folder, paced=True)
+        self.judges = {mode: RefeedJudge(case, sides[0], sides[1],
+                                         SideResult(spec.label, spec.runner, "ok", self.run_dir / spec.folder, ""),
+                                         mode, plain) for mode, spec in specs.items()}
+        self.ended: set[str] = set()  # the modes whose run ended before a step: followed no more
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refeed-beside")
+        self.runs = thread.submit(contextvars.copy_context().run, orchestrate.run_sides, case, list(specs.values()),
+                                  device, run_dir, pythons, timeout)
+        thread.shutdown(wait=False)  # the thread ends with its one task
+
+    def reads(self, step: int) -> bool:
+        """Whether a re-fed run still followed will read side b's step `step` (the re-feed's check)."""
+        return any(mode not in self.ended and step in checked_steps(self.case, judge.plain, mode)
+                   for mode, judge in self.judges.items())
+
+    def step(self, step: int) -> None:
+        """The re-fed runs' step `step`, once the pair's is judged; returns once they have read all they take of
+        side a's step (at the last step: once it is judged)."""
+        for mode, judge in self.judges.items():  # one at a time: one re-fed step written at once
+            if step > 1:
+                steps.mark(judge.refed.folder, steps.consumed_marker(judge.refed.folder, step - 1).name)
+            steps.mark(self.side_a.folder, steps.handed_marker(self.side_a.folder, step, mode).name)
+            if self._landed(mode, steps.step_file(judge.refed.folder, step)):
+                judge.step(step)
+        if step < self.case.train.steps:
+            for mode in MODES:
+                self._landed(mode, steps.fed_marker(self.side_a.folder, step, mode))
+
+    def _landed(self, mode: str, path: Path) -> bool:
+        """Wait until `path` is there, or the mode's run ended without it (then it is followed no more)."""
+        ended = self.judges[mode].refed.folder / steps.STEPS_DIR / steps.ENDED
+        while mode not in self.ended:
+            over = ended.exists() or self.runs.done()  # first: then what it wrote is all there is
+            if path.exists():
+                return True
+            if over:
+                self.ended.add(mode)
+            else:
+                time.sleep(POLL_SECONDS)
+        return False
+
+    def release(self) -> None:
+        """Nothing more is handed over or judged: the re-fed runs write on and end (side a's folder too: it may
+        have ended)."""
+        for folder in (self.side_a.folder, *(judge.refed.folder for judge in self.judges.values())):
+            if folder.exists() and not (folder / steps.STEPS_DIR / steps.RELEASED).exists():  # started
+                steps.mark(folder, steps.RELEASED)
+
+    def join(self) -> None:
+        wait([self.runs])
+
+    def results(self, plain: list) -> tuple[dict, dict | None]:
+        """Once the pair is compared: the re-feed's record, as ``run`` gives it (the runs joined; a night's: the tensor
+        files of each run compared go)."""
+        results = dict(zip(MODES, self.runs.result(), strict=True))
+        compared, faithful = {}, {}
+        for mode, judge in self.judges.items():
+            if results[mode].status != "ok":
+                break
+            if judge.judged != self.case.train.steps:
+                raise RuntimeError(f"following the re-fed run ({mode}) judged {judge.judged} of "
+                                   f"{self.case.train.steps} steps, though it ended ok: nothing compares the steps "
+                                   "given back")
+            compared[mode] = judge.rows
+            faithful[mode] = {"checked": judge.checked, "not_reproduced": judge.missed}
+            _drop_tensors(Path(results[mode].folder), self.run_dir)
+        return outcome(plain, results, compared, faithful)

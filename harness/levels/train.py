@@ -99,14 +99,21 @@ class TrainLevel(Level):
 
     def follow(self, run: Run, truth: SideSpec | None, refeed: bool) -> None:
         """A night's (``run.keep_tensors`` False) training case on one CPU rank: its steps judged as they are written,
-        their tensors given back once no later judgment reads them (harness.compare.train_follow)."""
+        their tensors given back once no later judgment reads them (harness.compare.train_follow); its re-fed runs,
+        if any, run beside the pair (harness.compare.train_refeed.Beside)."""
         if not _follows(run):
             return
         initial = train_truth.initial_state(run.case, run.checkpoint.files) if truth else None
         folders = [SideResult(spec.label, spec.runner, "ok", run.run_dir / spec.folder, "")
                    for spec in [*run.pair, *([truth] if truth else [])]]
+        refeeding = (refeed or _float64_refeed(run)) and train_refeed.every_step_kept(run.case)
+
+        def beside(plain: list) -> train_refeed.Beside:  # the re-fed runs, started with the pair
+            return train_refeed.Beside(run.case, run.pair, folders[:2], run.device, run.run_dir, run.pythons,
+                                       run.timeout, plain)
+
         run.follower = train_follow.follow(run.case, folders[:2], folders[2] if truth else None, initial,
-                                           refeed or _float64_refeed(run))
+                                           beside if refeeding else None)
 
     def compare(self, run: Run, result: CaseResult) -> None:
         """Every step of the pair; with a truth that ran, the truth's own check first: a step where it does not
@@ -135,11 +142,13 @@ class TrainLevel(Level):
 
     def refeed(self, run: Run, result: CaseResult, asked: bool) -> None:
         """Side b re-run from side a's state, step by step: asked, or for a float64 case's check of every step."""
-        if asked or _float64_refeed(run):
+        beside = run.follower.judge.beside if run.follower is not None else None
+        if beside is not None:  # run beside the pair (a night's case on a CPU)
+            result.train["refeed"], run.refed = beside.results(result.tensors)
+        elif asked or _float64_refeed(run):
             result.train["refeed"], run.refed = train_refeed.run(run.case, run.checkpoint, run.pair, run.framework,
                                                                  result.tensors, run.device, run.run_dir,
-                                                                 run.pythons, run.timeout, run.keep_tensors,
-                                                                 follow=_follows(run))
+                                                                 run.pythons, run.timeout, run.keep_tensors)
 
     def judge(self, run: Run, result: CaseResult) -> None:
         """A float64 case: every step judged (harness.compare.train_float64); a re-feed that failed or did not

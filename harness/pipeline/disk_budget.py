@@ -14,8 +14,9 @@ others), and is meant to be an upper bound:
   ``REPORT_BYTES`` for reports, pictures and logs. Step files give their zero blocks back to the disk
   (``harness.run.sparse_files``), which this does not count: a bound, not a forecast;
 - a training case a night judges step by step as it runs (``harness.compare.train_follow``): of each side two steps
-  whole (the one being written and the first divergence), of the truth and of the one re-fed run at a time one; a
-  re-feed in time still reads every step of side a and (at most) of side b.
+  whole (the one being written and the first divergence), of the truth one; with a re-feed in time, run beside the
+  pair (``harness.compare.train_refeed.Beside``), one more of side a (the step the re-fed runs read) and step 1 of
+  both re-fed runs (past it, one re-fed step at a time).
 
 Both folders on one file system add up.
 """
@@ -54,9 +55,10 @@ def footprint(case: Case, repeat: int = 1, truth: bool = True, refeed: bool = Fa
     refeds = 2 * one_side if refeeding else 0
     if followed:  # harness.compare.train_follow: whole, a step being written and the pair's first divergence
         first = set(sorted(kept)[:1])
-        sides = 2 * one_side if refeeding else 2 * _outputs(case, set(sorted(kept)[:2]))
+        # and of side a the step the re-fed runs beside the pair read; of theirs, step 1 of both
+        sides = 2 * _outputs(case, set(sorted(kept)[:2])) + (_outputs(case, first) if refeeding else 0)
         oracle = _outputs(case, first, "float64") if oracle else 0
-        refeds = _outputs(case, first) if refeeding else 0  # one re-fed run at a time
+        refeds = 2 * _outputs(case, first) if refeeding else 0
     return {"checkpoints": 2 * tensor_bytes(case, case.input_specs()),
             "reports": sides + oracle + refeds + REPORT_BYTES}
 

@@ -17,18 +17,23 @@ POLL_SECONDS = 0.1
 
 class Follower(threading.Thread):
     """Judges step 1, 2, ... of the runs in `folders` ({label: folder}) as soon as each is there (`judge.step(k,
-    labels present)`), then lets them write on. `required`: the labels without which nothing more is judged."""
+    labels present)`), then lets them write on. `required`: the labels without which nothing more is judged.
+    `beside`: runs started beside these that read their steps (``harness.compare.train_refeed.Beside``): released
+    with them, and ``finish`` waits for them."""
 
-    def __init__(self, folders: dict[str, Path], required: set[str], count: int, judge):
+    def __init__(self, folders: dict[str, Path], required: set[str], count: int, judge, beside=None):
         super().__init__(name="train-follow", daemon=True)
         self.folders, self.required, self.count, self.judge = dict(folders), set(required), count, judge
+        self.beside = beside
         self.judged, self.abandoned, self.error = 0, False, None
+        self.waiting, self.writing = [], None  # the runs not yet let write their next step; the last one let
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         try:
             while self.judged < self.count and not self.abandoned:
                 stopping = self._stop_event.is_set()  # the runs have ended: what is there is all there is
+                self._let_write()
                 if self._advance(stopping):
                     continue
                 if stopping:
@@ -70,19 +75,35 @@ class Follower(threading.Thread):
                     return False
         self.judge.step(step, set(self.folders))
         self.judged = step
-        for folder in self.folders.values():
-            steps.mark(folder, steps.consumed_marker(folder, step).name)
+        self.waiting, self.writing = list(self.folders.values()), None
+        self._let_write()
         return True
+
+    def _let_write(self) -> None:
+        """Let the runs write their next step one after another, each once the one before has written it (or ended):
+        a step file takes its whole size until it is written and its zero blocks go, so writes that overlap add up."""
+        step = self.judged + 1
+        while self.waiting:
+            last = self.writing
+            if last is not None and not (steps.step_file(last, step).exists()
+                                         or (last / steps.STEPS_DIR / steps.ENDED).exists()):
+                return
+            self.writing = self.waiting.pop(0)
+            steps.mark(self.writing, steps.consumed_marker(self.writing, self.judged).name)
 
     def _release(self) -> None:
         for folder in self.folders.values():
             if not (folder / steps.STEPS_DIR / steps.RELEASED).exists():
                 steps.mark(folder, steps.RELEASED)
+        if self.beside is not None:
+            self.beside.release()
 
     def finish(self, raise_error: bool = True) -> None:
         """Once the runs have ended: judge what is left, then end; re-raise what went wrong in the thread."""
         self._stop_event.set()
         self.join()
+        if self.beside is not None:
+            self.beside.join()
         if self.error is not None and raise_error:
             raise self.error
 

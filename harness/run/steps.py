@@ -195,6 +195,27 @@ def wait_consumed(folder, step: int) -> None:
         time.sleep(PACE_POLL_SECONDS)
 
 
+def handed_marker(folder, step: int, mode: str) -> Path:
+    """In side a's steps folder: the harness hands side a's step `step` to the re-fed run in `mode` beside it."""
+    return Path(folder) / STEPS_DIR / f"step{step:05d}.handed-{mode}"
+
+
+def fed_marker(folder, step: int, mode: str) -> Path:
+    """In side a's steps folder, from a re-fed run beside it: the run in `mode` has read all it takes of side a's step
+    `step` (its state, for the next step), so the harness may give that step's tensors back."""
+    return Path(folder) / STEPS_DIR / f"step{step:05d}.fed-{mode}"
+
+
+def await_handed(folder, step: int, mode: str) -> None:
+    """A re-fed run beside side a (it is paced: ``harness.compare.train_refeed.Beside``), before it reads side a's step
+    `step` (side a's folder: `folder`): until the harness hands the step over, or follows no more (``RELEASED``), or
+    side a ended without it, or the harness is gone (the read that follows then says what is missing)."""
+    steps_dir, parent = Path(folder) / STEPS_DIR, os.getppid()
+    while not (handed_marker(folder, step, mode).exists() or (steps_dir / RELEASED).exists()
+               or ((steps_dir / ENDED).exists() and not step_file(folder, step).exists())) and os.getppid() == parent:
+        time.sleep(PACE_POLL_SECONDS)
+
+
 def mark(folder, name: str) -> None:
     """An empty marker file in the run's steps folder (``RELEASED``, ``ENDED``, a step's ``.consumed``)."""
     steps_dir = Path(folder) / STEPS_DIR

@@ -215,7 +215,7 @@ def run(request: dict, phases: Phases, skip_adapters=()) -> dict:
         with phases(f"step {step}"):
             if refeed:
                 writes.flush()
-                load_state(states, refeed, step, states.set_lr)
+                load_state(states, refeed, step, states.set_lr, writer.paced)
             digested = writer.digests is not None and step not in writer.kept  # its gradients: digests, no copy
             scalars, tensors, pieces, doubles = train_step(ddp, optimizer, scheduler, states, checkpoint, step, train,
                                                            dtype, refeed, rank, mode, digested, writes.flush)

@@ -50,7 +50,7 @@ from harness.case.ops import carried_quantities, step_quantities, train_buffer_n
 from harness.case.train_settings import TrainSettings, rank_micro_batches
 from harness.families import model_config
 from harness.run.protocol import Phases, rank_and_world
-from harness.run.steps import StepWriter, flip_bit, flips_here, state_locations, step_file
+from harness.run.steps import StepWriter, await_handed, fed_marker, flip_bit, flips_here, state_locations, step_file
 from harness.runners.paddle import families
 from harness.runners.paddle import model as paddle_model
 from harness.runners.paddle.model import paddle  # None where paddle is missing: run() says so first
@@ -117,7 +117,7 @@ def run(request: dict, phases: Phases) -> dict:
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"):
             if refeed:
-                trainer.load_state(refeed, step)
+                trainer.load_state(refeed, step, writer.paced)
             scalars, states = paddle_model._kernel_guard(
                 lambda step=step: trainer.step(step, checkpoint, refeed), f"training step {step}", request, m)
             if scalars:
@@ -336,9 +336,10 @@ class Trainer:
             _fits(part, target, f"{quantity}.{name}")
             target.set_value(paddle.to_tensor(np.ascontiguousarray(part), place=paddle.CPUPlace()))
 
-    def load_state(self, refeed: dict, step: int) -> None:
+    def load_state(self, refeed: dict, step: int, beside: bool = False) -> None:
         """Side a's parameters and optimizer state after step - 1, and side a's lr for this step (the scheduler's
-        last_lr, which the optimizer reads). AdamW's beta powers (Paddle's step count) stay this run's own."""
+        last_lr, which the optimizer reads). AdamW's beta powers (Paddle's step count) stay this run's own. `beside`:
+        this run is paced, beside side a (harness.run.steps.await_handed)."""
         if step > 1:
             names = [f"step{step - 1}.{q}.{n}" for q in self.carried for n in self.rules]
             names += [f"step{step - 1}.expert_bias.{n}" for n in self.buffers]
@@ -349,6 +350,10 @@ class Trainer:
                     self.buffers[name].set_value(paddle.to_tensor(value, place=paddle.CPUPlace()))
                 else:
                     self.put(quantity, name, value)
+            if beside:
+                fed_marker(refeed["from"], step - 1, refeed["mode"]).touch()
+        if beside:
+            await_handed(refeed["from"], step, refeed["mode"])
         self.scheduler.last_lr = float(_read(refeed["from"], step, [f"step{step}.lr"])[f"step{step}.lr"])
 
 

@@ -108,7 +108,7 @@ def _run(request: dict, phases: Phases, typed, hf, transformers, float64_mode: d
     for step in range(1, train.steps + 1):
         with phases(f"step {step}"):
             if refeed:  # side a's state after the previous step, and its lr for this one
-                load_state(trainer.states, refeed, step, trainer.set_lr)
+                load_state(trainer.states, refeed, step, trainer.set_lr, writer.paced)
             digested = writer.digests is not None and step not in writer.kept  # its gradients: digests, no copy
             scalars, states = trainer.step(step, checkpoint, dtype, m["vocab_size"], refeed, digested)
             if scalars:

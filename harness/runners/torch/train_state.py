@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from harness.capture.torch import apply_rule
 from harness.case.ops import train_buffer_names, train_state_names
-from harness.run.steps import step_file
+from harness.run.steps import await_handed, fed_marker, step_file
 
 INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
             torch.float16: torch.int16}
@@ -208,9 +208,10 @@ def _read(folder, step: int, names) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_state(states, refeed: dict, step: int, set_lr) -> None:
+def load_state(states, refeed: dict, step: int, set_lr, beside: bool = False) -> None:
     """Side a's state after step - 1 (parameters, masters, the optimizer's state, the routing biases) into this run,
-    and side a's lr for this step. The step count stays this run's own: it made the same number of steps."""
+    and side a's lr for this step. The step count stays this run's own: it made the same number of steps. `beside`:
+    this run is paced, beside side a (harness.run.steps.await_handed)."""
     folder = refeed["from"]
     if step > 1:
         quantities = [q for q in states.carried if q != "master" or getattr(states, "masters", True)]
@@ -226,6 +227,10 @@ def load_state(states, refeed: dict, step: int, set_lr) -> None:
                 states.buffers[name].copy_(value)
             else:
                 states.put(quantity, name, value)
+        if beside:
+            fed_marker(folder, step - 1, refeed["mode"]).touch()
+    if beside:
+        await_handed(folder, step, refeed["mode"])
     set_lr(float(_read(folder, step, [f"step{step}.lr"])[f"step{step}.lr"]))
 
 
