@@ -28,7 +28,7 @@ from tests.support.cases import write_cases
 from tests.support.installed import absent
 from tests.support.train import TINY_TRAIN, run_train_case, tiny_train_case
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ranks]
+pytestmark = [pytest.mark.e2e, pytest.mark.ranks, pytest.mark.slow]  # 4 tests of 2 ranks a side, 74 s: second tier
 LOOP = REPO_ROOT / "docs" / "examples" / "attach" / "megatron_loop.py"
 TORCH_LOOP = REPO_ROOT / "tests" / "support" / "torch_ranks_loop.py"
 RANKED = {"dp2": {**TINY_TRAIN, "dp": 2}, "dp2_ep2": {**TINY_TRAIN, "dp": 2, "ep": 2}}

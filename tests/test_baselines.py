@@ -142,6 +142,7 @@ def test_a_fixed_case_fails_until_recorded_and_a_new_case_is_judged_by_its_own_e
     assert "2 case(s) unchanged; 4 in the baseline" in out
 
 
+@pytest.mark.slow  # 17 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_a_changed_definition_is_judged_by_its_own_expectation(bench, capsys):
     """`nightly --tokens 8` against a 4-token baseline: the known difference is no longer known (before: "new",
     and passed whatever it gave)."""
@@ -155,6 +156,7 @@ def test_a_changed_definition_is_judged_by_its_own_expectation(bench, capsys):
     assert by_case(night)["agrees"]["outcome"] == "pass"  # bitwise, as it expects: no record needed
 
 
+@pytest.mark.slow  # 27 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_unsupported_matches_only_with_the_same_reason(bench, capsys):
     bench.plan({"known_diff": {"flips": PLATFORM_DIFF},
                 "agrees": {"unsupported": "kernel `matmul` (CPU, bfloat16) not registered, pid 4242 (/opt/x/lib.so)"}})
@@ -173,6 +175,7 @@ def test_unsupported_matches_only_with_the_same_reason(bench, capsys):
     assert any("another reason: paddle: kernel `matmul`" in p for p in agrees["problems"]), agrees["problems"]
 
 
+@pytest.mark.slow  # 15 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_a_broken_install_fails_the_cases_the_baseline_ran(bench, capsys):
     """The Paddle side cannot import and writes no versions: before, its fingerprint changed, no baseline applied,
     every case skipped as UNSUPPORTED and the night exited 0."""
@@ -188,6 +191,7 @@ def test_a_broken_install_fails_the_cases_the_baseline_ran(bench, capsys):
     assert "### Ran in the baseline, UNSUPPORTED or not run tonight (fail): 2" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.slow  # 17 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_a_case_the_baseline_ran_and_tonight_did_not_run_fails(bench, capsys):
     weights = bench.root / "w.safetensors"
     save_file({"model.w": np.full((4, 8), 0.5, np.float32)}, str(weights))
@@ -240,6 +244,7 @@ def test_shards_are_judged_together_after_the_merge(bench, capsys):
                  "--baselines", str(bench.baselines)]) == 1  # one shard missing, and known_diff moved
 
 
+@pytest.mark.slow  # 16 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_a_night_of_a_few_cases_updates_only_their_records(bench, capsys):
     """`nightly -k` then `baseline update`: the picked cases' records move, the others stay as they were (before,
     the update removed every case the night had not run); a pick at another token count is refused."""
@@ -432,6 +437,7 @@ def test_a_long_record_lists_its_first_steps_and_still_catches_any_change(monkey
     assert not records.expectation_met_by(known, {"verdict": "DIFF", "equal": ["step9.grad.v"]})  # cannot say
 
 
+@pytest.mark.slow  # 18 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_other_bits_with_the_same_counts_are_a_change(bench, capsys):
     """Issue 40, finding 7: a record pinned per tensor only the mismatch count and max ULP, so a night whose Paddle
     side computed three other elements apart, by the same bits (3 mismatches, max ULP 4 again), matched. A record now

@@ -91,6 +91,7 @@ def test_a_passing_case_leaves_its_report_compressed_and_the_night_embeds_what_i
     assert "report.json.gz" in (case_dir / "report.md").read_text()
 
 
+@pytest.mark.slow  # 27 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_a_case_that_fails_as_unsupported_keeps_no_tensors(bench, capsys):
     """Issue 47: minimax_m2_2layer_train_paddle fails here as UNSUPPORTED with another reason than its record, and kept
     4.26 GB of side a's and the truth's step files that nothing compared. A case that fails on an UNSUPPORTED verdict

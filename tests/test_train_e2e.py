@@ -129,6 +129,7 @@ def _keys(path):
         return list(handle.keys())
 
 
+@pytest.mark.slow  # 25 s on 2 shared cores (the first tier's longest, 2026-12-06)
 def test_megatron_against_paddle_gives_a_verdict_per_step(cases, tmp_path, checkpoints_dir):
     result, run_dir, report, tails = run_train_case("t_megatron_paddle", cases, tmp_path, checkpoints_dir, oracle=False)
     assert result.verdict == "DIFF" and result.exit_code == 1, (result.message, tails)  # two models, two losses

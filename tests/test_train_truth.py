@@ -164,7 +164,9 @@ def _planted(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("runner,label", [("hf_model", "b"), ("megatron_model", "a")])
+# HF's planted side is the second tier's (33 s on 2 shared cores, 2026-12-06); Megatron's stays here.
+@pytest.mark.parametrize("runner,label", [pytest.param("hf_model", "b", marks=pytest.mark.slow),
+                                          ("megatron_model", "a")])
 def test_ten_x_lr_at_step_3_is_flagged_on_the_planted_side_and_the_truth_is_not_planted(cases, tmp_path,
                                                                                         checkpoints_dir, runner,
                                                                                         label):
