@@ -17,7 +17,7 @@
 # reduced-width GPU cases of cases/qwen3_5_moe.toml and cases/qwen3_5_moe_train.toml (model level, the
 # Megatron-vs-Megatron control, 3 training steps); CASES may add the _full twins (qwen3_5_moe_2layer_full_megatron
 # qwen3_5_moe_2layer_train_full_megatron; longer). Prints each verdict line and whether it met the case's expectation;
-# exits 1 if a check fails or a run ends in ERROR. Never run yet (2026-12-06: written on a CPU machine).
+# exits 1 if a check fails or a run ends in ERROR. Run on one NVIDIA H200 on 2026-12-06 (docs/model.md, Qwen3.5-MoE).
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen35-megatron}
 CASES=${CASES:-qwen3_5_moe_2layer_megatron qwen3_5_moe_2layer_megatron_control qwen3_5_moe_2layer_train_megatron_gpu}
@@ -25,6 +25,8 @@ mkdir -p "$OUT"
 . "$(dirname "$0")/gpu_cases.sh"
 FLA=$(ls .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl) || { echo "no fla wheels in .whl/"; exit 1; }
 WHEELS=$(ls .whl/*.whl | grep -v -e /fla_core- -e /flash_linear_attention-) install_wheels || exit 1
+# dsa_gpu.sh puts every wheel in /tmp/site, fla's too: on a machine it ran on first, take fla back out (2026-12-06).
+rm -rf /tmp/site/fla /tmp/site/fla_core-* /tmp/site/flash_linear_attention-*
 # shellcheck disable=SC2086  # FLA: two wheel paths
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-fla $FLA \
     || exit 1
