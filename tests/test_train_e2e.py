@@ -552,6 +552,64 @@ def test_a_night_runs_the_re_fed_runs_beside_the_pair_and_judges_alike(cases, tm
     assert len(list(run_dir.glob("a-*/steps/*.safetensors"))) == 3  # the pair's step files stay for the night's prune
 
 
+def _run_planted(cases, tmp_path, checkpoints_dir, folder: str, keep: bool):
+    """t_float64_night with hf_model's run in `folder` failing as it writes step 2 (tests/support/doubles.py), its
+    tensors kept or followed as a night's: the result, report.json, and the pids of every hf_model process it
+    started."""
+    from tests.support.doubles import ends_before_step, python_with_startup
+
+    pids = tmp_path / f"pids-{keep}"
+    pids.mkdir()
+    python = python_with_startup(tmp_path, f"planted-{keep}", ends_before_step(folder, 2, pids))
+    result, _, report, _ = run_train_case("t_float64_night", cases, tmp_path / f"kept-{keep}", checkpoints_dir,
+                                          oracle=False, pythons={"hf_model": python}, fresh_process=True,
+                                          keep_tensors=keep)
+    return result, report, sorted(int(path.name) for path in pids.iterdir())
+
+
+@pytest.mark.slow  # the 3-step float64 case, its tensors kept and followed: 45 s on 2 cores
+def test_a_re_fed_run_that_ends_early_beside_the_pair_fails_the_re_feed_as_after_it(cases, tmp_path,
+                                                                                   checkpoints_dir):
+    """Issue 47: a night's re-fed run that ends part way while it runs beside the pair (the state run fails as it
+    writes step 2) is followed no further: nothing waits on it, the case ends ERROR naming the re-feed's failure, and
+    the pair's records, the verdict and the message are those of the re-fed runs run after the pair (one run of side
+    b and the state run there; the update run too beside the pair). Each run is a process of its own, as
+    ``fresh_process`` asks (the re-fed runs went to the pool's workers, which outlived the case), and none is left."""
+    from tests.support.doubles import alive
+
+    kept, kept_report, kept_pids = _run_planted(cases, tmp_path, checkpoints_dir, "b-hf_model-refeed-state", True)
+    gone, gone_report, gone_pids = _run_planted(cases, tmp_path, checkpoints_dir, "b-hf_model-refeed-state", False)
+    assert kept.verdict == gone.verdict == "ERROR" and gone.exit_code == 2, gone.message
+    assert gone.message == kept.message
+    assert gone.message == ("float64 check of every step could not judge steps 2 on: re-feed error: re-fed side b "
+                            "(state): exited with code 1"), gone.message
+    for field in ("tensors", "first_divergence"):
+        assert gone_report[field] == kept_report[field], field
+    for part in ("status", "reason"):
+        assert gone_report["train"]["refeed"][part] == kept_report["train"]["refeed"][part], part
+    assert "planted fault ends this run as it writes step 2" in gone_report["train"]["refeed"]["runs"]["state"][
+        "stderr_tail"]
+    assert (len(kept_pids), len(gone_pids)) == (2, 3)
+    assert not any(alive(pid, wait=0.5) for pid in kept_pids + gone_pids)  # each run a process of its own
+
+
+@pytest.mark.slow  # the 3-step float64 case, its tensors kept and followed: 30 s on 2 cores
+def test_a_side_that_ends_early_ends_the_re_fed_runs_beside_it(cases, tmp_path, checkpoints_dir):
+    """Issue 47: side b of a night's float64 case fails as it writes step 2, after its re-fed runs started beside
+    the pair and read step 1: every run is released, the re-fed runs end with it (none waits on a step that will not
+    come, no process is left), and the case ends ERROR naming side b, as when the re-fed runs run after the pair (they
+    do not run there)."""
+    from tests.support.doubles import alive
+
+    kept, _, kept_pids = _run_planted(cases, tmp_path, checkpoints_dir, "b-hf_model", True)
+    gone, gone_report, gone_pids = _run_planted(cases, tmp_path, checkpoints_dir, "b-hf_model", False)
+    assert kept.verdict == gone.verdict == "ERROR" and gone.exit_code == 2, gone.message
+    assert gone.message == kept.message and "runner b (hf_model) failed" in gone.message, gone.message
+    assert "planted fault ends this run as it writes step 2" in gone_report["sides"][1]["stderr_tail"]
+    assert (len(kept_pids), len(gone_pids)) == (1, 3)
+    assert not any(alive(pid, wait=0.5) for pid in kept_pids + gone_pids)
+
+
 @pytest.mark.slow  # a 4-step pair with its float64 truth, twice: 25 s on 2 cores
 def test_a_night_judges_each_step_as_it_is_written_and_holds_one_step_at_most(cases, tmp_path, checkpoints_dir):
     """Issue 47: a night's training case held every step of both sides and of its truth until the runners ended (the

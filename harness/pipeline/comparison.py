@@ -141,7 +141,8 @@ def start_case(name: str, options: CompareOptions = DEFAULT_OPTIONS) -> Started:
                                 keep_tensors=o.keep_tensors)
         pair = run.pair = level.sides(run)
         truth = level.truth(run) if o.oracle and case.truth and "oracle" not in case.runners else None
-        level.follow(run, truth, o.refeed_ops)
+        with workers.fresh_processes(o.fresh_process):  # re-fed runs it starts beside the pair start as the pair
+            level.follow(run, truth, o.refeed_ops)
         extra = [truth] if truth else []
         with workers.fresh_processes(o.fresh_process), workers.serving(run_dir / "workers") if o.repeat > 1 else \
                 nullcontext(workers.active()) as pool:
@@ -184,7 +185,8 @@ def finish_case(started: Started) -> tuple[CaseResult, Path]:
         if all(side.status == "ok" for side in run.framework):
             level.compare(run, result)
             result.first_divergence = first_divergence(result.tensors)
-            level.refeed(run, result, o.refeed_ops)
+            with workers.fresh_processes(o.fresh_process):  # the re-fed runs start as the pair did
+                level.refeed(run, result, o.refeed_ops)
         level.versus_truth(run, result)
         result.repeats = determinism.self_consistency(run.case, result.sides, started.runs)
         result.tolerance = tolerance.judge(run.case.tolerance, result.tensors)

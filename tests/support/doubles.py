@@ -81,6 +81,29 @@ def python_with_startup(folder, name, code: str) -> str:
     return fake_interpreter(folder, name, f'#!/bin/sh\nPYTHONPATH="{site}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
 
 
+def ends_before_step(folder_name: str, step: int, pids) -> str:
+    """Startup code (``python_with_startup``) for a training run that fails as it writes its step `step` (`step` > 1;
+    a followed run once the harness took its step before): the run whose folder is `folder_name` (``b-hf_model``,
+    ``b-hf_model-refeed-state``) raises there, the way a crashing stack ends a run part way; every run started with
+    it writes its pid into the folder `pids` (so a test can see each process gone)."""
+    return f"""
+        import os
+        import pathlib
+
+        from harness.run import steps
+
+        pathlib.Path({str(pids)!r}, str(os.getpid())).touch()
+        original = steps.StepWriter.write
+        def write(self, step, *args, **kwargs):
+            if self.folder.name == {folder_name!r} and step == {step}:
+                if self.paced:  # once the harness has taken the step before (a followed run's)
+                    steps.wait_consumed(self.folder, step - 1)
+                raise RuntimeError("test double: a planted fault ends this run as it writes step {step}")
+            return original(self, step, *args, **kwargs)
+        steps.StepWriter.write = write
+    """
+
+
 def ten_x_lr_at_step(step: int) -> str:
     """Startup code (``python_with_startup``) for a fault in torch's AdamW: its `step`-th call uses 10x the lr, the lr
     the runner reads before step() unchanged."""
