@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Qwen3.5-MoE, Megatron-Core 0.19.2 against HF transformers 5.23.0, on one H100 or H200 (issue 44), from the repository
+# Qwen3.5-MoE, Megatron-Core 0.19.2 against HF transformers, on one H100 or H200 (issue 44), from the repository
 # root, with the cp312 wheels in .whl/ (megatron-core 0.19.2, flash-linear-attention 0.6.0, fla-core 0.6.0, einops,
 # transformers 5.3.0, ...) and in .whl523/ those of the environment "transformers-5.23.0" (dsa_gpu.sh says how to
 # get them), OUT set to where the small reports go:
@@ -13,7 +13,9 @@
 # /tmp/site as gpu_cases.sh's install_wheels puts them (the machine's interpreter and the transformers-5.23.0
 # environment both read it); fla in /tmp/site-fla, which only the Megatron side's interpreter puts on its path
 # (HARNESS_PYTHON_MEGATRON_MODEL=/tmp/python-fla: the machine's python3 with PYTHONPATH=/tmp/site-fla in front); the HF
-# side in the environment (HARNESS_PYTHON_HF_MODEL: its torch paths). Checks both before running, then runs the
+# side (HARNESS_PYTHON_HF_MODEL: its torch paths) on HF=5.3.0 (default: the carried wheel in /tmp/site, the release
+# the family's record describes) or HF=5.23.0 (its environment, .venv-hf523; 5.23.0 rounds the routing weights to
+# bf16, which the record refuses: docs/model.md). Checks both before running, then runs the
 # reduced-width GPU cases of cases/qwen3_5_moe.toml and cases/qwen3_5_moe_train.toml (model level, the
 # Megatron-vs-Megatron control, 3 training steps); CASES may add the _full twins (qwen3_5_moe_2layer_full_megatron
 # qwen3_5_moe_2layer_train_full_megatron; longer). Prints each verdict line and whether it met the case's expectation;
@@ -33,9 +35,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 printf '#!/bin/sh\nPYTHONPATH="/tmp/site-fla${PYTHONPATH:+:$PYTHONPATH}" exec %s "$@"\n' "$(command -v python3)" \
     > /tmp/python-fla
 chmod +x /tmp/python-fla || exit 1
-[ -e .venv-hf523/.installed ] || PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl523 python3 -m harness.environments \
-    transformers-5.23.0 || exit 1
-export HARNESS_PYTHON_MEGATRON_MODEL=/tmp/python-fla HARNESS_PYTHON_HF_MODEL=$PWD/.venv-hf523/bin/python
+HF=${HF:-5.3.0}
+case $HF in
+    5.3.0) HF_PYTHON=$(command -v python3) ;;
+    5.23.0) [ -e .venv-hf523/.installed ] || PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl523 python3 -m harness.environments \
+                transformers-5.23.0 || exit 1
+            HF_PYTHON=$PWD/.venv-hf523/bin/python ;;
+    *) echo "HF=$HF: the HF side runs on 5.3.0 or 5.23.0"; exit 1 ;;
+esac
+export HARNESS_PYTHON_MEGATRON_MODEL=/tmp/python-fla HARNESS_PYTHON_HF_MODEL=$HF_PYTHON
 "$HARNESS_PYTHON_MEGATRON_MODEL" -W ignore -c "import torch, triton, fla, megatron.core as m
 from megatron.core.ssm.gated_delta_net import common
 print('Megatron side: torch', torch.__version__, '| device', torch.cuda.get_device_name(), '| megatron-core',
@@ -44,7 +52,7 @@ assert common.HAVE_FLA" || { echo "the Megatron side cannot import fla: nothing 
 "$HARNESS_PYTHON_HF_MODEL" -W ignore -c "import importlib.util, transformers as t
 print('HF side: transformers', t.__version__, t.__file__, '| fla importable:',
       importlib.util.find_spec('fla') is not None)
-assert t.__version__ == '5.23.0' and importlib.util.find_spec('fla') is None" \
-    || { echo "the HF side is not transformers 5.23.0 without fla: nothing run"; exit 1; }
+assert t.__version__ == '$HF' and importlib.util.find_spec('fla') is None" \
+    || { echo "the HF side is not transformers $HF without fla: nothing run"; exit 1; }
 TIMEOUT=300
 run_cases
