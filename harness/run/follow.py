@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from harness import resources
 from harness.run import steps
 
 POLL_SECONDS = 0.1
@@ -74,6 +75,7 @@ class Follower(threading.Thread):
                     self.abandoned = True
                     return False
         self.judge.step(step, set(self.folders))
+        resources.give_back_freed_memory()  # what judging the step read (a MiniMax-M2 float64 step: 0.95 GB a run)
         self.judged = step
         self.waiting, self.writing = list(self.folders.values()), None
         self._let_write()

@@ -249,7 +249,7 @@ def _start_in_worker(pool: workers.Pool, runner: str, python: str, folder: Path,
         with resources.boundary("runner folder", folder):
             (folder / "stderr.log").write_text(f"cannot start {command[0]}: {error}\n")
         return None, start, {"launcher": "worker", "tp": 1}
-    cell = workers.Cell(worker, folder / "request.json")
+    cell = workers.Cell(worker, folder / "request.json", pool)
     with resources.boundary("runner folder", folder):
         (folder / "command.txt").write_text(f"cell {cell.ran_in['cell']} of worker {worker.process.pid}: "
                                             f"{' '.join(worker.process.args)}\n")

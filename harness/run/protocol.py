@@ -26,6 +26,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
+from harness import resources
 from harness.run.cell_state import environment_restored, patches_undone
 
 EXIT_UNSUPPORTED = 3
@@ -223,9 +224,11 @@ def serve_cells(cell: Callable[[Path, int], int], reply_fd: int) -> int:
             except Exception:  # noqa: BLE001 - reported as the cell's crash, as a process of its own would
                 traceback.print_exc()
                 code = 1
-        replies.write(f"{code}\n")
         if code not in (0, EXIT_UNSUPPORTED):
+            replies.write(f"{code}\n")
             return code
+        resources.give_back_freed_memory()  # before the reply: an idle worker holds only what it keeps
+        replies.write(f"{code}\n")
     return 0
 
 

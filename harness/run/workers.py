@@ -7,11 +7,12 @@ more when the same key is wanted twice at once. A cell still builds its module a
 its own outputs, meta.json (``process``: shared worker, cell number) and logs in its own folder.
 
 Faults: a cell that crashes ends its worker (the next cell gets a new one); a cell past its timeout has its worker's
-process group killed, as a process of its own would. Workers are registered with the supervisor as kept (a round's
-sweep spares them; a signal stops them) and are stopped when ``serving`` ends. ``fresh_processes()`` turns workers
-off for what runs inside it (``--fresh-process``, and the extra fresh repeat of ``--repeat``); TP>1 sides always
-start fresh under their launcher. Both settings are context variables: ``placement.run_cells`` carries them into
-its threads.
+process group killed, as a process of its own would. Memory: a worker gives its freed heap back after each cell
+(``resources.give_back_freed_memory``), and a pool keeps one idle worker a key (more end as their cells do).
+Workers are registered with the supervisor as kept (a round's sweep spares them; a signal stops them) and are
+stopped when ``serving`` ends. ``fresh_processes()`` turns workers off for what runs inside it (``--fresh-process``,
+and the extra fresh repeat of ``--repeat``); TP>1 sides always start fresh under their launcher. Both settings are
+context variables: ``placement.run_cells`` carries them into its threads.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def active() -> Pool | None:
 class Cell:
     """One request sent to a worker; `wait` gives its exit code as a process of its own would have."""
 
-    def __init__(self, worker: Worker, request: Path):
-        self.worker = worker
+    def __init__(self, worker: Worker, request: Path, pool: Pool | None = None):
+        self.worker, self.pool = worker, pool
         worker.cells += 1
         self.ran_in = worker.describe()  # meta.json's "process" entry for this cell
         try:
@@ -143,8 +144,7 @@ class Cell:
             return code
         code = int(line)
         if code in (0, EXIT_UNSUPPORTED):
-            with _lock:
-                worker.busy = False
+            self._idle()
         else:  # the worker exits after such a cell (protocol.serve_cells)
             try:
                 worker.process.wait(timeout=10)
@@ -159,6 +159,23 @@ class Cell:
             return self.worker.log.read_bytes()[-WORKER_LOG_TAIL:].decode("utf-8", "replace").strip()
         except OSError:
             return ""
+
+    def _idle(self) -> None:
+        """Back to the pool, or ended where its pool already has an idle worker of its key: a night's case that
+        wanted one key three times at once (a float64 case's side b and its two re-fed runs) kept three idle
+        workers for the rest of the night, each holding what its imports and caches took (issue 47: a CPU night was
+        killed for memory at 24 GiB with 20 workers up)."""
+        worker = self.worker
+        with _lock:
+            spare = self.pool is not None and any(
+                other is not worker and other.key == worker.key and not other.busy and other.process.poll() is None
+                for other in filter(None, self.pool.started))
+            worker.busy = spare  # a spare is never handed out again
+        if spare:  # its loop ends at the end of its stdin; Pool.close reaps it
+            try:
+                worker.process.stdin.close()
+            except OSError:
+                pass
 
     def _retire(self) -> None:
         supervisor.unregister(self.worker.process)
