@@ -180,6 +180,23 @@ def sides_of(sweep: dict, label: str) -> list[dict]:
     return [next(s for s in cell["sides"] if s["label"] == label) for cell in sweep["cells"]]
 
 
+def test_a_pool_keeps_one_idle_worker_a_runner(world, capsys):
+    """Issue 47 (a CPU night killed for memory with about 20 workers up): a case whose sides are one runner wants
+    two workers at once; once its cell ends, one stays for the next cell and the other ends. So cell 2 reuses one
+    worker and starts one: three workers for two cells (two, before), and none left at the end."""
+    (world.cases / "tiny.toml").write_text(CASES + tiny_case("tiny_self", base="tiny",
+                                                             runners=["megatron", "megatron"]))
+    got, err = run_main(capsys, world.args("--no-oracle", "--tokens", "4,4", *world.python(megatron="good"),
+                                           case="tiny_self"))
+    assert got == 0 and "Traceback" not in err, err[-3000:]
+    sweep = world.report()
+    assert [cell["verdict"] for cell in sweep["cells"]] == ["BITWISE_PASS", "BITWISE_PASS"], sweep["cells"]
+    first, second = ({side["meta"]["process"]["pid"] for side in cell["sides"]} for cell in sweep["cells"])
+    assert len(first) == len(second) == 2 and len(first & second) == 1, (first, second)
+    assert len(list((world.reports_written()[-1].parent / "workers").glob("worker-*.log"))) == 3
+    assert_nothing_left(world)
+
+
 def test_worker_crash_mid_sweep_ends_that_cell_only(world, capsys):
     got, err = run_main(capsys, world.args("--no-oracle", "--tokens", "4,5,6",
                                            *world.python(megatron="good", paddle="crash_second")))
