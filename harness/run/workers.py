@@ -60,7 +60,8 @@ class Pool:
         """An idle live worker for `key`, else a new one (its log: ``worker-<n>-<name>.log``)."""
         with _lock:
             for worker in filter(None, self.started):
-                if worker.key == key and not worker.busy and worker.process.poll() is None:
+                alive = worker.process.poll() is None  # for every worker: one that ended (a spare) is reaped
+                if alive and worker.key == key and not worker.busy:
                     worker.busy = True
                     return worker
             number = len(self.started) + 1
@@ -171,7 +172,7 @@ class Cell:
                 other is not worker and other.key == worker.key and not other.busy and other.process.poll() is None
                 for other in filter(None, self.pool.started))
             worker.busy = spare  # a spare is never handed out again
-        if spare:  # its loop ends at the end of its stdin; Pool.close reaps it
+        if spare:  # its loop ends at the end of its stdin; the next acquire reaps it
             try:
                 worker.process.stdin.close()
             except OSError:
