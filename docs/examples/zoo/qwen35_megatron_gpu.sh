@@ -19,7 +19,8 @@
 # reduced-width GPU cases of cases/qwen3_5_moe.toml and cases/qwen3_5_moe_train.toml (model level, the
 # Megatron-vs-Megatron control, 3 training steps); CASES may add the _full twins (qwen3_5_moe_2layer_full_megatron
 # qwen3_5_moe_2layer_train_full_megatron; longer). Prints each verdict line and whether it met the case's expectation;
-# exits 1 if a check fails or a run ends in ERROR. Run on one NVIDIA H200 on 2026-12-06 (docs/model.md, Qwen3.5-MoE).
+# exits 1 if a check fails or a run ends in ERROR. Run on one NVIDIA H200 on 2026-12-06 with HF=5.23.0 (docs/model.md,
+# Qwen3.5-MoE); HF=5.3.0 has never run on a GPU (2026-12-07: no machine came).
 set -uo pipefail
 OUT=${OUT:-/tmp/qwen35-megatron}
 CASES=${CASES:-qwen3_5_moe_2layer_megatron qwen3_5_moe_2layer_megatron_control qwen3_5_moe_2layer_train_megatron_gpu}
