@@ -177,6 +177,7 @@ class Cell:
                 worker.process.stdin.close()
             except OSError:
                 pass
+            supervisor.unregister(worker.process)  # a signal never stops its group once the pid may be reused
 
     def _retire(self) -> None:
         supervisor.unregister(self.worker.process)
