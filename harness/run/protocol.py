@@ -224,11 +224,10 @@ def serve_cells(cell: Callable[[Path, int], int], reply_fd: int) -> int:
             except Exception:  # noqa: BLE001 - reported as the cell's crash, as a process of its own would
                 traceback.print_exc()
                 code = 1
-        if code not in (0, EXIT_UNSUPPORTED):
-            replies.write(f"{code}\n")
-            return code
-        resources.give_back_freed_memory()  # before the reply: an idle worker holds only what it keeps
         replies.write(f"{code}\n")
+        if code not in (0, EXIT_UNSUPPORTED):
+            return code
+        resources.give_back_freed_memory()  # after the reply (0.1 s, its gc): an idle worker holds what it keeps
     return 0
 
 
