@@ -120,7 +120,7 @@ def active() -> Pool | None:
 class Cell:
     """One request sent to a worker; `wait` gives its exit code as a process of its own would have."""
 
-    def __init__(self, worker: Worker, request: Path, pool: Pool | None = None):
+    def __init__(self, worker: Worker, request: Path, pool: Pool):
         self.worker, self.pool = worker, pool
         worker.cells += 1
         self.ran_in = worker.describe()  # meta.json's "process" entry for this cell
@@ -168,7 +168,7 @@ class Cell:
         killed for memory at 24 GiB with 20 workers up)."""
         worker = self.worker
         with _lock:
-            spare = self.pool is not None and any(
+            spare = any(
                 other is not worker and other.key == worker.key and not other.busy and other.process.poll() is None
                 for other in filter(None, self.pool.started))
             worker.busy = spare  # a spare is never handed out again
